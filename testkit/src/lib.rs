@@ -1,0 +1,25 @@
+//! Real, throwaway Postgres 15 and Redis 7 servers for tests and the lab, and control of
+//! the processes they run (stop, SIGKILL, restart on the same data directory).
+//!
+//! Promises:
+//! - no fixed TCP ports: servers listen on Unix sockets inside their own scratch directory;
+//! - nothing outlives the test process: children get a parent-death SIGKILL, are killed at
+//!   exit, and scratch directories of dead test processes are pruned on the next start;
+//! - tests wait on conditions with deadlines ([`wait_until`]), never on fixed sleeps.
+//!
+//! A test binary shares one server of each kind ([`shared_postgres`], [`shared_redis`]) and
+//! gives each test its own database ([`PgServer::create_database`]) and stream names
+//! ([`unique_name`]); a test that stops or kills a server starts its own.
+
+pub mod http;
+mod postgres;
+mod process;
+mod redis_server;
+mod scratch;
+mod wait;
+
+pub use postgres::{shared_postgres, PgOptions, PgServer, TestDb};
+pub use process::{ChildProcess, Signal};
+pub use redis_server::{shared_redis, RedisServer};
+pub use scratch::{scratch_dir, unique_name};
+pub use wait::{wait_until, wait_until_blocking};

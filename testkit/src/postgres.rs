@@ -1,0 +1,384 @@
+//! A throwaway Postgres 15 server: initdb into scratch, `wal_level=logical`, Unix socket
+//! only, run as the `postgres` user through `setpriv` when the tests run as root.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::{Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+use crate::process::{children_of, describe_exit, pid_alive, ChildProcess, Signal};
+use crate::scratch::{scratch_dir, unique_name};
+
+const PG_BIN_CANDIDATES: &[&str] = &["/usr/lib/postgresql/15/bin"];
+/// The socket file name carries the port; each server has its own socket directory, so one
+/// port number for all of them cannot collide.
+const PORT: u16 = 5432;
+
+/// Settings beyond the test defaults.
+#[derive(Debug, Clone, Default)]
+pub struct PgOptions {
+    /// Extra `-c name=value` settings, applied after the defaults (so they override them).
+    pub settings: Vec<(String, String)>,
+    /// Keep `fsync=on` (the lab's benchmarks); tests default to `fsync=off`, which changes
+    /// nothing about crash behaviour of the processes we kill, only about OS crashes.
+    pub durable: bool,
+}
+
+impl PgOptions {
+    pub fn setting(mut self, name: &str, value: impl ToString) -> Self {
+        self.settings.push((name.to_string(), value.to_string()));
+        self
+    }
+}
+
+/// One Postgres server process over one data directory.
+pub struct PgServer {
+    root: PathBuf,
+    data_dir: PathBuf,
+    socket_dir: PathBuf,
+    args: Vec<String>,
+    process: Mutex<Option<ChildProcess>>,
+    starts: Mutex<u32>,
+}
+
+/// The Postgres binaries directory (override with `PG_BIN`).
+pub fn pg_bin_dir() -> anyhow::Result<PathBuf> {
+    if let Ok(dir) = std::env::var("PG_BIN") {
+        return Ok(PathBuf::from(dir));
+    }
+    PG_BIN_CANDIDATES
+        .iter()
+        .map(PathBuf::from)
+        .find(|p| p.join("postgres").exists())
+        .context("Postgres 15 server binaries not found in /usr/lib/postgresql/15/bin (install postgresql-15 or set PG_BIN)")
+}
+
+fn running_as_root() -> bool {
+    // SAFETY: trivial getter.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// A command that runs `program` as the `postgres` user when we are root (Postgres refuses
+/// to run as root). `setpriv` execs, so the child pid is the program's own pid, and it sets
+/// the parent-death signal again after switching user (a uid change clears it).
+fn as_postgres(program: &Path) -> Command {
+    if running_as_root() {
+        let mut cmd = Command::new("setpriv");
+        cmd.args([
+            "--reuid=postgres",
+            "--regid=postgres",
+            "--init-groups",
+            "--pdeathsig=SIGKILL",
+            "--",
+        ]);
+        cmd.arg(program);
+        cmd
+    } else {
+        Command::new(program)
+    }
+}
+
+fn chown_to_postgres(path: &Path) -> anyhow::Result<()> {
+    if !running_as_root() {
+        return Ok(());
+    }
+    let status = Command::new("chown")
+        .args(["-R", "postgres:postgres"])
+        .arg(path)
+        .status()?;
+    if !status.success() {
+        bail!("chown postgres {} failed", path.display());
+    }
+    Ok(())
+}
+
+/// An initdb'd data directory made once per test process and copied for each server.
+fn template_data_dir() -> anyhow::Result<&'static Path> {
+    static TEMPLATE: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    TEMPLATE
+        .get_or_init(|| {
+            let run = || -> anyhow::Result<PathBuf> {
+                let dir = scratch_dir("pg-template");
+                let data = dir.join("data");
+                chown_to_postgres(&dir)?;
+                let output = as_postgres(&pg_bin_dir()?.join("initdb"))
+                    .arg("-D")
+                    .arg(&data)
+                    .args([
+                        "-U",
+                        "postgres",
+                        "--auth=trust",
+                        "--no-sync",
+                        "--encoding=UTF8",
+                        "--locale=C",
+                    ])
+                    .output()
+                    .context("run initdb")?;
+                if !output.status.success() {
+                    bail!("initdb failed: {}", String::from_utf8_lossy(&output.stderr));
+                }
+                Ok(data)
+            };
+            run().map_err(|e| format!("{e:#}"))
+        })
+        .as_ref()
+        .map(|p| p.as_path())
+        .map_err(|e| anyhow::anyhow!("{e}"))
+}
+
+impl PgServer {
+    /// Start a new server with the test defaults.
+    pub fn start() -> anyhow::Result<Self> {
+        Self::start_with(PgOptions::default())
+    }
+
+    /// Start a new server with `options`.
+    pub fn start_with(options: PgOptions) -> anyhow::Result<Self> {
+        let root = scratch_dir("pg");
+        let data_dir = root.join("data");
+        let socket_dir = root.join("socket");
+        std::fs::create_dir_all(&socket_dir)?;
+        let status = Command::new("cp")
+            .arg("-a")
+            .arg(template_data_dir()?)
+            .arg(&data_dir)
+            .status()?;
+        if !status.success() {
+            bail!("copying the template data directory failed");
+        }
+        chown_to_postgres(&root)?;
+
+        let mut settings: Vec<(String, String)> = [
+            ("listen_addresses", "".to_string()),
+            ("unix_socket_directories", socket_dir.display().to_string()),
+            ("port", PORT.to_string()),
+            ("wal_level", "logical".into()),
+            ("max_wal_senders", "100".into()),
+            ("max_replication_slots", "100".into()),
+            ("max_connections", "200".into()),
+            ("wal_sender_timeout", "5s".into()),
+            ("shared_buffers", "64MB".into()),
+            ("fsync", if options.durable { "on" } else { "off" }.into()),
+            (
+                "full_page_writes",
+                if options.durable { "on" } else { "off" }.into(),
+            ),
+            ("log_min_messages", "warning".into()),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
+        settings.extend(options.settings);
+        let mut args = vec!["-D".to_string(), data_dir.display().to_string()];
+        for (name, value) in settings {
+            args.push("-c".into());
+            args.push(format!("{name}={value}"));
+        }
+
+        let server = Self {
+            root,
+            data_dir,
+            socket_dir,
+            args,
+            process: Mutex::new(None),
+            starts: Mutex::new(0),
+        };
+        server.start_again()?;
+        Ok(server)
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        &self.data_dir
+    }
+
+    pub fn socket_dir(&self) -> &Path {
+        &self.socket_dir
+    }
+
+    pub fn port(&self) -> u16 {
+        PORT
+    }
+
+    /// The postmaster's pid, while running.
+    pub fn pid(&self) -> Option<u32> {
+        self.process
+            .lock()
+            .unwrap()
+            .as_ref()
+            .filter(|p| p.is_running())
+            .map(|p| p.pid())
+    }
+
+    /// A `postgres://` URL for `user` on database `db` over the Unix socket.
+    pub fn url(&self, user: &str, db: &str) -> String {
+        socket_url(&self.socket_dir, user, db)
+    }
+
+    /// Connect as the superuser `postgres` to `db`.
+    pub async fn connect(&self, db: &str) -> anyhow::Result<tokio_postgres::Client> {
+        self.connect_as("postgres", db).await
+    }
+
+    /// Connect as `user` to `db`.
+    pub async fn connect_as(&self, user: &str, db: &str) -> anyhow::Result<tokio_postgres::Client> {
+        let (client, connection) =
+            tokio_postgres::connect(&self.url(user, db), tokio_postgres::NoTls)
+                .await
+                .with_context(|| format!("connect to {db} as {user}"))?;
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        Ok(client)
+    }
+
+    /// Start the server on its data directory (after a stop or a kill) and wait until it
+    /// accepts connections.
+    pub fn start_again(&self) -> anyhow::Result<()> {
+        let mut process = self.process.lock().unwrap();
+        if process.as_ref().is_some_and(|p| p.is_running()) {
+            bail!("postgres is already running");
+        }
+        let n = {
+            let mut starts = self.starts.lock().unwrap();
+            *starts += 1;
+            *starts
+        };
+        let mut cmd = as_postgres(&pg_bin_dir()?.join("postgres"));
+        cmd.args(&self.args);
+        let child = ChildProcess::spawn(
+            "postgres",
+            cmd,
+            &self.root.join(format!("postgres-{n}.log")),
+        )?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            if let Some(status) = child.try_status() {
+                bail!(
+                    "postgres exited during start-up ({}): {}",
+                    describe_exit(status),
+                    child.log()
+                );
+            }
+            if self.is_ready(child.pid()) {
+                break;
+            }
+            if Instant::now() >= deadline {
+                bail!("postgres not ready after 60 s: {}", child.log());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        *process = Some(child);
+        Ok(())
+    }
+
+    /// Whether postmaster.pid is the one of `pid` and says "ready" (Postgres writes it once
+    /// it accepts connections; a killed server leaves its stale file behind).
+    fn is_ready(&self, pid: u32) -> bool {
+        std::fs::read_to_string(self.data_dir.join("postmaster.pid"))
+            .map(|s| {
+                let lines: Vec<&str> = s.lines().map(str::trim).collect();
+                lines.first() == Some(&pid.to_string().as_str()) && lines.get(7) == Some(&"ready")
+            })
+            .unwrap_or(false)
+    }
+
+    /// Fast shutdown (SIGINT): disconnect clients, checkpoint, exit. Waits for the exit.
+    pub fn stop_fast(&self) -> anyhow::Result<()> {
+        self.stop_with(Signal::Int)
+    }
+
+    /// SIGKILL the postmaster, then wait until its backends noticed and exited, so the data
+    /// directory can be started again.
+    pub fn kill(&self) -> anyhow::Result<()> {
+        self.stop_with(Signal::Kill)
+    }
+
+    fn stop_with(&self, signal: Signal) -> anyhow::Result<()> {
+        let mut process = self.process.lock().unwrap();
+        let Some(child) = process.take() else {
+            bail!("postgres is not running");
+        };
+        let backends = children_of(child.pid());
+        child.stop_with(signal, Duration::from_secs(120))?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while backends.iter().any(|pid| pid_alive(*pid)) {
+            if Instant::now() >= deadline {
+                bail!(
+                    "postgres backends {backends:?} still alive 30 s after the postmaster exited"
+                );
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
+        Ok(())
+    }
+
+    /// Fast stop, then start again on the same data directory.
+    pub fn restart_fast(&self) -> anyhow::Result<()> {
+        self.stop_fast()?;
+        self.start_again()
+    }
+
+    /// A new database with every migration applied, for one test.
+    pub async fn create_database(&self) -> anyhow::Result<TestDb> {
+        let name = unique_name("t");
+        let admin = self.connect("postgres").await?;
+        admin
+            .batch_execute(&format!("CREATE DATABASE {name}"))
+            .await
+            .with_context(|| format!("create database {name}"))?;
+        let mut client = self.connect(&name).await?;
+        outbox_migrations::apply(&mut client).await?;
+        Ok(TestDb {
+            name,
+            socket_dir: self.socket_dir.clone(),
+        })
+    }
+}
+
+/// A per-test database on a [`PgServer`].
+#[derive(Debug, Clone)]
+pub struct TestDb {
+    pub name: String,
+    socket_dir: PathBuf,
+}
+
+impl TestDb {
+    /// URL of this database for `user` (`postgres`, `consumers`, `consumers_relay`, ...).
+    pub fn url(&self, user: &str) -> String {
+        socket_url(&self.socket_dir, user, &self.name)
+    }
+
+    /// Connect as `user`.
+    pub async fn connect_as(&self, user: &str) -> anyhow::Result<tokio_postgres::Client> {
+        let (client, connection) = tokio_postgres::connect(&self.url(user), tokio_postgres::NoTls)
+            .await
+            .with_context(|| format!("connect to {} as {user}", self.name))?;
+        tokio::spawn(async move {
+            let _ = connection.await;
+        });
+        Ok(client)
+    }
+
+    /// Connect as the superuser.
+    pub async fn connect(&self) -> anyhow::Result<tokio_postgres::Client> {
+        self.connect_as("postgres").await
+    }
+}
+
+/// A `postgres://` URL over the Unix socket in `socket_dir` (percent-encoded as the host).
+fn socket_url(socket_dir: &Path, user: &str, db: &str) -> String {
+    let host = socket_dir
+        .display()
+        .to_string()
+        .replace('%', "%25")
+        .replace('/', "%2F");
+    format!("postgres://{user}@{host}:{PORT}/{db}")
+}
+
+/// One server shared by every test of this test binary that does not stop or kill it.
+pub fn shared_postgres() -> &'static PgServer {
+    static SHARED: OnceLock<PgServer> = OnceLock::new();
+    SHARED.get_or_init(|| PgServer::start().expect("start shared postgres"))
+}
