@@ -1,0 +1,183 @@
+//! A batch of stream entries on its way to Redis, and the acknowledgement it earns.
+//!
+//! Entries of many transactions ride in one batch (natural batching: the batch is sealed
+//! whenever no more replication events are waiting, or it is full). A batch carries the
+//! `end_lsn` of the last transaction whose Commit arrived before it was sealed: once Redis
+//! confirmed this batch and every batch before it, the slot may be acknowledged there.
+//! Entries of a transaction still open at sealing time ride along (they are idempotent) but
+//! earn no acknowledgement until a later batch carries their Commit.
+
+use pgwire_replication::Lsn;
+
+use crate::outbox::OutboxEvent;
+
+/// A stream entry id `<final_lsn>-<k>`: the transaction's commit LSN and the insert's
+/// position inside it. Ids grow strictly in commit order and are the same when Postgres
+/// re-sends a transaction, which makes publishing idempotent.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct EntryId {
+    pub commit_lsn: u64,
+    pub seq: u64,
+}
+
+impl std::fmt::Display for EntryId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}-{}", self.commit_lsn, self.seq)
+    }
+}
+
+impl std::str::FromStr for EntryId {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let (lsn, seq) = s
+            .split_once('-')
+            .ok_or_else(|| format!("'{s}' is not a stream id"))?;
+        Ok(Self {
+            commit_lsn: lsn
+                .parse()
+                .map_err(|_| format!("'{s}' is not a stream id"))?,
+            seq: seq
+                .parse()
+                .map_err(|_| format!("'{s}' is not a stream id"))?,
+        })
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct StreamEntry {
+    pub id: EntryId,
+    pub event: OutboxEvent,
+}
+
+/// Bounds of one batch.
+#[derive(Debug, Clone, Copy)]
+pub struct BatchLimits {
+    pub max_entries: usize,
+    pub max_bytes: usize,
+}
+
+#[derive(Debug, Default)]
+pub struct Batch {
+    pub entries: Vec<StreamEntry>,
+    bytes: usize,
+    /// `end_lsn` of the last transaction completed in this batch, if any.
+    pub ack_lsn: Option<Lsn>,
+    /// Commit timestamps (Postgres epoch microseconds) of the transactions with entries in
+    /// this batch, for the commit-to-published latency.
+    pub commit_times_micros: Vec<i64>,
+}
+
+impl Batch {
+    /// Add an entry of the transaction committed at `commit_time_micros`.
+    pub fn push(&mut self, entry: StreamEntry, commit_time_micros: i64) {
+        let first_of_transaction = self
+            .entries
+            .last()
+            .is_none_or(|last| last.id.commit_lsn != entry.id.commit_lsn);
+        if first_of_transaction {
+            self.commit_times_micros.push(commit_time_micros);
+        }
+        self.bytes += entry.event.encoded_len() + 24;
+        self.entries.push(entry);
+    }
+
+    /// Record that a transaction ended: once this batch is confirmed, the slot may be
+    /// acknowledged at its `end_lsn`.
+    pub fn complete_transaction(&mut self, end_lsn: Lsn) {
+        self.ack_lsn = Some(end_lsn);
+    }
+
+    pub fn has_room(&self, limits: &BatchLimits) -> bool {
+        self.entries.len() < limits.max_entries && self.bytes < limits.max_bytes
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty() && self.ack_lsn.is_none()
+    }
+
+    pub fn has_entries(&self) -> bool {
+        !self.entries.is_empty()
+    }
+
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    pub fn last_id(&self) -> Option<EntryId> {
+        self.entries.last().map(|e| e.id)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn entry(lsn: u64, seq: u64) -> StreamEntry {
+        StreamEntry {
+            id: EntryId {
+                commit_lsn: lsn,
+                seq,
+            },
+            event: OutboxEvent {
+                outbox_id: Bytes::from_static(b"1"),
+                event: Bytes::from_static(b"e"),
+                payload: Bytes::from_static(b"{}"),
+                created_at: Bytes::from_static(b"t"),
+            },
+        }
+    }
+
+    #[test]
+    fn ids_order_by_commit_then_position() {
+        let a = EntryId {
+            commit_lsn: 9,
+            seq: 10,
+        };
+        let b = EntryId {
+            commit_lsn: 10,
+            seq: 0,
+        };
+        assert!(a < b);
+        assert_eq!(a.to_string(), "9-10");
+        assert_eq!("9-10".parse::<EntryId>(), Ok(a));
+        assert!("9".parse::<EntryId>().is_err());
+    }
+
+    #[test]
+    fn room_is_bounded_by_entries_and_bytes() {
+        let limits = BatchLimits {
+            max_entries: 2,
+            max_bytes: 1 << 20,
+        };
+        let mut batch = Batch::default();
+        assert!(batch.is_empty() && batch.has_room(&limits));
+        batch.push(entry(1, 0), 10);
+        assert!(batch.has_room(&limits));
+        batch.push(entry(1, 1), 10);
+        assert!(!batch.has_room(&limits));
+        assert_eq!(
+            batch.commit_times_micros,
+            [10],
+            "one transaction, one commit time"
+        );
+
+        let limits = BatchLimits {
+            max_entries: 100,
+            max_bytes: 50,
+        };
+        let mut batch = Batch::default();
+        batch.push(entry(1, 0), 10);
+        assert!(!batch.has_room(&limits), "{} bytes", batch.bytes());
+    }
+
+    #[test]
+    fn a_commit_without_entries_still_earns_an_acknowledgement() {
+        let mut batch = Batch::default();
+        batch.complete_transaction(Lsn(100));
+        assert!(!batch.is_empty());
+        assert!(!batch.has_entries());
+        assert_eq!(batch.ack_lsn, Some(Lsn(100)));
+    }
+}

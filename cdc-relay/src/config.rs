@@ -1,0 +1,313 @@
+//! Command line and environment: the flags operators and scripts rely on, parsed once and
+//! validated at start, so a misconfiguration is refused with a message that says what to
+//! change before anything connects.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+
+use crate::batch::BatchLimits;
+use crate::error::RelayError;
+use crate::outbox::OutboxTable;
+use crate::pg::PgEndpoint;
+
+/// Relays a transactional outbox from Postgres (logical replication, pgoutput) into a Redis
+/// stream, in commit order, acknowledging the slot only after Redis confirmed.
+#[derive(Debug, Parser)]
+#[command(name = "cdc-relay", version)]
+pub struct Cli {
+    /// Log line format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text, global = true)]
+    pub log_format: LogFormat,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Stream the outbox into Redis until SIGTERM/SIGINT.
+    Run(RunArgs),
+    /// Create the replication slot if it is missing (idempotent); checks wal_level and the
+    /// publication first.
+    Setup(SetupArgs),
+}
+
+/// Where the outbox is.
+#[derive(Debug, Clone, Args)]
+pub struct PostgresArgs {
+    /// Postgres URL of the relay's role (LOGIN REPLICATION), e.g.
+    /// postgres://consumers_relay:secret@db:5432/chat
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// Logical replication slot (pgoutput) the relay reads and acknowledges.
+    #[arg(long, env = "CDC_SLOT")]
+    pub slot: String,
+    /// Publication that contains the outbox table.
+    #[arg(long, env = "CDC_PUBLICATION")]
+    pub publication: String,
+    /// The outbox table, schema.table.
+    #[arg(long, env = "CDC_OUTBOX_TABLE")]
+    pub outbox_table: String,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub postgres: PostgresArgs,
+    /// Redis URL (redis://, rediss:// or redis+unix://).
+    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
+    pub redis_url: String,
+    /// Stream key the relay writes (only the relay writes it; never DEL it).
+    #[arg(long, env = "CDC_STREAM")]
+    pub stream: String,
+    #[command(flatten)]
+    pub tuning: Tuning,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct SetupArgs {
+    #[command(flatten)]
+    pub postgres: PostgresArgs,
+    /// Accepted so `setup` takes the same flags as `run`; not used.
+    #[arg(long, env = "REDIS_URL", hide_env_values = true, hide = true)]
+    pub redis_url: Option<String>,
+    /// Accepted so `setup` takes the same flags as `run`; not used.
+    #[arg(long, env = "CDC_STREAM", hide = true)]
+    pub stream: Option<String>,
+}
+
+/// Knobs with production defaults.
+#[derive(Debug, Clone, Args)]
+pub struct Tuning {
+    /// Address of the admin HTTP server (/healthz, /readyz, /metrics); empty to disable.
+    #[arg(long, env = "CDC_ADMIN_ADDR", default_value = "127.0.0.1:9187")]
+    pub admin_addr: String,
+    /// Most entries in one Redis call.
+    #[arg(long, env = "CDC_BATCH_MAX_ENTRIES", default_value_t = 2000)]
+    pub batch_max_entries: usize,
+    /// Most bytes of entry data in one Redis call.
+    #[arg(long, env = "CDC_BATCH_MAX_BYTES", default_value_t = 4 << 20)]
+    pub batch_max_bytes: usize,
+    /// Approximate MAXLEN of the stream (0: never trim). Keep it well above consumer lag.
+    #[arg(long, env = "CDC_STREAM_MAX_LEN", default_value_t = 1_000_000)]
+    pub stream_max_len: u64,
+    /// How often acknowledgements are reported to Postgres at most.
+    #[arg(long, env = "CDC_STATUS_INTERVAL", value_parser = humantime::parse_duration, default_value = "200ms")]
+    pub status_interval: Duration,
+    /// Redis response timeout; a timed-out batch is sent again (ids make that safe).
+    #[arg(long, env = "CDC_REDIS_TIMEOUT", value_parser = humantime::parse_duration, default_value = "5s")]
+    pub redis_timeout: Duration,
+    /// Postgres connect timeout.
+    #[arg(long, env = "CDC_CONNECT_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10s")]
+    pub connect_timeout: Duration,
+    /// How often a standby relay tries to take the slot (jittered).
+    #[arg(long, env = "CDC_STANDBY_RETRY", value_parser = humantime::parse_duration, default_value = "500ms")]
+    pub standby_retry: Duration,
+    /// Longest pause between reconnect attempts (exponential backoff with jitter up to it).
+    #[arg(long, env = "CDC_RECONNECT_MAX_BACKOFF", value_parser = humantime::parse_duration, default_value = "5s")]
+    pub reconnect_max_backoff: Duration,
+    /// On SIGTERM, how long to wait for the in-flight batch before leaving anyway (nothing
+    /// unconfirmed was acknowledged, so nothing is lost).
+    #[arg(long, env = "CDC_SHUTDOWN_GRACE", value_parser = humantime::parse_duration, default_value = "10s")]
+    pub shutdown_grace: Duration,
+}
+
+/// Validated Postgres side of the configuration.
+#[derive(Debug, Clone)]
+pub struct PostgresConfig {
+    pub endpoint: PgEndpoint,
+    pub slot: String,
+    pub publication: String,
+    pub outbox_table: OutboxTable,
+}
+
+/// Everything `run` needs, validated.
+#[derive(Clone)]
+pub struct RelayConfig {
+    pub postgres: PostgresConfig,
+    pub redis: redis::Client,
+    pub stream: String,
+    pub admin_addr: Option<SocketAddr>,
+    pub batch: BatchLimits,
+    pub stream_max_len: u64,
+    pub status_interval: Duration,
+    pub redis_timeout: Duration,
+    pub connect_timeout: Duration,
+    pub standby_retry: Duration,
+    pub reconnect_max_backoff: Duration,
+    pub shutdown_grace: Duration,
+}
+
+impl std::fmt::Debug for RelayConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The Redis client holds the URL's password: leave it out.
+        f.debug_struct("RelayConfig")
+            .field("postgres", &self.postgres)
+            .field("stream", &self.stream)
+            .field("admin_addr", &self.admin_addr)
+            .field("batch", &self.batch)
+            .field("stream_max_len", &self.stream_max_len)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Postgres identifiers the relay passes around unquoted: lowercase, digits, underscores.
+fn check_identifier(flag: &str, value: &str) -> Result<(), RelayError> {
+    let ok = !value.is_empty()
+        && value.len() <= 63
+        && value
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_');
+    if ok {
+        Ok(())
+    } else {
+        Err(RelayError::Config(format!(
+            "{flag} '{value}' is not a valid name: use 1-63 lowercase letters, digits and underscores"
+        )))
+    }
+}
+
+impl PostgresArgs {
+    pub fn validate(&self) -> Result<PostgresConfig, RelayError> {
+        let endpoint = PgEndpoint::parse(&self.database_url)?;
+        check_identifier("--slot", &self.slot)?;
+        check_identifier("--publication", &self.publication)?;
+        let outbox_table = self
+            .outbox_table
+            .parse()
+            .map_err(|e| RelayError::Config(format!("--outbox-table {e}")))?;
+        Ok(PostgresConfig {
+            endpoint,
+            slot: self.slot.clone(),
+            publication: self.publication.clone(),
+            outbox_table,
+        })
+    }
+}
+
+impl RunArgs {
+    pub fn validate(&self) -> Result<RelayConfig, RelayError> {
+        let postgres = self.postgres.validate()?;
+        let redis = redis::Client::open(self.redis_url.as_str()).map_err(|_| {
+            RelayError::Config(
+                "--redis-url is not a valid Redis URL (redis://[user:password@]host[:port][/db], rediss://..., or redis+unix:///path)".into(),
+            )
+        })?;
+        if self.stream.is_empty() || self.stream.chars().any(|c| c.is_whitespace()) {
+            return Err(RelayError::Config(
+                "--stream must be a non-empty key without whitespace, e.g. outbox:consumers".into(),
+            ));
+        }
+        let t = &self.tuning;
+        let admin_addr = if t.admin_addr.is_empty() {
+            None
+        } else {
+            Some(t.admin_addr.parse().map_err(|_| {
+                RelayError::Config(format!(
+                    "--admin-addr '{}' is not host:port (e.g. 0.0.0.0:9187), or empty to disable",
+                    t.admin_addr
+                ))
+            })?)
+        };
+        if t.batch_max_entries == 0 || t.batch_max_bytes < 1024 {
+            return Err(RelayError::Config(
+                "--batch-max-entries must be at least 1 and --batch-max-bytes at least 1024".into(),
+            ));
+        }
+        for (flag, value) in [
+            ("--status-interval", t.status_interval),
+            ("--redis-timeout", t.redis_timeout),
+            ("--connect-timeout", t.connect_timeout),
+            ("--standby-retry", t.standby_retry),
+            ("--reconnect-max-backoff", t.reconnect_max_backoff),
+        ] {
+            if value.is_zero() {
+                return Err(RelayError::Config(format!(
+                    "{flag} must be greater than zero"
+                )));
+            }
+        }
+        Ok(RelayConfig {
+            postgres,
+            redis,
+            stream: self.stream.clone(),
+            admin_addr,
+            batch: BatchLimits {
+                max_entries: t.batch_max_entries,
+                max_bytes: t.batch_max_bytes,
+            },
+            stream_max_len: t.stream_max_len,
+            status_interval: t.status_interval,
+            redis_timeout: t.redis_timeout,
+            connect_timeout: t.connect_timeout,
+            standby_retry: t.standby_retry,
+            reconnect_max_backoff: t.reconnect_max_backoff,
+            shutdown_grace: t.shutdown_grace,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `run` with valid flags, where `overrides` (flag, value pairs) replace or add some.
+    fn run_args(overrides: &[&str]) -> Result<RunArgs, clap::Error> {
+        let mut flags = vec![
+            (
+                "--database-url",
+                "postgres://consumers_relay:s3cret@localhost/chat",
+            ),
+            ("--slot", "consumers_relay"),
+            ("--publication", "consumers_outbox"),
+            ("--outbox-table", "consumers.outbox"),
+            ("--redis-url", "redis://localhost"),
+            ("--stream", "outbox:consumers"),
+        ];
+        for pair in overrides.chunks(2) {
+            match flags.iter_mut().find(|(flag, _)| *flag == pair[0]) {
+                Some(entry) => entry.1 = pair[1],
+                None => flags.push((pair[0], pair[1])),
+            }
+        }
+        let mut argv = vec!["cdc-relay", "run"];
+        for (flag, value) in flags {
+            argv.push(flag);
+            argv.push(value);
+        }
+        let cli = Cli::try_parse_from(argv)?;
+        match cli.command {
+            Command::Run(args) => Ok(args),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn defaults_validate() {
+        let config = run_args(&[]).unwrap().validate().unwrap();
+        assert_eq!(config.batch.max_entries, 2000);
+        assert_eq!(config.status_interval, Duration::from_millis(200));
+        assert_eq!(config.postgres.outbox_table.to_string(), "consumers.outbox");
+        assert!(!format!("{config:?}").contains("s3cret"));
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_what_to_change() {
+        let err = |extra: &[&str]| run_args(extra).unwrap().validate().unwrap_err().to_string();
+        assert!(err(&["--slot", "Bad-Slot"]).contains("--slot 'Bad-Slot' is not a valid name"));
+        assert!(err(&["--outbox-table", "outbox"]).contains("--outbox-table"));
+        assert!(err(&["--admin-addr", "nowhere"]).contains("--admin-addr"));
+        assert!(err(&["--batch-max-entries", "0"]).contains("--batch-max-entries"));
+        assert!(err(&["--redis-url", "http://x"]).contains("--redis-url"));
+        let e = err(&["--database-url", "postgres://:pw@/"]);
+        assert!(e.contains("--database-url") && !e.contains("pw"), "{e}");
+        assert!(run_args(&["--status-interval", "soon"]).is_err());
+    }
+}

@@ -1,0 +1,241 @@
+//! Every way the relay can fail, and the one place that decides whether a failure is worth
+//! retrying ([`RelayError::is_transient`]).
+//!
+//! Classification uses SQLSTATE codes and Redis error kinds/codes, never message text where
+//! a code exists. A permanent error stops the relay with a message that says what to change.
+
+use pgwire_replication::PgWireError;
+use redis::{ErrorKind, RedisError, ServerErrorKind};
+
+use crate::outbox::OutboxError;
+use crate::pgoutput::DecodeError;
+
+/// Error codes the publish script returns (see `publish.lua`).
+pub(crate) mod script_codes {
+    pub const ORIGIN: &str = "ORIGIN";
+    pub const DIVERGED: &str = "DIVERGED";
+    pub const GAP: &str = "GAP";
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RelayError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+
+    #[error("wal_level is '{actual}' but logical decoding needs 'logical': set wal_level = logical in postgresql.conf and restart Postgres")]
+    WalLevelNotLogical { actual: String },
+
+    #[error("publication {publication} does not exist: run the migrations (`migrate`), then `cdc-relay setup`")]
+    PublicationMissing { publication: String },
+
+    #[error("publication {publication} does not publish inserts into {table}: add it with `ALTER PUBLICATION {publication} ADD TABLE {table}` and `publish = 'insert'` (see migrations/), or fix --outbox-table")]
+    PublicationIncomplete { publication: String, table: String },
+
+    #[error("replication slot {slot} does not exist: create it with `cdc-relay setup` (same flags as `run`)")]
+    SlotMissing { slot: String },
+
+    #[error("replication slot {slot} is not usable by the relay: {problem}; drop it (`SELECT pg_drop_replication_slot('{slot}')`) or choose another --slot")]
+    SlotMismatch { slot: String, problem: String },
+
+    #[error("replication slot {slot} is held by another relay{}", holder.map(|p| format!(" (walsender pid {p})")).unwrap_or_default())]
+    SlotBusy { slot: String, holder: Option<u32> },
+
+    #[error("postgres: {}", describe_postgres(.0))]
+    Postgres(#[from] tokio_postgres::Error),
+
+    #[error("replication stream: {0}")]
+    Replication(#[from] PgWireError),
+
+    #[error("the server ended the replication stream")]
+    StreamEnded,
+
+    #[error("could not connect within {0:?}")]
+    ConnectTimeout(std::time::Duration),
+
+    #[error("redis: {0}")]
+    Redis(#[from] RedisError),
+
+    #[error("stream {stream} was written from Postgres system {stream_system}, but this server is system {server_system}: refusing to publish another cluster's changes into it; point --stream at a new key")]
+    OriginMismatch {
+        stream: String,
+        stream_system: String,
+        server_system: String,
+    },
+
+    #[error("stream {stream} diverged from the replication slot: {detail}; the cluster was probably restored from a backup; point --stream at a new key")]
+    StreamDiverged { stream: String, detail: String },
+
+    #[error("stream {stream} is behind what this relay published moments ago: {detail}; Redis lost data (restarted without its AOF, or failed over to a stale replica)")]
+    StreamBehind { stream: String, detail: String },
+
+    #[error("pgoutput: {0}")]
+    Decode(#[from] DecodeError),
+
+    #[error("{0}")]
+    Outbox(#[from] OutboxError),
+
+    #[error("protocol: {0}")]
+    Protocol(String),
+}
+
+/// Broad classes of SQLSTATE that mean "try again later": connection exceptions (08),
+/// insufficient resources (53), operator intervention such as a shutdown (57), system
+/// errors (58) and transaction rollbacks (40).
+fn sqlstate_is_transient(code: &str) -> bool {
+    matches!(&code[..code.len().min(2)], "08" | "53" | "57" | "58" | "40")
+}
+
+impl RelayError {
+    /// Whether retrying the same operation later can succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            // Another relay holds the lease; it may go away.
+            RelayError::SlotBusy { .. } => true,
+            RelayError::StreamEnded | RelayError::ConnectTimeout(_) => true,
+            RelayError::Postgres(e) => match e.code() {
+                Some(code) => sqlstate_is_transient(code.code()),
+                // No SQLSTATE: the connection broke or could not be made.
+                None => true,
+            },
+            RelayError::Replication(e) => match e {
+                PgWireError::Io(_) | PgWireError::Task(_) | PgWireError::Internal(_) => true,
+                PgWireError::Server(_) => sqlstate(e).is_some_and(sqlstate_is_transient),
+                _ => false,
+            },
+            RelayError::Redis(e) => redis_is_transient(e),
+            RelayError::Config(_)
+            | RelayError::WalLevelNotLogical { .. }
+            | RelayError::PublicationMissing { .. }
+            | RelayError::PublicationIncomplete { .. }
+            | RelayError::SlotMissing { .. }
+            | RelayError::SlotMismatch { .. }
+            | RelayError::OriginMismatch { .. }
+            | RelayError::StreamDiverged { .. }
+            | RelayError::StreamBehind { .. }
+            | RelayError::Decode(_)
+            | RelayError::Outbox(_)
+            | RelayError::Protocol(_) => false,
+        }
+    }
+
+    /// Whether this is a Redis failure (for metrics and readiness).
+    pub fn is_redis(&self) -> bool {
+        matches!(self, RelayError::Redis(_))
+    }
+}
+
+fn redis_is_transient(e: &RedisError) -> bool {
+    if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal() {
+        return true;
+    }
+    match e.kind() {
+        ErrorKind::Io => true,
+        ErrorKind::Server(kind) => matches!(
+            kind,
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+                | ServerErrorKind::ClusterDown
+        ),
+        // `OOM`: maxmemory reached under noeviction; consumers trimming frees memory.
+        // `BUSY`: a long script is running.
+        ErrorKind::Extension => matches!(e.code(), Some("OOM" | "BUSY")),
+        _ => false,
+    }
+}
+
+/// The SQLSTATE of a server error reported by `pgwire-replication`, which formats it as a
+/// structured `(SQLSTATE xxxxx)` suffix of its message.
+pub fn sqlstate(e: &PgWireError) -> Option<&str> {
+    let PgWireError::Server(message) = e else {
+        return None;
+    };
+    let start = message.rfind("(SQLSTATE ")? + "(SQLSTATE ".len();
+    let code = message.get(start..start + 5)?;
+    code.chars()
+        .all(|c| c.is_ascii_alphanumeric())
+        .then_some(code)
+}
+
+/// SQLSTATE codes the relay acts on.
+pub mod sqlstates {
+    /// `object_in_use`: the replication slot is active for another walsender.
+    pub const OBJECT_IN_USE: &str = "55006";
+    /// `object_not_in_prerequisite_state`: among others, an invalidated (lost) slot.
+    pub const OBJECT_NOT_IN_PREREQUISITE_STATE: &str = "55000";
+    /// `undefined_object`: missing slot (at start) or publication (at first change).
+    pub const UNDEFINED_OBJECT: &str = "42704";
+    /// `duplicate_object`: a slot created concurrently.
+    pub const DUPLICATE_OBJECT: &str = "42710";
+}
+
+/// tokio-postgres' Display for server errors is only "db error"; show the server's message.
+fn describe_postgres(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        None => e.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn server(msg: &str) -> PgWireError {
+        PgWireError::Server(msg.into())
+    }
+
+    #[test]
+    fn sqlstate_is_read_from_the_structured_suffix() {
+        let e = server("replication slot \"s\" is active for PID 42 (SQLSTATE 55006)");
+        assert_eq!(sqlstate(&e), Some("55006"));
+        assert_eq!(sqlstate(&server("no code here")), None);
+        assert_eq!(sqlstate(&PgWireError::Protocol("x".into())), None);
+    }
+
+    #[test]
+    fn replication_errors_are_classified_by_code() {
+        let t = |msg: &str| RelayError::Replication(server(msg)).is_transient();
+        assert!(t(
+            "terminating connection due to administrator command (SQLSTATE 57P01)"
+        ));
+        assert!(t("the database system is starting up (SQLSTATE 57P03)"));
+        assert!(t("sorry, too many clients already (SQLSTATE 53300)"));
+        assert!(!t("password authentication failed (SQLSTATE 28P01)"));
+        assert!(!t("replication slot \"s\" does not exist (SQLSTATE 42704)"));
+        assert!(RelayError::Replication(PgWireError::Io(std::sync::Arc::new(
+            std::io::Error::from(std::io::ErrorKind::ConnectionReset)
+        )))
+        .is_transient());
+        assert!(!RelayError::Replication(PgWireError::Auth("bad".into())).is_transient());
+    }
+
+    #[test]
+    fn redis_errors_are_classified_by_kind_and_code() {
+        let io = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(RelayError::Redis(io).is_transient());
+        let oom = redis::make_extension_error("OOM".into(), Some("command not allowed".into()));
+        assert!(RelayError::Redis(oom).is_transient());
+        let origin = redis::make_extension_error(script_codes::ORIGIN.into(), None);
+        assert!(!RelayError::Redis(origin).is_transient());
+    }
+
+    #[test]
+    fn configuration_problems_are_permanent_and_say_what_to_do() {
+        let e = RelayError::SlotMissing {
+            slot: "consumers_relay".into(),
+        };
+        assert!(!e.is_transient());
+        assert!(e.to_string().contains("cdc-relay setup"));
+        let e = RelayError::PublicationMissing {
+            publication: "consumers_outbox".into(),
+        };
+        assert!(e.to_string().contains("run the migrations"));
+        assert!(RelayError::SlotBusy {
+            slot: "s".into(),
+            holder: Some(7)
+        }
+        .is_transient());
+    }
+}

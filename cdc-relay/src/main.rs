@@ -1,0 +1,81 @@
+//! `cdc-relay`: parse the command line, set up logging, run the library.
+
+use std::process::ExitCode;
+
+use cdc_relay::config::{Cli, Command, LogFormat};
+use cdc_relay::setup::{setup, SetupOutcome};
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+
+fn init_tracing(format: LogFormat) {
+    use std::io::IsTerminal;
+    // pgwire-replication logs every failed session at ERROR; the relay reports (and
+    // classifies) the same errors itself, so its own lines are noise by default.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| "info,pgwire_replication=off".into());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+/// Cancel `token` on the first SIGTERM or SIGINT.
+fn cancel_on_signal(token: CancellationToken) {
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            tracing::error!("cannot install signal handlers");
+            return;
+        };
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!(signal = name, "shutting down");
+        token.cancel();
+    });
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.log_format);
+    let result = match cli.command {
+        Command::Run(args) => match args.validate() {
+            Ok(config) => {
+                let shutdown = CancellationToken::new();
+                cancel_on_signal(shutdown.clone());
+                cdc_relay::run(config, shutdown).await
+            }
+            Err(e) => Err(e),
+        },
+        Command::Setup(args) => match args.postgres.validate() {
+            Ok(pg) => setup(&pg, std::time::Duration::from_secs(10))
+                .await
+                .map(|outcome| match outcome {
+                    SetupOutcome::Created { consistent_point } => println!(
+                        "created replication slot {} (pgoutput) at {consistent_point}",
+                        pg.slot
+                    ),
+                    SetupOutcome::AlreadyExists => {
+                        println!("replication slot {} already exists", pg.slot)
+                    }
+                }),
+            Err(e) => Err(e),
+        },
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("cdc-relay: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

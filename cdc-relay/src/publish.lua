@@ -1,0 +1,89 @@
+-- Publish one batch of outbox entries into a stream, atomically (a script runs alone and,
+-- with appendfsync always, its writes are fsynced before the reply).
+--
+-- KEYS[1]  the stream
+-- KEYS[2]  the stream's origin hash: which Postgres system (and timeline) writes it
+-- ARGV[1]  system_id of the Postgres cluster the entries come from
+-- ARGV[2]  its timeline
+-- ARGV[3]  MAXLEN for approximate trimming ('0': no trimming)
+-- ARGV[4]  fence: the last id this relay session published before this batch ('' at the
+--          start of a session); the stream's top must have reached it
+-- ARGV[5..] five per entry: id, event, payload, outbox_id, created_at; ids strictly increase
+--
+-- Returns {published, duplicates}. An entry whose id is not above the stream's
+-- last-generated-id is a replay (Postgres re-sends what the slot did not acknowledge): it
+-- is counted, not written, after checking that the entry stored under that id, if still
+-- there, is the same outbox row.
+-- Errors (codes read by the relay): ORIGIN (another cluster's stream), GAP (the stream
+-- lost entries this session published), DIVERGED (same id, different row).
+
+local stream, origin_key = KEYS[1], KEYS[2]
+local system_id, timeline, maxlen, fence = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+
+local origin = redis.call('HMGET', origin_key, 'system_id', 'timeline')
+if not origin[1] then
+  redis.call('HSET', origin_key, 'system_id', system_id, 'timeline', timeline)
+elseif origin[1] ~= system_id then
+  return redis.error_reply('ORIGIN ' .. origin[1])
+elseif origin[2] ~= timeline then
+  redis.call('HSET', origin_key, 'timeline', timeline)
+end
+
+-- Ids compare as (ms, seq) pairs of unbounded decimals: by length, then lexically.
+local function split(id)
+  local dash = string.find(id, '-', 1, true)
+  return string.sub(id, 1, dash - 1), string.sub(id, dash + 1)
+end
+local function num_less(a, b)
+  if #a ~= #b then return #a < #b end
+  return a < b
+end
+local function id_less(a, b)
+  local am, as = split(a)
+  local bm, bs = split(b)
+  if am ~= bm then return num_less(am, bm) end
+  return num_less(as, bs)
+end
+
+local top = '0-0'
+if redis.call('EXISTS', stream) == 1 then
+  local info = redis.call('XINFO', 'STREAM', stream)
+  for i = 1, #info, 2 do
+    if info[i] == 'last-generated-id' then
+      top = info[i + 1]
+      break
+    end
+  end
+end
+
+if fence ~= '' and id_less(top, fence) then
+  return redis.error_reply('GAP top ' .. top .. ' is below ' .. fence)
+end
+
+local published, duplicates = 0, 0
+for i = 5, #ARGV, 5 do
+  local id = ARGV[i]
+  if id_less(top, id) then
+    if maxlen > 0 then
+      redis.call('XADD', stream, 'MAXLEN', '~', maxlen, id,
+        'event', ARGV[i + 1], 'payload', ARGV[i + 2], 'outbox_id', ARGV[i + 3], 'created_at', ARGV[i + 4])
+    else
+      redis.call('XADD', stream, id,
+        'event', ARGV[i + 1], 'payload', ARGV[i + 2], 'outbox_id', ARGV[i + 3], 'created_at', ARGV[i + 4])
+    end
+    top = id
+    published = published + 1
+  else
+    local stored = redis.call('XRANGE', stream, id, id)
+    if #stored == 1 then
+      local fields = stored[1][2]
+      for j = 1, #fields, 2 do
+        if fields[j] == 'outbox_id' and fields[j + 1] ~= ARGV[i + 3] then
+          return redis.error_reply('DIVERGED ' .. id .. ' holds outbox_id ' .. fields[j + 1] .. ', not ' .. ARGV[i + 3])
+        end
+      end
+    end
+    duplicates = duplicates + 1
+  end
+end
+return {published, duplicates}

@@ -1,0 +1,470 @@
+//! The relay loop: replication events in, Redis stream entries out, slot acknowledgements back.
+//!
+//! Invariant: the slot is never acknowledged past a transaction whose entries Redis has not
+//! confirmed. Everything held in memory here may vanish at any moment; Postgres re-sends it
+//! because we did not acknowledge it, and Redis rejects the part it already has (stream ids
+//! are derived from commit LSNs).
+//!
+//! One batch is in flight at a time while the next one fills (double buffering), so Redis
+//! applies batches in order and a failed batch is simply retried before anything after it.
+//! Acknowledgements are the `end_lsn` of the last transaction whose Commit was in a
+//! confirmed batch (never `Commit.lsn`, which makes Postgres re-send that transaction), or
+//! a keepalive's `wal_end` when nothing is open or unconfirmed (so an idle outbox does not
+//! pin WAL while other tables are busy).
+
+use std::time::{Duration, Instant};
+
+use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationEvent};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use crate::backoff::Backoff;
+use crate::batch::{Batch, BatchLimits, EntryId, StreamEntry};
+use crate::error::{sqlstate, sqlstates, RelayError};
+use crate::outbox::{RelationCache, Row};
+use crate::pgoutput::{self, PgOutput};
+use crate::publisher::{Origin, PublishOutcome, Publisher};
+use crate::relay::Context;
+use crate::setup::{check_prerequisites, check_slot, slot_info};
+use crate::status::Role;
+
+/// Microseconds between the Unix epoch and the Postgres epoch (2000-01-01).
+const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
+
+/// Connect, take the slot and stream until shutdown (`Ok`) or an error.
+pub(crate) async fn run(
+    ctx: &Context,
+    mut publisher: Publisher,
+    shutdown: &CancellationToken,
+) -> Result<(), RelayError> {
+    let cfg = &ctx.config;
+    let pg = &cfg.postgres;
+    let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
+    ctx.set_postgres_reachable(true);
+    check_prerequisites(&sql, pg).await?;
+    check_slot(&sql, pg).await?;
+
+    let replication =
+        pg.endpoint
+            .replication_config(&pg.slot, &pg.publication, cfg.status_interval)?;
+    let mut client = ReplicationClient::connect_gated(replication).await?;
+    let identity = within(cfg.connect_timeout, client.identify_system()).await??;
+    let origin = Origin {
+        system_id: identity.system_id,
+        timeline: identity.timeline,
+    };
+    publisher.check_origin(&origin).await?;
+    client.start().await?;
+    if let Err(e) = within(cfg.connect_timeout, client.wait_started()).await? {
+        return Err(start_error(e, &sql, &pg.slot).await);
+    }
+    drop(sql);
+    info!(
+        slot = %pg.slot,
+        stream = %publisher.stream(),
+        system_id = %origin.system_id,
+        timeline = origin.timeline,
+        "acquired slot; streaming"
+    );
+    ctx.set_role(Role::Streaming);
+    ctx.set_last_error(None);
+
+    let session = Session {
+        ctx,
+        relations: RelationCache::new(pg.outbox_table.clone()),
+        pipeline: Pipeline::new(cfg.batch),
+        client,
+        publisher,
+        origin,
+    };
+    session.stream(shutdown).await
+}
+
+async fn within<T>(
+    limit: Duration,
+    fut: impl std::future::Future<Output = T>,
+) -> Result<T, RelayError> {
+    tokio::time::timeout(limit, fut)
+        .await
+        .map_err(|_| RelayError::ConnectTimeout(limit))
+}
+
+/// Turn a START_REPLICATION failure into what it means for the relay.
+async fn start_error(e: PgWireError, sql: &tokio_postgres::Client, slot: &str) -> RelayError {
+    match sqlstate(&e) {
+        Some(sqlstates::OBJECT_IN_USE) => {
+            let holder = slot_info(sql, slot)
+                .await
+                .ok()
+                .flatten()
+                .and_then(|s| s.active_pid)
+                .map(|pid| pid as u32);
+            RelayError::SlotBusy {
+                slot: slot.to_string(),
+                holder,
+            }
+        }
+        Some(sqlstates::UNDEFINED_OBJECT) => RelayError::SlotMissing {
+            slot: slot.to_string(),
+        },
+        _ => RelayError::Replication(e),
+    }
+}
+
+/// A transaction between its Begin and its Commit.
+struct OpenTransaction {
+    commit_lsn: Lsn,
+    commit_time_micros: i64,
+    next_seq: u64,
+}
+
+/// The batch Redis is working on.
+struct InFlight {
+    task: JoinHandle<(Batch, Result<PublishOutcome, RelayError>)>,
+}
+
+/// What the loop's branches share, with the predicates that gate them.
+struct Pipeline {
+    limits: BatchLimits,
+    open: Option<OpenTransaction>,
+    filling: Batch,
+    in_flight: Option<InFlight>,
+    /// Last entry id Redis confirmed in this session: the fence for the next batch.
+    confirmed_id: Option<EntryId>,
+    /// Last LSN acknowledged to the slot in this session.
+    acknowledged_lsn: Lsn,
+}
+
+impl Pipeline {
+    fn new(limits: BatchLimits) -> Self {
+        Self {
+            limits,
+            open: None,
+            filling: Batch::default(),
+            in_flight: None,
+            confirmed_id: None,
+            acknowledged_lsn: Lsn(0),
+        }
+    }
+
+    /// The filling batch can take another event (otherwise: backpressure on the slot).
+    fn has_room(&self) -> bool {
+        self.filling.has_room(&self.limits)
+    }
+
+    /// Entries are waiting and Redis is free.
+    fn ready_to_publish(&self) -> bool {
+        self.in_flight.is_none() && self.filling.has_entries()
+    }
+
+    /// Nothing received is open or unconfirmed.
+    fn is_idle(&self) -> bool {
+        self.open.is_none() && self.filling.is_empty() && self.in_flight.is_none()
+    }
+
+    /// Nothing received is unconfirmed (a transaction may be open).
+    fn all_confirmed(&self) -> bool {
+        self.in_flight.is_none() && !self.filling.has_entries()
+    }
+}
+
+struct Session<'a> {
+    ctx: &'a Context,
+    client: ReplicationClient,
+    publisher: Publisher,
+    origin: Origin,
+    relations: RelationCache,
+    pipeline: Pipeline,
+}
+
+impl Session<'_> {
+    async fn stream(mut self, shutdown: &CancellationToken) -> Result<(), RelayError> {
+        let result = self.stream_loop(shutdown).await;
+        if result.is_err() {
+            if let Some(in_flight) = self.pipeline.in_flight.take() {
+                // Whatever it wrote is idempotent; the next session re-sends the rest.
+                in_flight.task.abort();
+            }
+        }
+        result
+    }
+
+    async fn stream_loop(&mut self, shutdown: &CancellationToken) -> Result<(), RelayError> {
+        loop {
+            tokio::select! {
+                biased;
+                // 1. shutdown: stop reading, finish the in-flight batch, acknowledge, leave
+                _ = shutdown.cancelled() => return self.finish().await,
+                // 2. a publish finished: acknowledge the end_lsn of the last confirmed transaction
+                (batch, result) = join_in_flight(&mut self.pipeline.in_flight),
+                    if self.pipeline.in_flight.is_some() =>
+                {
+                    self.pipeline.in_flight = None;
+                    self.on_published(batch, result?);
+                }
+                // 3. the next replication event, only while the batch has room (backpressure)
+                event = self.client.recv(), if self.pipeline.has_room() => match event {
+                    Ok(Some(event)) => self.on_event(event)?,
+                    Ok(None) => return Err(RelayError::StreamEnded),
+                    Err(e) => return Err(self.streaming_error(e)),
+                },
+                // 4. nothing more is waiting: publish what we have now (no timer, no added latency)
+                _ = std::future::ready(()), if self.pipeline.ready_to_publish() => self.start_publish(),
+            }
+        }
+    }
+
+    fn streaming_error(&self, e: PgWireError) -> RelayError {
+        match sqlstate(&e) {
+            // At the first decoded change: the publication was dropped after the slot was made.
+            Some(sqlstates::UNDEFINED_OBJECT) => RelayError::PublicationMissing {
+                publication: self.ctx.config.postgres.publication.clone(),
+            },
+            _ => RelayError::Replication(e),
+        }
+    }
+
+    fn on_event(&mut self, event: ReplicationEvent) -> Result<(), RelayError> {
+        match event {
+            ReplicationEvent::Begin {
+                final_lsn,
+                commit_time_micros,
+                ..
+            } => {
+                if self.pipeline.open.is_some() {
+                    return Err(RelayError::Protocol(format!(
+                        "Begin {final_lsn} inside an open transaction"
+                    )));
+                }
+                self.pipeline.open = Some(OpenTransaction {
+                    commit_lsn: final_lsn,
+                    commit_time_micros,
+                    next_seq: 0,
+                });
+            }
+            ReplicationEvent::XLogData { data, .. } => match pgoutput::decode(&data)? {
+                PgOutput::Relation(relation) => {
+                    debug!(relation = %relation.name, id = relation.id, "relation");
+                    self.relations.on_relation(&relation)?;
+                }
+                PgOutput::Insert(insert) => match self.relations.on_insert(insert)? {
+                    Row::Outbox(event) => {
+                        let txn = self.pipeline.open.as_mut().ok_or_else(|| {
+                            RelayError::Protocol("insert outside a transaction".into())
+                        })?;
+                        let id = EntryId {
+                            commit_lsn: txn.commit_lsn.as_u64(),
+                            seq: txn.next_seq,
+                        };
+                        txn.next_seq += 1;
+                        self.pipeline
+                            .filling
+                            .push(StreamEntry { id, event }, txn.commit_time_micros);
+                    }
+                    Row::Foreign(table) => {
+                        self.ctx.metrics.foreign_inserts_skipped_total.inc();
+                        debug!(%table, "insert into another table of the publication; not published");
+                    }
+                },
+                PgOutput::Skipped(_) => {}
+            },
+            ReplicationEvent::Commit { lsn, end_lsn, .. } => {
+                let txn =
+                    self.pipeline.open.take().ok_or_else(|| {
+                        RelayError::Protocol(format!("Commit {lsn} without Begin"))
+                    })?;
+                if txn.commit_lsn != lsn {
+                    return Err(RelayError::Protocol(format!(
+                        "Commit {lsn} does not match Begin final_lsn {}",
+                        txn.commit_lsn
+                    )));
+                }
+                self.ctx.metrics.transactions_total.inc();
+                if self.pipeline.all_confirmed() {
+                    // Every entry of this transaction (if any) is already in Redis.
+                    self.pipeline.filling.ack_lsn = None;
+                    self.acknowledge(end_lsn);
+                } else {
+                    self.pipeline.filling.complete_transaction(end_lsn);
+                }
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                if self.pipeline.is_idle() {
+                    self.acknowledge(wal_end);
+                }
+            }
+            ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
+        }
+        Ok(())
+    }
+
+    fn start_publish(&mut self) {
+        let batch = std::mem::take(&mut self.pipeline.filling);
+        let task = tokio::spawn(publish_until_confirmed(
+            self.publisher.clone(),
+            batch,
+            self.origin.clone(),
+            self.pipeline.confirmed_id,
+            self.ctx.shared(),
+        ));
+        self.pipeline.in_flight = Some(InFlight { task });
+    }
+
+    fn on_published(&mut self, batch: Batch, outcome: PublishOutcome) {
+        let metrics = &self.ctx.metrics;
+        metrics.events_published_total.inc_by(outcome.published);
+        metrics.duplicates_rejected_total.inc_by(outcome.duplicates);
+        metrics.publish_batches_total.inc();
+        metrics
+            .publish_batch_entries
+            .observe(batch.entries.len() as f64);
+        let now_pg_micros = unix_micros() - PG_EPOCH_OFFSET_MICROS;
+        for commit_time in &batch.commit_times_micros {
+            let latency = (now_pg_micros - commit_time).max(0) as f64 / 1e6;
+            metrics.commit_to_published_seconds.observe(latency);
+        }
+        if outcome.duplicates > 0 {
+            debug!(
+                duplicates = outcome.duplicates,
+                "stream already held re-sent entries"
+            );
+        }
+        if let Some(id) = batch.last_id() {
+            self.pipeline.confirmed_id = Some(id);
+        }
+        if let Some(lsn) = batch.ack_lsn {
+            self.acknowledge(lsn);
+        }
+        // A commit that arrived while this batch was in flight, with no entries after it.
+        if !self.pipeline.filling.has_entries() {
+            if let Some(lsn) = self.pipeline.filling.ack_lsn.take() {
+                self.acknowledge(lsn);
+            }
+        }
+    }
+
+    fn acknowledge(&mut self, lsn: Lsn) {
+        if lsn > self.pipeline.acknowledged_lsn {
+            self.client.update_applied_lsn(lsn);
+            self.pipeline.acknowledged_lsn = lsn;
+            self.ctx.metrics.acknowledged_lsn.set(lsn.as_u64() as i64);
+        }
+    }
+
+    /// Graceful end: publish what was received (bounded by the shutdown grace), send the
+    /// last acknowledgement, wait until it was written to the server, then stop.
+    async fn finish(&mut self) -> Result<(), RelayError> {
+        self.ctx.set_role(Role::Stopping);
+        let cfg = &self.ctx.config;
+        let deadline = tokio::time::Instant::now() + cfg.shutdown_grace;
+        // The open transaction (if any) is dropped: Postgres re-sends it next time.
+        loop {
+            if let Some(in_flight) = self.pipeline.in_flight.as_mut() {
+                match tokio::time::timeout_at(deadline, &mut in_flight.task).await {
+                    Ok(Ok((batch, Ok(outcome)))) => {
+                        self.pipeline.in_flight = None;
+                        self.on_published(batch, outcome);
+                    }
+                    Ok(Ok((_, Err(e)))) => {
+                        self.pipeline.in_flight = None;
+                        warn!(error = %e, "last batch failed during shutdown; it stays unacknowledged");
+                        break;
+                    }
+                    Ok(Err(e)) => {
+                        self.pipeline.in_flight = None;
+                        warn!(error = %e, "publish task failed during shutdown");
+                        break;
+                    }
+                    Err(_) => {
+                        warn!(grace = ?cfg.shutdown_grace, "in-flight batch not confirmed within the shutdown grace; leaving it unacknowledged");
+                        if let Some(f) = self.pipeline.in_flight.take() {
+                            f.task.abort();
+                        }
+                        break;
+                    }
+                }
+            } else if self.pipeline.ready_to_publish() {
+                self.start_publish();
+            } else {
+                break;
+            }
+        }
+        // pgwire-replication sends no final status on stop(): wait until the worker reports
+        // that a status update carrying our last acknowledgement went out.
+        let target = self.pipeline.acknowledged_lsn;
+        let metrics = self.client.metrics();
+        let ack_deadline =
+            tokio::time::Instant::now() + cfg.status_interval * 2 + Duration::from_secs(2);
+        while metrics.last_applied_lsn() < target && tokio::time::Instant::now() < ack_deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let sent = metrics.last_applied_lsn();
+        if sent < target {
+            warn!(acknowledged = %target, sent = %sent, "last acknowledgement not confirmed as sent before stopping");
+        }
+        match tokio::time::timeout(Duration::from_secs(5), self.client.shutdown()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => debug!(error = %e, "replication stream closed with an error"),
+            Err(_) => warn!("replication stream did not close within 5 s"),
+        }
+        info!(acknowledged_lsn = %sent, "stopped");
+        Ok(())
+    }
+}
+
+/// Awaits the in-flight batch (the branch is disabled when there is none).
+async fn join_in_flight(
+    in_flight: &mut Option<InFlight>,
+) -> (Batch, Result<PublishOutcome, RelayError>) {
+    match in_flight {
+        Some(f) => match (&mut f.task).await {
+            Ok(done) => done,
+            Err(e) => (
+                Batch::default(),
+                Err(RelayError::Protocol(format!("publish task failed: {e}"))),
+            ),
+        },
+        None => std::future::pending().await,
+    }
+}
+
+/// Publish one batch, retrying transient failures (the same batch, so ids keep it
+/// idempotent) until Redis confirms it or a permanent error stops the relay.
+async fn publish_until_confirmed(
+    mut publisher: Publisher,
+    batch: Batch,
+    origin: Origin,
+    fence: Option<EntryId>,
+    ctx: crate::relay::SharedContext,
+) -> (Batch, Result<PublishOutcome, RelayError>) {
+    let mut backoff = Backoff::new(Duration::from_millis(50), ctx.config.reconnect_max_backoff);
+    loop {
+        let started = Instant::now();
+        match publisher.publish(&batch, &origin, fence).await {
+            Ok(outcome) => {
+                ctx.metrics
+                    .publish_batch_duration_seconds
+                    .observe(started.elapsed().as_secs_f64());
+                ctx.set_redis_reachable(true);
+                return (batch, Ok(outcome));
+            }
+            Err(e) if e.is_transient() => {
+                ctx.metrics.redis_errors_total.inc();
+                ctx.set_redis_reachable(false);
+                ctx.set_last_error(Some(e.to_string()));
+                let delay = backoff.next_delay();
+                warn!(error = %e, entries = batch.entries.len(), retry_in = ?delay, "publish failed; retrying the same batch");
+                tokio::time::sleep(delay).await;
+            }
+            Err(e) => return (batch, Err(e)),
+        }
+    }
+}
+
+fn unix_micros() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or_default()
+}

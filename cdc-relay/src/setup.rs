@@ -1,0 +1,152 @@
+//! Checks that the database is ready for the relay (run before every replication session),
+//! and `cdc-relay setup`, which creates the slot.
+//!
+//! Order matters: the publication must exist before the slot is created. A slot created
+//! first fails with "publication ... does not exist" for good, even after the publication
+//! appears, so `setup` refuses to create a slot while the publication is missing.
+
+use std::time::Duration;
+
+use tokio_postgres::Client;
+
+use crate::config::PostgresConfig;
+use crate::error::{sqlstates, RelayError};
+
+/// A replication slot as `pg_replication_slots` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotInfo {
+    pub plugin: Option<String>,
+    pub slot_type: String,
+    pub database: Option<String>,
+    pub active_pid: Option<i32>,
+    pub wal_status: Option<String>,
+}
+
+/// wal_level, and the publication publishing inserts of the outbox table.
+pub async fn check_prerequisites(client: &Client, cfg: &PostgresConfig) -> Result<(), RelayError> {
+    let wal_level: String = client
+        .query_one("SELECT current_setting('wal_level')", &[])
+        .await?
+        .get(0);
+    if wal_level != "logical" {
+        return Err(RelayError::WalLevelNotLogical { actual: wal_level });
+    }
+    let row = client
+        .query_opt(
+            "SELECT p.pubinsert,
+                    EXISTS (SELECT 1 FROM pg_publication_tables t
+                             WHERE t.pubname = p.pubname AND t.schemaname = $2 AND t.tablename = $3)
+               FROM pg_publication p WHERE p.pubname = $1",
+            &[
+                &cfg.publication,
+                &cfg.outbox_table.schema,
+                &cfg.outbox_table.table,
+            ],
+        )
+        .await?;
+    match row {
+        None => Err(RelayError::PublicationMissing {
+            publication: cfg.publication.clone(),
+        }),
+        Some(row) if !(row.get::<_, bool>(0) && row.get::<_, bool>(1)) => {
+            Err(RelayError::PublicationIncomplete {
+                publication: cfg.publication.clone(),
+                table: cfg.outbox_table.to_string(),
+            })
+        }
+        Some(_) => Ok(()),
+    }
+}
+
+pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, RelayError> {
+    let row = client
+        .query_opt(
+            "SELECT plugin::text, slot_type, database::text, active_pid, wal_status
+               FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    Ok(row.map(|r| SlotInfo {
+        plugin: r.get(0),
+        slot_type: r.get(1),
+        database: r.get(2),
+        active_pid: r.get(3),
+        wal_status: r.get(4),
+    }))
+}
+
+/// The slot exists and is a pgoutput slot of this database.
+pub async fn check_slot(client: &Client, cfg: &PostgresConfig) -> Result<SlotInfo, RelayError> {
+    let info = slot_info(client, &cfg.slot)
+        .await?
+        .ok_or_else(|| RelayError::SlotMissing {
+            slot: cfg.slot.clone(),
+        })?;
+    let dbname = cfg.endpoint.dbname();
+    let problem = if info.slot_type != "logical" {
+        Some(format!("it is a {} slot", info.slot_type))
+    } else if info.plugin.as_deref() != Some("pgoutput") {
+        Some(format!(
+            "it uses plugin {}, not pgoutput",
+            info.plugin.as_deref().unwrap_or("?")
+        ))
+    } else if info.database.as_deref() != Some(dbname) {
+        Some(format!(
+            "it belongs to database {}, not {dbname}",
+            info.database.as_deref().unwrap_or("?")
+        ))
+    } else {
+        None
+    };
+    match problem {
+        Some(problem) => Err(RelayError::SlotMismatch {
+            slot: cfg.slot.clone(),
+            problem,
+        }),
+        None => Ok(info),
+    }
+}
+
+/// What `setup` did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum SetupOutcome {
+    Created { consistent_point: String },
+    AlreadyExists,
+}
+
+/// Create the slot if it is missing, after checking wal_level and the publication.
+pub async fn setup(
+    cfg: &PostgresConfig,
+    connect_timeout: Duration,
+) -> Result<SetupOutcome, RelayError> {
+    let client = cfg.endpoint.connect(connect_timeout).await?;
+    check_prerequisites(&client, cfg).await?;
+    if slot_info(&client, &cfg.slot).await?.is_some() {
+        check_slot(&client, cfg).await?;
+        return Ok(SetupOutcome::AlreadyExists);
+    }
+    let created = client
+        .query_one(
+            "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+            &[&cfg.slot],
+        )
+        .await;
+    match created {
+        Ok(row) => Ok(SetupOutcome::Created {
+            consistent_point: row.get(0),
+        }),
+        Err(e) if e.code().map(|c| c.code()) == Some(sqlstates::DUPLICATE_OBJECT) => {
+            // Created concurrently by another `setup`.
+            check_slot(&client, cfg).await?;
+            Ok(SetupOutcome::AlreadyExists)
+        }
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => {
+            Err(RelayError::Config(format!(
+                "role {} may not create replication slots: grant it with `ALTER ROLE {} REPLICATION`",
+                cfg.endpoint.user(),
+                cfg.endpoint.user()
+            )))
+        }
+        Err(e) => Err(e.into()),
+    }
+}
