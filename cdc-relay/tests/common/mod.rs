@@ -1,0 +1,444 @@
+//! Shared fixtures of the relay's integration tests: a database with the migrations, a slot
+//! and a stream per test, a witness slot that reads the same changes independently, the
+//! relay in-process or as a real process, and readers for the stream and the slot.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::Duration;
+
+use cdc_relay::config::{Cli, Command as CliCommand};
+use cdc_relay::outbox::{OutboxEvent, RelationCache, Row};
+use cdc_relay::pgoutput::{self, PgOutput};
+use cdc_relay::{Relay, RelayConfig, RelayError};
+use redis::streams::StreamRangeReply;
+use testkit::{unique_name, ChildProcess, PgServer, RedisServer, TestDb};
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+pub const PUBLICATION: &str = "consumers_outbox";
+pub const OUTBOX: &str = "consumers.outbox";
+
+/// One test's world: its database, slot, stream, and the servers they live on.
+pub struct Fixture<'a> {
+    pub pg: &'a PgServer,
+    pub redis: &'a RedisServer,
+    pub db: TestDb,
+    pub slot: String,
+    pub stream: String,
+    /// A second pgoutput slot on the same publication, never acknowledged: the ground truth
+    /// of what committed, in commit order, with LSNs.
+    pub witness: String,
+}
+
+impl<'a> Fixture<'a> {
+    /// A fresh database with the relay slot (via `setup`) and the witness slot.
+    pub async fn new(pg: &'a PgServer, redis: &'a RedisServer) -> Fixture<'a> {
+        let db = pg.create_database().await.expect("create test database");
+        let fixture = Fixture {
+            pg,
+            redis,
+            db,
+            slot: unique_name("relay"),
+            stream: format!("outbox:{}", unique_name("s")),
+            witness: unique_name("witness"),
+        };
+        let admin = fixture.db.connect().await.unwrap();
+        admin
+            .query_one(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                &[&fixture.witness],
+            )
+            .await
+            .expect("create witness slot");
+        let outcome = cdc_relay::setup::setup(
+            &fixture.config_args(&[]).postgres.validate().unwrap(),
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("setup relay slot");
+        assert!(
+            matches!(outcome, cdc_relay::setup::SetupOutcome::Created { .. }),
+            "slot not created: {outcome:?}"
+        );
+        fixture
+    }
+
+    /// The relay's flags for this fixture (`overrides`: flag/value pairs replacing or
+    /// adding to the defaults).
+    pub fn flags(&self, overrides: &[&str]) -> Vec<String> {
+        let mut flags: Vec<(String, String)> = vec![
+            ("--database-url".into(), self.db.url("consumers_relay")),
+            ("--slot".into(), self.slot.clone()),
+            ("--publication".into(), PUBLICATION.into()),
+            ("--outbox-table".into(), OUTBOX.into()),
+            ("--redis-url".into(), self.redis.url()),
+            ("--stream".into(), self.stream.clone()),
+            ("--admin-addr".into(), "127.0.0.1:0".into()),
+            ("--reconnect-max-backoff".into(), "500ms".into()),
+            ("--redis-timeout".into(), "2s".into()),
+        ];
+        for pair in overrides.chunks(2) {
+            match flags.iter_mut().find(|(flag, _)| flag == pair[0]) {
+                Some(entry) => entry.1 = pair[1].to_string(),
+                None => flags.push((pair[0].to_string(), pair[1].to_string())),
+            }
+        }
+        flags.into_iter().flat_map(|(f, v)| [f, v]).collect()
+    }
+
+    pub fn config_args(&self, overrides: &[&str]) -> cdc_relay::config::RunArgs {
+        let mut argv = vec!["cdc-relay".to_string(), "run".to_string()];
+        argv.extend(self.flags(overrides));
+        match Cli::try_parse_from_args(argv) {
+            CliCommand::Run(args) => args,
+            _ => unreachable!(),
+        }
+    }
+
+    pub fn config(&self, overrides: &[&str]) -> RelayConfig {
+        self.config_args(overrides)
+            .validate()
+            .expect("valid relay config")
+    }
+
+    /// Start the relay in-process.
+    pub fn start_relay(&self, overrides: &[&str]) -> RunningRelay {
+        let relay = Relay::new(self.config(overrides));
+        let shutdown = CancellationToken::new();
+        let task = {
+            let relay = relay.clone();
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move { relay.run(shutdown).await })
+        };
+        RunningRelay {
+            relay,
+            shutdown,
+            task: Some(task),
+        }
+    }
+
+    /// Start the relay binary as a separate process with its admin server on a free port.
+    pub fn spawn_relay(&self, name: &str, overrides: &[&str]) -> RelayProcess {
+        let port = testkit::http::free_port();
+        let admin = format!("127.0.0.1:{port}");
+        let mut all = vec!["--admin-addr", admin.as_str()];
+        all.extend_from_slice(overrides);
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_cdc-relay"));
+        cmd.arg("run")
+            .args(self.flags(&all))
+            .env("RUST_LOG", "info,cdc_relay=debug,pgwire_replication=off");
+        let log = testkit::scratch_dir("relay-log").join(format!("{name}.log"));
+        RelayProcess {
+            child: ChildProcess::spawn(name, cmd, &log).expect("spawn cdc-relay"),
+            admin: admin.parse().unwrap(),
+        }
+    }
+
+    /// Connect as the Consumers service role (it owns consumers.outbox).
+    pub async fn writer(&self) -> tokio_postgres::Client {
+        self.db
+            .connect_as("consumers")
+            .await
+            .expect("connect as consumers")
+    }
+
+    /// Every entry of the stream, in stream order.
+    pub async fn stream_entries(&self) -> Vec<Entry> {
+        read_stream(self.redis, &self.stream)
+            .await
+            .expect("read stream")
+    }
+
+    pub async fn stream_len(&self) -> usize {
+        let mut conn = self.redis.connect().await.expect("redis");
+        redis::cmd("XLEN")
+            .arg(&self.stream)
+            .query_async(&mut conn)
+            .await
+            .expect("XLEN")
+    }
+
+    /// The relay slot's `confirmed_flush_lsn`.
+    pub async fn confirmed_flush_lsn(&self) -> u64 {
+        let client = self.db.connect().await.unwrap();
+        let lsn: String = client
+            .query_one(
+                "SELECT confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+                &[&self.slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        parse_lsn(&lsn)
+    }
+
+    /// What committed into the outbox, in commit order, read through the witness slot.
+    pub async fn witness(&self) -> Vec<WitnessTxn> {
+        read_witness(&self.db, &self.witness).await
+    }
+
+    /// The entries the stream must hold: one per committed outbox insert, in commit order,
+    /// with id `<commit_lsn>-<position>`.
+    pub async fn expected_entries(&self) -> Vec<Entry> {
+        expected_from(&self.witness().await)
+    }
+}
+
+/// `Cli::try_parse_from` that panics with clap's message.
+trait ParseArgs {
+    fn try_parse_from_args(argv: Vec<String>) -> CliCommand;
+}
+
+impl ParseArgs for Cli {
+    fn try_parse_from_args(argv: Vec<String>) -> CliCommand {
+        use clap::Parser;
+        Cli::try_parse_from(argv)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .command
+    }
+}
+
+pub struct RunningRelay {
+    pub relay: Relay,
+    pub shutdown: CancellationToken,
+    task: Option<JoinHandle<Result<(), RelayError>>>,
+}
+
+impl RunningRelay {
+    /// Cancel and wait for the relay to finish its graceful shutdown.
+    pub async fn stop(mut self) -> Result<(), RelayError> {
+        self.shutdown.cancel();
+        self.task
+            .take()
+            .unwrap()
+            .await
+            .expect("relay task panicked")
+    }
+
+    pub fn metric(&self, name: &str) -> f64 {
+        testkit::http::metric_value(&self.relay.metrics().encode(), name).unwrap_or(0.0)
+    }
+}
+
+impl Drop for RunningRelay {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+pub struct RelayProcess {
+    pub child: ChildProcess,
+    pub admin: SocketAddr,
+}
+
+impl RelayProcess {
+    /// A metric from the process's /metrics (`None` while not answering).
+    pub async fn metric(&self, name: &str) -> Option<f64> {
+        let (_, body) = testkit::http::get(self.admin, "/metrics").await.ok()?;
+        testkit::http::metric_value(&body, name)
+    }
+
+    /// /readyz status code and body (`None` while not answering).
+    pub async fn readyz(&self) -> Option<(u16, String)> {
+        testkit::http::get(self.admin, "/readyz").await.ok()
+    }
+
+    pub async fn wait_streaming(&self) {
+        testkit::wait_until(
+            Duration::from_secs(30),
+            "relay ready (streaming)",
+            || async {
+                match self.readyz().await {
+                    Some((200, _)) => Ok(()),
+                    other => Err(format!(
+                        "readyz {other:?}; log: {}",
+                        tail(&self.child.log())
+                    )),
+                }
+            },
+        )
+        .await
+    }
+}
+
+pub fn tail(log: &str) -> String {
+    let lines: Vec<&str> = log.lines().collect();
+    lines[lines.len().saturating_sub(15)..].join("\n")
+}
+
+/// A stream entry as the tests compare it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub id: String,
+    pub outbox_id: String,
+    pub event: String,
+    pub payload: serde_json::Value,
+    pub created_at: String,
+}
+
+pub async fn read_stream(redis: &RedisServer, stream: &str) -> anyhow::Result<Vec<Entry>> {
+    let mut conn = redis.connect().await?;
+    let mut entries = Vec::new();
+    let mut start = "-".to_string();
+    loop {
+        let reply: StreamRangeReply = redis::cmd("XRANGE")
+            .arg(stream)
+            .arg(&start)
+            .arg("+")
+            .arg("COUNT")
+            .arg(10_000)
+            .query_async(&mut conn)
+            .await?;
+        let n = reply.ids.len();
+        for item in reply.ids {
+            let field = |name: &str| -> String {
+                item.map
+                    .get(name)
+                    .map(|v| redis::from_redis_value_ref::<String>(v).unwrap_or_default())
+                    .unwrap_or_default()
+            };
+            entries.push(Entry {
+                id: item.id.clone(),
+                outbox_id: field("outbox_id"),
+                event: field("event"),
+                payload: serde_json::from_str(&field("payload")).unwrap_or(serde_json::Value::Null),
+                created_at: field("created_at"),
+            });
+            start = format!("({}", item.id);
+        }
+        if n < 10_000 {
+            return Ok(entries);
+        }
+    }
+}
+
+pub fn parse_lsn(text: &str) -> u64 {
+    let (hi, lo) = text.split_once('/').expect("LSN hi/lo");
+    (u64::from_str_radix(hi, 16).unwrap() << 32) | u64::from_str_radix(lo, 16).unwrap()
+}
+
+/// One committed transaction as the witness slot saw it.
+#[derive(Debug, Clone)]
+pub struct WitnessTxn {
+    pub commit_lsn: u64,
+    pub end_lsn: u64,
+    pub events: Vec<OutboxEvent>,
+}
+
+async fn read_witness(db: &TestDb, slot: &str) -> Vec<WitnessTxn> {
+    let client = db.connect().await.unwrap();
+    let rows = client
+        .query(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, NULL,
+                 'proto_version', '1', 'publication_names', $2)",
+            &[&slot, &PUBLICATION],
+        )
+        .await
+        .expect("peek witness slot");
+    let mut relations = RelationCache::new(OUTBOX.parse().unwrap());
+    let mut txns = Vec::new();
+    let mut open: Option<WitnessTxn> = None;
+    for row in rows {
+        let data: Vec<u8> = row.get(0);
+        let be64 = |at: usize| u64::from_be_bytes(data[at..at + 8].try_into().unwrap());
+        match data[0] {
+            b'B' => {
+                open = Some(WitnessTxn {
+                    commit_lsn: be64(1),
+                    end_lsn: 0,
+                    events: Vec::new(),
+                })
+            }
+            b'C' => {
+                let mut txn = open.take().expect("commit after begin");
+                assert_eq!(txn.commit_lsn, be64(2), "commit lsn = begin final_lsn");
+                txn.end_lsn = be64(10);
+                txns.push(txn);
+            }
+            _ => match pgoutput::decode(&bytes::Bytes::from(data)).expect("witness decodes") {
+                PgOutput::Relation(rel) => relations.on_relation(&rel).unwrap(),
+                PgOutput::Insert(ins) => {
+                    if let Row::Outbox(event) = relations.on_insert(ins).unwrap() {
+                        open.as_mut().expect("insert inside txn").events.push(event);
+                    }
+                }
+                PgOutput::Skipped(_) => {}
+            },
+        }
+    }
+    txns
+}
+
+pub fn expected_from(txns: &[WitnessTxn]) -> Vec<Entry> {
+    let text = |b: &bytes::Bytes| String::from_utf8(b.to_vec()).unwrap();
+    txns.iter()
+        .flat_map(|txn| {
+            txn.events.iter().enumerate().map(move |(k, e)| Entry {
+                id: format!("{}-{k}", txn.commit_lsn),
+                outbox_id: text(&e.outbox_id),
+                event: text(&e.event),
+                payload: serde_json::from_slice(&e.payload).unwrap(),
+                created_at: text(&e.created_at),
+            })
+        })
+        .collect()
+}
+
+/// Compare two entry lists and describe the first difference.
+pub fn assert_same_entries(actual: &[Entry], expected: &[Entry]) {
+    if actual == expected {
+        return;
+    }
+    let first_diff = actual
+        .iter()
+        .zip(expected)
+        .position(|(a, e)| a != e)
+        .unwrap_or(actual.len().min(expected.len()));
+    let actual_ids: HashMap<&str, usize> =
+        actual
+            .iter()
+            .map(|e| e.outbox_id.as_str())
+            .fold(HashMap::new(), |mut m, id| {
+                *m.entry(id).or_default() += 1;
+                m
+            });
+    let duplicated = actual_ids.values().filter(|n| **n > 1).count();
+    let missing = expected
+        .iter()
+        .filter(|e| !actual_ids.contains_key(e.outbox_id.as_str()))
+        .count();
+    panic!(
+        "stream differs from what committed: {} entries vs {} expected; {missing} missing, {duplicated} duplicated; first difference at #{first_diff}: {:?} vs {:?}",
+        actual.len(),
+        expected.len(),
+        actual.get(first_diff),
+        expected.get(first_diff)
+    );
+}
+
+/// Insert `rows` outbox rows in one transaction; payload marks writer, txn and row.
+pub async fn insert_txn(
+    client: &mut tokio_postgres::Client,
+    writer: u32,
+    txn: u32,
+    rows: u32,
+    commit: bool,
+) -> Result<(), tokio_postgres::Error> {
+    let tx = client.transaction().await?;
+    for row in 0..rows {
+        let payload =
+            serde_json::json!({"writer": writer, "txn": txn, "row": row, "committed": commit});
+        tx.execute(
+            "INSERT INTO consumers.outbox (event, payload) VALUES ('test.event', $1::text::jsonb)",
+            &[&payload.to_string()],
+        )
+        .await?;
+    }
+    if commit {
+        tx.commit().await
+    } else {
+        tx.rollback().await
+    }
+}
