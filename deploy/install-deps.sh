@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Installs, when missing, the system packages the tests and the local stack need on Debian:
+# the Postgres 15 server binaries, redis-server, and a C toolchain for crates that build C.
+# Our tests and the local stack start private instances; the packaged services are not used.
+set -euo pipefail
+
+need=()
+[ -x /usr/lib/postgresql/15/bin/postgres ] || need+=(postgresql-15)
+command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+command -v setpriv >/dev/null 2>&1 || need+=(util-linux)
+command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)
+
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "install-deps: missing packages ${need[*]}; run as root (or install them) first" >&2
+    exit 1
+  fi
+  echo "install-deps: installing ${need[*]}" >&2
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
+fi
