@@ -43,7 +43,7 @@ fn cancel_on_signal(token: CancellationToken) {
     });
 }
 
-#[tokio::main]
+#[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.log_format);
