@@ -17,6 +17,7 @@ pub mod metrics;
 pub mod outbox;
 pub mod pg;
 pub mod pgoutput;
+mod pipeline;
 pub mod publisher;
 pub mod relay;
 mod session;

@@ -5,7 +5,7 @@
 -- KEYS[2]  the stream's origin hash: which Postgres system (and timeline) writes it
 -- ARGV[1]  system_id of the Postgres cluster the entries come from
 -- ARGV[2]  its timeline
--- ARGV[3]  MAXLEN for approximate trimming ('0': no trimming)
+-- ARGV[3]  MAXLEN for approximate trimming after the batch ('0': no trimming)
 -- ARGV[4]  fence: the last id this relay session published before this batch ('' at the
 --          start of a session); the stream's top must have reached it
 -- ARGV[5..] five per entry: id, event, payload, outbox_id, created_at; ids strictly increase
@@ -60,17 +60,33 @@ if fence ~= '' and id_less(top, fence) then
   return redis.error_reply('GAP top ' .. top .. ' is below ' .. fence)
 end
 
+local function add(i)
+  redis.call('XADD', stream, ARGV[i],
+    'event', ARGV[i + 1], 'payload', ARGV[i + 2], 'outbox_id', ARGV[i + 3], 'created_at', ARGV[i + 4])
+end
+
+-- Approximate trimming once per batch, not per entry (XADD MAXLEN costs on every call).
+local function trim()
+  if maxlen > 0 then
+    redis.call('XTRIM', stream, 'MAXLEN', '~', maxlen)
+  end
+end
+
+-- Fast path: the batch starts above the top, and ids increase, so every entry is new.
+if #ARGV < 5 or id_less(top, ARGV[5]) then
+  for i = 5, #ARGV, 5 do
+    add(i)
+  end
+  trim()
+  return {(#ARGV - 4) / 5, 0}
+end
+
+-- A replay: skip the entries Redis already has, checking each still stored one.
 local published, duplicates = 0, 0
 for i = 5, #ARGV, 5 do
   local id = ARGV[i]
   if id_less(top, id) then
-    if maxlen > 0 then
-      redis.call('XADD', stream, 'MAXLEN', '~', maxlen, id,
-        'event', ARGV[i + 1], 'payload', ARGV[i + 2], 'outbox_id', ARGV[i + 3], 'created_at', ARGV[i + 4])
-    else
-      redis.call('XADD', stream, id,
-        'event', ARGV[i + 1], 'payload', ARGV[i + 2], 'outbox_id', ARGV[i + 3], 'created_at', ARGV[i + 4])
-    end
+    add(i)
     top = id
     published = published + 1
   else
@@ -86,4 +102,5 @@ for i = 5, #ARGV, 5 do
     duplicates = duplicates + 1
   end
 end
+trim()
 return {published, duplicates}

@@ -12,18 +12,18 @@
 //! a keepalive's `wal_end` when nothing is open or unconfirmed (so an idle outbox does not
 //! pin WAL while other tables are busy).
 
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use futures::FutureExt;
 use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationEvent};
-use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::backoff::Backoff;
 use crate::batch::{Batch, BatchLimits, EntryId, StreamEntry};
 use crate::error::{sqlstate, sqlstates, RelayError};
 use crate::outbox::{RelationCache, Row};
 use crate::pgoutput::{self, PgOutput};
+use crate::pipeline::Pipeline;
 use crate::publisher::{Origin, PublishOutcome, Publisher};
 use crate::relay::Context;
 use crate::setup::{check_prerequisites, check_slot, slot_info};
@@ -73,10 +73,14 @@ pub(crate) async fn run(
     let session = Session {
         ctx,
         relations: RelationCache::new(pg.outbox_table.clone()),
-        pipeline: Pipeline::new(cfg.batch),
+        state: State {
+            limits: cfg.batch,
+            open: None,
+            filling: Batch::default(),
+            acknowledged_lsn: Lsn(0),
+        },
+        pipeline: Pipeline::new(publisher, origin, ctx.shared()),
         client,
-        publisher,
-        origin,
     };
     session.stream(shutdown).await
 }
@@ -119,99 +123,96 @@ struct OpenTransaction {
     next_seq: u64,
 }
 
-/// The batch Redis is working on.
-struct InFlight {
-    task: JoinHandle<(Batch, Result<PublishOutcome, RelayError>)>,
-}
-
 /// What the loop's branches share, with the predicates that gate them.
-struct Pipeline {
+struct State {
     limits: BatchLimits,
     open: Option<OpenTransaction>,
     filling: Batch,
-    in_flight: Option<InFlight>,
-    /// Last entry id Redis confirmed in this session: the fence for the next batch.
-    confirmed_id: Option<EntryId>,
     /// Last LSN acknowledged to the slot in this session.
     acknowledged_lsn: Lsn,
 }
 
-impl Pipeline {
-    fn new(limits: BatchLimits) -> Self {
-        Self {
-            limits,
-            open: None,
-            filling: Batch::default(),
-            in_flight: None,
-            confirmed_id: None,
-            acknowledged_lsn: Lsn(0),
-        }
-    }
-
+impl State {
     /// The filling batch can take another event (otherwise: backpressure on the slot).
     fn has_room(&self) -> bool {
         self.filling.has_room(&self.limits)
-    }
-
-    /// Entries are waiting and Redis is free.
-    fn ready_to_publish(&self) -> bool {
-        self.in_flight.is_none() && self.filling.has_entries()
-    }
-
-    /// Nothing received is open or unconfirmed.
-    fn is_idle(&self) -> bool {
-        self.open.is_none() && self.filling.is_empty() && self.in_flight.is_none()
-    }
-
-    /// Nothing received is unconfirmed (a transaction may be open).
-    fn all_confirmed(&self) -> bool {
-        self.in_flight.is_none() && !self.filling.has_entries()
     }
 }
 
 struct Session<'a> {
     ctx: &'a Context,
     client: ReplicationClient,
-    publisher: Publisher,
-    origin: Origin,
     relations: RelationCache,
+    state: State,
     pipeline: Pipeline,
+}
+
+impl Session<'_> {
+    /// Entries are waiting and the pipeline can take a batch.
+    fn ready_to_publish(&self) -> bool {
+        self.state.filling.has_entries() && self.pipeline.has_room_for(!self.state.has_room())
+    }
+
+    /// Nothing received is open or unconfirmed.
+    fn is_idle(&self) -> bool {
+        self.state.open.is_none() && self.state.filling.is_empty() && self.pipeline.is_idle()
+    }
+
+    /// Nothing received is unconfirmed (a transaction may be open).
+    fn all_confirmed(&self) -> bool {
+        self.pipeline.is_idle() && !self.state.filling.has_entries()
+    }
 }
 
 impl Session<'_> {
     async fn stream(mut self, shutdown: &CancellationToken) -> Result<(), RelayError> {
         let result = self.stream_loop(shutdown).await;
         if result.is_err() {
-            if let Some(in_flight) = self.pipeline.in_flight.take() {
-                // Whatever it wrote is idempotent; the next session re-sends the rest.
-                in_flight.task.abort();
-            }
+            // Whatever it wrote is idempotent; the next session re-sends the rest.
+            self.pipeline.abort();
         }
         result
     }
 
     async fn stream_loop(&mut self, shutdown: &CancellationToken) -> Result<(), RelayError> {
+        // Registered once: polling a fresh `cancelled()` each turn would lock its mutex.
+        let cancelled = shutdown.cancelled();
+        tokio::pin!(cancelled);
         loop {
             tokio::select! {
                 biased;
                 // 1. shutdown: stop reading, finish the in-flight batch, acknowledge, leave
-                _ = shutdown.cancelled() => return self.finish().await,
-                // 2. a publish finished: acknowledge the end_lsn of the last confirmed transaction
-                (batch, result) = join_in_flight(&mut self.pipeline.in_flight),
-                    if self.pipeline.in_flight.is_some() =>
-                {
-                    self.pipeline.in_flight = None;
-                    self.on_published(batch, result?);
+                _ = &mut cancelled => return self.finish().await,
+                // 2. a batch confirmed: acknowledge the end_lsn of the last confirmed transaction
+                confirmed = self.pipeline.confirmed(), if !self.pipeline.is_idle() => {
+                    let (sealed, outcome) = confirmed?;
+                    self.on_published(&sealed.batch, outcome);
                 }
-                // 3. the next replication event, only while the batch has room (backpressure)
-                event = self.client.recv(), if self.pipeline.has_room() => match event {
-                    Ok(Some(event)) => self.on_event(event)?,
-                    Ok(None) => return Err(RelayError::StreamEnded),
-                    Err(e) => return Err(self.streaming_error(e)),
-                },
+                // 3. the next replication events, only while the batch has room (backpressure)
+                received = self.client.recv(), if self.state.has_room() => {
+                    self.on_received(received)?;
+                    // Take what is already waiting without another turn of the select.
+                    while self.state.has_room() {
+                        match self.client.recv().now_or_never() {
+                            Some(received) => self.on_received(received)?,
+                            None => break,
+                        }
+                    }
+                }
                 // 4. nothing more is waiting: publish what we have now (no timer, no added latency)
-                _ = std::future::ready(()), if self.pipeline.ready_to_publish() => self.start_publish(),
+                _ = std::future::ready(()), if self.ready_to_publish() => self.start_publish(),
             }
+        }
+    }
+
+    fn on_received(
+        &mut self,
+        received: Result<Option<ReplicationEvent>, PgWireError>,
+    ) -> Result<(), RelayError> {
+        match received {
+            Ok(Some(event)) => self.on_event(event),
+            Ok(None) => Err(RelayError::StreamEnded),
+            Err(e) => Err(self.streaming_error(e)),
         }
     }
 
@@ -232,12 +233,12 @@ impl Session<'_> {
                 commit_time_micros,
                 ..
             } => {
-                if self.pipeline.open.is_some() {
+                if self.state.open.is_some() {
                     return Err(RelayError::Protocol(format!(
                         "Begin {final_lsn} inside an open transaction"
                     )));
                 }
-                self.pipeline.open = Some(OpenTransaction {
+                self.state.open = Some(OpenTransaction {
                     commit_lsn: final_lsn,
                     commit_time_micros,
                     next_seq: 0,
@@ -250,7 +251,7 @@ impl Session<'_> {
                 }
                 PgOutput::Insert(insert) => match self.relations.on_insert(insert)? {
                     Row::Outbox(event) => {
-                        let txn = self.pipeline.open.as_mut().ok_or_else(|| {
+                        let txn = self.state.open.as_mut().ok_or_else(|| {
                             RelayError::Protocol("insert outside a transaction".into())
                         })?;
                         let id = EntryId {
@@ -258,7 +259,7 @@ impl Session<'_> {
                             seq: txn.next_seq,
                         };
                         txn.next_seq += 1;
-                        self.pipeline
+                        self.state
                             .filling
                             .push(StreamEntry { id, event }, txn.commit_time_micros);
                     }
@@ -271,7 +272,7 @@ impl Session<'_> {
             },
             ReplicationEvent::Commit { lsn, end_lsn, .. } => {
                 let txn =
-                    self.pipeline.open.take().ok_or_else(|| {
+                    self.state.open.take().ok_or_else(|| {
                         RelayError::Protocol(format!("Commit {lsn} without Begin"))
                     })?;
                 if txn.commit_lsn != lsn {
@@ -281,16 +282,16 @@ impl Session<'_> {
                     )));
                 }
                 self.ctx.metrics.transactions_total.inc();
-                if self.pipeline.all_confirmed() {
+                if self.all_confirmed() {
                     // Every entry of this transaction (if any) is already in Redis.
-                    self.pipeline.filling.ack_lsn = None;
+                    self.state.filling.ack_lsn = None;
                     self.acknowledge(end_lsn);
                 } else {
-                    self.pipeline.filling.complete_transaction(end_lsn);
+                    self.state.filling.complete_transaction(end_lsn);
                 }
             }
             ReplicationEvent::KeepAlive { wal_end, .. } => {
-                if self.pipeline.is_idle() {
+                if self.is_idle() {
                     self.acknowledge(wal_end);
                 }
             }
@@ -300,18 +301,11 @@ impl Session<'_> {
     }
 
     fn start_publish(&mut self) {
-        let batch = std::mem::take(&mut self.pipeline.filling);
-        let task = tokio::spawn(publish_until_confirmed(
-            self.publisher.clone(),
-            batch,
-            self.origin.clone(),
-            self.pipeline.confirmed_id,
-            self.ctx.shared(),
-        ));
-        self.pipeline.in_flight = Some(InFlight { task });
+        let batch = std::mem::take(&mut self.state.filling);
+        self.pipeline.send(batch);
     }
 
-    fn on_published(&mut self, batch: Batch, outcome: PublishOutcome) {
+    fn on_published(&mut self, batch: &Batch, outcome: PublishOutcome) {
         let metrics = &self.ctx.metrics;
         metrics.events_published_total.inc_by(outcome.published);
         metrics.duplicates_rejected_total.inc_by(outcome.duplicates);
@@ -330,24 +324,22 @@ impl Session<'_> {
                 "stream already held re-sent entries"
             );
         }
-        if let Some(id) = batch.last_id() {
-            self.pipeline.confirmed_id = Some(id);
-        }
         if let Some(lsn) = batch.ack_lsn {
             self.acknowledge(lsn);
         }
-        // A commit that arrived while this batch was in flight, with no entries after it.
-        if !self.pipeline.filling.has_entries() {
-            if let Some(lsn) = self.pipeline.filling.ack_lsn.take() {
+        // Commits that arrived while batches were in flight, with no entries after them:
+        // acknowledged once nothing sent before them is unconfirmed.
+        if self.all_confirmed() {
+            if let Some(lsn) = self.state.filling.ack_lsn.take() {
                 self.acknowledge(lsn);
             }
         }
     }
 
     fn acknowledge(&mut self, lsn: Lsn) {
-        if lsn > self.pipeline.acknowledged_lsn {
+        if lsn > self.state.acknowledged_lsn {
             self.client.update_applied_lsn(lsn);
-            self.pipeline.acknowledged_lsn = lsn;
+            self.state.acknowledged_lsn = lsn;
             self.ctx.metrics.acknowledged_lsn.set(lsn.as_u64() as i64);
         }
     }
@@ -360,39 +352,28 @@ impl Session<'_> {
         let deadline = tokio::time::Instant::now() + cfg.shutdown_grace;
         // The open transaction (if any) is dropped: Postgres re-sends it next time.
         loop {
-            if let Some(in_flight) = self.pipeline.in_flight.as_mut() {
-                match tokio::time::timeout_at(deadline, &mut in_flight.task).await {
-                    Ok(Ok((batch, Ok(outcome)))) => {
-                        self.pipeline.in_flight = None;
-                        self.on_published(batch, outcome);
-                    }
-                    Ok(Ok((_, Err(e)))) => {
-                        self.pipeline.in_flight = None;
-                        warn!(error = %e, "last batch failed during shutdown; it stays unacknowledged");
-                        break;
-                    }
-                    Ok(Err(e)) => {
-                        self.pipeline.in_flight = None;
-                        warn!(error = %e, "publish task failed during shutdown");
-                        break;
-                    }
-                    Err(_) => {
-                        warn!(grace = ?cfg.shutdown_grace, "in-flight batch not confirmed within the shutdown grace; leaving it unacknowledged");
-                        if let Some(f) = self.pipeline.in_flight.take() {
-                            f.task.abort();
-                        }
-                        break;
-                    }
-                }
-            } else if self.pipeline.ready_to_publish() {
+            if self.ready_to_publish() {
                 self.start_publish();
-            } else {
+            }
+            if self.pipeline.is_idle() {
                 break;
             }
+            match tokio::time::timeout_at(deadline, self.pipeline.confirmed()).await {
+                Ok(Ok((sealed, outcome))) => self.on_published(&sealed.batch, outcome),
+                Ok(Err(e)) => {
+                    warn!(error = %e, "publishing failed during shutdown; the rest stays unacknowledged");
+                    break;
+                }
+                Err(_) => {
+                    warn!(grace = ?cfg.shutdown_grace, "unconfirmed batches left at the end of the shutdown grace; they stay unacknowledged");
+                    break;
+                }
+            }
         }
+        self.pipeline.abort();
         // pgwire-replication sends no final status on stop(): wait until the worker reports
         // that a status update carrying our last acknowledgement went out.
-        let target = self.pipeline.acknowledged_lsn;
+        let target = self.state.acknowledged_lsn;
         let metrics = self.client.metrics();
         let ack_deadline =
             tokio::time::Instant::now() + cfg.status_interval * 2 + Duration::from_secs(2);
@@ -410,55 +391,6 @@ impl Session<'_> {
         }
         info!(acknowledged_lsn = %sent, "stopped");
         Ok(())
-    }
-}
-
-/// Awaits the in-flight batch (the branch is disabled when there is none).
-async fn join_in_flight(
-    in_flight: &mut Option<InFlight>,
-) -> (Batch, Result<PublishOutcome, RelayError>) {
-    match in_flight {
-        Some(f) => match (&mut f.task).await {
-            Ok(done) => done,
-            Err(e) => (
-                Batch::default(),
-                Err(RelayError::Protocol(format!("publish task failed: {e}"))),
-            ),
-        },
-        None => std::future::pending().await,
-    }
-}
-
-/// Publish one batch, retrying transient failures (the same batch, so ids keep it
-/// idempotent) until Redis confirms it or a permanent error stops the relay.
-async fn publish_until_confirmed(
-    mut publisher: Publisher,
-    batch: Batch,
-    origin: Origin,
-    fence: Option<EntryId>,
-    ctx: crate::relay::SharedContext,
-) -> (Batch, Result<PublishOutcome, RelayError>) {
-    let mut backoff = Backoff::new(Duration::from_millis(50), ctx.config.reconnect_max_backoff);
-    loop {
-        let started = Instant::now();
-        match publisher.publish(&batch, &origin, fence).await {
-            Ok(outcome) => {
-                ctx.metrics
-                    .publish_batch_duration_seconds
-                    .observe(started.elapsed().as_secs_f64());
-                ctx.set_redis_reachable(true);
-                return (batch, Ok(outcome));
-            }
-            Err(e) if e.is_transient() => {
-                ctx.metrics.redis_errors_total.inc();
-                ctx.set_redis_reachable(false);
-                ctx.set_last_error(Some(e.to_string()));
-                let delay = backoff.next_delay();
-                warn!(error = %e, entries = batch.entries.len(), retry_in = ?delay, "publish failed; retrying the same batch");
-                tokio::time::sleep(delay).await;
-            }
-            Err(e) => return (batch, Err(e)),
-        }
     }
 }
 
