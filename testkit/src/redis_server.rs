@@ -52,10 +52,16 @@ impl RedisServer {
             .map(|p| p.pid())
     }
 
-    /// A multiplexed async connection (fails fast while the server is down).
+    /// A multiplexed async connection (fails fast while the server is down). Replies may
+    /// be large (tests read whole streams), so the response timeout is generous.
     pub async fn connect(&self) -> anyhow::Result<redis::aio::MultiplexedConnection> {
         let client = redis::Client::open(self.url())?;
-        Ok(client.get_multiplexed_async_connection().await?)
+        let config = redis::AsyncConnectionConfig::new()
+            .set_response_timeout(Some(Duration::from_secs(60)))
+            .set_connection_timeout(Some(Duration::from_secs(5)));
+        Ok(client
+            .get_multiplexed_async_connection_with_config(&config)
+            .await?)
     }
 
     /// Start on the existing data directory (replaying the AOF) and wait for PONG.

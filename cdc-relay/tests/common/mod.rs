@@ -288,7 +288,7 @@ pub async fn read_stream(redis: &RedisServer, stream: &str) -> anyhow::Result<Ve
             .arg(&start)
             .arg("+")
             .arg("COUNT")
-            .arg(10_000)
+            .arg(2_000)
             .query_async(&mut conn)
             .await?;
         let n = reply.ids.len();
@@ -308,7 +308,7 @@ pub async fn read_stream(redis: &RedisServer, stream: &str) -> anyhow::Result<Ve
             });
             start = format!("({}", item.id);
         }
-        if n < 10_000 {
+        if n < 2_000 {
             return Ok(entries);
         }
     }
