@@ -1,0 +1,345 @@
+//! Relay drain throughput: a pre-filled outbox drained by the relay (release binary, Redis
+//! with `appendfsync always`) and, on a second slot over the same WAL, by `pg_recvlogical`,
+//! which does nothing with the changes: the walsender's own ceiling.
+//!
+//! Shapes: many single-row transactions (the chat's real shape) and fewer 1,000-row ones.
+//! Both consumers get slots created before the fill, so they decode exactly the same WAL.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde::Serialize;
+use testkit::{unique_name, ChildProcess, PgServer, RedisServer, Signal, TestDb};
+
+use crate::report;
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Single-row transactions in shape (a).
+    #[arg(long, default_value_t = 200_000)]
+    single_row_txns: u32,
+    /// Transactions of 1,000 rows in shape (b).
+    #[arg(long, default_value_t = 200)]
+    batch_txns: u32,
+    /// Rows per transaction in shape (b).
+    #[arg(long, default_value_t = 1_000)]
+    rows_per_batch_txn: u32,
+    /// Drains of each consumer per shape (fresh slots each time); the best is reported.
+    #[arg(long, default_value_t = 2)]
+    rounds: u32,
+}
+
+#[derive(Debug, Serialize)]
+struct ShapeResult {
+    shape: String,
+    transactions: u32,
+    events: u64,
+    wal_bytes: i64,
+    relay_seconds: Vec<f64>,
+    pg_recvlogical_seconds: Vec<f64>,
+    relay_events_per_second: f64,
+    pg_recvlogical_events_per_second: f64,
+    relay_percent_of_ceiling: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Result {
+    command: String,
+    machine: report::Machine,
+    shapes: Vec<ShapeResult>,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let relay_bin = report::workspace_binary("cdc-relay")?;
+    let pg = PgServer::start()?;
+    let redis = RedisServer::start()?;
+    let shapes = [
+        ("single-row transactions", args.single_row_txns, 1),
+        (
+            "1,000-row transactions",
+            args.batch_txns,
+            args.rows_per_batch_txn,
+        ),
+    ];
+    let mut results = Vec::new();
+    for (name, txns, rows) in shapes {
+        eprintln!("[throughput] {name}: filling {txns} transactions of {rows} rows");
+        results.push(measure_shape(&pg, &redis, &relay_bin, name, txns, rows, args.rounds).await?);
+    }
+
+    println!();
+    println!(
+        "Relay drain throughput (events/s; best of {} rounds; Redis appendfsync always)",
+        args.rounds
+    );
+    println!(
+        "{:<26} {:>9} {:>14} {:>16} {:>9}",
+        "shape", "events", "cdc-relay", "pg_recvlogical", "relay %"
+    );
+    for r in &results {
+        println!(
+            "{:<26} {:>9} {:>14.0} {:>16.0} {:>8.1}%",
+            r.shape,
+            r.events,
+            r.relay_events_per_second,
+            r.pg_recvlogical_events_per_second,
+            r.relay_percent_of_ceiling
+        );
+    }
+    let result = Result {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        machine: report::machine(),
+        shapes: results,
+    };
+    let path = report::write_json("throughput", &result)?;
+    println!("\nwritten to {}", path.display());
+    Ok(())
+}
+
+async fn measure_shape(
+    pg: &PgServer,
+    redis: &RedisServer,
+    relay_bin: &std::path::Path,
+    shape: &str,
+    txns: u32,
+    rows: u32,
+    rounds: u32,
+) -> anyhow::Result<ShapeResult> {
+    let db = pg.create_database().await?;
+    let admin = db.connect().await?;
+    let mut relay_slots = Vec::new();
+    let mut recv_slots = Vec::new();
+    for _ in 0..rounds {
+        for slots in [&mut relay_slots, &mut recv_slots] {
+            let slot = unique_name("lab");
+            admin
+                .query_one(
+                    "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                    &[&slot],
+                )
+                .await?;
+            slots.push(slot);
+        }
+    }
+    admin
+        .batch_execute(
+            "CREATE PROCEDURE lab_fill(txns int, rows_per_txn int) LANGUAGE plpgsql AS $$
+             BEGIN
+               FOR t IN 1..txns LOOP
+                 INSERT INTO consumers.outbox (event, payload)
+                 SELECT 'message.created', jsonb_build_object(
+                          'id', gen_random_uuid(), 'chat_id', 7, 'side', 'consumers',
+                          'body', 'hello from the lab, message ' || t || '.' || r,
+                          'created_at', now())
+                   FROM generate_series(1, rows_per_txn) AS r;
+                 COMMIT;
+               END LOOP;
+             END $$",
+        )
+        .await?;
+    let start_lsn: String = admin
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await?
+        .get(0);
+    let filled = Instant::now();
+    admin
+        .execute("CALL lab_fill($1, $2)", &[&(txns as i32), &(rows as i32)])
+        .await?;
+    let end_lsn: String = admin
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await?
+        .get(0);
+    let wal_bytes: i64 = admin
+        .query_one(
+            "SELECT pg_wal_lsn_diff($1::text::pg_lsn, $2::text::pg_lsn)::bigint",
+            &[&end_lsn, &start_lsn],
+        )
+        .await?
+        .get(0);
+    let events = u64::from(txns) * u64::from(rows);
+    eprintln!(
+        "[throughput] filled {events} events ({} MB of WAL) in {:.1?}",
+        wal_bytes >> 20,
+        filled.elapsed()
+    );
+
+    let mut relay_seconds = Vec::new();
+    let mut recv_seconds = Vec::new();
+    for round in 0..rounds as usize {
+        let t = drain_with_pg_recvlogical(pg, &db, &recv_slots[round], &end_lsn)?;
+        eprintln!(
+            "[throughput] pg_recvlogical round {}: {:.2} s ({:.0} events/s)",
+            round + 1,
+            t,
+            events as f64 / t
+        );
+        recv_seconds.push(t);
+        let stream = format!("lab:{}", unique_name("stream"));
+        let t =
+            drain_with_relay(relay_bin, &db, redis, &relay_slots[round], &stream, events).await?;
+        eprintln!(
+            "[throughput] cdc-relay round {}: {:.2} s ({:.0} events/s)",
+            round + 1,
+            t,
+            events as f64 / t
+        );
+        relay_seconds.push(t);
+        let mut conn = redis.connect().await?;
+        let _: () = redis::cmd("DEL")
+            .arg(&stream)
+            .query_async(&mut conn)
+            .await?;
+    }
+    let best = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+    let relay_rate = events as f64 / best(&relay_seconds);
+    let recv_rate = events as f64 / best(&recv_seconds);
+    Ok(ShapeResult {
+        shape: shape.to_string(),
+        transactions: txns,
+        events,
+        wal_bytes,
+        relay_seconds,
+        pg_recvlogical_seconds: recv_seconds,
+        relay_events_per_second: relay_rate,
+        pg_recvlogical_events_per_second: recv_rate,
+        relay_percent_of_ceiling: 100.0 * relay_rate / recv_rate,
+    })
+}
+
+/// Seconds for pg_recvlogical to stream the slot up to `end_lsn` (output discarded).
+fn drain_with_pg_recvlogical(
+    pg: &PgServer,
+    db: &TestDb,
+    slot: &str,
+    end_lsn: &str,
+) -> anyhow::Result<f64> {
+    let started = Instant::now();
+    let output = Command::new("/usr/lib/postgresql/15/bin/pg_recvlogical")
+        .args([
+            "--dbname",
+            &db.url("consumers_relay"),
+            "--slot",
+            slot,
+            "--start",
+            "--no-loop",
+        ])
+        .args(["--endpos", end_lsn, "--file", "/dev/null"])
+        .args([
+            "-o",
+            "proto_version=1",
+            "-o",
+            "publication_names=consumers_outbox",
+        ])
+        .output()
+        .context("run pg_recvlogical")?;
+    let elapsed = started.elapsed().as_secs_f64();
+    if !output.status.success() {
+        bail!(
+            "pg_recvlogical failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    let _ = pg;
+    Ok(elapsed)
+}
+
+/// Seconds from starting the relay binary until the stream holds `events` entries.
+async fn drain_with_relay(
+    relay_bin: &std::path::Path,
+    db: &TestDb,
+    redis: &RedisServer,
+    slot: &str,
+    stream: &str,
+    events: u64,
+) -> anyhow::Result<f64> {
+    let admin: std::net::SocketAddr =
+        format!("127.0.0.1:{}", testkit::http::free_port()).parse()?;
+    let mut cmd = Command::new(relay_bin);
+    cmd.arg("run")
+        .args(["--database-url", &db.url("consumers_relay"), "--slot", slot])
+        .args([
+            "--publication",
+            "consumers_outbox",
+            "--outbox-table",
+            "consumers.outbox",
+        ])
+        .args([
+            "--redis-url",
+            &redis.url(),
+            "--stream",
+            stream,
+            "--admin-addr",
+            &admin.to_string(),
+        ])
+        .env("RUST_LOG", "warn");
+    let log = testkit::scratch_dir("lab-relay").join("relay.log");
+    let started = Instant::now();
+    let relay = ChildProcess::spawn("cdc-relay", cmd, &log)?;
+    let mut conn = redis.connect().await?;
+    let redis_cpu_start = cpu_seconds(redis.pid().unwrap_or(0));
+    loop {
+        let len: u64 = redis::cmd("XLEN")
+            .arg(stream)
+            .query_async(&mut conn)
+            .await?;
+        if len >= events {
+            break;
+        }
+        if !relay.is_running() {
+            bail!("relay exited: {}", relay.log());
+        }
+        if started.elapsed() > Duration::from_secs(600) {
+            bail!("relay drained only {len} of {events} in 10 minutes");
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let client = db.connect().await?;
+    let walsender: i32 = client
+        .query_one(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?
+        .get(0);
+    eprintln!(
+        "[throughput]   CPU seconds: relay {:.2}, redis {:.2}, walsender {:.2}",
+        cpu_seconds(relay.pid()),
+        cpu_seconds(redis.pid().unwrap_or(0)) - redis_cpu_start,
+        cpu_seconds(walsender as u32),
+    );
+    let (_, metrics) = testkit::http::get(admin, "/metrics").await?;
+    let value = |name: &str| testkit::http::metric_value(&metrics, name).unwrap_or(f64::NAN);
+    let batches = value("cdc_relay_publish_batches_total");
+    eprintln!(
+        "[throughput]   {batches} batches, {:.0} entries and {:.2} ms per batch on average",
+        value("cdc_relay_publish_batch_entries_sum") / batches,
+        1000.0 * value("cdc_relay_publish_batch_duration_seconds_sum")
+            / value("cdc_relay_publish_batch_duration_seconds_count"),
+    );
+    relay.stop_with(Signal::Term, Duration::from_secs(30))?;
+    Ok(elapsed)
+}
+
+/// User plus system CPU time of a process so far, from /proc (0 when gone).
+fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+        return 0.0;
+    };
+    let fields: Vec<&str> = rest.split(' ').collect();
+    // After the command name: state is field 0, utime field 11, stime field 12 (clock ticks).
+    let ticks: f64 = fields
+        .get(11)
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0)
+        + fields
+            .get(12)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
+    // Linux reports in USER_HZ, 100 per second.
+    ticks / 100.0
+}
