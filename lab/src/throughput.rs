@@ -28,6 +28,9 @@ pub struct Args {
     /// Drains of each consumer per shape (fresh slots each time); the best is reported.
     #[arg(long, default_value_t = 2)]
     rounds: u32,
+    /// Extra flag for the relay, repeatable (e.g. --relay-arg=--batch-max-entries=1).
+    #[arg(long = "relay-arg", allow_hyphen_values = true)]
+    relay_args: Vec<String>,
 }
 
 #[derive(Debug, Serialize)]
@@ -65,7 +68,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let mut results = Vec::new();
     for (name, txns, rows) in shapes {
         eprintln!("[throughput] {name}: filling {txns} transactions of {rows} rows");
-        results.push(measure_shape(&pg, &redis, &relay_bin, name, txns, rows, args.rounds).await?);
+        let shape = Shape { name, txns, rows };
+        results.push(measure_shape(&pg, &redis, &relay_bin, &shape, &args).await?);
     }
 
     println!();
@@ -97,15 +101,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     Ok(())
 }
 
+struct Shape {
+    name: &'static str,
+    txns: u32,
+    rows: u32,
+}
+
 async fn measure_shape(
     pg: &PgServer,
     redis: &RedisServer,
     relay_bin: &std::path::Path,
-    shape: &str,
-    txns: u32,
-    rows: u32,
-    rounds: u32,
+    shape: &Shape,
+    args: &Args,
 ) -> anyhow::Result<ShapeResult> {
+    let (txns, rows, rounds) = (shape.txns, shape.rows, args.rounds);
     let db = pg.create_database().await?;
     let admin = db.connect().await?;
     let mut relay_slots = Vec::new();
@@ -176,8 +185,16 @@ async fn measure_shape(
         );
         recv_seconds.push(t);
         let stream = format!("lab:{}", unique_name("stream"));
-        let t =
-            drain_with_relay(relay_bin, &db, redis, &relay_slots[round], &stream, events).await?;
+        let t = drain_with_relay(
+            relay_bin,
+            &args.relay_args,
+            &db,
+            redis,
+            &relay_slots[round],
+            &stream,
+            events,
+        )
+        .await?;
         eprintln!(
             "[throughput] cdc-relay round {}: {:.2} s ({:.0} events/s)",
             round + 1,
@@ -195,7 +212,7 @@ async fn measure_shape(
     let relay_rate = events as f64 / best(&relay_seconds);
     let recv_rate = events as f64 / best(&recv_seconds);
     Ok(ShapeResult {
-        shape: shape.to_string(),
+        shape: shape.name.to_string(),
         transactions: txns,
         events,
         wal_bytes,
@@ -247,6 +264,7 @@ fn drain_with_pg_recvlogical(
 /// Seconds from starting the relay binary until the stream holds `events` entries.
 async fn drain_with_relay(
     relay_bin: &std::path::Path,
+    extra_args: &[String],
     db: &TestDb,
     redis: &RedisServer,
     slot: &str,
@@ -272,6 +290,7 @@ async fn drain_with_relay(
             "--admin-addr",
             &admin.to_string(),
         ])
+        .args(extra_args)
         .env("RUST_LOG", "warn");
     let log = testkit::scratch_dir("lab-relay").join("relay.log");
     let started = Instant::now();
