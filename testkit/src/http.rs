@@ -1,59 +1,218 @@
-//! Minimal HTTP/1.1 GET for probing admin endpoints of processes under test.
+//! A small HTTP/1.1 client for tests: plain requests, Server-Sent Events, and helpers for
+//! probing admin endpoints of processes under test.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use anyhow::{bail, Context};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use bytes::Bytes;
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::{Request, Response};
+use hyper_util::rt::TokioIo;
 use tokio::net::TcpStream;
+use tokio::sync::mpsc;
 
-/// `GET path` on `addr`: the status code and the body.
-pub async fn get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
-    let exchange = async {
-        let mut stream = TcpStream::connect(addr).await?;
-        let request = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
-        stream.write_all(request.as_bytes()).await?;
-        let mut raw = Vec::new();
-        stream.read_to_end(&mut raw).await?;
-        anyhow::Ok(raw)
-    };
-    let raw = tokio::time::timeout(Duration::from_secs(10), exchange)
-        .await
-        .context("HTTP GET timed out")??;
-    let text = String::from_utf8_lossy(&raw);
-    let (head, body) = text
-        .split_once("\r\n\r\n")
-        .context("no end of HTTP headers")?;
-    let status: u16 = head
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .context("no HTTP status")?;
-    let chunked = head
-        .lines()
-        .any(|l| l.eq_ignore_ascii_case("transfer-encoding: chunked"));
-    let body = if chunked {
-        dechunk(body)?
-    } else {
-        body.to_string()
-    };
-    Ok((status, body))
+/// A response, read whole.
+#[derive(Debug, Clone)]
+pub struct Reply {
+    pub status: u16,
+    pub headers: hyper::HeaderMap,
+    pub body: String,
 }
 
-fn dechunk(mut body: &str) -> anyhow::Result<String> {
-    let mut out = String::new();
-    loop {
-        let (size, rest) = body.split_once("\r\n").context("bad chunk")?;
-        let size = usize::from_str_radix(size.trim(), 16)?;
-        if size == 0 {
-            return Ok(out);
-        }
-        if rest.len() < size {
-            bail!("truncated chunk");
-        }
-        out.push_str(&rest[..size]);
-        body = rest[size..].trim_start_matches("\r\n");
+impl Reply {
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_str(&self.body)
+            .unwrap_or_else(|e| panic!("response is not JSON ({e}): {}", self.body))
     }
+
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+async fn send(
+    addr: SocketAddr,
+    request: Request<Full<Bytes>>,
+) -> anyhow::Result<Response<Incoming>> {
+    let stream = TcpStream::connect(addr)
+        .await
+        .with_context(|| format!("connect {addr}"))?;
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+    tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    Ok(sender.send_request(request).await?)
+}
+
+/// `method path` with `headers` and `body`; the whole response within 30 s.
+pub async fn request(
+    addr: SocketAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: impl Into<Bytes>,
+) -> anyhow::Result<Reply> {
+    let mut builder = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("host", addr.to_string());
+    for (name, value) in headers {
+        builder = builder.header(*name, *value);
+    }
+    let request = builder.body(Full::new(body.into()))?;
+    let exchange = async {
+        let response = send(addr, request).await?;
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let body = response.into_body().collect().await?.to_bytes();
+        anyhow::Ok(Reply {
+            status,
+            headers,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        })
+    };
+    tokio::time::timeout(Duration::from_secs(30), exchange)
+        .await
+        .context("HTTP request timed out")?
+}
+
+/// `GET path`: the status code and the body.
+pub async fn get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
+    let reply = request(addr, "GET", path, &[], Bytes::new()).await?;
+    Ok((reply.status, reply.body))
+}
+
+/// `POST path` with a JSON body.
+pub async fn post_json(
+    addr: SocketAddr,
+    path: &str,
+    body: &serde_json::Value,
+    headers: &[(&str, &str)],
+) -> anyhow::Result<Reply> {
+    let mut all = vec![("content-type", "application/json")];
+    all.extend_from_slice(headers);
+    request(addr, "POST", path, &all, body.to_string()).await
+}
+
+/// One Server-Sent Event.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SseEvent {
+    pub id: Option<String>,
+    pub event: String,
+    pub data: String,
+}
+
+/// A connected Server-Sent Events stream; events are parsed as they arrive.
+pub struct SseClient {
+    events: mpsc::UnboundedReceiver<SseEvent>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl SseClient {
+    /// Connect to `path`, sending `Last-Event-ID` when given; fails unless the answer is a
+    /// 200 event stream.
+    pub async fn connect(
+        addr: SocketAddr,
+        path: &str,
+        last_event_id: Option<&str>,
+    ) -> anyhow::Result<Self> {
+        let mut builder = Request::builder()
+            .uri(path)
+            .header("host", addr.to_string())
+            .header("accept", "text/event-stream");
+        if let Some(id) = last_event_id {
+            builder = builder.header("last-event-id", id);
+        }
+        let response = tokio::time::timeout(
+            Duration::from_secs(10),
+            send(addr, builder.body(Full::new(Bytes::new()))?),
+        )
+        .await
+        .context("SSE connect timed out")??;
+        let status = response.status().as_u16();
+        let content_type = response
+            .headers()
+            .get("content-type")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or_default()
+            .to_string();
+        if status != 200 || !content_type.starts_with("text/event-stream") {
+            let body = response.into_body().collect().await?.to_bytes();
+            bail!(
+                "SSE connect got {status} {content_type}: {}",
+                String::from_utf8_lossy(&body)
+            );
+        }
+        let (tx, events) = mpsc::unbounded_channel();
+        let mut body = response.into_body();
+        let task = tokio::spawn(async move {
+            let mut buffer = String::new();
+            while let Some(Ok(frame)) = body.frame().await {
+                let Ok(data) = frame.into_data() else {
+                    continue;
+                };
+                buffer.push_str(&String::from_utf8_lossy(&data));
+                while let Some(end) = buffer.find("\n\n") {
+                    let block: String = buffer.drain(..end + 2).collect();
+                    if let Some(event) = parse_event(&block) {
+                        if tx.send(event).is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+        });
+        Ok(Self { events, task })
+    }
+
+    /// The next event, or `None` if none arrived within `timeout` or the stream ended.
+    pub async fn next(&mut self, timeout: Duration) -> Option<SseEvent> {
+        tokio::time::timeout(timeout, self.events.recv())
+            .await
+            .ok()
+            .flatten()
+    }
+
+    /// Whether the server closed the stream (all events received so far stay readable).
+    pub fn is_closed(&self) -> bool {
+        self.task.is_finished()
+    }
+}
+
+impl Drop for SseClient {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// An event from one block of lines; comments and `retry:` lines alone make no event.
+fn parse_event(block: &str) -> Option<SseEvent> {
+    let mut id = None;
+    let mut event = None;
+    let mut data: Vec<&str> = Vec::new();
+    for line in block.lines() {
+        if line.starts_with(':') || line.is_empty() {
+            continue;
+        }
+        let (field, value) = line.split_once(':').unwrap_or((line, ""));
+        let value = value.strip_prefix(' ').unwrap_or(value);
+        match field {
+            "id" => id = Some(value.to_string()),
+            "event" => event = Some(value.to_string()),
+            "data" => data.push(value),
+            _ => {}
+        }
+    }
+    if data.is_empty() {
+        return None;
+    }
+    Some(SseEvent {
+        id,
+        event: event.unwrap_or_else(|| "message".into()),
+        data: data.join("\n"),
+    })
 }
 
 /// A port on 127.0.0.1 that was free a moment ago (the kernel's choice, not a fixed one).
@@ -70,4 +229,23 @@ pub fn metric_value(text: &str, name: &str) -> Option<f64> {
         let (metric, value) = l.split_once(' ')?;
         (metric == name).then(|| value.trim().parse().ok())?
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sse_blocks_parse() {
+        assert_eq!(
+            parse_event("id: 7\nevent: message\ndata: {\"a\":1}\n\n"),
+            Some(SseEvent {
+                id: Some("7".into()),
+                event: "message".into(),
+                data: "{\"a\":1}".into()
+            })
+        );
+        assert_eq!(parse_event(": heartbeat\n\n"), None);
+        assert_eq!(parse_event("retry: 1000\n\n"), None);
+    }
 }

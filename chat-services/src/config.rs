@@ -1,0 +1,170 @@
+//! Command line and environment of a chat service, validated at start.
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Parser;
+
+use crate::side::Side;
+
+/// One side of the chat (Consumers or Workers): HTTP API, chat page, outbox writes on send,
+/// and the inbox consumer of the other side's stream.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "chat-service", version)]
+pub struct Cli {
+    /// Which service this is.
+    #[arg(long, env = "CHAT_SIDE", value_enum)]
+    pub side: Side,
+    /// Postgres URL of this side's own role (it owns the schema of the same name).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// Redis URL (redis://, rediss:// or redis+unix://).
+    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
+    pub redis_url: String,
+    /// HTTP listen address.
+    #[arg(long, env = "LISTEN_ADDR", default_value = "127.0.0.1:8080")]
+    pub listen: String,
+    /// Stable consumer name of this instance in the consumer group (default: <side>-<hostname>).
+    #[arg(long, env = "CONSUMER_NAME")]
+    pub consumer_name: Option<String>,
+    /// Stream to consume (default: the other side's outbox stream, outbox:<other side>).
+    #[arg(long, env = "CHAT_INBOUND_STREAM")]
+    pub inbound_stream: Option<String>,
+    /// Where entries that cannot be recorded go, with the reason (default: deadletter:<side>).
+    #[arg(long, env = "CHAT_DEAD_LETTER_STREAM")]
+    pub dead_letter_stream: Option<String>,
+    /// Pending entries idle this long are claimed from the consumer holding them.
+    #[arg(long, env = "CHAT_CLAIM_IDLE", value_parser = humantime::parse_duration, default_value = "30s")]
+    pub claim_idle: Duration,
+    /// Deliveries without acknowledgement after which an entry is dead-lettered.
+    #[arg(long, env = "CHAT_MAX_DELIVERIES", default_value_t = 5)]
+    pub max_deliveries: u64,
+    /// TTL of the inbox consumer lease (one active consumer per side).
+    #[arg(long, env = "CHAT_LEASE_TTL", value_parser = humantime::parse_duration, default_value = "10s")]
+    pub lease_ttl: Duration,
+    /// Interval of SSE heartbeat comments.
+    #[arg(long, env = "CHAT_SSE_HEARTBEAT", value_parser = humantime::parse_duration, default_value = "15s")]
+    pub sse_heartbeat: Duration,
+    /// Postgres connections in the pool.
+    #[arg(long, env = "CHAT_DB_POOL_SIZE", default_value_t = 16)]
+    pub db_pool_size: usize,
+    /// Log line format.
+    #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
+    pub log_format: LogFormat,
+    /// Fault injection for tests and the lab: SIGKILL the process right after the n-th
+    /// received message is committed to the inbox, before XACK.
+    #[arg(long, env = "CHAT_CRASH_AFTER_INBOX_COMMIT", hide = true)]
+    pub crash_after_inbox_commit: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Everything a service needs, validated.
+#[derive(Clone)]
+pub struct ServiceConfig {
+    pub side: Side,
+    pub postgres: tokio_postgres::Config,
+    pub redis: redis::Client,
+    pub listen: SocketAddr,
+    pub consumer_name: String,
+    pub inbound_stream: String,
+    pub dead_letter_stream: String,
+    pub claim_idle: Duration,
+    pub max_deliveries: u64,
+    pub lease_ttl: Duration,
+    pub sse_heartbeat: Duration,
+    pub db_pool_size: usize,
+    pub crash_after_inbox_commit: Option<u64>,
+}
+
+impl std::fmt::Debug for ServiceConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The URLs may carry passwords: leave them out.
+        f.debug_struct("ServiceConfig")
+            .field("side", &self.side)
+            .field("listen", &self.listen)
+            .field("consumer_name", &self.consumer_name)
+            .field("inbound_stream", &self.inbound_stream)
+            .finish_non_exhaustive()
+    }
+}
+
+fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty())
+        .unwrap_or_else(|| "local".into())
+}
+
+impl Cli {
+    pub fn validate(&self) -> Result<ServiceConfig, String> {
+        let postgres: tokio_postgres::Config = self.database_url.parse().map_err(|_| {
+            "--database-url is not a valid Postgres URL (postgres://user[:password]@host[:port]/database)".to_string()
+        })?;
+        if postgres.get_user().is_none() {
+            return Err(format!(
+                "--database-url names no user: use this side's own role (postgres://{}@host/db)",
+                self.side
+            ));
+        }
+        let redis = redis::Client::open(self.redis_url.as_str()).map_err(|_| {
+            "--redis-url is not a valid Redis URL (redis://host:port, rediss://..., redis+unix:///path)".to_string()
+        })?;
+        let listen = self.listen.parse().map_err(|_| {
+            format!(
+                "--listen '{}' is not host:port (e.g. 0.0.0.0:8080)",
+                self.listen
+            )
+        })?;
+        let consumer_name = self
+            .consumer_name
+            .clone()
+            .unwrap_or_else(|| format!("{}-{}", self.side, hostname()));
+        if consumer_name.is_empty()
+            || consumer_name.contains('/')
+            || consumer_name.chars().any(char::is_whitespace)
+        {
+            return Err(format!(
+                "--consumer-name '{consumer_name}' must be non-empty, without '/' or whitespace"
+            ));
+        }
+        if self.max_deliveries == 0 {
+            return Err("--max-deliveries must be at least 1".into());
+        }
+        if self.lease_ttl < Duration::from_secs(1) {
+            return Err("--lease-ttl must be at least 1s".into());
+        }
+        if self.sse_heartbeat.is_zero() || self.claim_idle.is_zero() {
+            return Err("--sse-heartbeat and --claim-idle must be greater than zero".into());
+        }
+        if self.db_pool_size == 0 {
+            return Err("--db-pool-size must be at least 1".into());
+        }
+        Ok(ServiceConfig {
+            side: self.side,
+            postgres,
+            redis,
+            listen,
+            consumer_name,
+            inbound_stream: self
+                .inbound_stream
+                .clone()
+                .unwrap_or_else(|| self.side.other().outbox_stream()),
+            dead_letter_stream: self
+                .dead_letter_stream
+                .clone()
+                .unwrap_or_else(|| format!("deadletter:{}", self.side)),
+            claim_idle: self.claim_idle,
+            max_deliveries: self.max_deliveries,
+            lease_ttl: self.lease_ttl,
+            sse_heartbeat: self.sse_heartbeat,
+            db_pool_size: self.db_pool_size,
+            crash_after_inbox_commit: self.crash_after_inbox_commit,
+        })
+    }
+}

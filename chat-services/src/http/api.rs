@@ -1,0 +1,314 @@
+//! The route handlers.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::{Request, Response, StatusCode};
+use tracing::error;
+use uuid::Uuid;
+
+use super::reply::{self, Body};
+use super::{sse, App};
+use crate::model::{self, InputError};
+use crate::store::StoreError;
+
+/// Largest request body read, in bytes (a 4,000-character body is at most ~16 KB of JSON).
+const MAX_REQUEST_BYTES: usize = 64 * 1024;
+const DEFAULT_HISTORY: i64 = 50;
+const MAX_HISTORY: i64 = 500;
+
+const PAGE: &str = include_str!("../page.html");
+
+pub fn page(app: &App) -> Response<Body> {
+    let html = PAGE
+        .replace("{{SIDE}}", app.side.as_str())
+        .replace("{{OTHER}}", app.side.other().as_str());
+    let mut resp = Response::new(reply::full(html));
+    let headers = resp.headers_mut();
+    headers.insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/html; charset=utf-8"),
+    );
+    headers.insert(
+        "content-security-policy",
+        HeaderValue::from_static("default-src 'self'; script-src 'unsafe-inline' 'self'; style-src 'unsafe-inline' 'self'"),
+    );
+    resp
+}
+
+pub fn metrics(app: &App) -> Response<Body> {
+    let mut resp = Response::new(reply::full(app.metrics.encode()));
+    resp.headers_mut().insert(
+        CONTENT_TYPE,
+        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+    );
+    resp
+}
+
+/// Ready while Postgres answers (sends need nothing else); Redis and the inbox consumer are
+/// reported, but a Redis outage does not stop sends.
+pub async fn readyz(app: &App) -> Response<Body> {
+    let consumer = app.consumer.borrow().clone();
+    let postgres = tokio::time::timeout(Duration::from_secs(2), app.store.ping()).await;
+    let redis = if consumer.redis_reachable {
+        "up"
+    } else {
+        "down"
+    };
+    match postgres {
+        Ok(Ok(())) => reply::json(
+            StatusCode::OK,
+            &serde_json::json!({"status": "ready", "postgres": "up", "redis": redis, "consumer": consumer.role}),
+        ),
+        _ => reply::json(
+            StatusCode::SERVICE_UNAVAILABLE,
+            &serde_json::json!({"status": "not_ready", "reason": "postgres_unavailable", "postgres": "down", "redis": redis, "consumer": consumer.role}),
+        ),
+    }
+}
+
+fn input_error(e: InputError) -> Response<Body> {
+    let status = StatusCode::from_u16(e.status()).expect("valid status");
+    reply::error(status, e)
+}
+
+fn store_error(e: StoreError) -> Response<Body> {
+    match e {
+        StoreError::Unavailable(_) => {
+            reply::unavailable("the database is unavailable; nothing was written, retry shortly")
+        }
+        StoreError::IdempotencyMismatch { .. } => reply::error(StatusCode::UNPROCESSABLE_ENTITY, e),
+        StoreError::UnknownCursor(_) => reply::error(StatusCode::BAD_REQUEST, e),
+        StoreError::Other(ref detail) => {
+            error!(error = %detail, "database error");
+            reply::error(StatusCode::INTERNAL_SERVER_ERROR, "internal error")
+        }
+    }
+}
+
+/// `POST /chats/{chat_id}/messages`.
+pub async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Response<Body> {
+    let chat_id = match model::parse_chat_id(chat_id) {
+        Ok(id) => id,
+        Err(e) => return input_error(e),
+    };
+    if let Some(content_type) = req.headers().get(CONTENT_TYPE) {
+        let mime = content_type
+            .to_str()
+            .unwrap_or_default()
+            .split(';')
+            .next()
+            .unwrap_or_default()
+            .trim();
+        if !mime.eq_ignore_ascii_case("application/json") {
+            return reply::error(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "Content-Type must be application/json",
+            );
+        }
+    }
+    let idempotency_key = match req.headers().get("idempotency-key").map(|v| v.to_str()) {
+        None => None,
+        Some(Ok(key))
+            if !key.is_empty() && key.len() <= 255 && key.bytes().all(|b| b.is_ascii_graphic()) =>
+        {
+            Some(key.to_string())
+        }
+        Some(_) => {
+            return reply::error(
+                StatusCode::BAD_REQUEST,
+                "Idempotency-Key must be 1 to 255 visible ASCII characters",
+            )
+        }
+    };
+    let raw = match Limited::new(req.into_body(), MAX_REQUEST_BYTES)
+        .collect()
+        .await
+    {
+        Ok(collected) => collected.to_bytes(),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            return reply::error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body is over {MAX_REQUEST_BYTES} bytes"),
+            )
+        }
+        Err(_) => return reply::error(StatusCode::BAD_REQUEST, "could not read the request body"),
+    };
+    let body = match model::parse_send_request(&raw) {
+        Ok(body) => body,
+        Err(e) => return input_error(e),
+    };
+    match app
+        .store
+        .send(chat_id, &body, idempotency_key.as_deref())
+        .await
+    {
+        Ok((message, replayed)) => {
+            let mut resp = reply::json(StatusCode::CREATED, &message);
+            if replayed {
+                resp.headers_mut()
+                    .insert("idempotency-replayed", HeaderValue::from_static("true"));
+            } else {
+                app.metrics.messages_sent_total.inc();
+            }
+            resp
+        }
+        Err(e) => store_error(e),
+    }
+}
+
+/// `GET /chats/{chat_id}/messages?limit=&before=`.
+pub async fn history(app: &App, chat_id: &str, query: Option<&str>) -> Response<Body> {
+    let chat_id = match model::parse_chat_id(chat_id) {
+        Ok(id) => id,
+        Err(e) => return input_error(e),
+    };
+    let mut limit = DEFAULT_HISTORY;
+    let mut before = None;
+    for (key, value) in query_pairs(query) {
+        match key.as_str() {
+            "limit" => match value.parse::<i64>() {
+                Ok(n) if (1..=MAX_HISTORY).contains(&n) => limit = n,
+                _ => {
+                    return reply::error(
+                        StatusCode::BAD_REQUEST,
+                        format!("limit must be an integer from 1 to {MAX_HISTORY}, got '{value}'"),
+                    )
+                }
+            },
+            "before" => match Uuid::parse_str(&value) {
+                Ok(id) => before = Some(id),
+                Err(_) => {
+                    return reply::error(
+                        StatusCode::BAD_REQUEST,
+                        format!("before must be a message id (UUID), got '{value}'"),
+                    )
+                }
+            },
+            other => {
+                return reply::error(
+                    StatusCode::BAD_REQUEST,
+                    format!("unknown query parameter '{other}'; use limit and before"),
+                )
+            }
+        }
+    }
+    match app.store.history(chat_id, limit, before).await {
+        Ok(messages) => reply::json(StatusCode::OK, &serde_json::json!({ "messages": messages })),
+        Err(e) => store_error(e),
+    }
+}
+
+/// `GET /chats/{chat_id}/events`.
+pub fn events(app: Arc<App>, chat_id: &str, req: &Request<Incoming>) -> Response<Body> {
+    let chat_id = match model::parse_chat_id(chat_id) {
+        Ok(id) => id,
+        Err(e) => return input_error(e),
+    };
+    let parse_position =
+        |raw: &str, name: &str| {
+            raw.trim()
+                .parse::<i64>()
+                .ok()
+                .filter(|n| *n >= 0)
+                .ok_or_else(|| {
+                    reply::error(
+                StatusCode::BAD_REQUEST,
+                format!("{name} must be an inbox position (a non-negative integer), got '{raw}'"),
+            )
+                })
+        };
+    // Last-Event-ID (sent by a reconnecting EventSource) wins over the URL's ?after=.
+    let after = if let Some(header) = req.headers().get("last-event-id") {
+        match parse_position(header.to_str().unwrap_or_default(), "Last-Event-ID") {
+            Ok(n) => Some(n),
+            Err(resp) => return resp,
+        }
+    } else {
+        let mut after = None;
+        for (key, value) in query_pairs(req.uri().query()) {
+            if key != "after" {
+                return reply::error(
+                    StatusCode::BAD_REQUEST,
+                    format!("unknown query parameter '{key}'; use after"),
+                );
+            }
+            match parse_position(&value, "after") {
+                Ok(n) => after = Some(n),
+                Err(resp) => return resp,
+            }
+        }
+        after
+    };
+    sse::respond(app, chat_id, after)
+}
+
+/// `key=value` pairs of a query string, percent-decoded.
+fn query_pairs(query: Option<&str>) -> Vec<(String, String)> {
+    query
+        .unwrap_or_default()
+        .split('&')
+        .filter(|pair| !pair.is_empty())
+        .map(|pair| {
+            let (k, v) = pair.split_once('=').unwrap_or((pair, ""));
+            (percent_decode(k), percent_decode(v))
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> String {
+    fn hex(b: u8) -> Option<u8> {
+        match b {
+            b'0'..=b'9' => Some(b - b'0'),
+            b'a'..=b'f' => Some(b - b'a' + 10),
+            b'A'..=b'F' => Some(b - b'A' + 10),
+            _ => None,
+        }
+    }
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'+' => out.push(b' '),
+            b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                (Some(high), Some(low)) => {
+                    out.push(high * 16 + low);
+                    i += 2;
+                }
+                _ => out.push(b'%'),
+            },
+            b => out.push(b),
+        }
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn query_strings_decode() {
+        assert_eq!(
+            query_pairs(Some("limit=5&before=a%2Db&x")),
+            vec![
+                ("limit".into(), "5".into()),
+                ("before".into(), "a-b".into()),
+                ("x".into(), "".into())
+            ]
+        );
+        assert_eq!(percent_decode("%"), "%");
+        assert_eq!(percent_decode("%4"), "%4");
+        assert_eq!(percent_decode("a%20b+c"), "a b c");
+        assert_eq!(percent_decode("%zz"), "%zz");
+        assert_eq!(percent_decode("%é1"), "%é1");
+    }
+}

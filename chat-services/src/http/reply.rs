@@ -1,0 +1,51 @@
+//! Response helpers: JSON bodies, `{"error": ...}` errors, and the body type every route
+//! returns.
+
+use std::convert::Infallible;
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full};
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::{Response, StatusCode};
+
+pub type Body = BoxBody<Bytes, Infallible>;
+
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into()).boxed()
+}
+
+pub fn json(status: StatusCode, value: &impl serde::Serialize) -> Response<Body> {
+    let body = serde_json::to_vec(value).expect("response serializes");
+    let mut resp = Response::new(full(body));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+pub fn error(status: StatusCode, message: impl std::fmt::Display) -> Response<Body> {
+    json(status, &serde_json::json!({ "error": message.to_string() }))
+}
+
+pub fn method_not_allowed(
+    method: &hyper::Method,
+    path: &str,
+    allow: &'static str,
+) -> Response<Body> {
+    let mut resp = error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{method} is not allowed on {path}; allowed: {allow}"),
+    );
+    resp.headers_mut()
+        .insert("allow", HeaderValue::from_static(allow));
+    resp
+}
+
+/// 503 with `Retry-After`: the request wrote nothing and may be retried.
+pub fn unavailable(message: impl std::fmt::Display) -> Response<Body> {
+    let mut resp = error(StatusCode::SERVICE_UNAVAILABLE, message);
+    resp.headers_mut()
+        .insert("retry-after", HeaderValue::from_static("1"));
+    resp
+}

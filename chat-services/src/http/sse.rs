@@ -1,0 +1,135 @@
+//! `GET /chats/{chat_id}/events`: received messages as Server-Sent Events.
+//!
+//! The stream subscribes to the live hub first, then replays from the inbox everything after
+//! the client's position (`Last-Event-ID` or `?after=`), then forwards live messages,
+//! skipping any position it already sent: no gap and no duplicate at the seam. Each client
+//! has its own bounded queue; one that falls behind is caught up from the inbox rather than
+//! slowing anyone else.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures::stream;
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
+use hyper::Response;
+use tokio::sync::{broadcast, mpsc};
+use tracing::debug;
+
+use super::reply::Body;
+use super::App;
+use crate::hub::Live;
+use crate::model::HistoryItem;
+use crate::store::StoreError;
+
+/// Messages replayed from the inbox per query.
+const REPLAY_PAGE: i64 = 500;
+/// Frames queued for one client before its stream waits (and its live feed may lag).
+const CLIENT_QUEUE: usize = 64;
+
+/// The SSE frame of a received message; `id:` is its inbox position.
+pub fn frame(item: &HistoryItem) -> Bytes {
+    let seq = item.seq.expect("received messages have a position");
+    let data = serde_json::to_string(item).expect("message serializes");
+    Bytes::from(format!("id: {seq}\nevent: message\ndata: {data}\n\n"))
+}
+
+/// Start streaming chat `chat_id` from position `after` (`None`: from now on).
+pub fn respond(app: Arc<App>, chat_id: i64, after: Option<i64>) -> Response<Body> {
+    let (tx, rx) = mpsc::channel::<Bytes>(CLIENT_QUEUE);
+    let live = app.hub.subscribe(chat_id);
+    tokio::spawn(async move {
+        app.metrics.sse_clients.inc();
+        if let Err(e) = stream_events(&app, chat_id, after, live, &tx).await {
+            debug!(chat_id, error = %e, "event stream ended");
+        }
+        app.metrics.sse_clients.dec();
+    });
+    let body = stream::unfold(rx, |mut rx| async move {
+        rx.recv().await.map(|bytes| (Ok(Frame::data(bytes)), rx))
+    });
+    let mut resp = Response::new(StreamBody::new(body).boxed());
+    let headers = resp.headers_mut();
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
+    resp
+}
+
+#[derive(Debug, thiserror::Error)]
+enum StreamEnd {
+    #[error("client gone")]
+    ClientGone,
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+async fn stream_events(
+    app: &App,
+    chat_id: i64,
+    after: Option<i64>,
+    mut live: broadcast::Receiver<Live>,
+    tx: &mpsc::Sender<Bytes>,
+) -> Result<(), StreamEnd> {
+    let send =
+        |bytes: Bytes| async move { tx.send(bytes).await.map_err(|_| StreamEnd::ClientGone) };
+    send(Bytes::from_static(b"retry: 1000\n\n")).await?;
+    let mut last = match after {
+        Some(after) => {
+            let mut last = after;
+            catch_up(app, chat_id, &mut last, tx).await?;
+            last
+        }
+        None => app.store.last_seq().await?,
+    };
+    let mut heartbeat = tokio::time::interval_at(
+        tokio::time::Instant::now() + app.sse_heartbeat,
+        app.sse_heartbeat,
+    );
+    loop {
+        tokio::select! {
+            _ = app.shutdown.cancelled() => return Ok(()),
+            _ = tx.closed() => return Err(StreamEnd::ClientGone),
+            received = live.recv() => match received {
+                Ok(Live::Message { seq, frame }) => {
+                    if seq > last {
+                        send(frame).await?;
+                        last = seq;
+                    }
+                }
+                Ok(Live::Resync) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                    catch_up(app, chat_id, &mut last, tx).await?;
+                }
+                Err(broadcast::error::RecvError::Closed) => return Ok(()),
+            },
+            _ = heartbeat.tick() => send(Bytes::from_static(b": heartbeat\n\n")).await?,
+        }
+    }
+}
+
+/// Send everything recorded for the chat after `last`, advancing it.
+async fn catch_up(
+    app: &App,
+    chat_id: i64,
+    last: &mut i64,
+    tx: &mpsc::Sender<Bytes>,
+) -> Result<(), StreamEnd> {
+    loop {
+        let page = app.store.replay(chat_id, *last, REPLAY_PAGE).await?;
+        let n = page.len() as i64;
+        for item in &page {
+            tx.send(frame(item))
+                .await
+                .map_err(|_| StreamEnd::ClientGone)?;
+            *last = item.seq.unwrap_or(*last);
+        }
+        if n < REPLAY_PAGE {
+            return Ok(());
+        }
+    }
+}
+
+/// How long between heartbeat comments.
+pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(15);

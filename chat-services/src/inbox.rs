@@ -1,0 +1,696 @@
+//! The inbox consumer: the other side's stream in, each message recorded once in this
+//! side's inbox, acknowledged, then shown to live SSE clients.
+//!
+//! Invariants:
+//! - `XACK` only after the inbox transaction committed; a crash anywhere before it means
+//!   redelivery, and the inbox (unique message id) absorbs the duplicate.
+//! - Live clients are told only after the commit; the inbox is what they replay from, so a
+//!   crash between commit and push hides nothing (clients resume with `Last-Event-ID`).
+//! - One active consumer per side (a lease), reading in stream order, so messages are
+//!   recorded and shown in the sender's commit order. On taking the lease it first claims
+//!   every pending entry of the group and processes its own pending list in id order.
+//! - An entry that cannot be parsed, or was delivered more than `max_deliveries` times
+//!   without an acknowledgement, goes to the dead-letter stream with the reason, atomically
+//!   with its `XACK`; it never blocks the entries after it. Postgres being down is not the
+//!   entry's fault: the batch is retried in place and its delivery count does not grow.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use cdc_relay::backoff::{jitter, Backoff};
+use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
+use redis::{AsyncConnectionConfig, Value};
+use tokio::sync::watch;
+use tokio::time::Instant;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, error, info, warn};
+
+use crate::hub::Hub;
+use crate::lease::Lease;
+use crate::metrics::Metrics;
+use crate::model::{self, HistoryItem};
+use crate::notify;
+use crate::side::Side;
+use crate::store::{Received, Store, StoreError};
+
+/// Entries read per call.
+const READ_COUNT: usize = 100;
+/// How long one blocking read waits for new entries.
+const READ_BLOCK: Duration = Duration::from_secs(1);
+
+#[derive(Debug, Clone)]
+pub struct InboxConfig {
+    /// The receiving side (this service).
+    pub side: Side,
+    /// The stream read: the other side's outbox stream.
+    pub stream: String,
+    /// Consumer group: the receiving service's name.
+    pub group: String,
+    /// This instance's stable consumer name.
+    pub consumer: String,
+    pub dead_letter_stream: String,
+    /// Pending entries idle this long are claimed (from a consumer that died).
+    pub claim_idle: Duration,
+    /// Deliveries without acknowledgement after which an entry is dead-lettered.
+    pub max_deliveries: u64,
+    pub lease_ttl: Duration,
+    /// Test hook: SIGKILL this process right after the n-th recorded message was committed
+    /// to the inbox and before it is acknowledged.
+    pub crash_after_inbox_commit: Option<u64>,
+}
+
+/// What the consumer is doing, for /readyz and tests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ConsumerRole {
+    Starting,
+    /// Another instance holds the lease.
+    Standby,
+    Active,
+    Stopped,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
+pub struct ConsumerStatus {
+    pub role: ConsumerRole,
+    pub redis_reachable: bool,
+    pub last_error: Option<String>,
+}
+
+impl Default for ConsumerStatus {
+    fn default() -> Self {
+        Self {
+            role: ConsumerRole::Starting,
+            redis_reachable: false,
+            last_error: None,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+enum ConsumeError {
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error("lost the consumer lease")]
+    LeaseLost,
+    #[error("unexpected reply: {0}")]
+    Reply(String),
+}
+
+/// A stream entry read from the group.
+#[derive(Debug, Clone)]
+struct Entry {
+    id: String,
+    /// `None`: the entry was trimmed from the stream before it was acknowledged.
+    fields: Option<HashMap<String, String>>,
+    deliveries: u64,
+}
+
+/// Whether a step ends because of shutdown.
+enum Flow {
+    Continue,
+    Shutdown,
+}
+
+pub struct Inbox {
+    cfg: InboxConfig,
+    client: redis::Client,
+    store: Store,
+    hub: Arc<Hub>,
+    metrics: Arc<Metrics>,
+    status: watch::Sender<ConsumerStatus>,
+    recorded: AtomicU64,
+}
+
+impl Inbox {
+    pub fn new(
+        cfg: InboxConfig,
+        client: redis::Client,
+        store: Store,
+        hub: Arc<Hub>,
+        metrics: Arc<Metrics>,
+        status: watch::Sender<ConsumerStatus>,
+    ) -> Self {
+        Self {
+            cfg,
+            client,
+            store,
+            hub,
+            metrics,
+            status,
+            recorded: AtomicU64::new(0),
+        }
+    }
+
+    fn set_role(&self, role: ConsumerRole) {
+        self.metrics
+            .consumer_active
+            .set(i64::from(role == ConsumerRole::Active));
+        self.status
+            .send_if_modified(|s| std::mem::replace(&mut s.role, role) != role);
+    }
+
+    fn set_redis(&self, ok: bool, error: Option<String>) {
+        self.status.send_if_modified(|s| {
+            let changed = s.redis_reachable != ok || (error.is_some() && s.last_error != error);
+            s.redis_reachable = ok;
+            if error.is_some() {
+                s.last_error = error.clone();
+            }
+            changed
+        });
+    }
+
+    /// Consume until `shutdown`.
+    pub async fn run(&self, shutdown: CancellationToken) {
+        let lease = Lease::new(
+            format!("inbox-lease:{}", self.cfg.side),
+            &self.cfg.consumer,
+            self.cfg.lease_ttl,
+        );
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        loop {
+            if shutdown.is_cancelled() {
+                break;
+            }
+            match self.session(&lease, &shutdown).await {
+                Ok(_) => break,
+                Err(e) => {
+                    let delay = backoff.next_delay();
+                    if matches!(e, ConsumeError::Redis(_)) {
+                        self.set_redis(false, Some(e.to_string()));
+                    }
+                    warn!(error = %e, retry_in = ?delay, "inbox consumer interrupted; retrying");
+                    self.set_role(ConsumerRole::Starting);
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                }
+            }
+        }
+        self.set_role(ConsumerRole::Stopped);
+    }
+
+    /// Connect, wait for the lease, then consume while holding it.
+    async fn session(
+        &self,
+        lease: &Lease,
+        shutdown: &CancellationToken,
+    ) -> Result<Flow, ConsumeError> {
+        let config = ConnectionManagerConfig::new()
+            .set_response_timeout(Some(Duration::from_secs(5)))
+            .set_connection_timeout(Some(Duration::from_secs(3)))
+            .set_number_of_retries(1);
+        let mut conn = ConnectionManager::new_with_config(self.client.clone(), config).await?;
+        let blocking = self
+            .client
+            .get_multiplexed_async_connection_with_config(
+                &AsyncConnectionConfig::new()
+                    .set_response_timeout(Some(READ_BLOCK + Duration::from_secs(5)))
+                    .set_connection_timeout(Some(Duration::from_secs(3))),
+            )
+            .await?;
+        self.set_redis(true, None);
+        // Standby until the lease is ours.
+        loop {
+            if lease.acquire(&mut conn).await? {
+                break;
+            }
+            if self.status.borrow().role != ConsumerRole::Standby {
+                info!(consumer = %self.cfg.consumer, "another instance consumes the inbox; standing by");
+            }
+            self.set_role(ConsumerRole::Standby);
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(Flow::Shutdown),
+                _ = tokio::time::sleep(jitter(lease.ttl() / 5)) => {}
+            }
+        }
+        info!(consumer = %self.cfg.consumer, stream = %self.cfg.stream, group = %self.cfg.group, "inbox consumer active");
+        self.set_role(ConsumerRole::Active);
+        let mut active = Active {
+            inbox: self,
+            lease,
+            conn,
+            blocking,
+            renew_at: Instant::now() + lease.ttl() / 3,
+        };
+        let result = active.consume(shutdown).await;
+        if let Err(e) = active.inbox.release(lease, &mut active.conn).await {
+            debug!(error = %e, "could not release the lease");
+        }
+        result
+    }
+
+    async fn release(
+        &self,
+        lease: &Lease,
+        conn: &mut ConnectionManager,
+    ) -> Result<(), ConsumeError> {
+        lease.release(conn).await?;
+        Ok(())
+    }
+}
+
+/// The consumer while it holds the lease.
+struct Active<'a> {
+    inbox: &'a Inbox,
+    lease: &'a Lease,
+    conn: ConnectionManager,
+    blocking: MultiplexedConnection,
+    renew_at: Instant,
+}
+
+impl Active<'_> {
+    fn cfg(&self) -> &InboxConfig {
+        &self.inbox.cfg
+    }
+
+    async fn consume(&mut self, shutdown: &CancellationToken) -> Result<Flow, ConsumeError> {
+        self.ensure_group().await?;
+        // Holding the lease, nobody else consumes: everything pending in the group is ours
+        // to finish, in id order, before anything new.
+        self.claim(Duration::ZERO).await?;
+        if let Flow::Shutdown = self.drain_own_pending(shutdown).await? {
+            return Ok(Flow::Shutdown);
+        }
+        let claim_every = (self.cfg().claim_idle / 2).max(Duration::from_millis(100));
+        let mut next_claim = Instant::now() + claim_every;
+        loop {
+            self.renew_if_due().await?;
+            if Instant::now() >= next_claim {
+                if self.claim(self.cfg().claim_idle).await? > 0 {
+                    if let Flow::Shutdown = self.drain_own_pending(shutdown).await? {
+                        return Ok(Flow::Shutdown);
+                    }
+                }
+                next_claim = Instant::now() + claim_every;
+            }
+            let entries = tokio::select! {
+                _ = shutdown.cancelled() => return Ok(Flow::Shutdown),
+                read = self.read(">") => read?,
+            };
+            if !entries.is_empty() {
+                if let Flow::Shutdown = self.process(entries, shutdown).await? {
+                    return Ok(Flow::Shutdown);
+                }
+            }
+        }
+    }
+
+    async fn renew_if_due(&mut self) -> Result<(), ConsumeError> {
+        if Instant::now() >= self.renew_at {
+            if !self.lease.acquire(&mut self.conn).await? {
+                return Err(ConsumeError::LeaseLost);
+            }
+            self.renew_at = Instant::now() + self.lease.ttl() / 3;
+        }
+        Ok(())
+    }
+
+    async fn ensure_group(&mut self) -> Result<(), ConsumeError> {
+        // From id 0: a group created after the relay already published misses nothing.
+        let created: redis::RedisResult<()> = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&self.cfg().stream)
+            .arg(&self.cfg().group)
+            .arg("0")
+            .arg("MKSTREAM")
+            .query_async(&mut self.conn)
+            .await;
+        match created {
+            Ok(()) => {
+                info!(stream = %self.cfg().stream, group = %self.cfg().group, "created consumer group");
+                Ok(())
+            }
+            Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// XAUTOCLAIM every pending entry idle at least `min_idle` for this consumer (ids only:
+    /// the delivery count grows when they are read). Returns how many were claimed.
+    async fn claim(&mut self, min_idle: Duration) -> Result<usize, ConsumeError> {
+        let mut cursor = "0-0".to_string();
+        let mut claimed = 0;
+        loop {
+            let reply: Value = redis::cmd("XAUTOCLAIM")
+                .arg(&self.cfg().stream)
+                .arg(&self.cfg().group)
+                .arg(&self.cfg().consumer)
+                .arg(min_idle.as_millis() as u64)
+                .arg(&cursor)
+                .arg("COUNT")
+                .arg(READ_COUNT)
+                .arg("JUSTID")
+                .query_async(&mut self.conn)
+                .await?;
+            let Value::Array(parts) = reply else {
+                return Err(ConsumeError::Reply(format!("XAUTOCLAIM: {reply:?}")));
+            };
+            // Redis 7: [next cursor, claimed ids, deleted ids].
+            let next: String = parts
+                .first()
+                .map(redis::from_redis_value_ref)
+                .transpose()
+                .map_err(|e| ConsumeError::Reply(e.to_string()))?
+                .unwrap_or_else(|| "0-0".into());
+            if let Some(Value::Array(ids)) = parts.get(1) {
+                claimed += ids.len();
+            }
+            if let Some(Value::Array(deleted)) = parts.get(2) {
+                if !deleted.is_empty() {
+                    error!(count = deleted.len(), "pending entries were trimmed from the stream before being recorded; stream MAXLEN is too small for the consumer lag");
+                    self.inbox
+                        .metrics
+                        .entries_lost_total
+                        .inc_by(deleted.len() as u64);
+                }
+            }
+            if next == "0-0" {
+                break;
+            }
+            cursor = next;
+        }
+        if claimed > 0 {
+            info!(claimed, min_idle = ?min_idle, "claimed pending entries");
+        }
+        Ok(claimed)
+    }
+
+    /// Process this consumer's own pending entries, oldest first.
+    async fn drain_own_pending(
+        &mut self,
+        shutdown: &CancellationToken,
+    ) -> Result<Flow, ConsumeError> {
+        let mut after = "0".to_string();
+        loop {
+            let entries = self.read(&after).await?;
+            let Some(last) = entries.last() else {
+                return Ok(Flow::Continue);
+            };
+            after = last.id.clone();
+            if let Flow::Shutdown = self.process(entries, shutdown).await? {
+                return Ok(Flow::Shutdown);
+            }
+        }
+    }
+
+    /// XREADGROUP from `id` (`>`: new entries, blocking briefly; otherwise own pending
+    /// entries after `id`, with their delivery counts).
+    async fn read(&mut self, id: &str) -> Result<Vec<Entry>, ConsumeError> {
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP")
+            .arg(&self.cfg().group)
+            .arg(&self.cfg().consumer)
+            .arg("COUNT")
+            .arg(READ_COUNT);
+        if id == ">" {
+            cmd.arg("BLOCK").arg(READ_BLOCK.as_millis() as u64);
+        }
+        cmd.arg("STREAMS").arg(&self.cfg().stream).arg(id);
+        let reply: Value = cmd.query_async(&mut self.blocking).await?;
+        let mut entries = parse_read_reply(reply)?;
+        if id != ">" && !entries.is_empty() {
+            let counts = self.delivery_counts(&entries).await?;
+            for e in &mut entries {
+                e.deliveries = counts.get(&e.id).copied().unwrap_or(1);
+            }
+        }
+        Ok(entries)
+    }
+
+    async fn delivery_counts(
+        &mut self,
+        entries: &[Entry],
+    ) -> Result<HashMap<String, u64>, ConsumeError> {
+        let reply: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
+            .arg(&self.cfg().stream)
+            .arg(&self.cfg().group)
+            .arg(&entries[0].id)
+            .arg(&entries[entries.len() - 1].id)
+            .arg(entries.len())
+            .arg(&self.cfg().consumer)
+            .query_async(&mut self.conn)
+            .await?;
+        Ok(reply
+            .ids
+            .into_iter()
+            .map(|p| (p.id, p.times_delivered as u64))
+            .collect())
+    }
+
+    async fn process(
+        &mut self,
+        entries: Vec<Entry>,
+        shutdown: &CancellationToken,
+    ) -> Result<Flow, ConsumeError> {
+        let mut received = Vec::new();
+        let mut dead = Vec::new();
+        let mut gone = Vec::new();
+        for entry in entries {
+            let Some(fields) = &entry.fields else {
+                gone.push(entry.id);
+                continue;
+            };
+            if entry.deliveries > self.cfg().max_deliveries {
+                let reason = format!(
+                    "delivered {} times without being acknowledged (limit {})",
+                    entry.deliveries,
+                    self.cfg().max_deliveries
+                );
+                dead.push((entry, reason));
+                continue;
+            }
+            let parsed = match (fields.get("event"), fields.get("payload")) {
+                (Some(event), Some(payload)) => {
+                    model::parse_event(event, payload, self.cfg().side.other())
+                }
+                (None, _) => Err(model::PoisonError::MissingField("event")),
+                (_, None) => Err(model::PoisonError::MissingField("payload")),
+            };
+            match parsed {
+                Ok(message) => received.push((entry, message)),
+                Err(e) => dead.push((entry, e.to_string())),
+            }
+        }
+        if !gone.is_empty() {
+            error!(
+                count = gone.len(),
+                "pending entries were trimmed from the stream before being recorded"
+            );
+            self.inbox
+                .metrics
+                .entries_lost_total
+                .inc_by(gone.len() as u64);
+            self.ack(&gone).await?;
+        }
+        if !received.is_empty() {
+            let batch: Vec<Received> = received
+                .iter()
+                .map(|(e, m)| Received {
+                    stream_id: e.id.clone(),
+                    message: m.clone(),
+                })
+                .collect();
+            let recorded = match self.record(&batch, shutdown).await? {
+                Recorded::Done(seqs) => seqs,
+                Recorded::Shutdown => return Ok(Flow::Shutdown),
+                Recorded::Rejected(rejected) => {
+                    // Postgres refused the batch itself: record entries one by one and
+                    // dead-letter the ones it refuses.
+                    warn!(error = %rejected, "inbox insert refused; recording entries one at a time");
+                    let mut seqs = HashMap::new();
+                    let mut ok = Vec::new();
+                    for (entry, message) in received {
+                        let single = [Received {
+                            stream_id: entry.id.clone(),
+                            message: message.clone(),
+                        }];
+                        match self.record(&single, shutdown).await? {
+                            Recorded::Done(s) => {
+                                seqs.extend(s);
+                                ok.push((entry, message));
+                            }
+                            Recorded::Shutdown => return Ok(Flow::Shutdown),
+                            Recorded::Rejected(e) => {
+                                dead.push((entry, format!("postgres refused it: {e}")))
+                            }
+                        }
+                    }
+                    received = ok;
+                    seqs
+                }
+            };
+            self.after_commit(&received, &recorded).await?;
+        }
+        for (entry, reason) in dead {
+            self.dead_letter(&entry, &reason).await?;
+        }
+        Ok(Flow::Continue)
+    }
+
+    /// Insert into the inbox, retrying while Postgres is unavailable (keeping the lease).
+    async fn record(
+        &mut self,
+        batch: &[Received],
+        shutdown: &CancellationToken,
+    ) -> Result<Recorded, ConsumeError> {
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        loop {
+            match self.inbox.store.record_inbox(batch).await {
+                Ok(seqs) => return Ok(Recorded::Done(seqs)),
+                Err(e) if e.is_transient() => {
+                    let delay = backoff.next_delay();
+                    warn!(error = %e, retry_in = ?delay, entries = batch.len(), "inbox unavailable; retrying the same entries");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Ok(Recorded::Shutdown),
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                    self.renew_if_due().await?;
+                }
+                Err(e) => return Ok(Recorded::Rejected(e)),
+            }
+        }
+    }
+
+    /// After the inbox commit: acknowledge, then show the new messages live.
+    async fn after_commit(
+        &mut self,
+        received: &[(Entry, model::Message)],
+        recorded: &HashMap<uuid::Uuid, i64>,
+    ) -> Result<(), ConsumeError> {
+        let metrics = &self.inbox.metrics;
+        let mut new: Vec<(i64, &model::Message)> = Vec::new();
+        for (entry, message) in received {
+            match recorded.get(&message.id) {
+                Some(seq) => {
+                    new.push((*seq, message));
+                    let n = self.inbox.recorded.fetch_add(1, Ordering::SeqCst) + 1;
+                    if self.cfg().crash_after_inbox_commit == Some(n) {
+                        error!(message_id = %message.id, "failpoint: crashing after the inbox commit, before XACK");
+                        // SAFETY: signalling our own process.
+                        unsafe {
+                            libc::kill(libc::getpid(), libc::SIGKILL);
+                        }
+                    }
+                }
+                None => {
+                    metrics.duplicates_skipped_total.inc();
+                    info!(message_id = %message.id, stream_id = %entry.id, "duplicate skipped; already in the inbox");
+                }
+            }
+        }
+        let ids: Vec<String> = received.iter().map(|(e, _)| e.id.clone()).collect();
+        self.ack(&ids).await?;
+        metrics.messages_received_total.inc_by(new.len() as u64);
+        new.sort_by_key(|(seq, _)| *seq);
+        for (seq, message) in new {
+            let frame = crate::http::sse::frame(&HistoryItem {
+                message: message.clone(),
+                seq: Some(seq),
+            });
+            self.inbox.hub.publish(message.chat_id, seq, frame.clone());
+            let side = self.cfg().side;
+            notify::publish(&mut self.conn, side, message.chat_id, seq, &frame).await;
+        }
+        Ok(())
+    }
+
+    async fn ack(&mut self, ids: &[String]) -> Result<(), ConsumeError> {
+        let _: i64 = redis::cmd("XACK")
+            .arg(&self.cfg().stream)
+            .arg(&self.cfg().group)
+            .arg(ids)
+            .query_async(&mut self.conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Move an entry to the dead-letter stream with its reason, atomically with its XACK.
+    async fn dead_letter(&mut self, entry: &Entry, reason: &str) -> Result<(), ConsumeError> {
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(&self.cfg().dead_letter_stream)
+            .arg("*")
+            .arg("stream")
+            .arg(&self.cfg().stream)
+            .arg("id")
+            .arg(&entry.id)
+            .arg("reason")
+            .arg(reason)
+            .arg("deliveries")
+            .arg(entry.deliveries);
+        if let Some(fields) = &entry.fields {
+            for (k, v) in fields {
+                xadd.arg(format!("entry.{k}")).arg(v);
+            }
+        }
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .add_command(xadd)
+            .ignore()
+            .cmd("XACK")
+            .arg(&self.cfg().stream)
+            .arg(&self.cfg().group)
+            .arg(&entry.id)
+            .ignore();
+        let () = pipe.query_async(&mut self.conn).await?;
+        self.inbox.metrics.dead_lettered_total.inc();
+        warn!(stream_id = %entry.id, %reason, dead_letter_stream = %self.cfg().dead_letter_stream, "entry dead-lettered");
+        Ok(())
+    }
+}
+
+enum Recorded {
+    Done(HashMap<uuid::Uuid, i64>),
+    Rejected(StoreError),
+    Shutdown,
+}
+
+/// Entries of an XREADGROUP reply (RESP2 arrays or RESP3 maps; `Nil` when the block timed out).
+fn parse_read_reply(reply: Value) -> Result<Vec<Entry>, ConsumeError> {
+    let streams = match reply {
+        Value::Nil => return Ok(Vec::new()),
+        Value::Array(streams) => streams
+            .into_iter()
+            .filter_map(|s| match s {
+                Value::Array(mut kv) if kv.len() == 2 => kv.pop(),
+                _ => None,
+            })
+            .collect::<Vec<_>>(),
+        Value::Map(streams) => streams.into_iter().map(|(_, v)| v).collect(),
+        other => return Err(ConsumeError::Reply(format!("XREADGROUP: {other:?}"))),
+    };
+    let mut entries = Vec::new();
+    for stream in streams {
+        let Value::Array(items) = stream else {
+            continue;
+        };
+        for item in items {
+            let Value::Array(mut parts) = item else {
+                return Err(ConsumeError::Reply("entry is not an array".into()));
+            };
+            if parts.len() != 2 {
+                return Err(ConsumeError::Reply("entry is not [id, fields]".into()));
+            }
+            let fields = parts.pop().expect("two parts");
+            let id: String = redis::from_redis_value(parts.pop().expect("two parts"))
+                .map_err(|e| ConsumeError::Reply(e.to_string()))?;
+            let fields = match fields {
+                Value::Nil => None,
+                other => Some(
+                    redis::from_redis_value::<HashMap<String, String>>(other)
+                        .map_err(|e| ConsumeError::Reply(e.to_string()))?,
+                ),
+            };
+            entries.push(Entry {
+                id,
+                fields,
+                deliveries: 1,
+            });
+        }
+    }
+    Ok(entries)
+}

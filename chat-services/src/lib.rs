@@ -1,0 +1,114 @@
+//! The chat services. One library, two sides (`Consumers` and `Workers`): each writes a
+//! sent message and its outbox event in one transaction (and nothing else on the request
+//! path), consumes the other side's stream into its inbox exactly once per message, and
+//! shows received messages live over Server-Sent Events, replayable from the inbox.
+
+pub mod config;
+pub mod http;
+pub mod hub;
+pub mod inbox;
+pub mod lease;
+pub mod metrics;
+pub mod model;
+pub mod notify;
+pub mod side;
+pub mod store;
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio::net::TcpListener;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+pub use config::{Cli, ServiceConfig};
+pub use side::Side;
+
+/// A chat service bound to its listen address, ready to [`Service::run`].
+pub struct Service {
+    config: ServiceConfig,
+    listener: TcpListener,
+    app: Arc<http::App>,
+    status_tx: watch::Sender<inbox::ConsumerStatus>,
+}
+
+impl Service {
+    /// Bind the HTTP listener (port 0 picks a free one) and build the state.
+    pub async fn bind(config: ServiceConfig, shutdown: CancellationToken) -> Result<Self, String> {
+        let listener = TcpListener::bind(config.listen)
+            .await
+            .map_err(|e| format!("--listen {}: cannot listen: {e}", config.listen))?;
+        let (status_tx, status_rx) = watch::channel(inbox::ConsumerStatus::default());
+        let app = Arc::new(http::App {
+            side: config.side,
+            store: store::Store::new(config.postgres.clone(), config.side, config.db_pool_size),
+            hub: hub::Hub::new(),
+            metrics: Arc::new(metrics::Metrics::new()),
+            consumer: status_rx,
+            shutdown,
+            sse_heartbeat: config.sse_heartbeat,
+        });
+        Ok(Self {
+            config,
+            listener,
+            app,
+            status_tx,
+        })
+    }
+
+    pub fn local_addr(&self) -> SocketAddr {
+        self.listener
+            .local_addr()
+            .expect("bound listener has an address")
+    }
+
+    pub fn consumer_status(&self) -> watch::Receiver<inbox::ConsumerStatus> {
+        self.status_tx.subscribe()
+    }
+
+    /// Serve HTTP and consume the inbox until the shutdown token given to `bind`.
+    pub async fn run(self) {
+        let cfg = &self.config;
+        let shutdown = self.app.shutdown.clone();
+        info!(side = %cfg.side, addr = %self.local_addr(), consumer = %cfg.consumer_name, "chat service listening");
+        let inbox = inbox::Inbox::new(
+            inbox::InboxConfig {
+                side: cfg.side,
+                stream: cfg.inbound_stream.clone(),
+                group: cfg.side.as_str().to_string(),
+                consumer: cfg.consumer_name.clone(),
+                dead_letter_stream: cfg.dead_letter_stream.clone(),
+                claim_idle: cfg.claim_idle,
+                max_deliveries: cfg.max_deliveries,
+                lease_ttl: cfg.lease_ttl,
+                crash_after_inbox_commit: cfg.crash_after_inbox_commit,
+            },
+            cfg.redis.clone(),
+            self.app.store.clone(),
+            self.app.hub.clone(),
+            self.app.metrics.clone(),
+            self.status_tx,
+        );
+        let consumer = {
+            let shutdown = shutdown.clone();
+            tokio::spawn(async move { inbox.run(shutdown).await })
+        };
+        let follower = tokio::spawn(notify::follow(
+            cfg.redis.clone(),
+            cfg.side,
+            self.app.hub.clone(),
+            shutdown.clone(),
+        ));
+        http::serve(self.listener, self.app.clone(), shutdown).await;
+        if tokio::time::timeout(Duration::from_secs(10), consumer)
+            .await
+            .is_err()
+        {
+            warn!("inbox consumer did not stop within 10 s");
+        }
+        let _ = follower.await;
+        info!("stopped");
+    }
+}

@@ -1,0 +1,60 @@
+//! `chat-service`: parse the command line, set up logging, run one side of the chat.
+
+use std::process::ExitCode;
+
+use chat_services::config::LogFormat;
+use chat_services::{Cli, Service};
+use clap::Parser;
+use tokio_util::sync::CancellationToken;
+
+fn init_tracing(format: LogFormat) {
+    use std::io::IsTerminal;
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into());
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.log_format);
+    let config = match cli.validate() {
+        Ok(config) => config,
+        Err(e) => {
+            eprintln!("chat-service: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let shutdown = CancellationToken::new();
+    let service = match Service::bind(config, shutdown.clone()).await {
+        Ok(service) => service,
+        Err(e) => {
+            eprintln!("chat-service: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    tokio::spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (Ok(mut term), Ok(mut int)) = (
+            signal(SignalKind::terminate()),
+            signal(SignalKind::interrupt()),
+        ) else {
+            return;
+        };
+        let name = tokio::select! {
+            _ = term.recv() => "SIGTERM",
+            _ = int.recv() => "SIGINT",
+        };
+        tracing::info!(signal = name, "shutting down");
+        shutdown.cancel();
+    });
+    service.run().await;
+    ExitCode::SUCCESS
+}

@@ -1,0 +1,76 @@
+//! Every metric a chat service exports, defined once: `chat_<what>_<unit>[_total]`.
+
+use prometheus::{Encoder, IntCounter, IntGauge, Registry, TextEncoder};
+
+pub struct Metrics {
+    registry: Registry,
+    pub messages_sent_total: IntCounter,
+    pub messages_received_total: IntCounter,
+    pub duplicates_skipped_total: IntCounter,
+    pub dead_lettered_total: IntCounter,
+    pub entries_lost_total: IntCounter,
+    pub consumer_active: IntGauge,
+    pub sse_clients: IntGauge,
+}
+
+impl Metrics {
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        let counter = |name: &str, help: &str| {
+            let c = IntCounter::new(name, help).expect("valid metric");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric");
+            c
+        };
+        let gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("valid metric");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique metric");
+            g
+        };
+        Self {
+            messages_sent_total: counter(
+                "chat_messages_sent_total",
+                "Messages written with their outbox event",
+            ),
+            messages_received_total: counter(
+                "chat_messages_received_total",
+                "Messages recorded in the inbox",
+            ),
+            duplicates_skipped_total: counter(
+                "chat_duplicates_skipped_total",
+                "Redeliveries of messages already in the inbox",
+            ),
+            dead_lettered_total: counter(
+                "chat_dead_lettered_total",
+                "Stream entries moved to the dead-letter stream",
+            ),
+            entries_lost_total: counter(
+                "chat_stream_entries_lost_total",
+                "Pending entries trimmed from the stream before they were recorded",
+            ),
+            consumer_active: gauge(
+                "chat_inbox_consumer_active",
+                "1 while this instance holds the inbox lease",
+            ),
+            sse_clients: gauge("chat_sse_clients", "Connected Server-Sent Events clients"),
+            registry,
+        }
+    }
+
+    pub fn encode(&self) -> String {
+        let mut out = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut out)
+            .expect("text encoding cannot fail");
+        String::from_utf8(out).expect("metrics are UTF-8")
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

@@ -1,0 +1,240 @@
+//! Chat messages: what clients send, what the API returns, what travels in the outbox event,
+//! and the validation of each, with errors that name the problem.
+
+use serde::{Deserialize, Serialize};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::side::Side;
+
+/// Longest message body, in characters (Unicode scalar values).
+pub const MAX_BODY_CHARS: usize = 4000;
+/// The outbox event type of a sent message.
+pub const MESSAGE_CREATED: &str = "message.created";
+
+/// A chat message as the API returns it and as the outbox event carries it.
+/// Unknown fields in events are ignored, so a sender may add fields before receivers know them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Message {
+    pub id: Uuid,
+    pub chat_id: i64,
+    pub body: String,
+    #[serde(with = "time::serde::rfc3339")]
+    pub created_at: OffsetDateTime,
+    /// The side that sent it.
+    pub side: Side,
+}
+
+/// A message in a chat's history as one side sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct HistoryItem {
+    #[serde(flatten)]
+    pub message: Message,
+    /// For received messages: the inbox position (the SSE event id).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seq: Option<i64>,
+}
+
+/// Why a request is refused; the text is returned as `{"error": ...}`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InputError {
+    #[error("chat_id must be a positive integer, got '{0}'")]
+    ChatId(String),
+    #[error("malformed JSON: {0}")]
+    MalformedJson(String),
+    #[error("the request body must be a JSON object like {{\"body\": \"...\"}}")]
+    NotAnObject,
+    #[error("body is missing")]
+    BodyMissing,
+    #[error("body must be a string")]
+    BodyNotString,
+    #[error("body is empty")]
+    BodyEmpty,
+    #[error("body has {0} characters; the limit is {MAX_BODY_CHARS}")]
+    BodyTooLong(usize),
+    #[error("body contains a NUL character")]
+    BodyHasNul,
+    #[error("unknown field '{0}'; only \"body\" is accepted")]
+    UnknownField(String),
+}
+
+impl InputError {
+    /// 413 for content that is too large, 400 for everything else.
+    pub fn status(&self) -> u16 {
+        match self {
+            InputError::BodyTooLong(_) => 413,
+            _ => 400,
+        }
+    }
+}
+
+/// `{chat_id}` from a path: ASCII digits, positive, fitting in a bigint.
+pub fn parse_chat_id(raw: &str) -> Result<i64, InputError> {
+    if raw.is_empty() || !raw.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(InputError::ChatId(raw.into()));
+    }
+    match raw.parse::<i64>() {
+        Ok(id) if id > 0 => Ok(id),
+        _ => Err(InputError::ChatId(raw.into())),
+    }
+}
+
+/// The body of `POST /chats/{chat_id}/messages`: `{"body": "..."}`.
+pub fn parse_send_request(raw: &[u8]) -> Result<String, InputError> {
+    let value: serde_json::Value =
+        serde_json::from_slice(raw).map_err(|e| InputError::MalformedJson(e.to_string()))?;
+    let serde_json::Value::Object(mut fields) = value else {
+        return Err(InputError::NotAnObject);
+    };
+    let body = fields.remove("body").ok_or(InputError::BodyMissing)?;
+    if let Some(unknown) = fields.keys().next() {
+        return Err(InputError::UnknownField(unknown.clone()));
+    }
+    let serde_json::Value::String(body) = body else {
+        return Err(InputError::BodyNotString);
+    };
+    if body.trim().is_empty() {
+        return Err(InputError::BodyEmpty);
+    }
+    let chars = body.chars().count();
+    if chars > MAX_BODY_CHARS {
+        return Err(InputError::BodyTooLong(chars));
+    }
+    // Postgres text cannot hold NUL.
+    if body.contains('\0') {
+        return Err(InputError::BodyHasNul);
+    }
+    Ok(body)
+}
+
+/// Why a stream entry cannot become an inbox row (it goes to the dead-letter stream).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum PoisonError {
+    #[error("entry has no '{0}' field")]
+    MissingField(&'static str),
+    #[error("unknown event type '{0}'")]
+    UnknownEvent(String),
+    #[error("payload is not a valid message: {0}")]
+    BadPayload(String),
+    #[error("message comes from side '{got}' but this stream carries '{expected}'")]
+    WrongSide { expected: Side, got: Side },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Parse an outbox event from the other side's stream.
+pub fn parse_event(event: &str, payload: &str, from: Side) -> Result<Message, PoisonError> {
+    if event != MESSAGE_CREATED {
+        return Err(PoisonError::UnknownEvent(event.chars().take(100).collect()));
+    }
+    let message: Message =
+        serde_json::from_str(payload).map_err(|e| PoisonError::BadPayload(e.to_string()))?;
+    if message.side != from {
+        return Err(PoisonError::WrongSide {
+            expected: from,
+            got: message.side,
+        });
+    }
+    if message.chat_id <= 0 {
+        return Err(PoisonError::Invalid(format!(
+            "chat_id {} is not positive",
+            message.chat_id
+        )));
+    }
+    if message.body.contains('\0') || message.body.chars().count() > MAX_BODY_CHARS {
+        return Err(PoisonError::Invalid(
+            "body holds NUL or is over the length limit".into(),
+        ));
+    }
+    Ok(message)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chat_ids() {
+        assert_eq!(parse_chat_id("7"), Ok(7));
+        assert_eq!(parse_chat_id("9223372036854775807"), Ok(i64::MAX));
+        for bad in [
+            "0",
+            "-1",
+            "+7",
+            "7a",
+            "",
+            "1.5",
+            "9223372036854775808",
+            " 7",
+        ] {
+            assert_eq!(
+                parse_chat_id(bad),
+                Err(InputError::ChatId(bad.into())),
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn send_requests() {
+        assert_eq!(parse_send_request(br#"{"body":"hi"}"#), Ok("hi".into()));
+        let html = r#"{"body":"<script>alert(1)</script>"}"#;
+        assert_eq!(
+            parse_send_request(html.as_bytes()),
+            Ok("<script>alert(1)</script>".into())
+        );
+        let cases: &[(&[u8], InputError)] = &[
+            (b"{}", InputError::BodyMissing),
+            (br#"{"body":""}"#, InputError::BodyEmpty),
+            (br#"{"body":"  \n"}"#, InputError::BodyEmpty),
+            (br#"{"body":5}"#, InputError::BodyNotString),
+            (br#"{"body":null}"#, InputError::BodyNotString),
+            (b"[1]", InputError::NotAnObject),
+            (br#"{"body":"a\u0000b"}"#, InputError::BodyHasNul),
+            (
+                br#"{"body":"x","extra":1}"#,
+                InputError::UnknownField("extra".into()),
+            ),
+        ];
+        for (raw, expected) in cases {
+            assert_eq!(&parse_send_request(raw).unwrap_err(), expected);
+        }
+        assert!(matches!(
+            parse_send_request(b"{"),
+            Err(InputError::MalformedJson(_))
+        ));
+        let long = format!(r#"{{"body":"{}"}}"#, "é".repeat(4001));
+        assert_eq!(
+            parse_send_request(long.as_bytes()),
+            Err(InputError::BodyTooLong(4001))
+        );
+        let max = format!(r#"{{"body":"{}"}}"#, "é".repeat(4000));
+        assert!(parse_send_request(max.as_bytes()).is_ok());
+    }
+
+    #[test]
+    fn events() {
+        let payload = r#"{"id":"0193c0de-8a4b-7cc1-9a1e-3f1d2e4b5a6c","chat_id":7,"body":"hi","created_at":"2026-11-29T21:12:00.123456Z","side":"consumers"}"#;
+        let m = parse_event(MESSAGE_CREATED, payload, Side::Consumers).unwrap();
+        assert_eq!(m.chat_id, 7);
+        assert_eq!(
+            parse_event(MESSAGE_CREATED, payload, Side::Workers),
+            Err(PoisonError::WrongSide {
+                expected: Side::Workers,
+                got: Side::Consumers
+            })
+        );
+        assert!(matches!(
+            parse_event("x.y", payload, Side::Consumers),
+            Err(PoisonError::UnknownEvent(_))
+        ));
+        assert!(matches!(
+            parse_event(MESSAGE_CREATED, "{", Side::Consumers),
+            Err(PoisonError::BadPayload(_))
+        ));
+        assert!(matches!(
+            parse_event(MESSAGE_CREATED, r#"{"id":1}"#, Side::Consumers),
+            Err(PoisonError::BadPayload(_))
+        ));
+    }
+}

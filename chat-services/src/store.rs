@@ -1,0 +1,324 @@
+//! This side's tables in Postgres: sending (message + outbox event in one transaction),
+//! history, and the inbox (recording received messages once, replaying them by position).
+//!
+//! Every statement names this side's schema; the service's role can touch nothing else.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use time::OffsetDateTime;
+use uuid::Uuid;
+
+use crate::model::{HistoryItem, Message, MESSAGE_CREATED};
+use crate::side::Side;
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    /// Postgres cannot be reached or is shutting down: try again later (HTTP 503).
+    #[error("postgres unavailable: {0}")]
+    Unavailable(String),
+    /// The Idempotency-Key was used before for a different request (HTTP 422).
+    #[error("Idempotency-Key was already used for a different message (chat {chat_id})")]
+    IdempotencyMismatch { chat_id: i64 },
+    /// `before` names no message of this chat (HTTP 400).
+    #[error("before={0} is not a message of this chat")]
+    UnknownCursor(Uuid),
+    /// Anything else (HTTP 500): a bug or a schema mismatch.
+    #[error("postgres: {0}")]
+    Other(String),
+}
+
+impl StoreError {
+    /// Whether retrying later can succeed.
+    pub fn is_transient(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_))
+    }
+}
+
+impl From<tokio_postgres::Error> for StoreError {
+    fn from(e: tokio_postgres::Error) -> Self {
+        match e.code() {
+            // Connection exceptions, insufficient resources, operator intervention (shutdown,
+            // restart), system errors, serialization failures and deadlocks.
+            Some(code) if matches!(&code.code()[..2], "08" | "53" | "57" | "58" | "40") => {
+                StoreError::Unavailable(describe(&e))
+            }
+            Some(_) => StoreError::Other(describe(&e)),
+            None => StoreError::Unavailable(describe(&e)),
+        }
+    }
+}
+
+impl From<deadpool_postgres::PoolError> for StoreError {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        match e {
+            deadpool_postgres::PoolError::Backend(e) => e.into(),
+            other => StoreError::Unavailable(other.to_string()),
+        }
+    }
+}
+
+fn describe(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        None => e.to_string(),
+    }
+}
+
+/// A message recorded into the inbox by [`Store::record_inbox`].
+#[derive(Debug, Clone)]
+pub struct Received {
+    pub stream_id: String,
+    pub message: Message,
+}
+
+#[derive(Clone)]
+pub struct Store {
+    pool: Pool,
+    side: Side,
+}
+
+impl Store {
+    pub fn new(config: tokio_postgres::Config, side: Side, max_connections: usize) -> Self {
+        let mut config = config;
+        config.application_name(&format!("chat-{side}"));
+        config.connect_timeout(Duration::from_secs(3));
+        let manager = Manager::from_config(
+            config,
+            tokio_postgres::NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(max_connections)
+            .wait_timeout(Some(Duration::from_secs(5)))
+            .create_timeout(Some(Duration::from_secs(5)))
+            .recycle_timeout(Some(Duration::from_secs(2)))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .build()
+            .expect("pool configuration is valid");
+        Self { pool, side }
+    }
+
+    pub fn side(&self) -> Side {
+        self.side
+    }
+
+    /// Postgres answers.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        let client = self.pool.get().await?;
+        client.simple_query("SELECT 1").await?;
+        Ok(())
+    }
+
+    /// Write the message and its outbox event in one transaction. With an idempotency key
+    /// already used for the same chat and body, return the original (`true`: a replay)
+    /// and write nothing.
+    pub async fn send(
+        &self,
+        chat_id: i64,
+        body: &str,
+        idempotency_key: Option<&str>,
+    ) -> Result<(Message, bool), StoreError> {
+        let s = self.side.schema();
+        let mut client = self.pool.get().await?;
+        let tx = client.transaction().await?;
+        let id = Uuid::now_v7();
+        let inserted = tx
+            .query_opt(
+                &format!(
+                    "INSERT INTO {s}.messages (id, chat_id, body, idempotency_key) VALUES ($1, $2, $3, $4)
+                     ON CONFLICT (idempotency_key) DO NOTHING RETURNING created_at"
+                ),
+                &[&id, &chat_id, &body, &idempotency_key],
+            )
+            .await?;
+        let Some(row) = inserted else {
+            let row = tx
+                .query_one(
+                    &format!("SELECT id, chat_id, body, created_at FROM {s}.messages WHERE idempotency_key = $1"),
+                    &[&idempotency_key],
+                )
+                .await?;
+            let original = Message {
+                id: row.get(0),
+                chat_id: row.get(1),
+                body: row.get(2),
+                created_at: row.get(3),
+                side: self.side,
+            };
+            if original.chat_id != chat_id || original.body != body {
+                return Err(StoreError::IdempotencyMismatch {
+                    chat_id: original.chat_id,
+                });
+            }
+            return Ok((original, true));
+        };
+        let message = Message {
+            id,
+            chat_id,
+            body: body.to_string(),
+            created_at: row.get(0),
+            side: self.side,
+        };
+        let payload = serde_json::to_value(&message).expect("message serializes");
+        tx.execute(
+            &format!("INSERT INTO {s}.outbox (event, payload) VALUES ($1, $2)"),
+            &[&MESSAGE_CREATED, &payload],
+        )
+        .await?;
+        tx.commit().await?;
+        Ok((message, false))
+    }
+
+    /// The chat as this side sees it, oldest first: sent and received messages ordered by
+    /// their sender's timestamp; `before` pages back from a message id.
+    pub async fn history(
+        &self,
+        chat_id: i64,
+        limit: i64,
+        before: Option<Uuid>,
+    ) -> Result<Vec<HistoryItem>, StoreError> {
+        let s = self.side.schema();
+        let client = self.pool.get().await?;
+        let cursor: Option<(OffsetDateTime, Uuid)> = match before {
+            None => None,
+            Some(id) => {
+                let row = client
+                    .query_opt(
+                        &format!(
+                            "SELECT created_at FROM {s}.messages WHERE id = $1 AND chat_id = $2
+                             UNION ALL
+                             SELECT sent_at FROM {s}.inbox WHERE message_id = $1 AND chat_id = $2"
+                        ),
+                        &[&id, &chat_id],
+                    )
+                    .await?
+                    .ok_or(StoreError::UnknownCursor(id))?;
+                Some((row.get(0), id))
+            }
+        };
+        let (before_at, before_id) = cursor.unzip();
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT id, body, at, sent, seq FROM (
+                        SELECT id, body, created_at AS at, true AS sent, NULL::bigint AS seq
+                          FROM {s}.messages WHERE chat_id = $1
+                        UNION ALL
+                        SELECT message_id, body, sent_at, false, seq
+                          FROM {s}.inbox WHERE chat_id = $1
+                     ) m
+                     WHERE $2::timestamptz IS NULL OR (at, id) < ($2, $3)
+                     ORDER BY at DESC, id DESC
+                     LIMIT $4"
+                ),
+                &[&chat_id, &before_at, &before_id, &limit],
+            )
+            .await?;
+        let mut items: Vec<HistoryItem> = rows
+            .iter()
+            .map(|r| {
+                let sent: bool = r.get(3);
+                HistoryItem {
+                    message: Message {
+                        id: r.get(0),
+                        chat_id,
+                        body: r.get(1),
+                        created_at: r.get(2),
+                        side: if sent { self.side } else { self.side.other() },
+                    },
+                    seq: r.get(4),
+                }
+            })
+            .collect();
+        items.reverse();
+        Ok(items)
+    }
+
+    /// Record received messages in one transaction, each once (by message id), in the given
+    /// order. Returns the inbox position of each message recorded now; messages already in
+    /// the inbox (redeliveries) are absent from the map.
+    pub async fn record_inbox(
+        &self,
+        received: &[Received],
+    ) -> Result<HashMap<Uuid, i64>, StoreError> {
+        let s = self.side.schema();
+        let mut ids = Vec::with_capacity(received.len());
+        let mut chats = Vec::with_capacity(received.len());
+        let mut bodies = Vec::with_capacity(received.len());
+        let mut sent = Vec::with_capacity(received.len());
+        let mut streams = Vec::with_capacity(received.len());
+        for r in received {
+            ids.push(r.message.id);
+            chats.push(r.message.chat_id);
+            bodies.push(r.message.body.as_str());
+            sent.push(r.message.created_at);
+            streams.push(r.stream_id.as_str());
+        }
+        let client = self.pool.get().await?;
+        // One statement; identities are assigned in the order of `ord`, which is stream
+        // order, so positions grow in the sender's commit order.
+        let rows = client
+            .query(
+                &format!(
+                    "INSERT INTO {s}.inbox (message_id, chat_id, body, sent_at, stream_id)
+                     SELECT id, chat, body, sent, stream
+                       FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::timestamptz[], $5::text[])
+                            WITH ORDINALITY AS r(id, chat, body, sent, stream, ord)
+                      ORDER BY ord
+                     ON CONFLICT (message_id) DO NOTHING
+                     RETURNING message_id, seq"
+                ),
+                &[&ids, &chats, &bodies, &sent, &streams],
+            )
+            .await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    /// Received messages of a chat after inbox position `after`, in order.
+    pub async fn replay(
+        &self,
+        chat_id: i64,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<HistoryItem>, StoreError> {
+        let s = self.side.schema();
+        let client = self.pool.get().await?;
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT seq, message_id, body, sent_at FROM {s}.inbox
+                      WHERE chat_id = $1 AND seq > $2 ORDER BY seq LIMIT $3"
+                ),
+                &[&chat_id, &after, &limit],
+            )
+            .await?;
+        Ok(rows
+            .iter()
+            .map(|r| HistoryItem {
+                seq: Some(r.get(0)),
+                message: Message {
+                    id: r.get(1),
+                    chat_id,
+                    body: r.get(2),
+                    created_at: r.get(3),
+                    side: self.side.other(),
+                },
+            })
+            .collect())
+    }
+
+    /// The newest inbox position (0 when empty): where a client without `Last-Event-ID`
+    /// starts.
+    pub async fn last_seq(&self) -> Result<i64, StoreError> {
+        let s = self.side.schema();
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one(&format!("SELECT coalesce(max(seq), 0) FROM {s}.inbox"), &[])
+            .await?;
+        Ok(row.get(0))
+    }
+}

@@ -1,0 +1,227 @@
+//! A whole chat system for tests: a database with the migrations, a Redis of the test's
+//! own, both relays in-process, and both services in-process or as real processes.
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::process::Command;
+use std::time::Duration;
+
+use cdc_relay::Relay;
+use chat_services::{Service, Side};
+use clap::Parser;
+use testkit::{ChildProcess, PgServer, RedisServer, TestDb};
+use tokio_util::sync::CancellationToken;
+
+pub struct Stack<'a> {
+    pub pg: &'a PgServer,
+    pub db: TestDb,
+    pub redis: RedisServer,
+    relays: Vec<(
+        Relay,
+        CancellationToken,
+        tokio::task::JoinHandle<Result<(), cdc_relay::RelayError>>,
+    )>,
+}
+
+impl<'a> Stack<'a> {
+    /// Database, Redis, and a running relay for each side.
+    pub async fn start(pg: &'a PgServer) -> Stack<'a> {
+        let db = pg.create_database().await.expect("test database");
+        let redis = RedisServer::start().expect("redis");
+        let mut stack = Stack {
+            pg,
+            db,
+            redis,
+            relays: Vec::new(),
+        };
+        for side in [Side::Consumers, Side::Workers] {
+            stack.start_relay(side).await;
+        }
+        stack
+    }
+
+    fn relay_args(&self, side: Side) -> cdc_relay::config::RunArgs {
+        let argv = [
+            "cdc-relay".to_string(),
+            "run".into(),
+            "--database-url".into(),
+            self.db.url(&format!("{side}_relay")),
+            "--slot".into(),
+            format!("{}_{side}", self.db.name),
+            "--publication".into(),
+            format!("{side}_outbox"),
+            "--outbox-table".into(),
+            format!("{side}.outbox"),
+            "--redis-url".into(),
+            self.redis.url(),
+            "--stream".into(),
+            side.outbox_stream(),
+            "--admin-addr".into(),
+            "".into(),
+            "--reconnect-max-backoff".into(),
+            "300ms".into(),
+        ];
+        match cdc_relay::Cli::try_parse_from(argv)
+            .expect("relay flags")
+            .command
+        {
+            cdc_relay::config::Command::Run(args) => args,
+            _ => unreachable!(),
+        }
+    }
+
+    async fn start_relay(&mut self, side: Side) {
+        let args = self.relay_args(side);
+        cdc_relay::setup::setup(&args.postgres.validate().unwrap(), Duration::from_secs(10))
+            .await
+            .expect("relay slot");
+        let relay = Relay::new(args.validate().unwrap());
+        let token = CancellationToken::new();
+        let task = {
+            let (relay, token) = (relay.clone(), token.clone());
+            tokio::spawn(async move { relay.run(token).await })
+        };
+        self.relays.push((relay, token, task));
+    }
+
+    /// The service's flags (`extra` appended).
+    pub fn service_args(&self, side: Side, extra: &[&str]) -> Vec<String> {
+        let mut args: Vec<String> = vec![
+            "--side".into(),
+            side.as_str().into(),
+            "--database-url".into(),
+            self.db.url(side.as_str()),
+            "--redis-url".into(),
+            self.redis.url(),
+            "--listen".into(),
+            "127.0.0.1:0".into(),
+            "--consumer-name".into(),
+            format!("{side}-test"),
+            "--lease-ttl".into(),
+            "3s".into(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        args
+    }
+
+    /// Start a service in-process.
+    pub async fn service(&self, side: Side, extra: &[&str]) -> RunningService {
+        let mut argv = vec!["chat-service".to_string()];
+        argv.extend(self.service_args(side, extra));
+        let config = chat_services::Cli::try_parse_from(argv)
+            .expect("service flags")
+            .validate()
+            .expect("valid");
+        let shutdown = CancellationToken::new();
+        let service = Service::bind(config, shutdown.clone()).await.expect("bind");
+        let addr = service.local_addr();
+        let mut status = service.consumer_status();
+        let task = tokio::spawn(service.run());
+        testkit::wait_until(Duration::from_secs(20), "inbox consumer active", || {
+            let s = status.borrow_and_update().clone();
+            async move {
+                if s.role == chat_services::inbox::ConsumerRole::Active {
+                    Ok(())
+                } else {
+                    Err(format!("{s:?}"))
+                }
+            }
+        })
+        .await;
+        RunningService {
+            addr,
+            shutdown,
+            task: Some(task),
+        }
+    }
+
+    /// Start a service binary as a process on a free port; waits until it is ready.
+    pub async fn service_process(&self, side: Side, name: &str, extra: &[&str]) -> ServiceProcess {
+        let port = testkit::http::free_port();
+        let listen = format!("127.0.0.1:{port}");
+        let mut args = self.service_args(side, extra);
+        let i = args.iter().position(|a| a == "127.0.0.1:0").unwrap();
+        args[i] = listen.clone();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_chat-service"));
+        cmd.args(args).env("RUST_LOG", "info");
+        let log = testkit::scratch_dir("service-log").join(format!("{name}.log"));
+        let child = ChildProcess::spawn(name, cmd, &log).expect("spawn chat-service");
+        let process = ServiceProcess {
+            child,
+            addr: listen.parse().unwrap(),
+        };
+        process.wait_consuming().await;
+        process
+    }
+
+    pub async fn stop(mut self) {
+        for (_, token, task) in self.relays.drain(..) {
+            token.cancel();
+            let _ = task.await;
+        }
+    }
+}
+
+pub struct RunningService {
+    pub addr: SocketAddr,
+    shutdown: CancellationToken,
+    task: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl RunningService {
+    pub async fn stop(mut self) {
+        self.shutdown.cancel();
+        let _ = self.task.take().unwrap().await;
+    }
+}
+
+impl Drop for RunningService {
+    fn drop(&mut self) {
+        self.shutdown.cancel();
+    }
+}
+
+pub struct ServiceProcess {
+    pub child: ChildProcess,
+    pub addr: SocketAddr,
+}
+
+impl ServiceProcess {
+    /// Until /readyz says the inbox consumer is active.
+    pub async fn wait_consuming(&self) {
+        testkit::wait_until(Duration::from_secs(30), "service consuming", || async {
+            match testkit::http::get(self.addr, "/readyz").await {
+                Ok((200, body)) if body.contains("\"consumer\":\"active\"") => Ok(()),
+                other => Err(format!("{other:?}; exited: {:?}", self.child.try_status())),
+            }
+        })
+        .await
+    }
+}
+
+/// Send `body` to chat `chat_id` on the service at `addr`; returns the message JSON.
+pub async fn send(addr: SocketAddr, chat_id: i64, body: &str) -> serde_json::Value {
+    let reply = testkit::http::post_json(
+        addr,
+        &format!("/chats/{chat_id}/messages"),
+        &serde_json::json!({"body": body}),
+        &[],
+    )
+    .await
+    .expect("POST");
+    assert_eq!(reply.status, 201, "{}", reply.body);
+    reply.json()
+}
+
+/// The next `message` event's data as JSON, or a panic after `timeout`.
+pub async fn next_message(
+    client: &mut testkit::http::SseClient,
+    timeout: Duration,
+) -> (String, serde_json::Value) {
+    let event = client.next(timeout).await.expect("an SSE message in time");
+    assert_eq!(event.event, "message");
+    (
+        event.id.expect("SSE id"),
+        serde_json::from_str(&event.data).expect("JSON data"),
+    )
+}
