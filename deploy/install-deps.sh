@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs, when missing, the system packages the tests and the local stack need on Debian:
-# the Postgres 15 server binaries, redis-server, and a C toolchain for crates that build C.
+# the Postgres 15 server binaries, redis-server, Chromium and ChromeDriver (the chat page's
+# browser test), and a C toolchain for crates that build C.
 # Our tests and the local stack start private instances; the packaged services are not used.
 set -euo pipefail
 
@@ -9,6 +10,9 @@ need=()
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v setpriv >/dev/null 2>&1 || need+=(util-linux)
 command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)
+# The chat page is tested in a real headless browser.
+command -v chromium >/dev/null 2>&1 || need+=(chromium)
+command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then

@@ -62,7 +62,7 @@ pub enum RelayError {
         server_system: String,
     },
 
-    #[error("stream {stream} diverged from the replication slot: {detail}; the cluster was probably restored from a backup; point --stream at a new key")]
+    #[error("stream {stream} diverged from the replication slot: {detail}; find what else writes the stream, or whether Postgres was restored from a backup, then point --stream at a new key")]
     StreamDiverged { stream: String, detail: String },
 
     #[error("stream {stream} is behind what this relay published moments ago: {detail}; Redis lost data (restarted without its AOF, or failed over to a stale replica)")]

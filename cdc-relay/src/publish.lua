@@ -15,7 +15,8 @@
 -- is counted, not written, after checking that the entry stored under that id, if still
 -- there, is the same outbox row.
 -- Errors (codes read by the relay): ORIGIN (another cluster's stream), GAP (the stream
--- lost entries this session published), DIVERGED (same id, different row).
+-- lost entries this session published), DIVERGED (same id, different row, or an id
+-- below the top that the stream never held).
 
 local stream, origin_key = KEYS[1], KEYS[2]
 local system_id, timeline, maxlen, fence = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
@@ -45,13 +46,14 @@ local function id_less(a, b)
   return num_less(as, bs)
 end
 
-local top = '0-0'
+local top, first = '0-0', nil
 if redis.call('EXISTS', stream) == 1 then
   local info = redis.call('XINFO', 'STREAM', stream)
   for i = 1, #info, 2 do
     if info[i] == 'last-generated-id' then
       top = info[i + 1]
-      break
+    elseif info[i] == 'first-entry' and info[i + 1] then
+      first = info[i + 1][1]
     end
   end
 end
@@ -98,6 +100,10 @@ for i = 5, #ARGV, 5 do
           return redis.error_reply('DIVERGED ' .. id .. ' holds outbox_id ' .. fields[j + 1] .. ', not ' .. ARGV[i + 3])
         end
       end
+    elseif first and not id_less(id, first) then
+      -- Not trimmed away (it is not below the oldest entry), yet not there: the top was
+      -- moved past it by another writer, or entries were deleted.
+      return redis.error_reply('DIVERGED ' .. id .. ' is below the stream top ' .. top .. ' but was never written there (another writer, or deleted entries)')
     end
     duplicates = duplicates + 1
   end

@@ -189,3 +189,45 @@ async fn publication_dropped_while_streaming_stops_the_relay_with_the_hint() {
     );
     assert_eq!(fx.stream_len().await, 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_writer_moving_the_stream_top_stops_the_relay_instead_of_dropping_messages() {
+    let fx = Fixture::new(shared_postgres(), shared_redis()).await;
+    let relay = fx.spawn_relay("relay", &[]);
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    common::insert_txn(&mut writer, 0, 0, 1, true)
+        .await
+        .unwrap();
+    wait_until(Duration::from_secs(10), "first entry", || async {
+        let n = fx.stream_len().await;
+        if n == 1 {
+            Ok(())
+        } else {
+            Err(format!("{n}"))
+        }
+    })
+    .await;
+    // Someone else XADDs with an automatic id (a millisecond timestamp, far above LSNs).
+    let mut conn = fx.redis.connect().await.unwrap();
+    let _: String = redis::cmd("XADD")
+        .arg(&fx.stream)
+        .arg("*")
+        .arg("event")
+        .arg("intruder")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    common::insert_txn(&mut writer, 0, 1, 1, true)
+        .await
+        .unwrap();
+    let status = relay.child.wait_exit(Duration::from_secs(20)).unwrap();
+    assert!(!status.success());
+    let log = relay.child.log();
+    let last = log.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("diverged from the replication slot") && last.contains("another writer"),
+        "{}",
+        common::tail(&log)
+    );
+}

@@ -82,7 +82,7 @@ pub struct Store {
 impl Store {
     pub fn new(config: tokio_postgres::Config, side: Side, max_connections: usize) -> Self {
         let mut config = config;
-        config.application_name(&format!("chat-{side}"));
+        config.application_name(format!("chat-{side}"));
         config.connect_timeout(Duration::from_secs(3));
         let manager = Manager::from_config(
             config,

@@ -39,3 +39,224 @@ async fn a_message_sent_on_one_side_is_shown_live_on_the_other() {
     workers.stop().await;
     stack.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_entry_delivered_twice_is_recorded_and_shown_once() {
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let workers = stack.service(Side::Workers, &[]).await;
+    let mut client = SseClient::connect(workers.addr, "/chats/3/events", None)
+        .await
+        .unwrap();
+    let sent = send(consumers.addr, 3, "only once").await;
+    let (_, first) = next_message(&mut client, Duration::from_secs(10)).await;
+    assert_eq!(first["id"], sent["id"]);
+
+    // WHEN the same entry is delivered again (a copy appended to the stream, as a replay
+    // beyond the stream's own deduplication would)
+    let mut redis = stack.redis.connect().await.unwrap();
+    let entries: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg("outbox:consumers")
+        .arg("-")
+        .arg("+")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let original: Vec<(String, String)> = entries.ids[0]
+        .map
+        .iter()
+        .map(|(k, v)| (k.clone(), redis::from_redis_value_ref::<String>(v).unwrap()))
+        .collect();
+    let fields: Vec<(&str, &str)> = original
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    common::append_after_top(&stack.redis, "outbox:consumers", &fields).await;
+    // ... followed by a new message, so we know the copy was processed before it
+    let after = send(consumers.addr, 3, "after the copy").await;
+
+    // THEN the copy is skipped: the next thing shown is the new message
+    let (_, next) = next_message(&mut client, Duration::from_secs(10)).await;
+    assert_eq!(next["id"], after["id"]);
+    let db = stack.db.connect().await.unwrap();
+    let n: i64 = db
+        .query_one("SELECT count(*) FROM workers.inbox WHERE chat_id = 3", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 2);
+    let (_, metrics) = testkit::http::get(workers.addr, "/metrics").await.unwrap();
+    assert_eq!(
+        testkit::http::metric_value(&metrics, "chat_duplicates_skipped_total"),
+        Some(1.0)
+    );
+    // Both entries of the message were acknowledged.
+    let pending: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
+        .arg("outbox:consumers")
+        .arg("workers")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(pending.count(), 0);
+    consumers.stop().await;
+    workers.stop().await;
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_poison_entry_is_dead_lettered_and_messages_after_it_flow() {
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let workers = stack.service(Side::Workers, &[]).await;
+    let mut client = SseClient::connect(workers.addr, "/chats/5/events", None)
+        .await
+        .unwrap();
+
+    // WHEN an entry whose payload is not a message lands in the stream
+    // (the relay must have created the stream first)
+    send(consumers.addr, 5, "before the poison").await;
+    let _ = next_message(&mut client, Duration::from_secs(10)).await;
+    let mut redis = stack.redis.connect().await.unwrap();
+    let poison_id = common::append_after_top(
+        &stack.redis,
+        "outbox:consumers",
+        &[
+            ("event", "message.created"),
+            ("payload", "{not json"),
+            ("outbox_id", "0"),
+            ("created_at", "2026-01-01T00:00:00Z"),
+        ],
+    )
+    .await;
+    let sent = send(consumers.addr, 5, "after the poison").await;
+
+    // THEN the next message still arrives
+    let (_, shown) = next_message(&mut client, Duration::from_secs(10)).await;
+    assert_eq!(shown["id"], sent["id"]);
+    // AND the poison entry is in the dead-letter stream with the reason, and acknowledged
+    let dead: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg("deadletter:workers")
+        .arg("-")
+        .arg("+")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(dead.ids.len(), 1);
+    let field = |name: &str| redis::from_redis_value_ref::<String>(&dead.ids[0].map[name]).unwrap();
+    assert_eq!(field("id"), poison_id);
+    assert_eq!(field("stream"), "outbox:consumers");
+    assert!(
+        field("reason").starts_with("payload is not a valid message"),
+        "{}",
+        field("reason")
+    );
+    assert_eq!(field("entry.payload"), "{not json");
+    let pending: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
+        .arg("outbox:consumers")
+        .arg("workers")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(pending.count(), 0);
+    consumers.stop().await;
+    workers.stop().await;
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sends_succeed_while_redis_is_down_and_everything_arrives_in_order_after() {
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let workers = stack.service(Side::Workers, &[]).await;
+    let mut client = SseClient::connect(workers.addr, "/chats/9/events", None)
+        .await
+        .unwrap();
+    let mut sent = vec![send(consumers.addr, 9, "before").await["id"].clone()];
+    let (_, first) = next_message(&mut client, Duration::from_secs(10)).await;
+    assert_eq!(first["id"], sent[0]);
+
+    // WHEN Redis is down, sends keep succeeding (and quickly: nothing on the request path
+    // talks to Redis)
+    stack.redis.stop().unwrap();
+    for i in 0..20 {
+        let started = std::time::Instant::now();
+        sent.push(send(consumers.addr, 9, &format!("during outage {i}")).await["id"].clone());
+        assert!(
+            started.elapsed() < Duration::from_secs(1),
+            "send took {:?}",
+            started.elapsed()
+        );
+    }
+    let (status, body) = testkit::http::get(consumers.addr, "/readyz").await.unwrap();
+    assert_eq!(
+        status, 200,
+        "a Redis outage does not make sends unready: {body}"
+    );
+
+    // THEN after Redis returns, every message arrives, in order, once
+    stack.redis.start_again().unwrap();
+    for (i, expected) in sent.iter().enumerate().skip(1) {
+        let (_, shown) = next_message(&mut client, Duration::from_secs(30)).await;
+        assert_eq!(&shown["id"], expected, "message #{i}");
+    }
+    assert!(
+        client.next(Duration::from_millis(300)).await.is_none(),
+        "nothing more"
+    );
+    consumers.stop().await;
+    workers.stop().await;
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_resuming_with_last_event_id_gets_what_it_missed_then_live() {
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let workers = stack.service(Side::Workers, &[]).await;
+    let mut client = SseClient::connect(workers.addr, "/chats/11/events", None)
+        .await
+        .unwrap();
+    send(consumers.addr, 11, "one").await;
+    let (seen, _) = next_message(&mut client, Duration::from_secs(10)).await;
+    drop(client);
+
+    // WHILE the client is away, three more arrive (one in another chat)
+    let mut missed = Vec::new();
+    for body in ["two", "three"] {
+        missed.push(send(consumers.addr, 11, body).await["id"].clone());
+    }
+    send(consumers.addr, 12, "other chat").await;
+    let db = stack.db.connect().await.unwrap();
+    testkit::wait_until(Duration::from_secs(10), "recorded", || async {
+        let n: i64 = db
+            .query_one("SELECT count(*) FROM workers.inbox", &[])
+            .await
+            .unwrap()
+            .get(0);
+        if n == 4 {
+            Ok(())
+        } else {
+            Err(format!("{n}"))
+        }
+    })
+    .await;
+
+    // THEN resuming with Last-Event-ID replays exactly the missed ones, then continues live
+    let mut client = SseClient::connect(workers.addr, "/chats/11/events", Some(&seen))
+        .await
+        .unwrap();
+    for expected in &missed {
+        let (_, shown) = next_message(&mut client, Duration::from_secs(10)).await;
+        assert_eq!(&shown["id"], expected);
+    }
+    let live = send(consumers.addr, 11, "four").await;
+    let (_, shown) = next_message(&mut client, Duration::from_secs(10)).await;
+    assert_eq!(shown["id"], live["id"]);
+    assert!(
+        client.next(Duration::from_millis(300)).await.is_none(),
+        "no duplicate at the seam"
+    );
+    consumers.stop().await;
+    workers.stop().await;
+    stack.stop().await;
+}

@@ -211,24 +211,19 @@ pub fn events(app: Arc<App>, chat_id: &str, req: &Request<Incoming>) -> Response
         Ok(id) => id,
         Err(e) => return input_error(e),
     };
-    let parse_position =
-        |raw: &str, name: &str| {
-            raw.trim()
-                .parse::<i64>()
-                .ok()
-                .filter(|n| *n >= 0)
-                .ok_or_else(|| {
-                    reply::error(
-                StatusCode::BAD_REQUEST,
-                format!("{name} must be an inbox position (a non-negative integer), got '{raw}'"),
-            )
-                })
-        };
+    let position = |raw: &str| raw.trim().parse::<i64>().ok().filter(|n| *n >= 0);
+    let bad_position = |name: &str, raw: &str| {
+        reply::error(
+            StatusCode::BAD_REQUEST,
+            format!("{name} must be an inbox position (a non-negative integer), got '{raw}'"),
+        )
+    };
     // Last-Event-ID (sent by a reconnecting EventSource) wins over the URL's ?after=.
     let after = if let Some(header) = req.headers().get("last-event-id") {
-        match parse_position(header.to_str().unwrap_or_default(), "Last-Event-ID") {
-            Ok(n) => Some(n),
-            Err(resp) => return resp,
+        let raw = header.to_str().unwrap_or_default();
+        match position(raw) {
+            Some(n) => Some(n),
+            None => return bad_position("Last-Event-ID", raw),
         }
     } else {
         let mut after = None;
@@ -239,9 +234,9 @@ pub fn events(app: Arc<App>, chat_id: &str, req: &Request<Incoming>) -> Response
                     format!("unknown query parameter '{key}'; use after"),
                 );
             }
-            match parse_position(&value, "after") {
-                Ok(n) => after = Some(n),
-                Err(resp) => return resp,
+            match position(&value) {
+                Some(n) => after = Some(n),
+                None => return bad_position("after", &value),
             }
         }
         after

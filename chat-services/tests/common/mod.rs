@@ -12,15 +12,17 @@ use clap::Parser;
 use testkit::{ChildProcess, PgServer, RedisServer, TestDb};
 use tokio_util::sync::CancellationToken;
 
+type RunningRelay = (
+    Relay,
+    CancellationToken,
+    tokio::task::JoinHandle<Result<(), cdc_relay::RelayError>>,
+);
+
 pub struct Stack<'a> {
     pub pg: &'a PgServer,
     pub db: TestDb,
     pub redis: RedisServer,
-    relays: Vec<(
-        Relay,
-        CancellationToken,
-        tokio::task::JoinHandle<Result<(), cdc_relay::RelayError>>,
-    )>,
+    relays: Vec<RunningRelay>,
 }
 
 impl<'a> Stack<'a> {
@@ -224,4 +226,28 @@ pub async fn next_message(
         event.id.expect("SSE id"),
         serde_json::from_str(&event.data).expect("JSON data"),
     )
+}
+
+/// Append an entry to `stream` with the id right after its top, as the relay would (an
+/// automatic `*` id would jump past the relay's LSN-based ids and stop it).
+pub async fn append_after_top(
+    redis: &testkit::RedisServer,
+    stream: &str,
+    fields: &[(&str, &str)],
+) -> String {
+    let mut conn = redis.connect().await.unwrap();
+    let info: redis::streams::StreamInfoStreamReply = redis::cmd("XINFO")
+        .arg("STREAM")
+        .arg(stream)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let (ms, seq) = info.last_generated_id.split_once('-').unwrap();
+    let id = format!("{ms}-{}", seq.parse::<u64>().unwrap() + 1);
+    let mut cmd = redis::cmd("XADD");
+    cmd.arg(stream).arg(&id);
+    for (k, v) in fields {
+        cmd.arg(*k).arg(*v);
+    }
+    cmd.query_async::<String>(&mut conn).await.unwrap()
 }

@@ -1,0 +1,186 @@
+//! The chat page in a real headless Chromium (driven through ChromeDriver): a message typed
+//! on the Consumers page appears on the Workers page, as text.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use chat_services::Side;
+use common::Stack;
+use fantoccini::{Client, ClientBuilder, Locator};
+use testkit::{shared_postgres, wait_until, ChildProcess};
+
+/// ChromeDriver on a free port, ready for sessions.
+async fn chromedriver() -> (ChildProcess, String) {
+    let port = testkit::http::free_port();
+    let mut cmd = Command::new("chromedriver");
+    cmd.arg(format!("--port={port}"))
+        .arg("--allowed-ips=127.0.0.1");
+    let log = testkit::scratch_dir("chromedriver").join("chromedriver.log");
+    let child = ChildProcess::spawn("chromedriver", cmd, &log)
+        .expect("chromedriver installed (deploy/install-deps.sh)");
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_until(Duration::from_secs(20), "chromedriver ready", || async {
+        match testkit::http::get(addr, "/status").await {
+            Ok((200, body)) if body.contains("\"ready\":true") => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    (child, format!("http://127.0.0.1:{port}"))
+}
+
+async fn browser(webdriver: &str) -> Client {
+    let profile = testkit::scratch_dir("chromium-profile");
+    let mut caps = serde_json::Map::new();
+    caps.insert(
+        "goog:chromeOptions".into(),
+        serde_json::json!({
+            "binary": "/usr/bin/chromium",
+            "args": [
+                "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-quic", "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync",
+                format!("--user-data-dir={}", profile.display()),
+            ],
+        }),
+    );
+    ClientBuilder::new(hyper_util::client::legacy::connect::HttpConnector::new())
+        .capabilities(caps)
+        .connect(webdriver)
+        .await
+        .expect("browser session")
+}
+
+/// The text of the page's messages, in order.
+async fn messages(page: &Client) -> Vec<String> {
+    let mut texts = Vec::new();
+    if let Ok(items) = page
+        .find_all(Locator::Css("#messages .message .body"))
+        .await
+    {
+        for item in items {
+            texts.push(item.text().await.unwrap_or_default());
+        }
+    }
+    texts
+}
+
+async fn scenario(consumers_page: &Client, workers_page: &Client, consumers: &str, workers: &str) {
+    consumers_page
+        .goto(&format!("{consumers}/#chat=31"))
+        .await
+        .unwrap();
+    workers_page
+        .goto(&format!("{workers}/#chat=31"))
+        .await
+        .unwrap();
+    for page in [consumers_page, workers_page] {
+        wait_until(Duration::from_secs(20), "page live", || async {
+            let status = page
+                .find(Locator::Id("status"))
+                .await
+                .map_err(|e| e.to_string())?;
+            let text = status.text().await.map_err(|e| e.to_string())?;
+            if text == "live" {
+                Ok(())
+            } else {
+                Err(text)
+            }
+        })
+        .await;
+    }
+    // Typed on the Consumers page (markup in it must stay text).
+    let text = "hello <b>workers</b> from the browser";
+    let input = consumers_page.find(Locator::Id("body")).await.unwrap();
+    input.send_keys(text).await.unwrap();
+    consumers_page
+        .find(Locator::Id("send"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_until(
+        Duration::from_secs(20),
+        "message shown on the Consumers page",
+        || async {
+            let shown = messages(consumers_page).await;
+            if shown == [text] {
+                Ok(())
+            } else {
+                Err(format!("{shown:?}"))
+            }
+        },
+    )
+    .await;
+    // ... appears on the Workers page, live, as received text.
+    wait_until(
+        Duration::from_secs(20),
+        "message shown on the Workers page",
+        || async {
+            let shown = messages(workers_page).await;
+            if shown == [text] {
+                Ok(())
+            } else {
+                Err(format!("{shown:?}"))
+            }
+        },
+    )
+    .await;
+    let received = workers_page
+        .find(Locator::Css("#messages .message.received"))
+        .await
+        .unwrap();
+    assert_eq!(
+        received.find_all(Locator::Css("b")).await.unwrap().len(),
+        0,
+        "no HTML injected"
+    );
+    // And the reply comes back the other way.
+    let input = workers_page.find(Locator::Id("body")).await.unwrap();
+    input.send_keys("got it\n").await.unwrap();
+    wait_until(
+        Duration::from_secs(20),
+        "reply shown on the Consumers page",
+        || async {
+            let shown = messages(consumers_page).await;
+            if shown == [text, "got it"] {
+                Ok(())
+            } else {
+                Err(format!("{shown:?}"))
+            }
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_typed_on_the_consumers_page_appears_on_the_workers_page() {
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let workers = stack.service(Side::Workers, &[]).await;
+    let (_driver, webdriver) = chromedriver().await;
+    let consumers_page = browser(&webdriver).await;
+    let workers_page = browser(&webdriver).await;
+    // Run the scenario, then always end both browser sessions (they are chromedriver's
+    // children), then report.
+    let outcome = tokio::spawn({
+        let (c, w) = (consumers_page.clone(), workers_page.clone());
+        let (ca, wa) = (
+            format!("http://{}", consumers.addr),
+            format!("http://{}", workers.addr),
+        );
+        async move { scenario(&c, &w, &ca, &wa).await }
+    })
+    .await;
+    let _ = consumers_page.close().await;
+    let _ = workers_page.close().await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic.into_panic());
+    }
+    consumers.stop().await;
+    workers.stop().await;
+    stack.stop().await;
+}
