@@ -583,18 +583,39 @@ impl Active<'_> {
                 }
             }
         }
-        let ids: Vec<String> = received.iter().map(|(e, _)| e.id.clone()).collect();
-        self.ack(&ids).await?;
+        // Show first (the inbox committed, so this hides nothing), then acknowledge.
         metrics.messages_received_total.inc_by(new.len() as u64);
         new.sort_by_key(|(seq, _)| *seq);
+        let mut notes = Vec::with_capacity(new.len());
         for (seq, message) in new {
             let frame = crate::http::sse::frame(&HistoryItem {
                 message: message.clone(),
                 seq: Some(seq),
             });
             self.inbox.hub.publish(message.chat_id, seq, frame.clone());
-            let side = self.cfg().side;
-            notify::publish(&mut self.conn, side, message.chat_id, seq, &frame).await;
+            notes.push((message.chat_id, seq, frame));
+        }
+        let now = time::OffsetDateTime::now_utc();
+        for (entry, _) in received {
+            let written = entry
+                .fields
+                .as_ref()
+                .and_then(|f| f.get("created_at"))
+                .and_then(|t| {
+                    time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
+                        .ok()
+                });
+            if let Some(written) = written {
+                metrics
+                    .delivery_seconds
+                    .observe((now - written).as_seconds_f64().max(0.0));
+            }
+        }
+        let ids: Vec<String> = received.iter().map(|(e, _)| e.id.clone()).collect();
+        self.ack(&ids).await?;
+        let side = self.cfg().side;
+        for (chat_id, seq, frame) in notes {
+            notify::publish(&mut self.conn, side, chat_id, seq, &frame).await;
         }
         Ok(())
     }

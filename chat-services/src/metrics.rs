@@ -1,6 +1,6 @@
 //! Every metric a chat service exports, defined once: `chat_<what>_<unit>[_total]`.
 
-use prometheus::{Encoder, IntCounter, IntGauge, Registry, TextEncoder};
+use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntGauge, Registry, TextEncoder};
 
 pub struct Metrics {
     registry: Registry,
@@ -11,6 +11,7 @@ pub struct Metrics {
     pub entries_lost_total: IntCounter,
     pub consumer_active: IntGauge,
     pub sse_clients: IntGauge,
+    pub delivery_seconds: Histogram,
 }
 
 impl Metrics {
@@ -30,7 +31,21 @@ impl Metrics {
                 .expect("unique metric");
             g
         };
+        let delivery_seconds = Histogram::with_opts(
+            HistogramOpts::new(
+                "chat_delivery_seconds",
+                "From the sender's outbox write (its created_at) to the message being shown here",
+            )
+            .buckets(vec![
+                0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0,
+            ]),
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(delivery_seconds.clone()))
+            .expect("unique metric");
         Self {
+            delivery_seconds,
             messages_sent_total: counter(
                 "chat_messages_sent_total",
                 "Messages written with their outbox event",

@@ -123,54 +123,71 @@ impl Store {
         idempotency_key: Option<&str>,
     ) -> Result<(Message, bool), StoreError> {
         let s = self.side.schema();
-        let mut client = self.pool.get().await?;
-        let tx = client.transaction().await?;
-        let id = Uuid::now_v7();
-        let inserted = tx
-            .query_opt(
-                &format!(
-                    "INSERT INTO {s}.messages (id, chat_id, body, idempotency_key) VALUES ($1, $2, $3, $4)
-                     ON CONFLICT (idempotency_key) DO NOTHING RETURNING created_at"
-                ),
-                &[&id, &chat_id, &body, &idempotency_key],
-            )
-            .await?;
-        let Some(row) = inserted else {
-            let row = tx
-                .query_one(
-                    &format!("SELECT id, chat_id, body, created_at FROM {s}.messages WHERE idempotency_key = $1"),
-                    &[&idempotency_key],
-                )
-                .await?;
-            let original = Message {
-                id: row.get(0),
-                chat_id: row.get(1),
-                body: row.get(2),
-                created_at: row.get(3),
-                side: self.side,
-            };
-            if original.chat_id != chat_id || original.body != body {
-                return Err(StoreError::IdempotencyMismatch {
-                    chat_id: original.chat_id,
-                });
-            }
-            return Ok((original, true));
-        };
+        // The message's timestamp comes from here (like its UUIDv7), at the database's
+        // microsecond precision, so the event carries exactly what is stored and answered.
+        let now = OffsetDateTime::now_utc();
+        let created_at = now
+            .replace_nanosecond(now.nanosecond() / 1_000 * 1_000)
+            .expect("valid nanosecond");
         let message = Message {
-            id,
+            id: Uuid::now_v7(),
             chat_id,
             body: body.to_string(),
-            created_at: row.get(0),
+            created_at,
             side: self.side,
         };
         let payload = serde_json::to_value(&message).expect("message serializes");
-        tx.execute(
-            &format!("INSERT INTO {s}.outbox (event, payload) VALUES ($1, $2)"),
-            &[&MESSAGE_CREATED, &payload],
-        )
-        .await?;
-        tx.commit().await?;
-        Ok((message, false))
+        let client = self.pool.get().await?;
+        // One statement, so one round trip and atomic without an explicit transaction: the
+        // outbox row exists exactly when the message row does.
+        let statement = client
+            .prepare_cached(&format!(
+                "WITH m AS (
+                   INSERT INTO {s}.messages (id, chat_id, body, created_at, idempotency_key)
+                   VALUES ($1, $2, $3, $4, $5)
+                   ON CONFLICT (idempotency_key) DO NOTHING
+                   RETURNING id
+                 )
+                 INSERT INTO {s}.outbox (event, payload) SELECT $6, $7 FROM m"
+            ))
+            .await?;
+        let inserted = client
+            .execute(
+                &statement,
+                &[
+                    &message.id,
+                    &chat_id,
+                    &body,
+                    &created_at,
+                    &idempotency_key,
+                    &MESSAGE_CREATED,
+                    &payload,
+                ],
+            )
+            .await?;
+        if inserted == 1 {
+            return Ok((message, false));
+        }
+        // The idempotency key was used before: answer the original, write nothing.
+        let row = client
+            .query_one(
+                &format!("SELECT id, chat_id, body, created_at FROM {s}.messages WHERE idempotency_key = $1"),
+                &[&idempotency_key],
+            )
+            .await?;
+        let original = Message {
+            id: row.get(0),
+            chat_id: row.get(1),
+            body: row.get(2),
+            created_at: row.get(3),
+            side: self.side,
+        };
+        if original.chat_id != chat_id || original.body != body {
+            return Err(StoreError::IdempotencyMismatch {
+                chat_id: original.chat_id,
+            });
+        }
+        Ok((original, true))
     }
 
     /// The chat as this side sees it, oldest first: sent and received messages ordered by
@@ -261,9 +278,8 @@ impl Store {
         let client = self.pool.get().await?;
         // One statement; identities are assigned in the order of `ord`, which is stream
         // order, so positions grow in the sender's commit order.
-        let rows = client
-            .query(
-                &format!(
+        let statement = client
+            .prepare_cached(&format!(
                     "INSERT INTO {s}.inbox (message_id, chat_id, body, sent_at, stream_id)
                      SELECT id, chat, body, sent, stream
                        FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::timestamptz[], $5::text[])
@@ -271,9 +287,10 @@ impl Store {
                       ORDER BY ord
                      ON CONFLICT (message_id) DO NOTHING
                      RETURNING message_id, seq"
-                ),
-                &[&ids, &chats, &bodies, &sent, &streams],
-            )
+            ))
+            .await?;
+        let rows = client
+            .query(&statement, &[&ids, &chats, &bodies, &sent, &streams])
             .await?;
         Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
     }
