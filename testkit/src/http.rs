@@ -78,6 +78,50 @@ pub async fn request(
         .context("HTTP request timed out")?
 }
 
+/// One kept-alive HTTP/1.1 connection, for sending many requests like a browser does.
+pub struct Connection {
+    addr: SocketAddr,
+    sender: hyper::client::conn::http1::SendRequest<Full<Bytes>>,
+}
+
+impl Connection {
+    pub async fn open(addr: SocketAddr) -> anyhow::Result<Self> {
+        let stream = TcpStream::connect(addr)
+            .await
+            .with_context(|| format!("connect {addr}"))?;
+        stream.set_nodelay(true)?;
+        let (sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        tokio::spawn(async move {
+            let _ = conn.await;
+        });
+        Ok(Self { addr, sender })
+    }
+
+    /// `POST path` with a JSON body on this connection.
+    pub async fn post_json(
+        &mut self,
+        path: &str,
+        body: &serde_json::Value,
+    ) -> anyhow::Result<Reply> {
+        self.sender.ready().await?;
+        let request = Request::builder()
+            .method("POST")
+            .uri(path)
+            .header("host", self.addr.to_string())
+            .header("content-type", "application/json")
+            .body(Full::new(Bytes::from(body.to_string())))?;
+        let response = self.sender.send_request(request).await?;
+        let status = response.status().as_u16();
+        let headers = response.headers().clone();
+        let body = response.into_body().collect().await?.to_bytes();
+        Ok(Reply {
+            status,
+            headers,
+            body: String::from_utf8_lossy(&body).into_owned(),
+        })
+    }
+}
+
 /// `GET path`: the status code and the body.
 pub async fn get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, String)> {
     let reply = request(addr, "GET", path, &[], Bytes::new()).await?;

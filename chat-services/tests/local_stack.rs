@@ -1,0 +1,125 @@
+//! README's run command, for real: it starts the whole system (private Postgres and Redis,
+//! migrations, both relays, both services), a message crosses it, and Ctrl-C (SIGINT) stops
+//! everything cleanly.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use testkit::http::SseClient;
+use testkit::{wait_until, ChildProcess, Signal};
+
+/// The command after the `run-command` marker in README.md.
+fn readme_run_command() -> String {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let mut lines = readme
+        .lines()
+        .skip_while(|l| !l.contains("<!-- run-command -->"));
+    lines.next();
+    lines.next(); // the fence
+    lines
+        .next()
+        .expect("a command after the run-command marker")
+        .trim()
+        .to_string()
+}
+
+/// Live processes whose command line mentions `needle`.
+fn processes_mentioning(needle: &str) -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(needle))
+                .unwrap_or(false)
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
+    let state = testkit::scratch_dir("local-stack");
+    let ports: Vec<u16> = (0..4).map(|_| testkit::http::free_port()).collect();
+    let mut cmd = Command::new("bash");
+    cmd.arg("-c")
+        .arg(readme_run_command())
+        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .env("CHAT_LOCAL_DIR", &state)
+        .env("CHAT_LOCAL_PROFILE", "debug")
+        .env("CONSUMERS_PORT", ports[0].to_string())
+        .env("WORKERS_PORT", ports[1].to_string())
+        .env("CONSUMERS_RELAY_ADMIN", ports[2].to_string())
+        .env("WORKERS_RELAY_ADMIN", ports[3].to_string());
+    let stack = ChildProcess::spawn("local-stack", cmd, &state.join("run.log")).unwrap();
+    wait_until(Duration::from_secs(600), "the chat page URLs", || async {
+        let out = stack.log();
+        if out.contains("Workers chat:") {
+            Ok(())
+        } else if !stack.is_running() {
+            panic!("the run command exited: {out}");
+        } else {
+            Err(common_tail(&out))
+        }
+    })
+    .await;
+    let out = stack.log();
+    assert!(
+        out.contains(&format!("Consumers chat: http://127.0.0.1:{}/", ports[0])),
+        "{out}"
+    );
+
+    let consumers: std::net::SocketAddr = format!("127.0.0.1:{}", ports[0]).parse().unwrap();
+    let workers: std::net::SocketAddr = format!("127.0.0.1:{}", ports[1]).parse().unwrap();
+    let (status, page) = testkit::http::get(consumers, "/").await.unwrap();
+    assert_eq!(status, 200);
+    assert!(page.contains("<title>Chat · consumers</title>"));
+    let mut client = SseClient::connect(workers, "/chats/1/events", None)
+        .await
+        .unwrap();
+    let sent = common::send(consumers, 1, "through the local stack").await;
+    let (_, shown) = common::next_message(&mut client, Duration::from_secs(20)).await;
+    assert_eq!(shown["id"], sent["id"]);
+    drop(client);
+
+    // Ctrl-C
+    stack.signal(Signal::Int).unwrap();
+    let status = stack.wait_exit(Duration::from_secs(120)).unwrap();
+    let out = stack.log();
+    assert!(status.success(), "exit {status:?}: {out}");
+    for component in [
+        "workers",
+        "consumers",
+        "relay-workers",
+        "relay-consumers",
+        "redis",
+        "postgres",
+    ] {
+        assert!(
+            out.contains(&format!("[local] stopped {component}")),
+            "{component} not stopped: {out}"
+        );
+    }
+    let state_path = state.display().to_string();
+    wait_until(
+        Duration::from_secs(20),
+        "no process of the stack left",
+        || async {
+            let left = processes_mentioning(&state_path);
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{left:?}"))
+            }
+        },
+    )
+    .await;
+}
+
+fn common_tail(out: &str) -> String {
+    let lines: Vec<&str> = out.lines().collect();
+    lines[lines.len().saturating_sub(5)..].join(" | ")
+}
