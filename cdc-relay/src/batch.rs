@@ -14,7 +14,7 @@ use crate::outbox::OutboxEvent;
 /// A stream entry id `<final_lsn>-<k>`: the transaction's commit LSN and the insert's
 /// position inside it. Ids grow strictly in commit order and are the same when Postgres
 /// re-sends a transaction, which makes publishing idempotent.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct EntryId {
     pub commit_lsn: u64,
     pub seq: u64,
@@ -85,7 +85,7 @@ impl Batch {
     /// Record that a transaction ended: once this batch is confirmed, the slot may be
     /// acknowledged at its `end_lsn`.
     pub fn complete_transaction(&mut self, end_lsn: Lsn) {
-        self.ack_lsn = Some(end_lsn);
+        self.ack_lsn = Some(self.ack_lsn.map_or(end_lsn, |lsn| lsn.max(end_lsn)));
     }
 
     pub fn has_room(&self, limits: &BatchLimits) -> bool {

@@ -25,6 +25,12 @@ pub struct Cli {
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OnLostSlot {
+    Fail,
+    Recover,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum LogFormat {
     Text,
     Json,
@@ -37,6 +43,80 @@ pub enum Command {
     /// Create the replication slot if it is missing (idempotent); checks wal_level and the
     /// publication first.
     Setup(SetupArgs),
+    /// List every logical replication slot of the database with its health.
+    Slots(SlotsArgs),
+    /// Nagios-style check of one slot: exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.
+    Check(CheckArgs),
+    /// Drop a replication slot (refused while it is active).
+    DropSlot(DropSlotArgs),
+}
+
+/// The connection flags of `run`, for the slot commands: only the database URL is used.
+#[derive(Debug, Clone, Args)]
+pub struct DatabaseArgs {
+    /// Postgres URL (the relay's role can read slot status).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    /// Accepted so these commands take the same flags as `run`; not used.
+    #[arg(long, env = "CDC_PUBLICATION", hide = true)]
+    pub publication: Option<String>,
+    /// Accepted so these commands take the same flags as `run`; not used.
+    #[arg(long, env = "CDC_OUTBOX_TABLE", hide = true)]
+    pub outbox_table: Option<String>,
+    /// Accepted so these commands take the same flags as `run`; not used.
+    #[arg(long, env = "REDIS_URL", hide_env_values = true, hide = true)]
+    pub redis_url: Option<String>,
+    /// Accepted so these commands take the same flags as `run`; not used.
+    #[arg(long, env = "CDC_STREAM", hide = true)]
+    pub stream: Option<String>,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct SlotsArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    /// Accepted so the command takes the same flags as `run`; every slot is listed.
+    #[arg(long, env = "CDC_SLOT", hide = true)]
+    pub slot: Option<String>,
+    /// JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct CheckArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    /// The slot to check.
+    #[arg(long, env = "CDC_SLOT")]
+    pub slot: String,
+    /// CRITICAL above this lag (bytes of WAL behind the server).
+    #[arg(long)]
+    pub max_lag_bytes: u64,
+    /// CRITICAL when the slot has been inactive (no relay) longer than this.
+    #[arg(long)]
+    pub max_inactive_seconds: u64,
+    /// WARNING above this lag (default: half of --max-lag-bytes).
+    #[arg(long)]
+    pub warn_lag_bytes: Option<u64>,
+    /// WARNING when inactive longer than this (default: half of --max-inactive-seconds).
+    #[arg(long)]
+    pub warn_inactive_seconds: Option<u64>,
+    /// Where the check remembers since when the slot is inactive (Postgres 15 does not).
+    #[arg(long, env = "CDC_CHECK_STATE_DIR", default_value = "/var/tmp")]
+    pub state_dir: std::path::PathBuf,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct DropSlotArgs {
+    #[command(flatten)]
+    pub database: DatabaseArgs,
+    /// The slot to drop.
+    #[arg(long, env = "CDC_SLOT")]
+    pub slot: String,
+    /// Confirm: what the slot had not delivered is then only in the outbox table.
+    #[arg(long)]
+    pub yes: bool,
 }
 
 /// Where the outbox is.
@@ -113,6 +193,14 @@ pub struct Tuning {
     /// Longest pause between reconnect attempts (exponential backoff with jitter up to it).
     #[arg(long, env = "CDC_RECONNECT_MAX_BACKOFF", value_parser = humantime::parse_duration, default_value = "5s")]
     pub reconnect_max_backoff: Duration,
+    /// What to do when the slot is lost (invalidated by max_slot_wal_keep_size): `fail` stops
+    /// with an error; `recover` recreates the slot and republishes from the outbox table the
+    /// rows the stream may be missing.
+    #[arg(long, env = "CDC_ON_LOST_SLOT", value_enum, default_value_t = OnLostSlot::Fail)]
+    pub on_lost_slot: OnLostSlot,
+    /// How often slot health (lag, retained WAL, wal_status) is read for /metrics.
+    #[arg(long, env = "CDC_SLOT_METRICS_INTERVAL", value_parser = humantime::parse_duration, default_value = "5s")]
+    pub slot_metrics_interval: Duration,
     /// On SIGTERM, how long to wait for the in-flight batch before leaving anyway (nothing
     /// unconfirmed was acknowledged, so nothing is lost).
     #[arg(long, env = "CDC_SHUTDOWN_GRACE", value_parser = humantime::parse_duration, default_value = "10s")]
@@ -143,6 +231,8 @@ pub struct RelayConfig {
     pub standby_retry: Duration,
     pub reconnect_max_backoff: Duration,
     pub shutdown_grace: Duration,
+    pub on_lost_slot: OnLostSlot,
+    pub slot_metrics_interval: Duration,
 }
 
 impl std::fmt::Debug for RelayConfig {
@@ -227,6 +317,7 @@ impl RunArgs {
             ("--connect-timeout", t.connect_timeout),
             ("--standby-retry", t.standby_retry),
             ("--reconnect-max-backoff", t.reconnect_max_backoff),
+            ("--slot-metrics-interval", t.slot_metrics_interval),
         ] {
             if value.is_zero() {
                 return Err(RelayError::Config(format!(
@@ -250,6 +341,8 @@ impl RunArgs {
             standby_retry: t.standby_retry,
             reconnect_max_backoff: t.reconnect_max_backoff,
             shutdown_grace: t.shutdown_grace,
+            on_lost_slot: t.on_lost_slot,
+            slot_metrics_interval: t.slot_metrics_interval,
         })
     }
 }

@@ -37,6 +37,9 @@ pub enum RelayError {
     #[error("replication slot {slot} is not usable by the relay: {problem}; drop it (`SELECT pg_drop_replication_slot('{slot}')`) or choose another --slot")]
     SlotMismatch { slot: String, problem: String },
 
+    #[error("replication slot {slot} is lost: Postgres removed WAL it still needed (max_slot_wal_keep_size); {}", if *.recover { "recreating it and republishing from the outbox table" } else { "restart the relay with --on-lost-slot recover to recreate it and republish the outbox rows it may have missed from the outbox table (rows older than the services' outbox retention cannot be recovered)" })]
+    SlotLost { slot: String, recover: bool },
+
     #[error("replication slot {slot} is held by another relay{}", holder.map(|p| format!(" (walsender pid {p})")).unwrap_or_default())]
     SlotBusy { slot: String, holder: Option<u32> },
 
@@ -65,7 +68,7 @@ pub enum RelayError {
     #[error("stream {stream} diverged from the replication slot: {detail}; find what else writes the stream, or whether Postgres was restored from a backup, then point --stream at a new key")]
     StreamDiverged { stream: String, detail: String },
 
-    #[error("stream {stream} is behind what this relay published moments ago: {detail}; Redis lost data (restarted without its AOF, or failed over to a stale replica)")]
+    #[error("stream {stream} is behind what this relay published moments ago: {detail}; Redis lost data (restarted without its AOF, or failed over to a stale replica); reconnecting to republish")]
     StreamBehind { stream: String, detail: String },
 
     #[error("pgoutput: {0}")]
@@ -91,6 +94,10 @@ impl RelayError {
         match self {
             // Another relay holds the lease; it may go away.
             RelayError::SlotBusy { .. } => true,
+            // Recovered by the next session when recovery is enabled.
+            RelayError::SlotLost { recover, .. } => *recover,
+            // Redis lost entries: the next session finds out what and republishes it.
+            RelayError::StreamBehind { .. } => true,
             RelayError::StreamEnded | RelayError::ConnectTimeout(_) => true,
             RelayError::Postgres(e) => match e.code() {
                 Some(code) => sqlstate_is_transient(code.code()),
@@ -111,7 +118,6 @@ impl RelayError {
             | RelayError::SlotMismatch { .. }
             | RelayError::OriginMismatch { .. }
             | RelayError::StreamDiverged { .. }
-            | RelayError::StreamBehind { .. }
             | RelayError::Decode(_)
             | RelayError::Outbox(_)
             | RelayError::Protocol(_) => false,

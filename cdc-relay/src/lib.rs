@@ -14,14 +14,17 @@ pub mod batch;
 pub mod config;
 pub mod error;
 pub mod metrics;
+pub mod monitor;
 pub mod outbox;
 pub mod pg;
 pub mod pgoutput;
 mod pipeline;
 pub mod publisher;
+pub mod rebuild;
 pub mod relay;
 mod session;
 pub mod setup;
+pub mod slots;
 pub mod status;
 
 pub use config::{Cli, RelayConfig};

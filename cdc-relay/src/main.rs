@@ -56,6 +56,17 @@ async fn main() -> ExitCode {
             }
             Err(e) => Err(e),
         },
+        Command::Slots(args) => cdc_relay::slots::slots(&args)
+            .await
+            .map(|out| print!("{out}")),
+        Command::Check(args) => {
+            let (status, line) = cdc_relay::slots::check(&args).await;
+            println!("{line}");
+            return ExitCode::from(status as u8);
+        }
+        Command::DropSlot(args) => cdc_relay::slots::drop_slot(&args)
+            .await
+            .map(|out| println!("{out}")),
         Command::Setup(args) => match args.postgres.validate() {
             Ok(pg) => setup(&pg, std::time::Duration::from_secs(10))
                 .await

@@ -1,15 +1,19 @@
 //! Every metric the relay exports, defined once. Names follow Prometheus conventions:
-//! `cdc_relay_<what>_<unit>[_total]`.
+//! `cdc_relay_<what>_<unit>[_total]`; slot health is `cdc_relay_slot_*`.
 
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, IntCounter, IntGauge, IntGaugeVec, Opts, Registry,
-    TextEncoder,
+    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
+    Opts, Registry, TextEncoder,
 };
 
 use crate::status::Role;
 
+/// `wal_status` values of `pg_replication_slots` (PG 15).
+pub const WAL_STATUSES: [&str; 4] = ["reserved", "extended", "unreserved", "lost"];
+
 pub struct Metrics {
     registry: Registry,
+    // Publishing.
     pub events_published_total: IntCounter,
     pub duplicates_rejected_total: IntCounter,
     pub foreign_inserts_skipped_total: IntCounter,
@@ -22,107 +26,87 @@ pub struct Metrics {
     pub redis_errors_total: IntCounter,
     pub reconnects_total: IntCounter,
     pub state: IntGaugeVec,
+    // Recovery.
+    pub rebuilds_total: IntCounterVec,
+    pub republished_events_total: IntCounter,
+    // Slot health, read from pg_replication_slots / pg_stat_replication_slots.
+    pub slot_lag_bytes: IntGauge,
+    pub slot_retained_wal_bytes: IntGauge,
+    pub slot_safe_wal_size_bytes: Gauge,
+    pub slot_wal_status: IntGaugeVec,
+    pub slot_active: IntGauge,
+    pub slot_held: IntGauge,
+    pub slot_exists: IntGauge,
+    pub slot_lost: IntGauge,
+    pub slot_spilled_bytes_total: IntCounter,
+    pub slot_spilled_transactions_total: IntCounter,
+    pub postgres_up: IntGauge,
 }
 
-fn counter(registry: &Registry, name: &str, help: &str) -> IntCounter {
-    let c = IntCounter::new(name, help).expect("valid metric");
-    registry
-        .register(Box::new(c.clone()))
-        .expect("unique metric");
-    c
-}
+struct Builder<'a>(&'a Registry);
 
-fn histogram(registry: &Registry, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
-    let h = Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
-        .expect("valid metric");
-    registry
-        .register(Box::new(h.clone()))
-        .expect("unique metric");
-    h
+impl Builder<'_> {
+    fn register<M: prometheus::core::Collector + Clone + 'static>(&self, metric: M) -> M {
+        self.0
+            .register(Box::new(metric.clone()))
+            .expect("unique metric");
+        metric
+    }
+    fn counter(&self, name: &str, help: &str) -> IntCounter {
+        self.register(IntCounter::new(name, help).expect("valid metric"))
+    }
+    fn gauge(&self, name: &str, help: &str) -> IntGauge {
+        self.register(IntGauge::new(name, help).expect("valid metric"))
+    }
+    fn histogram(&self, name: &str, help: &str, buckets: Vec<f64>) -> Histogram {
+        self.register(
+            Histogram::with_opts(HistogramOpts::new(name, help).buckets(buckets))
+                .expect("valid metric"),
+        )
+    }
 }
 
 impl Metrics {
     pub fn new() -> Self {
-        let r = Registry::new();
-        let latency_buckets = vec![
+        let registry = Registry::new();
+        let b = Builder(&registry);
+        let latency = vec![
             0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
             30.0, 60.0,
         ];
-        let acknowledged_lsn = IntGauge::new(
-            "cdc_relay_acknowledged_lsn",
-            "Last LSN acknowledged to the replication slot (as a 64-bit integer)",
-        )
-        .expect("valid metric");
-        r.register(Box::new(acknowledged_lsn.clone()))
-            .expect("unique metric");
-        let state = IntGaugeVec::new(
-            Opts::new(
-                "cdc_relay_state",
-                "1 for the relay's current state, 0 for the others",
-            ),
-            &["state"],
-        )
-        .expect("valid metric");
-        r.register(Box::new(state.clone())).expect("unique metric");
         let metrics = Self {
-            events_published_total: counter(
-                &r,
-                "cdc_relay_events_published_total",
-                "Outbox events written to the stream",
-            ),
-            duplicates_rejected_total: counter(
-                &r,
-                "cdc_relay_duplicates_rejected_total",
-                "Re-sent outbox events the stream already held (not written again)",
-            ),
-            foreign_inserts_skipped_total: counter(
-                &r,
-                "cdc_relay_foreign_inserts_skipped_total",
-                "Inserts into publication tables other than the outbox, not published",
-            ),
-            transactions_total: counter(
-                &r,
-                "cdc_relay_transactions_total",
-                "Transactions received from the slot",
-            ),
-            publish_batches_total: counter(
-                &r,
-                "cdc_relay_publish_batches_total",
-                "Batches confirmed by Redis",
-            ),
-            publish_batch_duration_seconds: histogram(
-                &r,
-                "cdc_relay_publish_batch_duration_seconds",
-                "Time of one successful batch call to Redis",
-                latency_buckets.clone(),
-            ),
-            publish_batch_entries: histogram(
-                &r,
-                "cdc_relay_publish_batch_entries",
-                "Entries per published batch",
-                prometheus::exponential_buckets(1.0, 4.0, 8).expect("valid buckets"),
-            ),
-            commit_to_published_seconds: histogram(
-                &r,
-                "cdc_relay_commit_to_published_seconds",
-                "From a transaction's commit timestamp to Redis confirming its entries",
-                latency_buckets,
-            ),
-            acknowledged_lsn,
-            redis_errors_total: counter(
-                &r,
-                "cdc_relay_redis_errors_total",
-                "Failed Redis calls (each retried)",
-            ),
-            reconnects_total: counter(
-                &r,
-                "cdc_relay_reconnects_total",
-                "Replication sessions restarted after a transient error",
-            ),
-            state,
-            registry: r,
+            events_published_total: b.counter("cdc_relay_events_published_total", "Outbox events written to the stream"),
+            duplicates_rejected_total: b.counter("cdc_relay_duplicates_rejected_total", "Re-sent outbox events the stream already held (not written again)"),
+            foreign_inserts_skipped_total: b.counter("cdc_relay_foreign_inserts_skipped_total", "Inserts into publication tables other than the outbox, not published"),
+            transactions_total: b.counter("cdc_relay_transactions_total", "Transactions received from the slot"),
+            publish_batches_total: b.counter("cdc_relay_publish_batches_total", "Batches confirmed by Redis"),
+            publish_batch_duration_seconds: b.histogram("cdc_relay_publish_batch_duration_seconds", "Time of one successful batch call to Redis", latency.clone()),
+            publish_batch_entries: b.histogram("cdc_relay_publish_batch_entries", "Entries per published batch", prometheus::exponential_buckets(1.0, 4.0, 8).expect("valid buckets")),
+            commit_to_published_seconds: b.histogram("cdc_relay_commit_to_published_seconds", "From a transaction's commit timestamp to Redis confirming its entries", latency),
+            acknowledged_lsn: b.gauge("cdc_relay_acknowledged_lsn", "Last LSN this relay acknowledged to its slot (as a 64-bit integer)"),
+            redis_errors_total: b.counter("cdc_relay_redis_errors_total", "Failed Redis calls (each retried)"),
+            reconnects_total: b.counter("cdc_relay_reconnects_total", "Replication sessions restarted after a transient error"),
+            state: b.register(IntGaugeVec::new(Opts::new("cdc_relay_state", "1 for the relay's current state, 0 for the others"), &["state"]).expect("valid metric")),
+            rebuilds_total: b.register(IntCounterVec::new(Opts::new("cdc_relay_rebuilds_total", "Stream rebuilds from the outbox table, by reason"), &["reason"]).expect("valid metric")),
+            republished_events_total: b.counter("cdc_relay_republished_events_total", "Outbox rows published again by rebuilds"),
+            slot_lag_bytes: b.gauge("cdc_relay_slot_lag_bytes", "WAL between the server's current position and the slot's confirmed_flush_lsn"),
+            slot_retained_wal_bytes: b.gauge("cdc_relay_slot_retained_wal_bytes", "WAL the slot keeps on disk: current position minus restart_lsn"),
+            slot_safe_wal_size_bytes: b.register(Gauge::new("cdc_relay_slot_safe_wal_size_bytes", "WAL that can still be written before the slot is lost (NaN without max_slot_wal_keep_size)").expect("valid metric")),
+            slot_wal_status: b.register(IntGaugeVec::new(Opts::new("cdc_relay_slot_wal_status", "1 for the slot's current wal_status, 0 for the others"), &["status"]).expect("valid metric")),
+            slot_active: b.gauge("cdc_relay_slot_active", "1 while some walsender holds the slot"),
+            slot_held: b.gauge("cdc_relay_slot_held", "1 while this relay holds the slot"),
+            slot_exists: b.gauge("cdc_relay_slot_exists", "1 while the slot exists"),
+            slot_lost: b.gauge("cdc_relay_slot_lost", "1 while the slot is lost and not yet recreated"),
+            slot_spilled_bytes_total: b.counter("cdc_relay_slot_spilled_bytes_total", "Bytes of decoded transactions spilled to disk (pg_stat_replication_slots.spill_bytes)"),
+            slot_spilled_transactions_total: b.counter("cdc_relay_slot_spilled_transactions_total", "Transactions spilled to disk (pg_stat_replication_slots.spill_txns)"),
+            postgres_up: b.gauge("cdc_relay_postgres_up", "1 when the last slot health query succeeded"),
+            registry,
         };
         metrics.set_role(Role::Starting);
+        for status in WAL_STATUSES {
+            metrics.slot_wal_status.with_label_values(&[status]).set(0);
+        }
+        metrics.slot_safe_wal_size_bytes.set(f64::NAN);
         metrics
     }
 
@@ -135,6 +119,15 @@ impl Metrics {
         }
     }
 
+    /// Set the one-hot wal_status gauge (`None`: no slot).
+    pub fn set_wal_status(&self, current: Option<&str>) {
+        for status in WAL_STATUSES {
+            self.slot_wal_status
+                .with_label_values(&[status])
+                .set(i64::from(Some(status) == current));
+        }
+    }
+
     /// The registry in Prometheus text format.
     pub fn encode(&self) -> String {
         let mut out = Vec::new();
@@ -142,11 +135,6 @@ impl Metrics {
             .encode(&self.registry.gather(), &mut out)
             .expect("text encoding cannot fail");
         String::from_utf8(out).expect("metrics are UTF-8")
-    }
-
-    /// The registry, to add collectors beside these metrics.
-    pub fn registry(&self) -> &Registry {
-        &self.registry
     }
 }
 

@@ -208,7 +208,7 @@ impl RelationCache {
 /// Postgres prints timestamptz as `2026-11-29 21:12:00.123456+00` under the relay's pinned
 /// `DateStyle=ISO` and `TimeZone=UTC`; make that RFC 3339 (`T` separator, `Z`). Anything
 /// else (`infinity`, a year past 9999) passes through unchanged rather than being guessed at.
-fn rfc3339_utc(text: Bytes) -> Bytes {
+pub(crate) fn rfc3339_utc(text: Bytes) -> Bytes {
     let t = &text[..];
     let canonical = t.len() >= 22
         && t[4] == b'-'

@@ -8,7 +8,10 @@
 -- ARGV[3]  MAXLEN for approximate trimming after the batch ('0': no trimming)
 -- ARGV[4]  fence: the last id this relay session published before this batch ('' at the
 --          start of a session); the stream's top must have reached it
--- ARGV[5..] five per entry: id, event, payload, outbox_id, created_at; ids strictly increase
+-- ARGV[5]  the LSN (decimal) the relay will acknowledge to its slot once this call returns
+--          ('': none). Recorded as `acked_through`, so Redis always knows at least as much
+--          as the slot says was delivered: a Redis that lost data shows an older value.
+-- ARGV[6..] five per entry: id, event, payload, outbox_id, created_at; ids strictly increase
 --
 -- Returns {published, duplicates}. An entry whose id is not above the stream's
 -- last-generated-id is a replay (Postgres re-sends what the slot did not acknowledge): it
@@ -19,9 +22,10 @@
 -- below the top that the stream never held).
 
 local stream, origin_key = KEYS[1], KEYS[2]
-local system_id, timeline, maxlen, fence = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4]
+local system_id, timeline, maxlen, fence, ack = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
+local FIRST = 6
 
-local origin = redis.call('HMGET', origin_key, 'system_id', 'timeline')
+local origin = redis.call('HMGET', origin_key, 'system_id', 'timeline', 'acked_through')
 if not origin[1] then
   redis.call('HSET', origin_key, 'system_id', system_id, 'timeline', timeline)
 elseif origin[1] ~= system_id then
@@ -62,6 +66,18 @@ if fence ~= '' and id_less(top, fence) then
   return redis.error_reply('GAP top ' .. top .. ' is below ' .. fence)
 end
 
+-- The record beside the stream: the acknowledged LSN (only ever raised) and the last id
+-- the relay wrote, so a stream that lost entries (deleted, restored from an older state)
+-- is noticed at the next start.
+local function record(last_written)
+  if ack ~= '' and (not origin[3] or num_less(origin[3], ack)) then
+    redis.call('HSET', origin_key, 'acked_through', ack)
+  end
+  if last_written then
+    redis.call('HSET', origin_key, 'last_id', last_written)
+  end
+end
+
 local function add(i)
   redis.call('XADD', stream, ARGV[i],
     'event', ARGV[i + 1], 'payload', ARGV[i + 2], 'outbox_id', ARGV[i + 3], 'created_at', ARGV[i + 4])
@@ -75,17 +91,18 @@ local function trim()
 end
 
 -- Fast path: the batch starts above the top, and ids increase, so every entry is new.
-if #ARGV < 5 or id_less(top, ARGV[5]) then
-  for i = 5, #ARGV, 5 do
+if #ARGV < FIRST or id_less(top, ARGV[FIRST]) then
+  for i = FIRST, #ARGV, 5 do
     add(i)
   end
   trim()
-  return {(#ARGV - 4) / 5, 0}
+  record(#ARGV >= FIRST and ARGV[#ARGV - 4] or nil)
+  return {(#ARGV - FIRST + 1) / 5, 0}
 end
 
 -- A replay: skip the entries Redis already has, checking each still stored one.
 local published, duplicates = 0, 0
-for i = 5, #ARGV, 5 do
+for i = FIRST, #ARGV, 5 do
   local id = ARGV[i]
   if id_less(top, id) then
     add(i)
@@ -109,4 +126,5 @@ for i = 5, #ARGV, 5 do
   end
 end
 trim()
+record(published > 0 and top or nil)
 return {published, duplicates}

@@ -25,6 +25,8 @@ pub struct Context {
     pub metrics: Arc<Metrics>,
     status: watch::Sender<RelayStatus>,
     admin_addr: OnceLock<SocketAddr>,
+    /// Identifies this process in Redis locks.
+    instance_id: String,
     this: std::sync::Weak<Context>,
 }
 
@@ -53,6 +55,20 @@ impl Context {
         });
     }
 
+    pub(crate) fn status_snapshot(&self) -> RelayStatus {
+        self.status.borrow().clone()
+    }
+
+    pub(crate) fn instance_id(&self) -> &str {
+        &self.instance_id
+    }
+
+    pub(crate) fn set_slot_lost(&self, lost: bool) {
+        self.metrics.slot_lost.set(i64::from(lost));
+        self.status
+            .send_if_modified(|s| std::mem::replace(&mut s.slot_lost, lost) != lost);
+    }
+
     pub(crate) fn set_last_error(&self, error: Option<String>) {
         self.status
             .send_if_modified(|s| std::mem::replace(&mut s.last_error, error.clone()) != error);
@@ -72,6 +88,7 @@ impl Relay {
             metrics: Arc::new(Metrics::new()),
             status: watch::Sender::new(RelayStatus::default()),
             admin_addr: OnceLock::new(),
+            instance_id: format!("{}-{}", std::process::id(), rand::random::<u64>()),
             this: this.clone(),
         });
         Self { ctx }
@@ -107,6 +124,7 @@ impl Relay {
             };
             tokio::spawn(admin::serve(listener, state, admin_stop.clone()));
         }
+        tokio::spawn(crate::monitor::run(ctx.clone(), admin_stop.clone()));
         let result = self.supervise(&shutdown).await;
         match &result {
             Ok(()) => ctx.set_role(Role::Stopping),

@@ -20,19 +20,23 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use crate::batch::{Batch, BatchLimits, EntryId, StreamEntry};
+use crate::config::OnLostSlot;
 use crate::error::{sqlstate, sqlstates, RelayError};
 use crate::outbox::{RelationCache, Row};
 use crate::pgoutput::{self, PgOutput};
 use crate::pipeline::Pipeline;
+use crate::publisher::StreamRecord;
 use crate::publisher::{Origin, PublishOutcome, Publisher};
+use crate::rebuild::{self, Reason};
 use crate::relay::Context;
-use crate::setup::{check_prerequisites, check_slot, slot_info};
+use crate::setup::{check_prerequisites, check_slot, slot_info, SlotInfo};
 use crate::status::Role;
 
 /// Microseconds between the Unix epoch and the Postgres epoch (2000-01-01).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
 
-/// Connect, take the slot and stream until shutdown (`Ok`) or an error.
+/// Connect, take the slot (rebuilding the stream first when the slot or Redis lost data)
+/// and stream until shutdown (`Ok`) or an error.
 pub(crate) async fn run(
     ctx: &Context,
     mut publisher: Publisher,
@@ -43,7 +47,19 @@ pub(crate) async fn run(
     let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
     ctx.set_postgres_reachable(true);
     check_prerequisites(&sql, pg).await?;
-    check_slot(&sql, pg).await?;
+    let record = publisher.record().await?;
+    // A slot dropped by an interrupted rebuild is expected to be missing.
+    let slot = match (slot_info(&sql, &pg.slot).await?, &record.rebuilding) {
+        (None, Some(_)) => None,
+        _ => Some(check_slot(&sql, pg).await?),
+    };
+    let holder = ctx.instance_id();
+    if publisher.rebuilding_elsewhere(holder).await? {
+        return Err(RelayError::SlotBusy {
+            slot: pg.slot.clone(),
+            holder: None,
+        });
+    }
 
     let replication =
         pg.endpoint
@@ -55,9 +71,43 @@ pub(crate) async fn run(
         timeline: identity.timeline,
     };
     publisher.check_origin(&origin).await?;
+
+    let reason = rebuild_reason(&slot, &record);
+    ctx.set_slot_lost(reason == Some(Reason::LostSlot));
+    let rebuilt = match reason {
+        Some(Reason::LostSlot) if cfg.on_lost_slot == OnLostSlot::Fail => {
+            return Err(RelayError::SlotLost {
+                slot: pg.slot.clone(),
+                recover: false,
+            });
+        }
+        Some(reason) => {
+            if !publisher.lock_rebuild(holder, rebuild::LOCK_TTL).await? {
+                return Err(RelayError::SlotBusy {
+                    slot: pg.slot.clone(),
+                    holder: None,
+                });
+            }
+            warn!(slot = %pg.slot, stream = %publisher.stream(), reason = reason.as_str(), "rebuilding the stream from the outbox table");
+            let result =
+                rebuild::rebuild(ctx, &mut client, &mut publisher, &origin, holder, reason).await;
+            if let Err(e) = result {
+                let _ = publisher.unlock_rebuild(holder).await;
+                return Err(e);
+            }
+            ctx.set_slot_lost(false);
+            true
+        }
+        None => false,
+    };
     client.start().await?;
-    if let Err(e) = within(cfg.connect_timeout, client.wait_started()).await? {
-        return Err(start_error(e, &sql, &pg.slot).await);
+    let started = within(cfg.connect_timeout, client.wait_started()).await;
+    if rebuilt {
+        let _ = publisher.unlock_rebuild(holder).await;
+    }
+    if let Err(e) = started? {
+        let recover = cfg.on_lost_slot == OnLostSlot::Recover;
+        return Err(start_error(e, &sql, &pg.slot, recover).await);
     }
     drop(sql);
     info!(
@@ -78,11 +128,40 @@ pub(crate) async fn run(
             open: None,
             filling: Batch::default(),
             acknowledged_lsn: Lsn(0),
+            ack_only_not_before: tokio::time::Instant::now(),
         },
         pipeline: Pipeline::new(publisher, origin, ctx.shared()),
         client,
     };
     session.stream(shutdown).await
+}
+
+/// Whether (and why) the stream must be rebuilt before streaming: the slot is lost, Redis
+/// knows less than the slot confirmed or lacks entries the relay wrote (it lost data),
+/// Redis has no record of the stream, or a rebuild was interrupted.
+fn rebuild_reason(slot: &Option<SlotInfo>, record: &StreamRecord) -> Option<Reason> {
+    let Some(slot) = slot else {
+        return Some(Reason::Resumed);
+    };
+    if slot.wal_status.as_deref() == Some("lost") {
+        return Some(Reason::LostSlot);
+    }
+    if record.rebuilding.is_some() {
+        return Some(Reason::Resumed);
+    }
+    if record.system_id.is_none() {
+        return Some(Reason::NoRecord);
+    }
+    // Entries the relay wrote are gone (the stream was deleted or restored from older data).
+    if record.last_id.is_some_and(|last| record.top < last) {
+        return Some(Reason::LostRedisData);
+    }
+    match (record.acked_through, slot.confirmed_flush_lsn) {
+        (acked, Some(confirmed)) if acked.unwrap_or(0) < confirmed.as_u64() => {
+            Some(Reason::LostRedisData)
+        }
+        _ => None,
+    }
 }
 
 async fn within<T>(
@@ -95,7 +174,13 @@ async fn within<T>(
 }
 
 /// Turn a START_REPLICATION failure into what it means for the relay.
-async fn start_error(e: PgWireError, sql: &tokio_postgres::Client, slot: &str) -> RelayError {
+async fn start_error(
+    e: PgWireError,
+    sql: &tokio_postgres::Client,
+    slot: &str,
+    ctx_recover: bool,
+) -> RelayError {
+    let recover = ctx_recover;
     match sqlstate(&e) {
         Some(sqlstates::OBJECT_IN_USE) => {
             let holder = slot_info(sql, slot)
@@ -111,6 +196,11 @@ async fn start_error(e: PgWireError, sql: &tokio_postgres::Client, slot: &str) -
         }
         Some(sqlstates::UNDEFINED_OBJECT) => RelayError::SlotMissing {
             slot: slot.to_string(),
+        },
+        // "cannot read from logical replication slot": invalidated.
+        Some(sqlstates::OBJECT_NOT_IN_PREREQUISITE_STATE) => RelayError::SlotLost {
+            slot: slot.to_string(),
+            recover,
         },
         _ => RelayError::Replication(e),
     }
@@ -130,6 +220,10 @@ struct State {
     filling: Batch,
     /// Last LSN acknowledged to the slot in this session.
     acknowledged_lsn: Lsn,
+    /// A batch carrying only an acknowledgement (a keepalive's position, a commit without
+    /// entries) waits until then, so a busy database with an idle outbox costs Redis a few
+    /// small calls per second, not one per keepalive.
+    ack_only_not_before: tokio::time::Instant,
 }
 
 impl State {
@@ -153,14 +247,16 @@ impl Session<'_> {
         self.state.filling.has_entries() && self.pipeline.has_room_for(!self.state.has_room())
     }
 
-    /// Nothing received is open or unconfirmed.
-    fn is_idle(&self) -> bool {
-        self.state.open.is_none() && self.state.filling.is_empty() && self.pipeline.is_idle()
+    /// Only an acknowledgement is waiting (it goes out at `ack_only_not_before`).
+    fn ack_only_waiting(&self) -> bool {
+        !self.state.filling.has_entries()
+            && self.state.filling.ack_lsn.is_some()
+            && self.pipeline.has_room_for(false)
     }
 
-    /// Nothing received is unconfirmed (a transaction may be open).
-    fn all_confirmed(&self) -> bool {
-        self.pipeline.is_idle() && !self.state.filling.has_entries()
+    /// Nothing received is open or unconfirmed.
+    fn is_idle(&self) -> bool {
+        self.state.open.is_none() && !self.state.filling.has_entries() && self.pipeline.is_idle()
     }
 }
 
@@ -201,6 +297,11 @@ impl Session<'_> {
                 }
                 // 4. nothing more is waiting: publish what we have now (no timer, no added latency)
                 _ = std::future::ready(()), if self.ready_to_publish() => self.start_publish(),
+                // 5. only an acknowledgement waits: record it in Redis, then acknowledge
+                _ = tokio::time::sleep_until(self.state.ack_only_not_before), if self.ack_only_waiting() => {
+                    self.state.ack_only_not_before = tokio::time::Instant::now() + self.ctx.config.status_interval;
+                    self.start_publish();
+                }
             }
         }
     }
@@ -221,6 +322,10 @@ impl Session<'_> {
             // At the first decoded change: the publication was dropped after the slot was made.
             Some(sqlstates::UNDEFINED_OBJECT) => RelayError::PublicationMissing {
                 publication: self.ctx.config.postgres.publication.clone(),
+            },
+            Some(sqlstates::OBJECT_NOT_IN_PREREQUISITE_STATE) => RelayError::SlotLost {
+                slot: self.ctx.config.postgres.slot.clone(),
+                recover: self.ctx.config.on_lost_slot == OnLostSlot::Recover,
             },
             _ => RelayError::Replication(e),
         }
@@ -282,17 +387,18 @@ impl Session<'_> {
                     )));
                 }
                 self.ctx.metrics.transactions_total.inc();
-                if self.all_confirmed() {
-                    // Every entry of this transaction (if any) is already in Redis.
-                    self.state.filling.ack_lsn = None;
-                    self.acknowledge(end_lsn);
-                } else {
-                    self.state.filling.complete_transaction(end_lsn);
-                }
+                self.state.filling.complete_transaction(end_lsn);
             }
             ReplicationEvent::KeepAlive { wal_end, .. } => {
-                if self.is_idle() {
-                    self.acknowledge(wal_end);
+                // Nothing open or unconfirmed: the slot may move to the server's position
+                // (recorded in Redis first, like every acknowledgement).
+                if self.is_idle() && wal_end > self.state.acknowledged_lsn {
+                    let ack = self
+                        .state
+                        .filling
+                        .ack_lsn
+                        .map_or(wal_end, |lsn| lsn.max(wal_end));
+                    self.state.filling.ack_lsn = Some(ack);
                 }
             }
             ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
@@ -327,13 +433,6 @@ impl Session<'_> {
         if let Some(lsn) = batch.ack_lsn {
             self.acknowledge(lsn);
         }
-        // Commits that arrived while batches were in flight, with no entries after them:
-        // acknowledged once nothing sent before them is unconfirmed.
-        if self.all_confirmed() {
-            if let Some(lsn) = self.state.filling.ack_lsn.take() {
-                self.acknowledge(lsn);
-            }
-        }
     }
 
     fn acknowledge(&mut self, lsn: Lsn) {
@@ -352,7 +451,7 @@ impl Session<'_> {
         let deadline = tokio::time::Instant::now() + cfg.shutdown_grace;
         // The open transaction (if any) is dropped: Postgres re-sends it next time.
         loop {
-            if self.ready_to_publish() {
+            if self.ready_to_publish() || self.ack_only_waiting() {
                 self.start_publish();
             }
             if self.pipeline.is_idle() {

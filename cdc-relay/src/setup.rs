@@ -20,6 +20,7 @@ pub struct SlotInfo {
     pub database: Option<String>,
     pub active_pid: Option<i32>,
     pub wal_status: Option<String>,
+    pub confirmed_flush_lsn: Option<pgwire_replication::Lsn>,
 }
 
 /// wal_level, and the publication publishing inserts of the outbox table.
@@ -61,7 +62,8 @@ pub async fn check_prerequisites(client: &Client, cfg: &PostgresConfig) -> Resul
 pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, RelayError> {
     let row = client
         .query_opt(
-            "SELECT plugin::text, slot_type, database::text, active_pid, wal_status
+            "SELECT plugin::text, slot_type, database::text, active_pid, wal_status,
+                    confirmed_flush_lsn::text
                FROM pg_replication_slots WHERE slot_name = $1",
             &[&slot],
         )
@@ -72,6 +74,9 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, 
         database: r.get(2),
         active_pid: r.get(3),
         wal_status: r.get(4),
+        confirmed_flush_lsn: r
+            .get::<_, Option<String>>(5)
+            .and_then(|l| pgwire_replication::Lsn::parse(&l).ok()),
     }))
 }
 

@@ -47,6 +47,8 @@ pub struct RelayStatus {
     pub role: Role,
     pub redis_reachable: bool,
     pub postgres_reachable: bool,
+    /// The slot was found invalidated (and not yet recreated).
+    pub slot_lost: bool,
     /// The last error, for operators (never contains credentials).
     pub last_error: Option<String>,
 }
@@ -57,6 +59,7 @@ impl Default for RelayStatus {
             role: Role::Starting,
             redis_reachable: false,
             postgres_reachable: false,
+            slot_lost: false,
             last_error: None,
         }
     }
@@ -65,7 +68,9 @@ impl Default for RelayStatus {
 impl RelayStatus {
     /// `None` when ready (holding the slot, Redis answering), else the reason.
     pub fn not_ready_reason(&self) -> Option<&'static str> {
-        if self.role == Role::Standby {
+        if self.slot_lost {
+            Some("slot_lost")
+        } else if self.role == Role::Standby {
             Some("standby")
         } else if !self.redis_reachable {
             Some("redis_unavailable")

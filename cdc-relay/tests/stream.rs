@@ -12,7 +12,7 @@ use testkit::{shared_postgres, shared_redis, wait_until, PgServer};
 async fn committed_inserts_arrive_exactly_once_in_commit_order() {
     // GIVEN a relay streaming the consumers outbox
     let fx = Fixture::new(shared_postgres(), shared_redis()).await;
-    let relay = fx.start_relay(&[]);
+    let relay = fx.start_relay(&[]).await;
 
     // WHEN 4 concurrent writers commit transactions of 0..=4 inserts and roll some back
     let mut writers = Vec::new();
@@ -102,7 +102,7 @@ async fn committed_inserts_arrive_exactly_once_in_commit_order() {
 async fn graceful_shutdown_acknowledges_everything_published() {
     // GIVEN a relay that published 200 transactions
     let fx = Fixture::new(shared_postgres(), shared_redis()).await;
-    let relay = fx.start_relay(&["--status-interval", "1s"]);
+    let relay = fx.start_relay(&["--status-interval", "1s"]).await;
     let mut client = fx.writer().await;
     for txn in 0..200 {
         insert_txn(&mut client, 0, txn, 1, true).await.unwrap();
@@ -134,7 +134,7 @@ async fn idle_outbox_does_not_pin_wal_while_other_tables_are_busy() {
     // GIVEN a relay on an idle outbox, on a server of its own (WAL positions are cluster-wide)
     let pg = PgServer::start().unwrap();
     let fx = Fixture::new(&pg, shared_redis()).await;
-    let relay = fx.start_relay(&[]);
+    let relay = fx.start_relay(&[]).await;
     let mut status = relay.relay.status();
     status
         .wait_for(|s| s.role == cdc_relay::Role::Streaming)

@@ -452,14 +452,24 @@ async fn each_role_is_refused_the_other_sides_schema() {
             .await
             .unwrap();
     }
-    // A relay role reads nothing.
+    // A relay role may read its own outbox (to rebuild its stream) and nothing else.
     let relay = db.connect_as("consumers_relay").await.unwrap();
-    let err = relay
+    relay
         .batch_execute("SELECT * FROM consumers.outbox")
         .await
-        .unwrap_err();
-    assert_eq!(
-        err.code(),
-        Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE)
-    );
+        .unwrap();
+    for sql in [
+        "SELECT * FROM consumers.messages",
+        "SELECT * FROM consumers.inbox",
+        "SELECT * FROM workers.outbox",
+        "INSERT INTO consumers.outbox (event, payload) VALUES ('x', '{}')",
+        "DELETE FROM consumers.outbox",
+    ] {
+        let err = relay.batch_execute(sql).await.expect_err(sql);
+        assert_eq!(
+            err.code(),
+            Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE),
+            "{sql}"
+        );
+    }
 }

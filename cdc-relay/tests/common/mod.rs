@@ -103,8 +103,8 @@ impl<'a> Fixture<'a> {
             .expect("valid relay config")
     }
 
-    /// Start the relay in-process.
-    pub fn start_relay(&self, overrides: &[&str]) -> RunningRelay {
+    /// Start the relay in-process and wait until it streams.
+    pub async fn start_relay(&self, overrides: &[&str]) -> RunningRelay {
         let relay = Relay::new(self.config(overrides));
         let shutdown = CancellationToken::new();
         let task = {
@@ -112,6 +112,14 @@ impl<'a> Fixture<'a> {
             let shutdown = shutdown.clone();
             tokio::spawn(async move { relay.run(shutdown).await })
         };
+        let mut status = relay.status();
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            status.wait_for(|s| s.role == cdc_relay::Role::Streaming),
+        )
+        .await
+        .expect("relay streaming within 30 s")
+        .expect("relay status");
         RunningRelay {
             relay,
             shutdown,

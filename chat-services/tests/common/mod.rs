@@ -83,6 +83,14 @@ impl<'a> Stack<'a> {
             let (relay, token) = (relay.clone(), token.clone());
             tokio::spawn(async move { relay.run(token).await })
         };
+        let mut status = relay.status();
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            status.wait_for(|s| s.role == cdc_relay::Role::Streaming),
+        )
+        .await
+        .expect("relay streaming within 30 s")
+        .expect("relay status");
         self.relays.push((relay, token, task));
     }
 

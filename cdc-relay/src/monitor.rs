@@ -1,0 +1,134 @@
+//! Slot health for /metrics: lag, retained WAL, wal_status, whether the slot is active and
+//! held by this relay, spill statistics. Read every `--slot-metrics-interval` by every relay,
+//! standbys included, so a dead active relay does not hide the slot it left behind.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use crate::relay::Context;
+use crate::status::Role;
+
+/// One reading of a slot.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SlotHealth {
+    pub name: String,
+    pub plugin: Option<String>,
+    pub database: Option<String>,
+    pub active: bool,
+    pub active_pid: Option<i32>,
+    pub lag_bytes: Option<i64>,
+    pub retained_bytes: Option<i64>,
+    pub wal_status: Option<String>,
+    pub safe_wal_size: Option<i64>,
+    pub spill_bytes: Option<i64>,
+    pub spill_txns: Option<i64>,
+}
+
+/// Every logical slot of the connected database (or only `slot`).
+pub async fn read_slots(
+    client: &tokio_postgres::Client,
+    slot: Option<&str>,
+) -> Result<Vec<SlotHealth>, tokio_postgres::Error> {
+    let rows = client
+        .query(
+            "SELECT s.slot_name::text, s.plugin::text, s.database::text, s.active, s.active_pid,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint,
+                    pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint,
+                    s.wal_status, s.safe_wal_size, st.spill_bytes, st.spill_txns
+               FROM pg_replication_slots s
+               LEFT JOIN pg_stat_replication_slots st ON st.slot_name = s.slot_name
+              WHERE s.slot_type = 'logical' AND s.database = current_database()
+                AND ($1::text IS NULL OR s.slot_name = $1)
+              ORDER BY s.slot_name",
+            &[&slot],
+        )
+        .await?;
+    Ok(rows
+        .iter()
+        .map(|r| SlotHealth {
+            name: r.get(0),
+            plugin: r.get(1),
+            database: r.get(2),
+            active: r.get(3),
+            active_pid: r.get(4),
+            lag_bytes: r.get(5),
+            retained_bytes: r.get(6),
+            wal_status: r.get(7),
+            safe_wal_size: r.get(8),
+            spill_bytes: r.get(9),
+            spill_txns: r.get(10),
+        })
+        .collect())
+}
+
+/// Keep the slot gauges current until `shutdown`.
+pub(crate) async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
+    let cfg = &ctx.config;
+    let mut client: Option<tokio_postgres::Client> = None;
+    let mut spilled = (0i64, 0i64);
+    let mut interval = tokio::time::interval(cfg.slot_metrics_interval);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = interval.tick() => {}
+        }
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = cfg
+                .postgres
+                .endpoint
+                .connect(cfg.connect_timeout.min(Duration::from_secs(5)))
+                .await
+                .ok();
+        }
+        let Some(c) = &client else {
+            ctx.metrics.postgres_up.set(0);
+            continue;
+        };
+        match read_slots(c, Some(&cfg.postgres.slot)).await {
+            Ok(slots) => {
+                ctx.metrics.postgres_up.set(1);
+                update(&ctx, slots.first(), &mut spilled);
+            }
+            Err(e) => {
+                debug!(error = %e, "slot health query failed");
+                ctx.metrics.postgres_up.set(0);
+                client = None;
+            }
+        }
+    }
+}
+
+fn update(ctx: &Context, slot: Option<&SlotHealth>, spilled: &mut (i64, i64)) {
+    let m = &ctx.metrics;
+    m.slot_exists.set(i64::from(slot.is_some()));
+    let Some(slot) = slot else {
+        m.set_wal_status(None);
+        m.slot_active.set(0);
+        m.slot_held.set(0);
+        return;
+    };
+    m.slot_lag_bytes.set(slot.lag_bytes.unwrap_or(0));
+    m.slot_retained_wal_bytes
+        .set(slot.retained_bytes.unwrap_or(0));
+    m.slot_safe_wal_size_bytes
+        .set(slot.safe_wal_size.map_or(f64::NAN, |b| b as f64));
+    m.set_wal_status(slot.wal_status.as_deref());
+    m.slot_active.set(i64::from(slot.active));
+    let streaming = ctx.status_snapshot().role == Role::Streaming;
+    m.slot_held.set(i64::from(slot.active && streaming));
+    // Server-side counters: add what grew since the last reading (they reset with the slot).
+    let (bytes, txns) = (slot.spill_bytes.unwrap_or(0), slot.spill_txns.unwrap_or(0));
+    if bytes >= spilled.0 {
+        m.slot_spilled_bytes_total
+            .inc_by((bytes - spilled.0) as u64);
+    }
+    if txns >= spilled.1 {
+        m.slot_spilled_transactions_total
+            .inc_by((txns - spilled.1) as u64);
+    }
+    *spilled = (bytes, txns);
+}
