@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs, when missing, the system packages the tests and the local stack need on Debian:
 # the Postgres 15 server binaries, redis-server, Chromium and ChromeDriver (the chat page's
-# browser test), and a C toolchain for crates that build C.
+# browser test), promtool, and a C toolchain for crates that build C.
 # Our tests and the local stack start private instances; the packaged services are not used.
 set -euo pipefail
 
@@ -14,6 +14,9 @@ command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)
 command -v chromium >/dev/null 2>&1 || need+=(chromium)
 command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 
+# promtool checks the metrics output and the alert rules (Debian ships it with prometheus).
+command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
     echo "install-deps: missing packages ${need[*]}; run as root (or install them) first" >&2
@@ -22,5 +25,12 @@ if [ ${#need[@]} -gt 0 ]; then
   echo "install-deps: installing ${need[*]}" >&2
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
+  # Install only: do not start the packaged services (Postgres, Redis, Prometheus); the tests
+  # and the local stack run their own private instances.
+  policy=/usr/sbin/policy-rc.d
+  if [ ! -e "$policy" ]; then
+    printf '#!/bin/sh\nexit 101\n' >"$policy" && chmod +x "$policy"
+    trap 'rm -f "$policy"' EXIT
+  fi
   apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi

@@ -124,6 +124,13 @@ impl RelayError {
         }
     }
 
+    /// Whether the same Redis call may simply be sent again (connection trouble, a timeout,
+    /// a busy or loading server). Other transient errors need a new session: a stream that
+    /// lost entries is rebuilt before anything more is published.
+    pub fn retry_in_place(&self) -> bool {
+        matches!(self, RelayError::Redis(e) if redis_is_transient(e))
+    }
+
     /// Whether this is a Redis failure (for metrics and readiness).
     pub fn is_redis(&self) -> bool {
         matches!(self, RelayError::Redis(_))

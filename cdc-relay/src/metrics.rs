@@ -67,8 +67,16 @@ impl Builder<'_> {
 }
 
 impl Metrics {
-    pub fn new() -> Self {
-        let registry = Registry::new();
+    /// Metrics labelled with the relay's slot and stream (a standby relay exports the same
+    /// slot's health, so alerts aggregate `by (slot)`).
+    pub fn new(slot: &str, stream: &str) -> Self {
+        let labels = [
+            ("slot".to_string(), slot.to_string()),
+            ("stream".to_string(), stream.to_string()),
+        ]
+        .into_iter()
+        .collect();
+        let registry = Registry::new_custom(None, Some(labels)).expect("valid labels");
         let b = Builder(&registry);
         let latency = vec![
             0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
@@ -135,11 +143,5 @@ impl Metrics {
             .encode(&self.registry.gather(), &mut out)
             .expect("text encoding cannot fail");
         String::from_utf8(out).expect("metrics are UTF-8")
-    }
-}
-
-impl Default for Metrics {
-    fn default() -> Self {
-        Self::new()
     }
 }

@@ -117,6 +117,9 @@ fn update(ctx: &Context, slot: Option<&SlotHealth>, spilled: &mut (i64, i64)) {
     m.slot_safe_wal_size_bytes
         .set(slot.safe_wal_size.map_or(f64::NAN, |b| b as f64));
     m.set_wal_status(slot.wal_status.as_deref());
+    if slot.wal_status.as_deref() == Some("lost") {
+        ctx.set_slot_lost(true);
+    }
     m.slot_active.set(i64::from(slot.active));
     let streaming = ctx.status_snapshot().role == Role::Streaming;
     m.slot_held.set(i64::from(slot.active && streaming));

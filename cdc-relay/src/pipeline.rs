@@ -7,7 +7,7 @@
 //! On a transient failure of the oldest batch, every later batch is abandoned (whatever
 //! of it ran is idempotent) and all of them are sent again, one at a time, after a backoff.
 //! A fence refusal of the oldest batch, whose predecessors are all confirmed, means the
-//! stream lost entries: that error is permanent.
+//! stream lost entries: it ends the session, and the next one rebuilds the stream.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -131,7 +131,7 @@ impl Pipeline {
                     }
                     return Ok((head.sealed, outcome));
                 }
-                Err(e) if e.is_transient() => {
+                Err(e) if e.retry_in_place() => {
                     self.ctx.metrics.redis_errors_total.inc();
                     self.ctx.set_redis_reachable(false);
                     self.ctx.set_last_error(Some(e.to_string()));

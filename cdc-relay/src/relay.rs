@@ -83,9 +83,10 @@ pub struct Relay {
 
 impl Relay {
     pub fn new(config: RelayConfig) -> Self {
+        let metrics = Arc::new(Metrics::new(&config.postgres.slot, &config.stream));
         let ctx = Arc::new_cyclic(|this| Context {
             config,
-            metrics: Arc::new(Metrics::new()),
+            metrics,
             status: watch::Sender::new(RelayStatus::default()),
             admin_addr: OnceLock::new(),
             instance_id: format!("{}-{}", std::process::id(), rand::random::<u64>()),

@@ -47,9 +47,20 @@ pub(crate) async fn run(
     let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
     ctx.set_postgres_reachable(true);
     check_prerequisites(&sql, pg).await?;
+    let slot = slot_info(&sql, &pg.slot).await?;
+    let lost = slot
+        .as_ref()
+        .is_some_and(|s| s.wal_status.as_deref() == Some("lost"));
+    ctx.set_slot_lost(lost);
+    if lost && cfg.on_lost_slot == OnLostSlot::Fail {
+        return Err(RelayError::SlotLost {
+            slot: pg.slot.clone(),
+            recover: false,
+        });
+    }
     let record = publisher.record().await?;
     // A slot dropped by an interrupted rebuild is expected to be missing.
-    let slot = match (slot_info(&sql, &pg.slot).await?, &record.rebuilding) {
+    let slot = match (slot, &record.rebuilding) {
         (None, Some(_)) => None,
         _ => Some(check_slot(&sql, pg).await?),
     };

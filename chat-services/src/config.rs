@@ -45,6 +45,13 @@ pub struct Cli {
     /// Interval of SSE heartbeat comments.
     #[arg(long, env = "CHAT_SSE_HEARTBEAT", value_parser = humantime::parse_duration, default_value = "15s")]
     pub sse_heartbeat: Duration,
+    /// Outbox rows older than this are deleted. It bounds recovery: a relay whose slot or
+    /// Redis lost data can republish only rows still in the outbox.
+    #[arg(long, env = "CHAT_OUTBOX_RETENTION", value_parser = humantime::parse_duration, default_value = "24h")]
+    pub outbox_retention: Duration,
+    /// How often retention runs.
+    #[arg(long, env = "CHAT_OUTBOX_RETENTION_INTERVAL", value_parser = humantime::parse_duration, default_value = "1m")]
+    pub outbox_retention_interval: Duration,
     /// Postgres connections in the pool.
     #[arg(long, env = "CHAT_DB_POOL_SIZE", default_value_t = 16)]
     pub db_pool_size: usize,
@@ -78,6 +85,8 @@ pub struct ServiceConfig {
     pub lease_ttl: Duration,
     pub sse_heartbeat: Duration,
     pub db_pool_size: usize,
+    pub outbox_retention: Duration,
+    pub outbox_retention_interval: Duration,
     pub crash_after_inbox_commit: Option<u64>,
 }
 
@@ -142,6 +151,11 @@ impl Cli {
         if self.sse_heartbeat.is_zero() || self.claim_idle.is_zero() {
             return Err("--sse-heartbeat and --claim-idle must be greater than zero".into());
         }
+        if self.outbox_retention < Duration::from_secs(60)
+            || self.outbox_retention_interval.is_zero()
+        {
+            return Err("--outbox-retention must be at least 1m and --outbox-retention-interval greater than zero".into());
+        }
         if self.db_pool_size == 0 {
             return Err("--db-pool-size must be at least 1".into());
         }
@@ -164,6 +178,8 @@ impl Cli {
             lease_ttl: self.lease_ttl,
             sse_heartbeat: self.sse_heartbeat,
             db_pool_size: self.db_pool_size,
+            outbox_retention: self.outbox_retention,
+            outbox_retention_interval: self.outbox_retention_interval,
             crash_after_inbox_commit: self.crash_after_inbox_commit,
         })
     }

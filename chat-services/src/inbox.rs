@@ -270,6 +270,7 @@ impl Active<'_> {
 
     async fn consume(&mut self, shutdown: &CancellationToken) -> Result<Flow, ConsumeError> {
         self.ensure_group().await?;
+        self.count_dead_letters().await?;
         // Holding the lease, nobody else consumes: everything pending in the group is ours
         // to finish, in id order, before anything new.
         self.claim(Duration::ZERO).await?;
@@ -281,6 +282,7 @@ impl Active<'_> {
         loop {
             self.renew_if_due().await?;
             if Instant::now() >= next_claim {
+                self.count_dead_letters().await?;
                 if self.claim(self.cfg().claim_idle).await? > 0 {
                     if let Flow::Shutdown = self.drain_own_pending(shutdown).await? {
                         return Ok(Flow::Shutdown);
@@ -298,6 +300,16 @@ impl Active<'_> {
                 }
             }
         }
+    }
+
+    /// Export the dead-letter stream's length (alerts fire while it is not empty).
+    async fn count_dead_letters(&mut self) -> Result<(), ConsumeError> {
+        let n: i64 = redis::cmd("XLEN")
+            .arg(&self.cfg().dead_letter_stream)
+            .query_async(&mut self.conn)
+            .await?;
+        self.inbox.metrics.dead_letter_entries.set(n);
+        Ok(())
     }
 
     async fn renew_if_due(&mut self) -> Result<(), ConsumeError> {
@@ -659,6 +671,7 @@ impl Active<'_> {
             .ignore();
         let () = pipe.query_async(&mut self.conn).await?;
         self.inbox.metrics.dead_lettered_total.inc();
+        self.count_dead_letters().await?;
         warn!(stream_id = %entry.id, %reason, dead_letter_stream = %self.cfg().dead_letter_stream, "entry dead-lettered");
         Ok(())
     }

@@ -11,6 +11,7 @@ pub mod lease;
 pub mod metrics;
 pub mod model;
 pub mod notify;
+pub mod retention;
 pub mod side;
 pub mod store;
 
@@ -45,7 +46,7 @@ impl Service {
             side: config.side,
             store: store::Store::new(config.postgres.clone(), config.side, config.db_pool_size),
             hub: hub::Hub::new(),
-            metrics: Arc::new(metrics::Metrics::new()),
+            metrics: Arc::new(metrics::Metrics::new(config.side)),
             consumer: status_rx,
             shutdown,
             sse_heartbeat: config.sse_heartbeat,
@@ -101,7 +102,15 @@ impl Service {
             self.app.hub.clone(),
             shutdown.clone(),
         ));
+        let retention = tokio::spawn(retention::run(
+            self.app.store.clone(),
+            self.app.metrics.clone(),
+            cfg.outbox_retention,
+            cfg.outbox_retention_interval,
+            shutdown.clone(),
+        ));
         http::serve(self.listener, self.app.clone(), shutdown).await;
+        let _ = retention.await;
         if tokio::time::timeout(Duration::from_secs(10), consumer)
             .await
             .is_err()

@@ -12,11 +12,17 @@ pub struct Metrics {
     pub consumer_active: IntGauge,
     pub sse_clients: IntGauge,
     pub delivery_seconds: Histogram,
+    pub outbox_deleted_total: IntCounter,
+    pub dead_letter_entries: IntGauge,
 }
 
 impl Metrics {
-    pub fn new() -> Self {
-        let registry = Registry::new();
+    /// Metrics labelled with the service's side.
+    pub fn new(side: crate::side::Side) -> Self {
+        let labels = [("side".to_string(), side.as_str().to_string())]
+            .into_iter()
+            .collect();
+        let registry = Registry::new_custom(None, Some(labels)).expect("valid labels");
         let counter = |name: &str, help: &str| {
             let c = IntCounter::new(name, help).expect("valid metric");
             registry
@@ -71,6 +77,14 @@ impl Metrics {
                 "1 while this instance holds the inbox lease",
             ),
             sse_clients: gauge("chat_sse_clients", "Connected Server-Sent Events clients"),
+            outbox_deleted_total: counter(
+                "chat_outbox_deleted_total",
+                "Outbox rows deleted by retention",
+            ),
+            dead_letter_entries: gauge(
+                "chat_dead_letter_entries",
+                "Entries in this side's dead-letter stream (read by the active consumer)",
+            ),
             registry,
         }
     }
@@ -81,11 +95,5 @@ impl Metrics {
             .encode(&self.registry.gather(), &mut out)
             .expect("text encoding cannot fail");
         String::from_utf8(out).expect("metrics are UTF-8")
-    }
-}
-
-impl Default for Metrics {
-    fn default() -> Self {
-        Self::new()
     }
 }

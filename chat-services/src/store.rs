@@ -328,6 +328,29 @@ impl Store {
             .collect())
     }
 
+    /// Delete up to `batch` outbox rows older than `older_than`; returns how many. Deletes
+    /// are not published (the publication sends inserts only); rows locked by someone else
+    /// are skipped, so concurrent instances share the work instead of waiting.
+    pub async fn delete_old_outbox(
+        &self,
+        older_than: Duration,
+        batch: i64,
+    ) -> Result<u64, StoreError> {
+        let s = self.side.schema();
+        let client = self.pool.get().await?;
+        let statement = client
+            .prepare_cached(&format!(
+                "DELETE FROM {s}.outbox WHERE id IN (
+                   SELECT id FROM {s}.outbox
+                    WHERE created_at < now() - make_interval(secs => $1)
+                    ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED)"
+            ))
+            .await?;
+        Ok(client
+            .execute(&statement, &[&older_than.as_secs_f64(), &batch])
+            .await?)
+    }
+
     /// The newest inbox position (0 when empty): where a client without `Last-Event-ID`
     /// starts.
     pub async fn last_seq(&self) -> Result<i64, StoreError> {

@@ -260,3 +260,48 @@ async fn a_client_resuming_with_last_event_id_gets_what_it_missed_then_live() {
     workers.stop().await;
     stack.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_redis_loses_its_data_every_message_is_shown_once() {
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let workers = stack.service(Side::Workers, &[]).await;
+    let mut client = SseClient::connect(workers.addr, "/chats/13/events", None)
+        .await
+        .unwrap();
+    let mut sent = Vec::new();
+    for i in 0..5 {
+        sent.push(send(consumers.addr, 13, &format!("before {i}")).await["id"].clone());
+    }
+    for expected in &sent {
+        let (_, shown) = next_message(&mut client, Duration::from_secs(10)).await;
+        assert_eq!(&shown["id"], expected);
+    }
+    // WHEN Redis comes back empty (no AOF): streams, groups and the relays' records are gone
+    stack.redis.kill().unwrap();
+    stack.redis.wipe_data().unwrap();
+    stack.redis.start_again().unwrap();
+    for i in 0..5 {
+        sent.push(send(consumers.addr, 13, &format!("after {i}")).await["id"].clone());
+    }
+    // THEN the relay republishes from the outbox, Workers recreates its group, and the
+    // inbox absorbs what it already had: each new message is shown once, in order
+    for expected in &sent[5..] {
+        let (_, shown) = next_message(&mut client, Duration::from_secs(30)).await;
+        assert_eq!(&shown["id"], expected);
+    }
+    assert!(
+        client.next(Duration::from_millis(500)).await.is_none(),
+        "nothing shown twice"
+    );
+    let db = stack.db.connect().await.unwrap();
+    let n: i64 = db
+        .query_one("SELECT count(*) FROM workers.inbox", &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(n, 10);
+    consumers.stop().await;
+    workers.stop().await;
+    stack.stop().await;
+}

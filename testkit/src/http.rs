@@ -267,17 +267,57 @@ pub fn free_port() -> u16 {
         .expect("bind 127.0.0.1:0")
 }
 
-/// The value of an unlabelled metric in Prometheus text output.
+/// Every sample of Prometheus text output by series, with the constant labels every
+/// series of a process carries (`slot`, `stream`, `side`) left out:
+/// `name` or `name{label="value",...}`.
+pub fn metric_samples(text: &str) -> std::collections::HashMap<String, f64> {
+    const CONSTANT: [&str; 3] = ["slot", "stream", "side"];
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.is_empty())
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let value: f64 = value.trim().parse().ok()?;
+            let key = match series.split_once('{') {
+                None => series.to_string(),
+                Some((name, labels)) => {
+                    let kept: Vec<&str> = labels
+                        .trim_end_matches('}')
+                        .split(',')
+                        .filter(|pair| {
+                            let label = pair.split('=').next().unwrap_or_default();
+                            !pair.is_empty() && !CONSTANT.contains(&label)
+                        })
+                        .collect();
+                    if kept.is_empty() {
+                        name.to_string()
+                    } else {
+                        format!("{name}{{{}}}", kept.join(","))
+                    }
+                }
+            };
+            Some((key, value))
+        })
+        .collect()
+}
+
+/// The value of a metric (without labels other than the constant ones).
 pub fn metric_value(text: &str, name: &str) -> Option<f64> {
-    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
-        let (metric, value) = l.split_once(' ')?;
-        (metric == name).then(|| value.trim().parse().ok())?
-    })
+    metric_samples(text).get(name).copied()
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn constant_labels_are_left_out_of_series_keys() {
+        let text =
+            "# HELP x y\nx{slot=\"s\",stream=\"t\"} 3\ny{side=\"w\",status=\"lost\"} 1\nz 2\n";
+        let m = metric_samples(text);
+        assert_eq!(m["x"], 3.0);
+        assert_eq!(m["y{status=\"lost\"}"], 1.0);
+        assert_eq!(metric_value(text, "z"), Some(2.0));
+    }
 
     #[test]
     fn sse_blocks_parse() {

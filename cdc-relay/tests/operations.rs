@@ -1,0 +1,585 @@
+//! What operators see and what the relay recovers from: slot metrics that follow the world,
+//! the slot commands, a slot invalidated by max_slot_wal_keep_size, and Redis losing data.
+
+mod common;
+
+use std::collections::HashMap;
+use std::process::{Command, Output};
+use std::time::Duration;
+
+use common::{insert_txn, Fixture, RelayProcess};
+use testkit::{
+    shared_postgres, shared_redis, wait_until, PgOptions, PgServer, RedisServer, Signal,
+};
+
+fn cli(args: &[String]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_cdc-relay"))
+        .args(args)
+        .output()
+        .expect("run cdc-relay")
+}
+
+fn args(list: &[&str]) -> Vec<String> {
+    list.iter().map(|s| s.to_string()).collect()
+}
+
+/// Every sample of the relay's /metrics, by series (`name{labels}`).
+async fn metrics(relay: &RelayProcess) -> HashMap<String, f64> {
+    let Ok((_, body)) = testkit::http::get(relay.admin, "/metrics").await else {
+        return HashMap::new();
+    };
+    testkit::http::metric_samples(&body)
+}
+
+async fn wait_metric(relay: &RelayProcess, series: &str, what: &str, ok: impl Fn(f64) -> bool) {
+    wait_until(Duration::from_secs(30), what, || async {
+        match metrics(relay).await.get(series) {
+            Some(v) if ok(*v) => Ok(()),
+            other => Err(format!("{series} = {other:?}")),
+        }
+    })
+    .await
+}
+
+/// Bytes of WAL written into a table outside the publication.
+async fn write_noise(db: &tokio_postgres::Client, megabytes: usize) {
+    db.batch_execute("CREATE TABLE IF NOT EXISTS public.noise (pad text)")
+        .await
+        .unwrap();
+    for _ in 0..megabytes {
+        db.batch_execute(
+            "INSERT INTO public.noise SELECT repeat('x', 1000) FROM generate_series(1, 1000)",
+        )
+        .await
+        .unwrap();
+    }
+}
+
+/// Outbox ids in the stream, with how many times each appears.
+async fn stream_ids(fx: &Fixture<'_>) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for e in fx.stream_entries().await {
+        *counts.entry(e.outbox_id).or_default() += 1;
+    }
+    counts
+}
+
+async fn outbox_ids(fx: &Fixture<'_>) -> Vec<String> {
+    let db = fx.db.connect().await.unwrap();
+    db.query("SELECT id::text FROM consumers.outbox ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slot_metrics_follow_the_world_and_pass_promtool() {
+    // GIVEN a relay reading slot health every 100 ms
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let relay = fx.spawn_relay("relay", &["--slot-metrics-interval", "100ms"]);
+    relay.wait_streaming().await;
+    wait_metric(
+        &relay,
+        "cdc_relay_slot_held",
+        "this relay holds the slot",
+        |v| v == 1.0,
+    )
+    .await;
+    wait_metric(
+        &relay,
+        "cdc_relay_slot_wal_status{status=\"reserved\"}",
+        "reserved",
+        |v| v == 1.0,
+    )
+    .await;
+
+    // WHEN the relay cannot deliver (Redis down) while writes continue
+    redis.stop().unwrap();
+    let mut writer = fx.writer().await;
+    for txn in 0..50 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    write_noise(&fx.db.connect().await.unwrap(), 3).await;
+    // THEN the lag grows
+    wait_metric(&relay, "cdc_relay_slot_lag_bytes", "lag over 1 MB", |v| {
+        v > 1e6
+    })
+    .await;
+    wait_metric(
+        &relay,
+        "cdc_relay_slot_retained_wal_bytes",
+        "retained WAL over 1 MB",
+        |v| v > 1e6,
+    )
+    .await;
+    // AND when it can again, it catches up and the lag returns near zero
+    redis.start_again().unwrap();
+    wait_metric(
+        &relay,
+        "cdc_relay_slot_lag_bytes",
+        "lag back under 64 kB",
+        |v| v < 65536.0,
+    )
+    .await;
+    let m = metrics(&relay).await;
+    assert_eq!(m["cdc_relay_events_published_total"], 50.0);
+    assert!(m["cdc_relay_redis_errors_total"] >= 1.0);
+    assert_eq!(m["cdc_relay_slot_active"], 1.0);
+    assert_eq!(m["cdc_relay_postgres_up"], 1.0);
+    assert!(m["cdc_relay_acknowledged_lsn"] > 0.0);
+
+    // The exposition passes promtool's lint.
+    let (_, body) = testkit::http::get(relay.admin, "/metrics").await.unwrap();
+    let mut promtool = Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("promtool installed (deploy/install-deps.sh)");
+    use std::io::Write;
+    promtool
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(body.as_bytes())
+        .unwrap();
+    let out = promtool.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "promtool check metrics: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    relay
+        .child
+        .stop_with(Signal::Term, Duration::from_secs(10))
+        .unwrap();
+}
+
+/// A server whose slots are lost once 16 MB of WAL lie behind them and a checkpoint runs.
+fn small_wal_server() -> PgServer {
+    PgServer::start_with(
+        PgOptions::default()
+            .setting("max_slot_wal_keep_size", "16MB")
+            .setting("max_wal_size", "1GB")
+            .setting("checkpoint_timeout", "1h"),
+    )
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_slot_is_rebuilt_from_the_outbox_with_recover() {
+    // GIVEN a relay allowed to recover, on a server with a small max_slot_wal_keep_size
+    let pg = small_wal_server();
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(&pg, &redis).await;
+    let relay = fx.spawn_relay(
+        "relay",
+        &[
+            "--on-lost-slot",
+            "recover",
+            "--slot-metrics-interval",
+            "100ms",
+        ],
+    );
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    for txn in 0..10 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    wait_until(Duration::from_secs(10), "10 entries", || async {
+        let n = fx.stream_len().await;
+        if n == 10 {
+            Ok(())
+        } else {
+            Err(format!("{n}"))
+        }
+    })
+    .await;
+    wait_metric(
+        &relay,
+        "cdc_relay_slot_wal_status{status=\"reserved\"}",
+        "reserved",
+        |v| v == 1.0,
+    )
+    .await;
+
+    // WHEN the relay cannot deliver while messages are written and WAL piles up
+    redis.stop().unwrap();
+    for txn in 10..30 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    let admin = fx.db.connect().await.unwrap();
+    write_noise(&admin, 40).await;
+    // THEN the slot is first unreserved (its WAL is kept only until the next checkpoint)
+    wait_metric(
+        &relay,
+        "cdc_relay_slot_wal_status{status=\"unreserved\"}",
+        "unreserved",
+        |v| v == 1.0,
+    )
+    .await;
+    // ... then lost once a checkpoint removes it
+    admin.batch_execute("CHECKPOINT").await.unwrap();
+    wait_metric(
+        &relay,
+        "cdc_relay_slot_wal_status{status=\"lost\"}",
+        "lost",
+        |v| v == 1.0,
+    )
+    .await;
+    wait_until(
+        Duration::from_secs(10),
+        "/readyz reports the lost slot",
+        || async {
+            match relay.readyz().await {
+                Some((503, body)) if body.contains("\"reason\":\"slot_lost\"") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+
+    // AND once Redis is back, the relay recreates the slot and every message is in the stream
+    redis.start_again().unwrap();
+    relay.wait_streaming().await;
+    for txn in 30..35 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    let committed = outbox_ids(&fx).await;
+    assert_eq!(committed.len(), 35);
+    wait_until(
+        Duration::from_secs(30),
+        "every outbox row in the stream",
+        || async {
+            let ids = stream_ids(&fx).await;
+            let missing = committed.iter().filter(|id| !ids.contains_key(*id)).count();
+            if missing == 0 {
+                Ok(())
+            } else {
+                Err(format!("{missing} missing"))
+            }
+        },
+    )
+    .await;
+    let ids = stream_ids(&fx).await;
+    assert!(
+        ids.values().all(|n| *n == 1),
+        "none published twice: {ids:?}"
+    );
+    let m = metrics(&relay).await;
+    assert_eq!(m["cdc_relay_rebuilds_total{reason=\"lost_slot\"}"], 1.0);
+    assert_eq!(m["cdc_relay_republished_events_total"], 20.0);
+    wait_metric(
+        &relay,
+        "cdc_relay_slot_wal_status{status=\"reserved\"}",
+        "reserved again",
+        |v| v == 1.0,
+    )
+    .await;
+    relay
+        .child
+        .stop_with(Signal::Term, Duration::from_secs(10))
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_slot_stops_the_relay_naming_the_recovery_option_by_default() {
+    let pg = small_wal_server();
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(&pg, &redis).await;
+    let relay = fx.spawn_relay("relay", &[]);
+    relay.wait_streaming().await;
+    redis.stop().unwrap();
+    let mut writer = fx.writer().await;
+    for txn in 0..5 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    let admin = fx.db.connect().await.unwrap();
+    write_noise(&admin, 40).await;
+    admin.batch_execute("CHECKPOINT").await.unwrap();
+    let status = relay.child.wait_exit(Duration::from_secs(30)).unwrap();
+    assert!(!status.success());
+    let log = relay.child.log();
+    let last = log.lines().last().unwrap_or_default();
+    assert!(
+        last.contains("is lost") && last.contains("--on-lost-slot recover"),
+        "{}",
+        common::tail(&log)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_restarted_without_its_data_gets_every_message_again() {
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let relay = fx.spawn_relay("relay", &[]);
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    for txn in 0..20 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    wait_until(Duration::from_secs(10), "20 entries", || async {
+        let n = fx.stream_len().await;
+        if n == 20 {
+            Ok(())
+        } else {
+            Err(format!("{n}"))
+        }
+    })
+    .await;
+    // WHEN Redis restarts with nothing (no AOF) while messages keep coming
+    redis.kill().unwrap();
+    redis.wipe_data().unwrap();
+    redis.start_again().unwrap();
+    for txn in 20..30 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    // THEN every committed message is in the new stream, once
+    let committed = outbox_ids(&fx).await;
+    wait_until(
+        Duration::from_secs(30),
+        "every outbox row in the rebuilt stream",
+        || async {
+            let ids = stream_ids(&fx).await;
+            let missing = committed.iter().filter(|id| !ids.contains_key(*id)).count();
+            if missing == 0 {
+                Ok(())
+            } else {
+                Err(format!("{missing} of {} missing", committed.len()))
+            }
+        },
+    )
+    .await;
+    assert!(stream_ids(&fx).await.values().all(|n| *n == 1));
+    let m = metrics(&relay).await;
+    assert_eq!(
+        m["cdc_relay_rebuilds_total{reason=\"lost_redis_data\"}"],
+        1.0
+    );
+    assert_eq!(m["cdc_relay_republished_events_total"], 30.0);
+    relay
+        .child
+        .stop_with(Signal::Term, Duration::from_secs(10))
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_stream_is_republished() {
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let relay = fx.spawn_relay("relay", &[]);
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    for txn in 0..10 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    wait_until(Duration::from_secs(10), "10 entries", || async {
+        let n = fx.stream_len().await;
+        if n == 10 {
+            Ok(())
+        } else {
+            Err(format!("{n}"))
+        }
+    })
+    .await;
+    let mut conn = redis.connect().await.unwrap();
+    let _: i64 = redis::cmd("DEL")
+        .arg(&fx.stream)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    for txn in 10..15 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    let committed = outbox_ids(&fx).await;
+    wait_until(
+        Duration::from_secs(30),
+        "every outbox row back in the stream",
+        || async {
+            let ids = stream_ids(&fx).await;
+            let missing = committed.iter().filter(|id| !ids.contains_key(*id)).count();
+            if missing == 0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{missing} missing; log: {}",
+                    common::tail(&relay.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+    relay
+        .child
+        .stop_with(Signal::Term, Duration::from_secs(10))
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn check_exits_0_1_2_and_the_slot_commands_work() {
+    let fx = Fixture::new(shared_postgres(), shared_redis()).await;
+    let url = fx.db.url("consumers_relay");
+    let state = testkit::scratch_dir("check-state");
+    let check = |max_lag: &str, warn_lag: &str| {
+        args(&[
+            "check",
+            "--database-url",
+            &url,
+            "--slot",
+            &fx.slot,
+            "--max-lag-bytes",
+            max_lag,
+            "--warn-lag-bytes",
+            warn_lag,
+            "--max-inactive-seconds",
+            "3600",
+            "--state-dir",
+            state.to_str().unwrap(),
+        ])
+    };
+    let relay = fx.spawn_relay("relay", &[]);
+    relay.wait_streaming().await;
+    // OK: active, caught up.
+    let out = cli(&check("100000000", "50000000"));
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    let line = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        line.starts_with("CDC-RELAY OK - slot ") && line.contains(" active (pid "),
+        "{line}"
+    );
+    assert_eq!(line.lines().count(), 1);
+
+    // With the relay stopped, writes make lag.
+    relay
+        .child
+        .stop_with(Signal::Term, Duration::from_secs(10))
+        .unwrap();
+    let mut writer = fx.writer().await;
+    for txn in 0..20 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    // WARNING: lag over the warning threshold only.
+    let out = cli(&check("100000000", "100"));
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("CDC-RELAY WARNING - lag "));
+    // CRITICAL: lag over the limit.
+    let out = cli(&check("200", "100"));
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    assert!(String::from_utf8_lossy(&out.stdout).starts_with("CDC-RELAY CRITICAL - lag "));
+    // CRITICAL: inactive longer than allowed (the check remembers since when).
+    std::fs::write(
+        state.join(format!("cdc-relay-check.{}.inactive-since", fx.slot)),
+        "1000",
+    )
+    .unwrap();
+    let out = cli(&check("100000000", "50000000"));
+    assert_eq!(out.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("inactive for"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    // CRITICAL: no such slot.
+    let out = cli(&args(&[
+        "check",
+        "--database-url",
+        &url,
+        "--slot",
+        "nope",
+        "--max-lag-bytes",
+        "1",
+        "--max-inactive-seconds",
+        "1",
+    ]));
+    assert_eq!(out.status.code(), Some(2));
+
+    // slots: a table and JSON with every logical slot of the database.
+    let out = cli(&args(&["slots", "--database-url", &url]));
+    assert!(out.status.success());
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains(&fx.slot) && table.contains(&fx.witness) && table.contains("pgoutput"),
+        "{table}"
+    );
+    let out = cli(&args(&["slots", "--database-url", &url, "--json"]));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let ours = json
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == fx.slot.as_str())
+        .unwrap();
+    assert_eq!(ours["active"], false);
+    assert!(ours["lag_bytes"].as_i64().unwrap() > 0);
+    assert_eq!(ours["wal_status"], "reserved");
+
+    // drop-slot: refused while active or without --yes; done otherwise.
+    let relay = fx.spawn_relay("relay-2", &[]);
+    relay.wait_streaming().await;
+    let out = cli(&args(&[
+        "drop-slot",
+        "--database-url",
+        &url,
+        "--slot",
+        &fx.slot,
+        "--yes",
+    ]));
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("is active"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    relay
+        .child
+        .stop_with(Signal::Term, Duration::from_secs(10))
+        .unwrap();
+    let out = cli(&args(&[
+        "drop-slot",
+        "--database-url",
+        &url,
+        "--slot",
+        &fx.slot,
+    ]));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("pass --yes"));
+    let out = cli(&args(&[
+        "drop-slot",
+        "--database-url",
+        &url,
+        "--slot",
+        &fx.slot,
+        "--yes",
+    ]));
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = cli(&args(&["slots", "--database-url", &url, "--json"]));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert!(json
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|s| s["name"] != fx.slot.as_str()));
+}
