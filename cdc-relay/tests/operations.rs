@@ -133,27 +133,7 @@ async fn slot_metrics_follow_the_world_and_pass_promtool() {
 
     // The exposition passes promtool's lint.
     let (_, body) = testkit::http::get(relay.admin, "/metrics").await.unwrap();
-    let mut promtool = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(std::process::Stdio::piped())
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .expect("promtool installed (deploy/install-deps.sh)");
-    use std::io::Write;
-    promtool
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(body.as_bytes())
-        .unwrap();
-    let out = promtool.wait_with_output().unwrap();
-    assert!(
-        out.status.success(),
-        "promtool check metrics: {}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    testkit::http::promtool_check_metrics(&body).unwrap();
     relay
         .child
         .stop_with(Signal::Term, Duration::from_secs(10))

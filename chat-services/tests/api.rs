@@ -263,6 +263,13 @@ async fn a_send_writes_the_message_and_its_event_and_answers_the_message() {
     assert_eq!(sent["chat_id"], 42);
     assert_eq!(sent["side"], "workers");
     assert!(sent["created_at"].as_str().unwrap().ends_with('Z'));
+    let (status, metrics) = testkit::http::get(svc.addr, "/metrics").await.unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(
+        testkit::http::metric_value(&metrics, "chat_messages_sent_total"),
+        Some(1.0)
+    );
+    testkit::http::promtool_check_metrics(&metrics).unwrap();
     let db = stack.db.connect().await.unwrap();
     let row = db
         .query_one("SELECT event, payload FROM workers.outbox", &[])

@@ -300,6 +300,34 @@ pub fn metric_samples(text: &str) -> std::collections::HashMap<String, f64> {
         .collect()
 }
 
+/// Lint Prometheus text output with `promtool check metrics`; `Err` carries its complaints.
+pub fn promtool_check_metrics(text: &str) -> Result<(), String> {
+    use std::io::Write;
+    let mut child = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("promtool (deploy/install-deps.sh installs it): {e}"))?;
+    child
+        .stdin
+        .take()
+        .expect("stdin piped")
+        .write_all(text.as_bytes())
+        .map_err(|e| e.to_string())?;
+    let out = child.wait_with_output().map_err(|e| e.to_string())?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ))
+    }
+}
+
 /// The value of a metric (without labels other than the constant ones).
 pub fn metric_value(text: &str, name: &str) -> Option<f64> {
     metric_samples(text).get(name).copied()
