@@ -155,11 +155,12 @@ pub struct RunArgs {
 pub struct SetupArgs {
     #[command(flatten)]
     pub postgres: PostgresArgs,
-    /// Accepted so `setup` takes the same flags as `run`; not used.
-    #[arg(long, env = "REDIS_URL", hide_env_values = true, hide = true)]
+    /// With --stream: record in Redis that the (new) stream starts at the slot's position,
+    /// so the first `run` streams instead of rebuilding from the outbox table.
+    #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub redis_url: Option<String>,
-    /// Accepted so `setup` takes the same flags as `run`; not used.
-    #[arg(long, env = "CDC_STREAM", hide = true)]
+    /// The stream `run` will write (see --redis-url).
+    #[arg(long, env = "CDC_STREAM")]
     pub stream: Option<String>,
 }
 

@@ -43,6 +43,28 @@ fn cancel_on_signal(token: CancellationToken) {
     });
 }
 
+/// `setup`: the slot, and with --redis-url and --stream the stream's starting record.
+async fn run_setup(args: &cdc_relay::config::SetupArgs) -> Result<(), cdc_relay::RelayError> {
+    let timeout = std::time::Duration::from_secs(10);
+    let pg = args.postgres.validate()?;
+    match setup(&pg, timeout).await? {
+        SetupOutcome::Created { consistent_point } => println!(
+            "created replication slot {} (pgoutput) at {consistent_point}",
+            pg.slot
+        ),
+        SetupOutcome::AlreadyExists => println!("replication slot {} already exists", pg.slot),
+    }
+    if let (Some(url), Some(stream)) = (&args.redis_url, &args.stream) {
+        let redis = redis::Client::open(url.as_str()).map_err(|_| {
+            cdc_relay::RelayError::Config("--redis-url is not a valid Redis URL".into())
+        })?;
+        if cdc_relay::setup::init_stream_record(&pg, redis, stream, timeout).await? {
+            println!("stream {stream} starts at the slot's position");
+        }
+    }
+    Ok(())
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -67,20 +89,7 @@ async fn main() -> ExitCode {
         Command::DropSlot(args) => cdc_relay::slots::drop_slot(&args)
             .await
             .map(|out| println!("{out}")),
-        Command::Setup(args) => match args.postgres.validate() {
-            Ok(pg) => setup(&pg, std::time::Duration::from_secs(10))
-                .await
-                .map(|outcome| match outcome {
-                    SetupOutcome::Created { consistent_point } => println!(
-                        "created replication slot {} (pgoutput) at {consistent_point}",
-                        pg.slot
-                    ),
-                    SetupOutcome::AlreadyExists => {
-                        println!("replication slot {} already exists", pg.slot)
-                    }
-                }),
-            Err(e) => Err(e),
-        },
+        Command::Setup(args) => run_setup(&args).await,
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -112,6 +112,42 @@ pub async fn check_slot(client: &Client, cfg: &PostgresConfig) -> Result<SlotInf
     }
 }
 
+/// Record in Redis, beside a stream nobody wrote yet, that it starts at the slot's current
+/// position (so the first `run` streams instead of rebuilding from the outbox table).
+/// Returns whether a record was written (`false`: the stream already has one).
+pub async fn init_stream_record(
+    cfg: &PostgresConfig,
+    redis: redis::Client,
+    stream: &str,
+    timeout: Duration,
+) -> Result<bool, RelayError> {
+    let mut publisher = crate::publisher::Publisher::connect(redis, stream, 0, timeout).await?;
+    if publisher.record().await?.system_id.is_some() {
+        return Ok(false);
+    }
+    let replication =
+        cfg.endpoint
+            .replication_config(&cfg.slot, &cfg.publication, Duration::from_secs(1))?;
+    let mut session = pgwire_replication::ReplicationClient::connect_gated(replication).await?;
+    let identity = tokio::time::timeout(timeout, session.identify_system())
+        .await
+        .map_err(|_| RelayError::ConnectTimeout(timeout))??;
+    drop(session);
+    let client = cfg.endpoint.connect(timeout).await?;
+    let position = check_slot(&client, cfg)
+        .await?
+        .confirmed_flush_lsn
+        .ok_or_else(|| RelayError::Protocol("the slot has no confirmed position".into()))?;
+    let origin = crate::publisher::Origin {
+        system_id: identity.system_id,
+        timeline: identity.timeline,
+    };
+    let mut start = crate::batch::Batch::default();
+    start.complete_transaction(position);
+    publisher.publish(&start, &origin, None).await?;
+    Ok(true)
+}
+
 /// What `setup` did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SetupOutcome {

@@ -1,10 +1,7 @@
-//! `chat-lab`: the project's experiments and benchmarks, run against real servers and the
-//! real binaries. Each command prints a table and writes a JSON result to `target/lab/`.
-
-mod report;
-mod throughput;
+//! `chat-lab`: parse the command line and run one experiment.
 
 use clap::{Parser, Subcommand};
+use lab::{baseline, chaos, latency, soak, throughput};
 
 #[derive(Debug, Parser)]
 #[command(name = "chat-lab", version)]
@@ -15,14 +12,30 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
-    /// Relay drain rate over a pre-filled outbox, beside pg_recvlogical on the same WAL.
+    /// The original deploy/outage timeline: 10 messages through redeploys, a Redis outage and
+    /// a crash between the inbox commit and its acknowledgement.
+    Chaos(chaos::Args),
+    /// Random faults at a steady send rate, then verify: once, in order, nothing rolled back.
+    Soak(soak::Args),
+    /// Send→shown latency, side by side with the baselines.
+    Latency(latency::Args),
+    /// Relay drain rate (beside pg_recvlogical and the NOTIFY relay) and the end-to-end knee.
     Throughput(throughput::Args),
+    /// The baselines the experiments compare against (started by the lab itself).
+    #[command(subcommand, hide = true)]
+    Baseline(baseline::Command),
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
-    match cli.command {
-        Command::Throughput(args) => throughput::run(args).await,
-    }
+    let runtime = tokio::runtime::Runtime::new()?;
+    runtime.block_on(async move {
+        match cli.command {
+            Command::Chaos(args) => chaos::run(args).await,
+            Command::Soak(args) => soak::run(args).await,
+            Command::Latency(args) => latency::run(args).await,
+            Command::Throughput(args) => throughput::run(args).await,
+            Command::Baseline(command) => baseline::run(command).await,
+        }
+    })
 }

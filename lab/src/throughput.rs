@@ -1,9 +1,11 @@
 //! Relay drain throughput: a pre-filled outbox drained by the relay (release binary, Redis
-//! with `appendfsync always`) and, on a second slot over the same WAL, by `pg_recvlogical`,
-//! which does nothing with the changes: the walsender's own ceiling.
+//! with `appendfsync always`), by the second design's NOTIFY relay (`SELECT ... FOR UPDATE`
+//! batches of 100), and, on a second slot over the same WAL, by `pg_recvlogical`, which does
+//! nothing with the changes: the walsender's own ceiling. Then the end-to-end knee
+//! (see `knee`).
 //!
 //! Shapes: many single-row transactions (the chat's real shape) and fewer 1,000-row ones.
-//! Both consumers get slots created before the fill, so they decode exactly the same WAL.
+//! The slots are created before the fill, so every consumer decodes exactly the same WAL.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -31,6 +33,14 @@ pub struct Args {
     /// Extra flag for the relay, repeatable (e.g. --relay-arg=--batch-max-entries=1).
     #[arg(long = "relay-arg", allow_hyphen_values = true)]
     relay_args: Vec<String>,
+    /// Skip the NOTIFY relay's drain (it is slow).
+    #[arg(long)]
+    skip_notify: bool,
+    /// Skip the end-to-end knee.
+    #[arg(long)]
+    skip_e2e: bool,
+    #[command(flatten)]
+    knee: crate::knee::Args,
 }
 
 #[derive(Debug, Serialize)]
@@ -41,8 +51,10 @@ struct ShapeResult {
     wal_bytes: i64,
     relay_seconds: Vec<f64>,
     pg_recvlogical_seconds: Vec<f64>,
+    notify_seconds: Vec<f64>,
     relay_events_per_second: f64,
     pg_recvlogical_events_per_second: f64,
+    notify_events_per_second: Option<f64>,
     relay_percent_of_ceiling: f64,
 }
 
@@ -51,6 +63,7 @@ struct Result {
     command: String,
     machine: report::Machine,
     shapes: Vec<ShapeResult>,
+    end_to_end: Option<crate::knee::Knee>,
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
@@ -78,23 +91,33 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         args.rounds
     );
     println!(
-        "{:<26} {:>9} {:>14} {:>16} {:>9}",
-        "shape", "events", "cdc-relay", "pg_recvlogical", "relay %"
+        "{:<26} {:>9} {:>12} {:>12} {:>16} {:>9}",
+        "shape", "events", "cdc-relay", "notify", "pg_recvlogical", "relay %"
     );
     for r in &results {
         println!(
-            "{:<26} {:>9} {:>14.0} {:>16.0} {:>8.1}%",
+            "{:<26} {:>9} {:>12.0} {:>12} {:>16.0} {:>8.1}%",
             r.shape,
             r.events,
             r.relay_events_per_second,
+            r.notify_events_per_second
+                .map_or_else(|| "-".to_string(), |n| format!("{n:.0}")),
             r.pg_recvlogical_events_per_second,
             r.relay_percent_of_ceiling
         );
     }
+    let end_to_end = if args.skip_e2e {
+        None
+    } else {
+        let knee = crate::knee::measure(&args.knee).await?;
+        crate::knee::print(&knee);
+        Some(knee)
+    };
     let result = Result {
         command: std::env::args().collect::<Vec<_>>().join(" "),
         machine: report::machine(),
         shapes: results,
+        end_to_end,
     };
     let path = report::write_json("throughput", &result)?;
     println!("\nwritten to {}", path.display());
@@ -131,6 +154,38 @@ async fn measure_shape(
             slots.push(slot);
         }
     }
+    // Each relay round's stream starts at its slot's position (what `setup` records), so the
+    // relay streams the fill rather than rebuilding it from the table.
+    let mut streams = Vec::new();
+    for slot in &relay_slots {
+        let stream = format!("lab:{}", unique_name("stream"));
+        let out = Command::new(relay_bin)
+            .args([
+                "setup",
+                "--database-url",
+                &db.url("consumers_relay"),
+                "--slot",
+                slot,
+            ])
+            .args([
+                "--publication",
+                "consumers_outbox",
+                "--outbox-table",
+                "consumers.outbox",
+            ])
+            .args(["--redis-url", &redis.url(), "--stream", &stream])
+            .output()?;
+        anyhow::ensure!(
+            out.status.success(),
+            "setup: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        streams.push(stream);
+    }
+    // The NOTIFY relay's column and index, made before the fill so its drain times only itself.
+    admin
+        .batch_execute(&crate::baseline::SENT_AT_DDL.replace("{s}", "consumers"))
+        .await?;
     admin
         .batch_execute(
             "CREATE PROCEDURE lab_fill(txns int, rows_per_txn int) LANGUAGE plpgsql AS $$
@@ -184,7 +239,7 @@ async fn measure_shape(
             events as f64 / t
         );
         recv_seconds.push(t);
-        let stream = format!("lab:{}", unique_name("stream"));
+        let stream = streams[round].clone();
         let t = drain_with_relay(
             relay_bin,
             &args.relay_args,
@@ -208,6 +263,25 @@ async fn measure_shape(
             .query_async(&mut conn)
             .await?;
     }
+    // The NOTIFY relay marks rows sent, which writes WAL: it runs after the slots' drains,
+    // and each of its rounds starts from every row unsent again.
+    let mut notify_seconds = Vec::new();
+    if !args.skip_notify {
+        for round in 0..rounds as usize {
+            admin
+                .batch_execute("UPDATE consumers.outbox SET sent_at = NULL")
+                .await?;
+            admin.batch_execute("VACUUM consumers.outbox").await?;
+            let t = drain_with_notify_relay(&db, redis, events).await?;
+            eprintln!(
+                "[throughput] notify relay round {}: {:.2} s ({:.0} events/s)",
+                round + 1,
+                t,
+                events as f64 / t
+            );
+            notify_seconds.push(t);
+        }
+    }
     let best = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
     let relay_rate = events as f64 / best(&relay_seconds);
     let recv_rate = events as f64 / best(&recv_seconds);
@@ -218,10 +292,61 @@ async fn measure_shape(
         wal_bytes,
         relay_seconds,
         pg_recvlogical_seconds: recv_seconds,
+        notify_events_per_second: (!notify_seconds.is_empty())
+            .then(|| events as f64 / best(&notify_seconds)),
+        notify_seconds,
         relay_events_per_second: relay_rate,
         pg_recvlogical_events_per_second: recv_rate,
         relay_percent_of_ceiling: 100.0 * relay_rate / recv_rate,
     })
+}
+
+/// Seconds for the NOTIFY relay (baseline) to move every unsent outbox row into a stream.
+async fn drain_with_notify_relay(
+    db: &TestDb,
+    redis: &RedisServer,
+    events: u64,
+) -> anyhow::Result<f64> {
+    let stream = "outbox:consumers";
+    let mut conn = redis.connect().await?;
+    let _: () = redis::cmd("DEL").arg(stream).query_async(&mut conn).await?;
+    let mut cmd = Command::new(std::env::current_exe()?);
+    cmd.args([
+        "baseline",
+        "relay",
+        "--mode",
+        "notify",
+        "--side",
+        "consumers",
+    ])
+    .args([
+        "--database-url",
+        &db.url("postgres"),
+        "--redis-url",
+        &redis.url(),
+    ]);
+    let log = testkit::scratch_dir("lab-notify").join("relay.log");
+    let started = Instant::now();
+    let relay = ChildProcess::spawn("notify-relay", cmd, &log)?;
+    loop {
+        let len: u64 = redis::cmd("XLEN")
+            .arg(stream)
+            .query_async(&mut conn)
+            .await?;
+        if len >= events {
+            break;
+        }
+        if !relay.is_running() {
+            bail!("notify relay exited: {}", relay.log());
+        }
+        if started.elapsed() > Duration::from_secs(900) {
+            bail!("notify relay drained only {len} of {events} in 15 minutes");
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    relay.kill()?;
+    Ok(elapsed)
 }
 
 /// Seconds for pg_recvlogical to stream the slot up to `end_lsn` (output discarded).

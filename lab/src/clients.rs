@@ -1,0 +1,122 @@
+//! The experiments' clients: a sender that retries like a careful client (one
+//! Idempotency-Key per message), and a watcher that keeps an SSE stream open like a browser,
+//! reconnecting with `Last-Event-ID`, and records everything it was shown.
+
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use testkit::http::SseClient;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+
+/// Send one message, retrying connection failures and 503s until `give_up` has passed.
+/// Returns the message as answered, or the last error.
+pub async fn send(
+    addr: SocketAddr,
+    chat_id: i64,
+    body: &str,
+    give_up: Duration,
+) -> Result<serde_json::Value, String> {
+    let key = uuid::Uuid::new_v4().to_string();
+    let deadline = tokio::time::Instant::now() + give_up;
+    loop {
+        let attempt = testkit::http::post_json(
+            addr,
+            &format!("/chats/{chat_id}/messages"),
+            &serde_json::json!({ "body": body }),
+            &[("idempotency-key", &key)],
+        )
+        .await;
+        let last_error = match attempt {
+            Ok(reply) if reply.status == 201 => return Ok(reply.json()),
+            Ok(reply) if reply.status < 500 => {
+                return Err(format!("{}: {}", reply.status, reply.body))
+            }
+            Ok(reply) => format!("{}: {}", reply.status, reply.body),
+            Err(e) => e.to_string(),
+        };
+        if tokio::time::Instant::now() >= deadline {
+            return Err(last_error);
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// One shown message.
+#[derive(Debug, Clone)]
+pub struct Shown {
+    pub seq: i64,
+    pub message: serde_json::Value,
+}
+
+/// An SSE client of one chat that reconnects forever (like EventSource) until stopped.
+pub struct Watcher {
+    shown: Arc<Mutex<Vec<Shown>>>,
+    stop: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+impl Watcher {
+    /// Watch `chat_id` on `addr` from the beginning (`after=0`).
+    pub fn start(addr: SocketAddr, chat_id: i64) -> Self {
+        let shown = Arc::new(Mutex::new(Vec::new()));
+        let stop = CancellationToken::new();
+        let task = {
+            let (shown, stop) = (shown.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut last: Option<String> = None;
+                while !stop.is_cancelled() {
+                    let path = format!("/chats/{chat_id}/events?after=0");
+                    let client = tokio::select! {
+                        _ = stop.cancelled() => return,
+                        c = SseClient::connect(addr, &path, last.as_deref()) => c,
+                    };
+                    let Ok(mut client) = client else {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    };
+                    loop {
+                        let event = tokio::select! {
+                            _ = stop.cancelled() => return,
+                            e = client.next(Duration::from_millis(500)) => e,
+                        };
+                        match event {
+                            Some(event) => {
+                                let Ok(message) =
+                                    serde_json::from_str::<serde_json::Value>(&event.data)
+                                else {
+                                    continue;
+                                };
+                                let seq = event
+                                    .id
+                                    .as_deref()
+                                    .and_then(|id| id.parse().ok())
+                                    .unwrap_or(0);
+                                last = event.id.clone();
+                                shown.lock().unwrap().push(Shown { seq, message });
+                            }
+                            None if client.is_closed() => break,
+                            None => {}
+                        }
+                    }
+                    // The browser's EventSource waits the `retry:` time (1 s) before
+                    // reconnecting; a shorter pause keeps the experiments quick.
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            })
+        };
+        Self { shown, stop, task }
+    }
+
+    /// Everything shown so far, in order.
+    pub fn shown(&self) -> Vec<Shown> {
+        self.shown.lock().unwrap().clone()
+    }
+
+    pub async fn stop(self) -> Vec<Shown> {
+        self.stop.cancel();
+        let _ = self.task.await;
+        self.shown.lock().unwrap().clone()
+    }
+}

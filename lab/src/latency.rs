@@ -1,0 +1,324 @@
+//! Send→shown latency: messages POSTed on Consumers, timed until the SSE event of each
+//! arrives at a client of Workers.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use testkit::http::SseClient;
+
+use crate::baseline::{RelayMode, SenderMode};
+use crate::report;
+use crate::system::{Bins, Kind, Side, System};
+
+/// What sends and relays the messages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Variant {
+    /// Ours: outbox, logical replication slot, cdc-relay.
+    Cdc,
+    /// The second design: outbox + NOTIFY, a relay selecting FOR UPDATE batches.
+    Notify,
+    /// The same relay woken only by a 1 s timer.
+    #[value(name = "poll-1s")]
+    Poll1s,
+    /// The first design: commit, then XADD from an in-memory retry queue.
+    DualWrite,
+}
+
+impl Variant {
+    pub fn name(self) -> &'static str {
+        match self {
+            Variant::Cdc => "cdc",
+            Variant::Notify => "notify",
+            Variant::Poll1s => "poll-1s",
+            Variant::DualWrite => "dual-write",
+        }
+    }
+}
+
+#[derive(Debug, clap::Args)]
+pub struct Args {
+    /// Messages per round.
+    #[arg(long, default_value_t = 100)]
+    messages: usize,
+    /// Pause between messages.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "100ms")]
+    interval: Duration,
+    /// Rounds (each with its own system); the table shows all samples together.
+    #[arg(long, default_value_t = 1)]
+    rounds: usize,
+    /// Variants to measure, side by side (default: all).
+    #[arg(long, value_enum, value_delimiter = ',')]
+    variants: Vec<Variant>,
+    /// Postgres with fsync off (faster, not what production runs).
+    #[arg(long)]
+    no_fsync: bool,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Summary {
+    pub variant: String,
+    pub samples: usize,
+    pub p50_ms: f64,
+    pub p95_ms: f64,
+    pub p99_ms: f64,
+    pub max_ms: f64,
+}
+
+pub fn summarize(variant: &str, mut samples_ms: Vec<f64>) -> Summary {
+    samples_ms.sort_by(f64::total_cmp);
+    let at = |q: f64| {
+        let i = ((samples_ms.len() as f64 * q).ceil() as usize).clamp(1, samples_ms.len()) - 1;
+        samples_ms[i]
+    };
+    Summary {
+        variant: variant.to_string(),
+        samples: samples_ms.len(),
+        p50_ms: at(0.50),
+        p95_ms: at(0.95),
+        p99_ms: at(0.99),
+        max_ms: *samples_ms.last().unwrap_or(&0.0),
+    }
+}
+
+/// Where the time goes, averaged over a run (from the components' own metrics).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct Stages {
+    /// Relay: from the transaction's commit timestamp to Redis confirming its entry.
+    pub commit_to_published_ms: f64,
+    /// Relay: one publish call to Redis (script + AOF fsync).
+    pub publish_call_ms: f64,
+    /// Workers: from the outbox row's created_at to the message shown (pushed to clients).
+    pub outbox_write_to_shown_ms: f64,
+}
+
+impl Stages {
+    async fn read(system: &System) -> anyhow::Result<Self> {
+        let avg = |text: &str, name: &str| {
+            let sum = testkit::http::metric_value(text, &format!("{name}_sum")).unwrap_or(f64::NAN);
+            let count =
+                testkit::http::metric_value(text, &format!("{name}_count")).unwrap_or(f64::NAN);
+            1000.0 * sum / count
+        };
+        let relay = system
+            .relay_admin("relay-consumers")
+            .expect("relay started");
+        let (_, relay) = testkit::http::get(relay, "/metrics").await?;
+        let (_, workers) =
+            testkit::http::get(system.service_addr(Side::Workers), "/metrics").await?;
+        Ok(Self {
+            commit_to_published_ms: avg(&relay, "cdc_relay_commit_to_published_seconds"),
+            publish_call_ms: avg(&relay, "cdc_relay_publish_batch_duration_seconds"),
+            outbox_write_to_shown_ms: avg(&workers, "chat_delivery_seconds"),
+        })
+    }
+}
+
+/// Latencies (ms) of `messages` sends on Consumers until shown at a Workers SSE client,
+/// and (for `cdc`) where the time went.
+pub async fn measure(
+    variant: Variant,
+    messages: usize,
+    interval: Duration,
+    durable: bool,
+) -> anyhow::Result<(Vec<f64>, Option<Stages>)> {
+    let system = System::new(durable, Bins::beside_this()?).await?;
+    let sender = Side::Consumers;
+    match variant {
+        Variant::Cdc => {
+            system.start("relay-consumers", Kind::Relay(sender), &[])?;
+            system
+                .wait_relay("relay-consumers", Duration::from_secs(30))
+                .await?;
+            system.start("consumers", Kind::Service(sender), &[])?;
+        }
+        Variant::Notify | Variant::Poll1s => {
+            let mode = if variant == Variant::Notify {
+                RelayMode::Notify
+            } else {
+                RelayMode::Poll
+            };
+            system.start("relay-consumers", Kind::BaselineRelay(sender, mode), &[])?;
+            system.start(
+                "consumers",
+                Kind::BaselineSender(sender, SenderMode::Notify),
+                &[],
+            )?;
+        }
+        Variant::DualWrite => {
+            system.start(
+                "consumers",
+                Kind::BaselineSender(sender, SenderMode::DualWrite),
+                &[],
+            )?;
+        }
+    }
+    system.start("workers", Kind::Service(Side::Workers), &[])?;
+    for side in [Side::Consumers, Side::Workers] {
+        system.wait_service(side, Duration::from_secs(30)).await?;
+    }
+    let consumers_addr = system.service_addr(Side::Consumers);
+    let mut client =
+        SseClient::connect(system.service_addr(Side::Workers), "/chats/1/events", None).await?;
+    // A kept-alive connection, as a browser sends with.
+    let mut consumers = testkit::http::Connection::open(consumers_addr).await?;
+    // Warm up connections and caches; not measured.
+    for i in 0..5 {
+        let sent = post(&mut consumers, &format!("warm-up {i}")).await?;
+        wait_shown(&mut client, &sent).await?;
+    }
+    // Sends go out on schedule whatever the delivery does (as in the write-up); arrivals are
+    // timed by a reader of their own and matched by message id.
+    let arrivals: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
+    let reader = {
+        let arrivals = arrivals.clone();
+        tokio::spawn(async move {
+            while let Some(event) = client.next(Duration::from_secs(30)).await {
+                let at = Instant::now();
+                if let Ok(data) = serde_json::from_str::<serde_json::Value>(&event.data) {
+                    if let Some(id) = data["id"].as_str() {
+                        arrivals.lock().unwrap().insert(id.to_string(), at);
+                    }
+                }
+            }
+        })
+    };
+    let mut sent = Vec::with_capacity(messages);
+    let mut next = tokio::time::Instant::now();
+    for i in 0..messages {
+        tokio::time::sleep_until(next).await;
+        next += interval;
+        let started = Instant::now();
+        sent.push((
+            post(&mut consumers, &format!("message {i}")).await?,
+            started,
+        ));
+    }
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while sent
+        .iter()
+        .any(|(id, _)| !arrivals.lock().unwrap().contains_key(id))
+    {
+        anyhow::ensure!(Instant::now() < deadline, "messages not shown within 30 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    reader.abort();
+    let arrivals = arrivals.lock().unwrap().clone();
+    let samples: Vec<f64> = sent
+        .iter()
+        .map(|(id, started)| arrivals[id].duration_since(*started).as_secs_f64() * 1000.0)
+        .collect();
+    let stages = match variant {
+        Variant::Cdc => Some(Stages::read(&system).await?),
+        _ => None,
+    };
+    system.shutdown();
+    Ok((samples, stages))
+}
+
+/// POST one message; its id.
+async fn post(consumers: &mut testkit::http::Connection, body: &str) -> anyhow::Result<String> {
+    let reply = consumers
+        .post_json("/chats/1/messages", &serde_json::json!({"body": body}))
+        .await?;
+    anyhow::ensure!(reply.status == 201, "send failed: {}", reply.body);
+    Ok(reply.json()["id"].as_str().unwrap_or_default().to_string())
+}
+
+/// Wait for the SSE event of message `id`.
+async fn wait_shown(client: &mut SseClient, id: &str) -> anyhow::Result<()> {
+    loop {
+        let event = client
+            .next(Duration::from_secs(10))
+            .await
+            .ok_or_else(|| anyhow::anyhow!("message not shown within 10 s"))?;
+        let data: serde_json::Value = serde_json::from_str(&event.data)?;
+        if data["id"] == id {
+            return Ok(());
+        }
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    command: String,
+    machine: report::Machine,
+    messages_per_round: usize,
+    interval_ms: u128,
+    rounds: usize,
+    fsync: bool,
+    results: Vec<Summary>,
+    cdc_stages: Vec<Stages>,
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let variants = if args.variants.is_empty() {
+        vec![
+            Variant::Cdc,
+            Variant::Notify,
+            Variant::Poll1s,
+            Variant::DualWrite,
+        ]
+    } else {
+        args.variants.clone()
+    };
+    let mut samples: Vec<Vec<f64>> = vec![Vec::new(); variants.len()];
+    let mut cdc_stages = Vec::new();
+    // Rounds interleave the variants, so a slow moment of the machine hits them alike.
+    for round in 0..args.rounds {
+        for (i, variant) in variants.iter().enumerate() {
+            eprintln!("[latency] {} round {}", variant.name(), round + 1);
+            let (round_samples, stages) =
+                measure(*variant, args.messages, args.interval, !args.no_fsync).await?;
+            samples[i].extend(round_samples);
+            cdc_stages.extend(stages);
+        }
+    }
+    let results: Vec<Summary> = variants
+        .iter()
+        .zip(samples)
+        .map(|(v, s)| summarize(v.name(), s))
+        .collect();
+    print_table(&results, args.messages, args.interval, !args.no_fsync);
+    for s in &cdc_stages {
+        println!(
+            "cdc stages (averages): commit→published {:.2} ms (of which the Redis call {:.2} ms), outbox write→shown {:.2} ms",
+            s.commit_to_published_ms, s.publish_call_ms, s.outbox_write_to_shown_ms
+        );
+    }
+    let path = report::write_json(
+        "latency",
+        &Report {
+            command: std::env::args().collect::<Vec<_>>().join(" "),
+            machine: report::machine(),
+            messages_per_round: args.messages,
+            interval_ms: args.interval.as_millis(),
+            rounds: args.rounds,
+            fsync: !args.no_fsync,
+            results,
+            cdc_stages,
+        },
+    )?;
+    println!("\nwritten to {}", path.display());
+    Ok(())
+}
+
+pub fn print_table(results: &[Summary], messages: usize, interval: Duration, fsync: bool) {
+    println!();
+    println!(
+        "Send→shown latency, {messages} messages one every {} ms (POST on Consumers → SSE event at a Workers client; Postgres fsync {})",
+        interval.as_millis(),
+        if fsync { "on" } else { "off" }
+    );
+    println!(
+        "{:<12} {:>8} {:>9} {:>9} {:>9} {:>9}",
+        "variant", "samples", "p50 ms", "p95 ms", "p99 ms", "max ms"
+    );
+    for r in results {
+        println!(
+            "{:<12} {:>8} {:>9.2} {:>9.2} {:>9.2} {:>9.2}",
+            r.variant, r.samples, r.p50_ms, r.p95_ms, r.p99_ms, r.max_ms
+        );
+    }
+}

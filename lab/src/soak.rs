@@ -1,0 +1,615 @@
+//! The soak: both sides send at a steady rate while faults hit every part at random (SIGKILL
+//! and restart of each service and each relay, a deploy, Redis SIGKILL and restart on its
+//! AOF, a Postgres fast restart, a relay handing over to a standby), with transactions that
+//! roll back mixed in. Then it verifies: every committed message is in the other side's inbox
+//! exactly once, in the sender's commit order per chat; no rolled-back message appears; every
+//! SSE client saw every message of its chat exactly once.
+//!
+//! The sender's commit order comes from a witness slot per side: a second pgoutput slot on
+//! the same publication, created before anything is sent and only ever peeked.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use cdc_relay::outbox::{RelationCache, Row};
+use cdc_relay::pgoutput::{self, PgOutput};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use testkit::Signal;
+use tokio_util::sync::CancellationToken;
+
+use crate::clients::{self, Watcher};
+use crate::report;
+use crate::system::{Bins, Kind, Side, System};
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct Args {
+    /// How long faults are injected.
+    #[arg(long, default_value_t = 60)]
+    pub seconds: u64,
+    /// Seed of the fault schedule (printed; pass it again to replay the same choices).
+    #[arg(long)]
+    pub seed: Option<u64>,
+    /// Messages per second each side sends.
+    #[arg(long, default_value_t = 10.0)]
+    pub rate: f64,
+    /// Chats the messages are spread over.
+    #[arg(long, default_value_t = 3)]
+    pub chats: i64,
+    /// Mean pause between faults.
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "3s")]
+    pub fault_every: Duration,
+    /// Postgres with fsync off (faster; the faults kill processes, not the machine).
+    #[arg(long)]
+    pub no_fsync: bool,
+}
+
+/// One verified property: how many cases held, and the first few that did not.
+#[derive(Debug, Clone, Serialize)]
+pub struct Check {
+    pub name: &'static str,
+    pub passed: usize,
+    pub failed: usize,
+    pub examples: Vec<String>,
+}
+
+impl Check {
+    fn new(name: &'static str) -> Self {
+        Self {
+            name,
+            passed: 0,
+            failed: 0,
+            examples: Vec::new(),
+        }
+    }
+
+    fn record(&mut self, ok: bool, example: impl FnOnce() -> String) {
+        if ok {
+            self.passed += 1;
+        } else {
+            self.failed += 1;
+            if self.examples.len() < 5 {
+                self.examples.push(example());
+            }
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct SoakReport {
+    pub seed: u64,
+    pub seconds: u64,
+    pub faults: Vec<String>,
+    pub sent: HashMap<String, usize>,
+    pub send_failures: usize,
+    pub rollbacks: u64,
+    pub checks: Vec<Check>,
+}
+
+impl SoakReport {
+    pub fn failures(&self) -> usize {
+        self.checks.iter().map(|c| c.failed).sum()
+    }
+}
+
+const SIDES: [Side; 2] = [Side::Consumers, Side::Workers];
+const ROLLED_BACK: &str = "rolled-back";
+
+#[derive(Debug, Clone, Copy)]
+enum Fault {
+    KillService(Side),
+    DeployService(Side),
+    KillRelay(Side),
+    RelayHandover(Side),
+    KillRedis,
+    RestartPostgres,
+}
+
+impl Fault {
+    fn pick(rng: &mut StdRng) -> Fault {
+        let side = SIDES[rng.random_range(0..2)];
+        match rng.random_range(0..6) {
+            0 => Fault::KillService(side),
+            1 => Fault::DeployService(side),
+            2 => Fault::KillRelay(side),
+            3 => Fault::RelayHandover(side),
+            4 => Fault::KillRedis,
+            _ => Fault::RestartPostgres,
+        }
+    }
+}
+
+/// The relays currently active, by side (a handover alternates `-a` and `-b`).
+struct Relays {
+    active: HashMap<Side, String>,
+}
+
+pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
+    let seed = args.seed.unwrap_or_else(rand::random);
+    let mut rng = StdRng::seed_from_u64(seed);
+    eprintln!("[soak] seed {seed}");
+    let system = Arc::new(System::new(!args.no_fsync, bins).await?);
+    let admin = system.db.connect().await?;
+    for side in SIDES {
+        admin
+            .query_one(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                &[&witness(side)],
+            )
+            .await?;
+    }
+    let mut relays = Relays {
+        active: HashMap::new(),
+    };
+    for side in SIDES {
+        let name = format!("relay-{side}-a");
+        system.start(&name, Kind::Relay(side), &[])?;
+        system.wait_relay(&name, Duration::from_secs(30)).await?;
+        relays.active.insert(side, name);
+    }
+    for side in SIDES {
+        system.start(side.as_str(), Kind::Service(side), &[])?;
+    }
+    for side in SIDES {
+        system.wait_service(side, Duration::from_secs(30)).await?;
+    }
+    let mut watchers = Vec::new();
+    for side in SIDES {
+        for chat in 1..=args.chats {
+            watchers.push((side, chat, Watcher::start(system.service_addr(side), chat)));
+        }
+    }
+
+    // Senders and rollbacks until told to stop.
+    let stop = CancellationToken::new();
+    let started = Instant::now();
+    let mut senders = Vec::new();
+    for side in SIDES {
+        let (addr, stop, rate, chats) = (
+            system.service_addr(side),
+            stop.clone(),
+            args.rate,
+            args.chats,
+        );
+        senders.push(tokio::spawn(async move {
+            let mut pending = Vec::new();
+            let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+            let mut n = 0i64;
+            while !stop.is_cancelled() {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tick.tick() => {}
+                }
+                n += 1;
+                let chat = 1 + n % chats;
+                let body = format!("{side}-{n}");
+                pending.push(tokio::spawn(async move {
+                    clients::send(addr, chat, &body, Duration::from_secs(90)).await
+                }));
+            }
+            let mut ok = 0;
+            let mut failed = 0;
+            for p in pending {
+                match p.await {
+                    Ok(Ok(_)) => ok += 1,
+                    _ => failed += 1,
+                }
+            }
+            (side, ok, failed)
+        }));
+    }
+    let rollbacks = Arc::new(AtomicU64::new(0));
+    let mut rollers = Vec::new();
+    for side in SIDES {
+        let (url, stop, count, chats) = (
+            system.db.url(side.as_str()),
+            stop.clone(),
+            rollbacks.clone(),
+            args.chats,
+        );
+        rollers.push(tokio::spawn(async move {
+            roll_back_now_and_then(url, side, chats, stop, count).await
+        }));
+    }
+
+    // Faults.
+    let mut faults = Vec::new();
+    let deadline = started + Duration::from_secs(args.seconds);
+    loop {
+        let pause = args.fault_every.mul_f64(rng.random_range(0.5..1.5));
+        if Instant::now() + pause >= deadline {
+            break;
+        }
+        tokio::time::sleep(pause).await;
+        let fault = Fault::pick(&mut rng);
+        let outage = Duration::from_millis(rng.random_range(200..1500));
+        let line = inject(&system, &mut relays, fault, outage).await?;
+        let line = format!("{:>6.1}s  {line}", started.elapsed().as_secs_f64());
+        eprintln!("  {line}");
+        faults.push(line);
+    }
+    tokio::time::sleep_until(tokio::time::Instant::from_std(deadline)).await;
+    stop.cancel();
+    let mut sent = HashMap::new();
+    let mut send_failures = 0;
+    for s in senders {
+        let (side, ok, failed) = s.await?;
+        sent.insert(side.to_string(), ok);
+        send_failures += failed;
+    }
+    for r in rollers {
+        r.await?;
+    }
+    eprintln!("[soak] faults done; waiting for every message to arrive");
+
+    // Converge: every committed message in the other side's inbox, every client caught up.
+    let db = system.db.connect().await?;
+    let converge = tokio::time::Instant::now() + Duration::from_secs(120);
+    loop {
+        let mut missing = 0;
+        for side in SIDES {
+            missing += missing_in_inbox(&db, side).await?;
+        }
+        let lagging = {
+            let mut lagging = 0;
+            for (side, chat, watcher) in &watchers {
+                let inbox = inbox_order(&db, *side, *chat).await?;
+                if watcher.shown().len() < inbox.len() {
+                    lagging += 1;
+                }
+            }
+            lagging
+        };
+        if (missing == 0 && lagging == 0) || tokio::time::Instant::now() >= converge {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    // Verify.
+    let mut delivered = Check::new("every committed message in the other side's inbox, once");
+    let mut order = Check::new("per chat, inbox order = sender's commit order");
+    let mut rolled = Check::new("rolled-back messages never recorded or shown");
+    let mut shown_once = Check::new("each SSE client saw each message of its chat exactly once");
+    for side in SIDES {
+        let receiver = side.other();
+        let committed: Vec<String> = db
+            .query(&format!("SELECT id::text FROM {side}.messages"), &[])
+            .await?
+            .iter()
+            .map(|r| r.get(0))
+            .collect();
+        let received: HashMap<String, i64> = db
+            .query(
+                &format!("SELECT message_id::text, chat_id FROM {receiver}.inbox"),
+                &[],
+            )
+            .await?
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        for id in &committed {
+            delivered.record(received.contains_key(id), || {
+                format!("{side} message {id} not in {receiver}'s inbox")
+            });
+        }
+        let committed_set: std::collections::HashSet<&String> = committed.iter().collect();
+        for id in received.keys().filter(|id| !committed_set.contains(id)) {
+            delivered.record(false, || {
+                format!("{receiver}'s inbox holds {id}, which {side} never committed")
+            });
+        }
+        let bad: i64 = db
+            .query_one(
+                &format!("SELECT count(*) FROM {receiver}.inbox WHERE body LIKE '{ROLLED_BACK}%'"),
+                &[],
+            )
+            .await?
+            .get(0);
+        rolled.record(bad == 0, || {
+            format!("{bad} rolled-back messages in {receiver}'s inbox")
+        });
+        let commit_order = witness_order(&db, side).await?;
+        for chat in 1..=args.chats {
+            let expected: Vec<String> = commit_order
+                .iter()
+                .filter(|(c, _)| *c == chat)
+                .map(|(_, id)| id.clone())
+                .collect();
+            let actual = inbox_order(&db, receiver, chat).await?;
+            order.record(actual == expected, || {
+                let at = actual.iter().zip(&expected).position(|(a, e)| a != e).unwrap_or(actual.len().min(expected.len()));
+                format!("{receiver} chat {chat}: {} recorded vs {} committed, first difference at #{at}", actual.len(), expected.len())
+            });
+        }
+    }
+    for (side, chat, watcher) in watchers {
+        let shown = watcher.stop().await;
+        let inbox = inbox_order(&db, side, chat).await?;
+        let ids: Vec<String> = shown
+            .iter()
+            .map(|s| s.message["id"].as_str().unwrap_or_default().to_string())
+            .collect();
+        let any_rolled_back = shown.iter().any(|s| {
+            s.message["body"]
+                .as_str()
+                .unwrap_or_default()
+                .starts_with(ROLLED_BACK)
+        });
+        rolled.record(!any_rolled_back, || {
+            format!("a {side} client was shown a rolled-back message")
+        });
+        shown_once.record(ids == inbox, || {
+            let mut counts: HashMap<&String, usize> = HashMap::new();
+            for id in &ids {
+                *counts.entry(id).or_default() += 1;
+            }
+            let twice = counts.values().filter(|n| **n > 1).count();
+            let missing = inbox.iter().filter(|id| !counts.contains_key(id)).count();
+            format!(
+                "{side} chat {chat}: shown {} for {} recorded ({twice} twice, {missing} never)",
+                ids.len(),
+                inbox.len()
+            )
+        });
+    }
+    rolled.passed += rollbacks.load(Ordering::Relaxed) as usize;
+    system.shutdown();
+    Ok(SoakReport {
+        seed,
+        seconds: args.seconds,
+        faults,
+        sent,
+        send_failures,
+        rollbacks: rollbacks.load(Ordering::Relaxed),
+        checks: vec![delivered, order, rolled, shown_once],
+    })
+}
+
+fn witness(side: Side) -> String {
+    format!("soak_witness_{side}")
+}
+
+async fn inject(
+    system: &Arc<System>,
+    relays: &mut Relays,
+    fault: Fault,
+    outage: Duration,
+) -> anyhow::Result<String> {
+    Ok(match fault {
+        Fault::KillService(side) => {
+            system.stop(side.as_str(), Signal::Kill)?;
+            system.start(side.as_str(), Kind::Service(side), &[])?;
+            format!("{side}: SIGKILL, restarted")
+        }
+        Fault::DeployService(side) => {
+            system.stop(side.as_str(), Signal::Term)?;
+            system.start(side.as_str(), Kind::Service(side), &[])?;
+            format!("{side}: deployed (SIGTERM, started)")
+        }
+        Fault::KillRelay(side) => {
+            let name = relays.active[&side].clone();
+            system.stop(&name, Signal::Kill)?;
+            system.start(&name, Kind::Relay(side), &[])?;
+            format!("{name}: SIGKILL, restarted")
+        }
+        Fault::RelayHandover(side) => {
+            let old = relays.active[&side].clone();
+            let new = if old.ends_with("-a") {
+                format!("relay-{side}-b")
+            } else {
+                format!("relay-{side}-a")
+            };
+            system.start(&new, Kind::Relay(side), &[])?;
+            // The newcomer stands by while the old one holds the slot...
+            let admin = system.relay_admin(&new).expect("just started");
+            let standby = tokio::time::Instant::now() + Duration::from_secs(20);
+            while tokio::time::Instant::now() < standby {
+                if let Ok((503, body)) = testkit::http::get(admin, "/readyz").await {
+                    if body.contains("standby") {
+                        break;
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            // ... and takes over when it is deployed away.
+            let handover = Instant::now();
+            system.stop(&old, Signal::Term)?;
+            system.wait_relay(&new, Duration::from_secs(30)).await?;
+            relays.active.insert(side, new.clone());
+            format!(
+                "{old} → {new}: SIGTERM with a standby waiting, took over in {:.0} ms",
+                handover.elapsed().as_secs_f64() * 1000.0
+            )
+        }
+        Fault::KillRedis => {
+            system.redis.kill()?;
+            tokio::time::sleep(outage).await;
+            system.redis.start_again()?;
+            format!(
+                "redis: SIGKILL, restarted on its AOF after {} ms",
+                outage.as_millis()
+            )
+        }
+        Fault::RestartPostgres => {
+            let system = system.clone();
+            let took = tokio::task::spawn_blocking(move || {
+                let t = Instant::now();
+                system.pg.restart_fast().map(|_| t.elapsed())
+            })
+            .await??;
+            format!("postgres: fast restart ({} ms)", took.as_millis())
+        }
+    })
+}
+
+/// Transactions that write a message and its event, then roll back: they must never show.
+async fn roll_back_now_and_then(
+    url: String,
+    side: Side,
+    chats: i64,
+    stop: CancellationToken,
+    count: Arc<AtomicU64>,
+) {
+    let mut n = 0;
+    while !stop.is_cancelled() {
+        tokio::select! {
+            _ = stop.cancelled() => return,
+            _ = tokio::time::sleep(Duration::from_millis(700)) => {}
+        }
+        let Ok((mut client, conn)) = tokio_postgres::connect(&url, tokio_postgres::NoTls).await
+        else {
+            continue;
+        };
+        tokio::spawn(conn);
+        n += 1;
+        let id = uuid::Uuid::now_v7();
+        let payload = serde_json::json!({
+            "id": id, "chat_id": 1 + n % chats, "body": format!("{ROLLED_BACK}-{n}"),
+            "created_at": "2026-01-01T00:00:00Z", "side": side.as_str(),
+        });
+        let s = side.schema();
+        let done = async {
+            let tx = client.transaction().await?;
+            tx.execute(
+                &format!("INSERT INTO {s}.messages (id, chat_id, body) VALUES ($1, $2, $3)"),
+                &[&id, &(1 + n % chats), &format!("{ROLLED_BACK}-{n}")],
+            )
+            .await?;
+            tx.execute(
+                &format!("INSERT INTO {s}.outbox (event, payload) VALUES ('message.created', $1)"),
+                &[&payload],
+            )
+            .await?;
+            tx.rollback().await
+        }
+        .await;
+        if done.is_ok() {
+            count.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Committed messages of `side` missing from the other side's inbox.
+async fn missing_in_inbox(db: &tokio_postgres::Client, side: Side) -> anyhow::Result<i64> {
+    Ok(db
+        .query_one(
+            &format!(
+                "SELECT count(*) FROM {side}.messages m
+                  WHERE NOT EXISTS (SELECT 1 FROM {}.inbox i WHERE i.message_id = m.id)",
+                side.other()
+            ),
+            &[],
+        )
+        .await?
+        .get(0))
+}
+
+/// Message ids recorded in `side`'s inbox for `chat`, in inbox order.
+async fn inbox_order(
+    db: &tokio_postgres::Client,
+    side: Side,
+    chat: i64,
+) -> anyhow::Result<Vec<String>> {
+    Ok(db
+        .query(
+            &format!("SELECT message_id::text FROM {side}.inbox WHERE chat_id = $1 ORDER BY seq"),
+            &[&chat],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
+/// (chat, message id) of every outbox event `side` committed, in commit order, from the
+/// witness slot.
+async fn witness_order(
+    db: &tokio_postgres::Client,
+    side: Side,
+) -> anyhow::Result<Vec<(i64, String)>> {
+    let rows = db
+        .query(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes($1, NULL, NULL,
+                 'proto_version', '1', 'publication_names', $2)",
+            &[&witness(side), &format!("{side}_outbox")],
+        )
+        .await?;
+    let mut relations = RelationCache::new(
+        format!("{side}.outbox")
+            .parse()
+            .map_err(anyhow::Error::msg)?,
+    );
+    let mut order = Vec::new();
+    for row in rows {
+        let data: Vec<u8> = row.get(0);
+        if matches!(data.first(), Some(b'B' | b'C')) {
+            continue;
+        }
+        match pgoutput::decode(&bytes::Bytes::from(data))? {
+            PgOutput::Relation(rel) => relations.on_relation(&rel)?,
+            PgOutput::Insert(insert) => {
+                if let Row::Outbox(event) = relations.on_insert(insert)? {
+                    let message: serde_json::Value = serde_json::from_slice(&event.payload)?;
+                    order.push((
+                        message["chat_id"].as_i64().unwrap_or(0),
+                        message["id"].as_str().unwrap_or_default().to_string(),
+                    ));
+                }
+            }
+            PgOutput::Skipped(_) => {}
+        }
+    }
+    Ok(order)
+}
+
+pub fn print(report: &SoakReport) {
+    println!(
+        "soak: seed {}, {} s, {} faults",
+        report.seed,
+        report.seconds,
+        report.faults.len()
+    );
+    for line in &report.faults {
+        println!("  {line}");
+    }
+    let sent: Vec<String> = report
+        .sent
+        .iter()
+        .map(|(side, n)| format!("{side} {n}"))
+        .collect();
+    println!(
+        "sent: {} (gave up on {}); rolled back: {}",
+        sent.join(", "),
+        report.send_failures,
+        report.rollbacks
+    );
+    for check in &report.checks {
+        println!(
+            "{}: {} passed, {} failed",
+            check.name, check.passed, check.failed
+        );
+        for example in &check.examples {
+            println!("    {example}");
+        }
+    }
+}
+
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let report = run_soak(Bins::beside_this()?, &args).await?;
+    print(&report);
+    let path = report::write_json(
+        "soak",
+        &serde_json::json!({
+            "command": std::env::args().collect::<Vec<_>>().join(" "),
+            "machine": report::machine(),
+            "report": report,
+        }),
+    )?;
+    println!("\nwritten to {}", path.display());
+    anyhow::ensure!(report.failures() == 0, "{} violations", report.failures());
+    Ok(())
+}

@@ -1,0 +1,307 @@
+//! The whole system as separate processes, for the experiments: throwaway Postgres and
+//! Redis (testkit), and the workspace's release binaries for the relays and services, each
+//! of which can be started, stopped (SIGTERM, a deploy), killed (SIGKILL, a crash) and
+//! started again on the same address.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+pub use chat_services::Side;
+use testkit::{ChildProcess, PgOptions, PgServer, RedisServer, Signal, TestDb};
+
+use crate::baseline::{RelayMode, SenderMode};
+use crate::report;
+
+/// What a process is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Kind {
+    Relay(Side),
+    Service(Side),
+    /// An earlier design's sending service, on the side's service address.
+    BaselineSender(Side, SenderMode),
+    /// The second design's polling/NOTIFY relay.
+    BaselineRelay(Side, RelayMode),
+}
+
+/// Where the binaries the lab runs are.
+#[derive(Debug, Clone)]
+pub struct Bins {
+    pub relay: PathBuf,
+    pub service: PathBuf,
+    pub lab: PathBuf,
+}
+
+impl Bins {
+    /// Beside this executable (`cargo build --release --workspace`).
+    pub fn beside_this() -> anyhow::Result<Self> {
+        Ok(Self {
+            relay: report::workspace_binary("cdc-relay")?,
+            service: report::workspace_binary("chat-service")?,
+            lab: std::env::current_exe()?,
+        })
+    }
+}
+
+pub struct System {
+    pub pg: PgServer,
+    pub redis: RedisServer,
+    pub db: TestDb,
+    bins: Bins,
+    service_ports: HashMap<Side, u16>,
+    logs: PathBuf,
+    processes: Mutex<HashMap<String, ChildProcess>>,
+    generations: Mutex<HashMap<String, u32>>,
+    admin_ports: Mutex<HashMap<String, u16>>,
+}
+
+impl System {
+    /// Servers, database and relay slots; no relay or service runs yet.
+    pub async fn new(durable: bool, bins: Bins) -> anyhow::Result<Self> {
+        let pg = PgServer::start_with(PgOptions {
+            durable,
+            ..PgOptions::default()
+        })?;
+        let redis = RedisServer::start()?;
+        let db = pg.create_database().await?;
+        let system = Self {
+            bins,
+            service_ports: [Side::Consumers, Side::Workers]
+                .into_iter()
+                .map(|s| (s, testkit::http::free_port()))
+                .collect(),
+            logs: testkit::scratch_dir("lab-logs"),
+            processes: Mutex::new(HashMap::new()),
+            generations: Mutex::new(HashMap::new()),
+            admin_ports: Mutex::new(HashMap::new()),
+            pg,
+            redis,
+            db,
+        };
+        for side in [Side::Consumers, Side::Workers] {
+            let out = Command::new(&system.bins.relay)
+                .arg("setup")
+                .args(system.relay_connection(side))
+                .output()?;
+            if !out.status.success() {
+                bail!("cdc-relay setup: {}", String::from_utf8_lossy(&out.stderr));
+            }
+        }
+        Ok(system)
+    }
+
+    fn relay_connection(&self, side: Side) -> Vec<String> {
+        let s = side.as_str();
+        vec![
+            "--database-url".into(),
+            self.db.url(&format!("{s}_relay")),
+            "--slot".into(),
+            format!("{s}_relay_{}", self.db.name),
+            "--publication".into(),
+            format!("{s}_outbox"),
+            "--outbox-table".into(),
+            format!("{s}.outbox"),
+        ]
+    }
+
+    pub fn service_addr(&self, side: Side) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.service_ports[&side]))
+    }
+
+    /// Start a process called `name` of `kind` (`extra` flags appended).
+    pub fn start(&self, name: &str, kind: Kind, extra: &[String]) -> anyhow::Result<()> {
+        let mut cmd = match kind {
+            Kind::Relay(side) => {
+                let port = testkit::http::free_port();
+                self.admin_ports
+                    .lock()
+                    .unwrap()
+                    .insert(name.to_string(), port);
+                let mut cmd = Command::new(&self.bins.relay);
+                cmd.arg("run")
+                    .args(self.relay_connection(side))
+                    .args([
+                        "--redis-url",
+                        &self.redis.url(),
+                        "--stream",
+                        &format!("outbox:{}", side.as_str()),
+                    ])
+                    .args(["--admin-addr", &format!("127.0.0.1:{port}")])
+                    .args(["--reconnect-max-backoff", "1s", "--standby-retry", "200ms"]);
+                cmd
+            }
+            Kind::BaselineSender(side, mode) => {
+                let mut cmd = Command::new(&self.bins.lab);
+                cmd.args(["baseline", "sender", "--side", side.as_str()])
+                    .args([
+                        "--mode",
+                        if mode == SenderMode::DualWrite {
+                            "dual-write"
+                        } else {
+                            "notify"
+                        },
+                    ])
+                    .args(["--database-url", &self.db.url("postgres")])
+                    .args(["--redis-url", &self.redis.url()])
+                    .args(["--listen", &self.service_addr(side).to_string()]);
+                cmd
+            }
+            Kind::BaselineRelay(side, mode) => {
+                let mut cmd = Command::new(&self.bins.lab);
+                cmd.args(["baseline", "relay", "--side", side.as_str()])
+                    .args([
+                        "--mode",
+                        if mode == RelayMode::Notify {
+                            "notify"
+                        } else {
+                            "poll"
+                        },
+                    ])
+                    .args(["--database-url", &self.db.url("postgres")])
+                    .args(["--redis-url", &self.redis.url()]);
+                cmd
+            }
+            Kind::Service(side) => {
+                let mut cmd = Command::new(&self.bins.service);
+                cmd.args(["--side", side.as_str()])
+                    .args(["--database-url", &self.db.url(side.as_str())])
+                    .args(["--redis-url", &self.redis.url()])
+                    .args(["--listen", &self.service_addr(side).to_string()])
+                    .args(["--consumer-name", &format!("{}-lab", side.as_str())])
+                    .args(["--lease-ttl", "3s", "--claim-idle", "5s"]);
+                cmd
+            }
+        };
+        cmd.args(extra).env("RUST_LOG", "info");
+        let generation = {
+            let mut g = self.generations.lock().unwrap();
+            let n = g.entry(name.to_string()).or_insert(0);
+            *n += 1;
+            *n
+        };
+        let log = self.logs.join(format!("{name}.{generation}.log"));
+        let child =
+            ChildProcess::spawn(name, cmd, &log).with_context(|| format!("start {name}"))?;
+        if let Some(old) = self
+            .processes
+            .lock()
+            .unwrap()
+            .insert(name.to_string(), child)
+        {
+            if old.is_running() {
+                bail!("{name} was still running");
+            }
+        }
+        Ok(())
+    }
+
+    /// The admin address of relay process `name`.
+    pub fn relay_admin(&self, name: &str) -> Option<SocketAddr> {
+        let port = *self.admin_ports.lock().unwrap().get(name)?;
+        Some(SocketAddr::from(([127, 0, 0, 1], port)))
+    }
+
+    /// Wait until whatever serves `side` answers /readyz: the real service with its inbox
+    /// consumer active, or a baseline sender.
+    pub async fn wait_service(&self, side: Side, timeout: Duration) -> anyhow::Result<()> {
+        let addr = self.service_addr(side);
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Ok((200, body)) = testkit::http::get(addr, "/readyz").await {
+                if body.contains("\"consumer\":\"active\"")
+                    || body.contains("\"consumer\":\"none\"")
+                {
+                    return Ok(());
+                }
+            }
+            if tokio::time::Instant::now() >= deadline {
+                bail!("{} not ready after {timeout:?}", side.as_str());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Wait until whatever serves `side` accepts sends (/readyz 200; its inbox consumer may
+    /// still be waiting for Redis).
+    pub async fn wait_accepting(&self, side: Side, timeout: Duration) -> anyhow::Result<()> {
+        let addr = self.service_addr(side);
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Ok((200, _)) = testkit::http::get(addr, "/readyz").await {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                bail!("{} not accepting sends after {timeout:?}", side.as_str());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Wait until relay process `name` holds its slot.
+    pub async fn wait_relay(&self, name: &str, timeout: Duration) -> anyhow::Result<()> {
+        let addr = self
+            .relay_admin(name)
+            .with_context(|| format!("no relay {name}"))?;
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Ok((200, _)) = testkit::http::get(addr, "/readyz").await {
+                return Ok(());
+            }
+            if !self.is_running(name) {
+                bail!("relay {name} exited: {}", self.logs(name));
+            }
+            if tokio::time::Instant::now() >= deadline {
+                bail!("relay {name} not streaming after {timeout:?}");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// Send `signal` to process `name` and wait for it to exit.
+    pub fn stop(&self, name: &str, signal: Signal) -> anyhow::Result<()> {
+        let processes = self.processes.lock().unwrap();
+        let child = processes
+            .get(name)
+            .with_context(|| format!("no process {name}"))?;
+        child.stop_with(signal, Duration::from_secs(60))?;
+        Ok(())
+    }
+
+    pub fn is_running(&self, name: &str) -> bool {
+        self.processes
+            .lock()
+            .unwrap()
+            .get(name)
+            .is_some_and(|c| c.is_running())
+    }
+
+    /// Everything process `name` logged, all generations.
+    pub fn logs(&self, name: &str) -> String {
+        let generations = self
+            .generations
+            .lock()
+            .unwrap()
+            .get(name)
+            .copied()
+            .unwrap_or(0);
+        (1..=generations)
+            .map(|g| {
+                std::fs::read_to_string(self.logs.join(format!("{name}.{g}.log")))
+                    .unwrap_or_default()
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
+    /// Stop every process (SIGTERM, then whatever is left is killed on drop).
+    pub fn shutdown(&self) {
+        let processes = self.processes.lock().unwrap();
+        for child in processes.values() {
+            let _ = child.stop_with(Signal::Term, Duration::from_secs(15));
+        }
+    }
+}
