@@ -57,6 +57,8 @@ pub struct DatabaseArgs {
     /// Postgres URL (the relay's role can read slot status).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
+    #[command(flatten)]
+    pub secrets: DatabaseSecrets,
     /// Accepted so these commands take the same flags as `run`; not used.
     #[arg(long, env = "CDC_PUBLICATION", hide = true)]
     pub publication: Option<String>,
@@ -123,7 +125,8 @@ pub struct DropSlotArgs {
 #[derive(Debug, Clone, Args)]
 pub struct PostgresArgs {
     /// Postgres URL of the relay's role (LOGIN REPLICATION), e.g.
-    /// postgres://consumers_relay:secret@db:5432/chat
+    /// postgres://consumers_relay@db:5432/chat?sslmode=verify-full. sslmode: disable, prefer,
+    /// require, verify-ca, verify-full (the default); sslrootcert=FILE names the CA
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     /// Logical replication slot (pgoutput) the relay reads and acknowledges.
@@ -135,6 +138,51 @@ pub struct PostgresArgs {
     /// The outbox table, schema.table.
     #[arg(long, env = "CDC_OUTBOX_TABLE")]
     pub outbox_table: String,
+    #[command(flatten)]
+    pub secrets: DatabaseSecrets,
+}
+
+/// Where the database password and CA come from, besides the URL.
+#[derive(Debug, Clone, Default, Args)]
+pub struct DatabaseSecrets {
+    /// Read the database password from this file (overrides one in the URL).
+    #[arg(long, env = "DATABASE_PASSWORD_FILE")]
+    pub database_password_file: Option<std::path::PathBuf>,
+    /// CA certificate(s), PEM, to verify the server with sslmode=verify-ca or verify-full
+    /// (overrides sslrootcert in the URL; default: the well-known public roots).
+    #[arg(long, env = "DATABASE_CA_FILE")]
+    pub database_ca_file: Option<std::path::PathBuf>,
+}
+
+impl DatabaseSecrets {
+    /// The endpoint of `url` with these secrets applied.
+    pub fn endpoint(&self, url: &str) -> Result<PgEndpoint, RelayError> {
+        Ok(PgEndpoint::parse(url)?
+            .with_password_file(self.database_password_file.as_deref())?
+            .with_ca_file(self.database_ca_file.as_deref()))
+    }
+}
+
+/// Where the Redis password and CA come from, besides the URL.
+#[derive(Debug, Clone, Default, Args)]
+pub struct RedisSecrets {
+    /// Read the Redis password from this file (overrides one in the URL).
+    #[arg(long, env = "REDIS_PASSWORD_FILE")]
+    pub redis_password_file: Option<std::path::PathBuf>,
+    /// CA certificate, PEM, to verify a rediss:// server (default: the system's roots).
+    #[arg(long, env = "REDIS_CA_FILE")]
+    pub redis_ca_file: Option<std::path::PathBuf>,
+}
+
+impl RedisSecrets {
+    pub fn client(&self, url: &str) -> Result<redis::Client, RelayError> {
+        crate::redis_client::client(
+            url,
+            self.redis_password_file.as_deref(),
+            self.redis_ca_file.as_deref(),
+            "--redis-url",
+        )
+    }
 }
 
 #[derive(Debug, Clone, Args)]
@@ -147,6 +195,8 @@ pub struct RunArgs {
     /// Stream key the relay writes (only the relay writes it; never DEL it).
     #[arg(long, env = "CDC_STREAM")]
     pub stream: String,
+    #[command(flatten)]
+    pub redis_secrets: RedisSecrets,
     #[command(flatten)]
     pub tuning: Tuning,
 }
@@ -162,6 +212,8 @@ pub struct SetupArgs {
     /// The stream `run` will write (see --redis-url).
     #[arg(long, env = "CDC_STREAM")]
     pub stream: Option<String>,
+    #[command(flatten)]
+    pub redis_secrets: RedisSecrets,
 }
 
 /// Knobs with production defaults.
@@ -267,7 +319,7 @@ fn check_identifier(flag: &str, value: &str) -> Result<(), RelayError> {
 
 impl PostgresArgs {
     pub fn validate(&self) -> Result<PostgresConfig, RelayError> {
-        let endpoint = PgEndpoint::parse(&self.database_url)?;
+        let endpoint = self.secrets.endpoint(&self.database_url)?;
         check_identifier("--slot", &self.slot)?;
         check_identifier("--publication", &self.publication)?;
         let outbox_table = self
@@ -286,11 +338,7 @@ impl PostgresArgs {
 impl RunArgs {
     pub fn validate(&self) -> Result<RelayConfig, RelayError> {
         let postgres = self.postgres.validate()?;
-        let redis = redis::Client::open(self.redis_url.as_str()).map_err(|_| {
-            RelayError::Config(
-                "--redis-url is not a valid Redis URL (redis://[user:password@]host[:port][/db], rediss://..., or redis+unix:///path)".into(),
-            )
-        })?;
+        let redis = self.redis_secrets.client(&self.redis_url)?;
         if self.stream.is_empty() || self.stream.chars().any(|c| c.is_whitespace()) {
             return Err(RelayError::Config(
                 "--stream must be a non-empty key without whitespace, e.g. outbox:consumers".into(),

@@ -55,7 +55,7 @@ pub enum RelayError {
     #[error("could not connect within {0:?}")]
     ConnectTimeout(std::time::Duration),
 
-    #[error("redis: {0}")]
+    #[error("redis: {}", describe_redis(.0))]
     Redis(#[from] RedisError),
 
     #[error("stream {stream} was written from Postgres system {stream_system}, but this server is system {server_system}: refusing to publish another cluster's changes into it; point --stream at a new key")]
@@ -101,6 +101,8 @@ impl RelayError {
             RelayError::StreamEnded | RelayError::ConnectTimeout(_) => true,
             RelayError::Postgres(e) => match e.code() {
                 Some(code) => sqlstate_is_transient(code.code()),
+                // A certificate the TLS settings refuse will be refused again.
+                None if crate::tls::is_certificate_error(e) => false,
                 // No SQLSTATE: the connection broke or could not be made.
                 None => true,
             },
@@ -138,6 +140,9 @@ impl RelayError {
 }
 
 fn redis_is_transient(e: &RedisError) -> bool {
+    if crate::tls::is_certificate_error(e) {
+        return false;
+    }
     if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal() {
         return true;
     }
@@ -184,11 +189,50 @@ pub mod sqlstates {
 }
 
 /// tokio-postgres' Display for server errors is only "db error"; show the server's message.
+/// Other errors (TLS, I/O) keep their cause in `source()`, which says what actually failed.
 fn describe_postgres(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
-        None => e.to_string(),
+        None if crate::tls::is_certificate_error(e) => format!(
+            "{}; the server's certificate was refused: give the CA that signed it (--database-ca-file or sslrootcert), connect by the name the certificate carries, or use sslmode=verify-ca to check the chain only",
+            with_causes(e)
+        ),
+        None => {
+            let text = with_causes(e);
+            // tokio-postgres has no error kind for this; the text is only used for the hint.
+            if text.contains("server does not support TLS") {
+                format!("{text}; enable ssl on the server, or put sslmode=disable in the URL to connect without TLS (the default is verify-full)")
+            } else {
+                text
+            }
+        }
     }
+}
+
+fn describe_redis(e: &RedisError) -> String {
+    if crate::tls::is_certificate_error(e) {
+        format!(
+            "{}; Redis's certificate was refused: give the CA that signed it (--redis-ca-file) and connect by the name the certificate carries",
+            with_causes(e)
+        )
+    } else {
+        with_causes(e)
+    }
+}
+
+/// An error's message followed by each cause that adds something.
+pub(crate) fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let part = cause.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        source = cause.source();
+    }
+    text
 }
 
 #[cfg(test)]

@@ -21,11 +21,13 @@ pub mod pgoutput;
 mod pipeline;
 pub mod publisher;
 pub mod rebuild;
+pub mod redis_client;
 pub mod relay;
 mod session;
 pub mod setup;
 pub mod slots;
 pub mod status;
+pub mod tls;
 
 pub use config::{Cli, RelayConfig};
 pub use error::RelayError;

@@ -55,9 +55,7 @@ async fn run_setup(args: &cdc_relay::config::SetupArgs) -> Result<(), cdc_relay:
         SetupOutcome::AlreadyExists => println!("replication slot {} already exists", pg.slot),
     }
     if let (Some(url), Some(stream)) = (&args.redis_url, &args.stream) {
-        let redis = redis::Client::open(url.as_str()).map_err(|_| {
-            cdc_relay::RelayError::Config("--redis-url is not a valid Redis URL".into())
-        })?;
+        let redis = args.redis_secrets.client(url)?;
         if cdc_relay::setup::init_stream_record(&pg, redis, stream, timeout).await? {
             println!("stream {stream} starts at the slot's position");
         }
@@ -67,6 +65,8 @@ async fn run_setup(args: &cdc_relay::config::SetupArgs) -> Result<(), cdc_relay:
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
+    // One TLS implementation for every connection (Postgres, replication, Redis).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     init_tracing(cli.log_format);
     let result = match cli.command {

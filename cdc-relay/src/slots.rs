@@ -9,12 +9,12 @@ use serde::Serialize;
 use crate::config::{CheckArgs, DatabaseArgs, DropSlotArgs, SlotsArgs};
 use crate::error::RelayError;
 use crate::monitor::{read_slots, SlotHealth};
-use crate::pg::PgEndpoint;
 
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(10);
 
 async fn connect(args: &DatabaseArgs) -> Result<tokio_postgres::Client, RelayError> {
-    PgEndpoint::parse(&args.database_url)?
+    args.secrets
+        .endpoint(&args.database_url)?
         .connect(CONNECT_TIMEOUT)
         .await
 }

@@ -15,12 +15,17 @@ pub struct Cli {
     /// Which service this is.
     #[arg(long, env = "CHAT_SIDE", value_enum)]
     pub side: Side,
-    /// Postgres URL of this side's own role (it owns the schema of the same name).
+    /// Postgres URL of this side's own role (it owns the schema of the same name), e.g.
+    /// postgres://consumers@db:5432/chat; sslmode as for cdc-relay (default verify-full).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     /// Redis URL (redis://, rediss:// or redis+unix://).
     #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub redis_url: String,
+    #[command(flatten)]
+    pub database_secrets: cdc_relay::config::DatabaseSecrets,
+    #[command(flatten)]
+    pub redis_secrets: cdc_relay::config::RedisSecrets,
     /// HTTP listen address.
     #[arg(long, env = "LISTEN_ADDR", default_value = "127.0.0.1:8080")]
     pub listen: String,
@@ -74,7 +79,7 @@ pub enum LogFormat {
 #[derive(Clone)]
 pub struct ServiceConfig {
     pub side: Side,
-    pub postgres: tokio_postgres::Config,
+    pub postgres: cdc_relay::pg::PgEndpoint,
     pub redis: redis::Client,
     pub listen: SocketAddr,
     pub consumer_name: String,
@@ -112,18 +117,14 @@ fn hostname() -> String {
 
 impl Cli {
     pub fn validate(&self) -> Result<ServiceConfig, String> {
-        let postgres: tokio_postgres::Config = self.database_url.parse().map_err(|_| {
-            "--database-url is not a valid Postgres URL (postgres://user[:password]@host[:port]/database)".to_string()
-        })?;
-        if postgres.get_user().is_none() {
-            return Err(format!(
-                "--database-url names no user: use this side's own role (postgres://{}@host/db)",
-                self.side
-            ));
-        }
-        let redis = redis::Client::open(self.redis_url.as_str()).map_err(|_| {
-            "--redis-url is not a valid Redis URL (redis://host:port, rediss://..., redis+unix:///path)".to_string()
-        })?;
+        let postgres = self
+            .database_secrets
+            .endpoint(&self.database_url)
+            .map_err(|e| e.to_string())?;
+        let redis = self
+            .redis_secrets
+            .client(&self.redis_url)
+            .map_err(|e| e.to_string())?;
         let listen = self.listen.parse().map_err(|_| {
             format!(
                 "--listen '{}' is not host:port (e.g. 0.0.0.0:8080)",

@@ -44,7 +44,7 @@ impl Service {
         let (status_tx, status_rx) = watch::channel(inbox::ConsumerStatus::default());
         let app = Arc::new(http::App {
             side: config.side,
-            store: store::Store::new(config.postgres.clone(), config.side, config.db_pool_size),
+            store: store::Store::new(&config.postgres, config.side, config.db_pool_size)?,
             hub: hub::Hub::new(),
             metrics: Arc::new(metrics::Metrics::new(config.side)),
             consumer: status_rx,

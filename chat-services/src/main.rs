@@ -23,6 +23,8 @@ fn init_tracing(format: LogFormat) {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // One TLS implementation for every connection (Postgres, Redis).
+    let _ = rustls::crypto::ring::default_provider().install_default();
     let cli = Cli::parse();
     init_tracing(cli.log_format);
     let config = match cli.validate() {

@@ -80,17 +80,27 @@ pub struct Store {
 }
 
 impl Store {
-    pub fn new(config: tokio_postgres::Config, side: Side, max_connections: usize) -> Self {
-        let mut config = config;
-        config.application_name(format!("chat-{side}"));
+    /// A pool of connections to `endpoint` (with its TLS settings) as this side's role.
+    pub fn new(
+        endpoint: &cdc_relay::pg::PgEndpoint,
+        side: Side,
+        max_connections: usize,
+    ) -> Result<Self, String> {
+        let (mut config, tls) = endpoint
+            .pool_parts(&format!("chat-{side}"))
+            .map_err(|e| e.to_string())?;
         config.connect_timeout(Duration::from_secs(3));
-        let manager = Manager::from_config(
-            config,
-            tokio_postgres::NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
+        let recycling = ManagerConfig {
+            recycling_method: RecyclingMethod::Fast,
+        };
+        let manager = match tls {
+            None => Manager::from_config(config, tokio_postgres::NoTls, recycling),
+            Some(tls) => Manager::from_config(
+                config,
+                tokio_postgres_rustls::MakeRustlsConnect::new(tls),
+                recycling,
+            ),
+        };
         let pool = Pool::builder(manager)
             .max_size(max_connections)
             .wait_timeout(Some(Duration::from_secs(5)))
@@ -99,7 +109,7 @@ impl Store {
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .expect("pool configuration is valid");
-        Self { pool, side }
+        Ok(Self { pool, side })
     }
 
     pub fn side(&self) -> Side {
