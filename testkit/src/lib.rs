@@ -2,7 +2,8 @@
 //! the processes they run (stop, SIGKILL, restart on the same data directory).
 //!
 //! Promises:
-//! - no fixed TCP ports: servers listen on Unix sockets inside their own scratch directory;
+//! - no fixed TCP ports: servers listen on Unix sockets inside their own scratch directory
+//!   (TLS servers add a kernel-chosen loopback port);
 //! - nothing outlives the test process: children get a parent-death SIGKILL, are killed at
 //!   exit, and scratch directories of dead test processes are pruned on the next start;
 //! - tests wait on conditions with deadlines ([`wait_until`]), never on fixed sleeps.
@@ -16,10 +17,11 @@ mod postgres;
 mod process;
 mod redis_server;
 mod scratch;
+pub mod tls;
 mod wait;
 
 pub use postgres::{shared_postgres, PgOptions, PgServer, TestDb};
 pub use process::{ChildProcess, Signal};
-pub use redis_server::{shared_redis, RedisServer};
+pub use redis_server::{shared_redis, RedisOptions, RedisServer};
 pub use scratch::{scratch_dir, unique_name};
 pub use wait::{wait_until, wait_until_blocking};

@@ -1,5 +1,6 @@
 //! A throwaway Postgres 15 server: initdb into scratch, `wal_level=logical`, Unix socket
-//! only, run as the `postgres` user through `setpriv` when the tests run as root.
+//! only (plus TLS on a loopback port when asked), run as the `postgres` user through
+//! `setpriv` when the tests run as root.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -10,11 +11,12 @@ use anyhow::{bail, Context};
 
 use crate::process::{children_of, describe_exit, pid_alive, ChildProcess, Signal};
 use crate::scratch::{scratch_dir, unique_name};
+use crate::tls::ServerCert;
 
 const PG_BIN_CANDIDATES: &[&str] = &["/usr/lib/postgresql/15/bin"];
 /// The socket file name carries the port; each server has its own socket directory, so one
-/// port number for all of them cannot collide.
-const PORT: u16 = 5432;
+/// port number for all of them cannot collide. A server with TCP gets a free port instead.
+const SOCKET_PORT: u16 = 5432;
 
 /// Settings beyond the test defaults.
 #[derive(Debug, Clone, Default)]
@@ -24,6 +26,9 @@ pub struct PgOptions {
     /// Keep `fsync=on` (the lab's benchmarks); tests default to `fsync=off`, which changes
     /// nothing about crash behaviour of the processes we kill, only about OS crashes.
     pub durable: bool,
+    /// Also listen on a free 127.0.0.1 port with TLS (this certificate) and SCRAM passwords
+    /// for every TCP connection; the Unix socket keeps trust auth for administration.
+    pub tls: Option<ServerCert>,
 }
 
 impl PgOptions {
@@ -31,13 +36,29 @@ impl PgOptions {
         self.settings.push((name.to_string(), value.to_string()));
         self
     }
+
+    pub fn tls(mut self, cert: ServerCert) -> Self {
+        self.tls = Some(cert);
+        self
+    }
 }
+
+/// TCP connections only over TLS with a password; plaintext TCP is rejected, so a client
+/// that silently fell back to it would fail the test instead of passing unencrypted.
+const TLS_HBA: &str = "\
+local    all          all                  trust
+local    replication  all                  trust
+hostssl  all          all   127.0.0.1/32   scram-sha-256
+host     all          all   127.0.0.1/32   reject
+";
 
 /// One Postgres server process over one data directory.
 pub struct PgServer {
     root: PathBuf,
     data_dir: PathBuf,
     socket_dir: PathBuf,
+    port: u16,
+    tcp: bool,
     args: Vec<String>,
     process: Mutex<Option<ChildProcess>>,
     starts: Mutex<u32>,
@@ -148,12 +169,32 @@ impl PgServer {
         if !status.success() {
             bail!("copying the template data directory failed");
         }
+        let mut tls_settings = Vec::new();
+        let port = match &options.tls {
+            None => SOCKET_PORT,
+            Some(cert) => {
+                // Postgres reads its key as the postgres user and refuses a group-readable one.
+                std::fs::copy(&cert.cert, root.join("server.crt"))?;
+                std::fs::copy(&cert.key, root.join("server.key"))?;
+                std::fs::write(root.join("pg_hba.conf"), TLS_HBA)?;
+                for (name, file) in [
+                    ("ssl_cert_file", "server.crt"),
+                    ("ssl_key_file", "server.key"),
+                    ("hba_file", "pg_hba.conf"),
+                ] {
+                    tls_settings.push((name.to_string(), root.join(file).display().to_string()));
+                }
+                tls_settings.push(("ssl".into(), "on".into()));
+                tls_settings.push(("listen_addresses".into(), "127.0.0.1".into()));
+                crate::http::free_port()
+            }
+        };
         chown_to_postgres(&root)?;
 
         let mut settings: Vec<(String, String)> = [
             ("listen_addresses", "".to_string()),
             ("unix_socket_directories", socket_dir.display().to_string()),
-            ("port", PORT.to_string()),
+            ("port", port.to_string()),
             ("wal_level", "logical".into()),
             ("max_wal_senders", "100".into()),
             ("max_replication_slots", "100".into()),
@@ -170,6 +211,7 @@ impl PgServer {
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
         .collect();
+        settings.extend(tls_settings);
         settings.extend(options.settings);
         let mut args = vec!["-D".to_string(), data_dir.display().to_string()];
         for (name, value) in settings {
@@ -181,6 +223,8 @@ impl PgServer {
             root,
             data_dir,
             socket_dir,
+            port,
+            tcp: options.tls.is_some(),
             args,
             process: Mutex::new(None),
             starts: Mutex::new(0),
@@ -198,7 +242,18 @@ impl PgServer {
     }
 
     pub fn port(&self) -> u16 {
-        PORT
+        self.port
+    }
+
+    /// A `postgres://` URL to `localhost` over TCP (servers started with
+    /// [`PgOptions::tls`]); `params` becomes the query (`sslmode=verify-full`, ...). The
+    /// certificate decides whether `localhost` is the right name.
+    pub fn tcp_url(&self, user: &str, db: &str, params: &str) -> String {
+        assert!(
+            self.tcp,
+            "tcp_url needs a server started with PgOptions::tls"
+        );
+        format!("postgres://{user}@localhost:{}/{db}?{params}", self.port)
     }
 
     /// The postmaster's pid, while running.
@@ -213,7 +268,7 @@ impl PgServer {
 
     /// A `postgres://` URL for `user` on database `db` over the Unix socket.
     pub fn url(&self, user: &str, db: &str) -> String {
-        socket_url(&self.socket_dir, user, db)
+        socket_url(&self.socket_dir, self.port, user, db)
     }
 
     /// Connect as the superuser `postgres` to `db`.
@@ -333,6 +388,7 @@ impl PgServer {
         Ok(TestDb {
             name,
             socket_dir: self.socket_dir.clone(),
+            port: self.port,
         })
     }
 }
@@ -342,12 +398,13 @@ impl PgServer {
 pub struct TestDb {
     pub name: String,
     socket_dir: PathBuf,
+    port: u16,
 }
 
 impl TestDb {
     /// URL of this database for `user` (`postgres`, `consumers`, `consumers_relay`, ...).
     pub fn url(&self, user: &str) -> String {
-        socket_url(&self.socket_dir, user, &self.name)
+        socket_url(&self.socket_dir, self.port, user, &self.name)
     }
 
     /// Connect as `user`.
@@ -368,13 +425,13 @@ impl TestDb {
 }
 
 /// A `postgres://` URL over the Unix socket in `socket_dir` (percent-encoded as the host).
-fn socket_url(socket_dir: &Path, user: &str, db: &str) -> String {
+fn socket_url(socket_dir: &Path, port: u16, user: &str, db: &str) -> String {
     let host = socket_dir
         .display()
         .to_string()
         .replace('%', "%25")
         .replace('/', "%2F");
-    format!("postgres://{user}@{host}:{PORT}/{db}")
+    format!("postgres://{user}@{host}:{port}/{db}")
 }
 
 /// One server shared by every test of this test binary that does not stop or kill it.

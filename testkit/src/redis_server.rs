@@ -1,5 +1,6 @@
 //! A throwaway redis-server on a Unix socket with the production durability settings
-//! (`appendonly yes`, `appendfsync always`, `noeviction`), restartable on its AOF.
+//! (`appendonly yes`, `appendfsync always`, `noeviction`), restartable on its AOF;
+//! optionally with a TLS port on loopback and an ACL file.
 
 use std::io::{Read, Write};
 use std::os::unix::net::UnixStream;
@@ -12,21 +13,66 @@ use anyhow::{bail, Context};
 
 use crate::process::{describe_exit, ChildProcess, Signal};
 use crate::scratch::scratch_dir;
+use crate::tls::ServerCert;
+
+/// Settings beyond the test defaults.
+#[derive(Debug, Clone, Default)]
+pub struct RedisOptions {
+    /// Also listen with TLS on a free 127.0.0.1 port (clients are not asked for
+    /// certificates; they authenticate with ACL passwords).
+    pub tls: Option<ServerCert>,
+    /// Load users from this ACL file.
+    pub acl_file: Option<PathBuf>,
+    /// The user and password the testkit itself connects as (needed when the ACL file
+    /// turns the default user off).
+    pub admin: Option<(String, String)>,
+}
 
 /// One redis-server process over one data directory.
 pub struct RedisServer {
     dir: PathBuf,
     socket: PathBuf,
+    tls_port: Option<u16>,
+    extra_args: Vec<String>,
+    admin: Option<(String, String)>,
     process: Mutex<Option<ChildProcess>>,
     starts: Mutex<u32>,
 }
 
 impl RedisServer {
     pub fn start() -> anyhow::Result<Self> {
+        Self::start_with(RedisOptions::default())
+    }
+
+    pub fn start_with(options: RedisOptions) -> anyhow::Result<Self> {
         let dir = scratch_dir("redis");
+        let mut extra_args = Vec::new();
+        let mut tls_port = None;
+        if let Some(cert) = &options.tls {
+            let port = crate::http::free_port();
+            tls_port = Some(port);
+            extra_args.extend([
+                "--tls-port".to_string(),
+                port.to_string(),
+                "--bind".into(),
+                "127.0.0.1".into(),
+                "--tls-cert-file".into(),
+                cert.cert.display().to_string(),
+                "--tls-key-file".into(),
+                cert.key.display().to_string(),
+                "--tls-auth-clients".into(),
+                "no".into(),
+            ]);
+        }
+        if let Some(acl) = &options.acl_file {
+            extra_args.extend(["--aclfile".to_string(), acl.display().to_string()]);
+        }
         let server = Self {
             socket: dir.join("redis.sock"),
             dir,
+            tls_port,
+            extra_args,
+            admin: options.admin,
             process: Mutex::new(None),
             starts: Mutex::new(0),
         };
@@ -34,9 +80,32 @@ impl RedisServer {
         Ok(server)
     }
 
-    /// `redis+unix://` URL of the server.
+    /// `redis+unix://` URL of the server (with the admin credentials, if any).
     pub fn url(&self) -> String {
-        format!("redis+unix://{}", self.socket.display())
+        match &self.admin {
+            None => format!("redis+unix://{}", self.socket.display()),
+            Some((user, pass)) => format!(
+                "redis+unix://{}?user={user}&pass={pass}",
+                self.socket.display()
+            ),
+        }
+    }
+
+    /// `redis+unix://` URL for `user` with `password`.
+    pub fn url_as(&self, user: &str, password: &str) -> String {
+        format!(
+            "redis+unix://{}?user={user}&pass={password}",
+            self.socket.display()
+        )
+    }
+
+    /// `rediss://` URL of the TLS port, naming the server `localhost` (servers started with
+    /// [`RedisOptions::tls`]); `userinfo` is `user:password@` or empty.
+    pub fn tls_url(&self, userinfo: &str) -> String {
+        let port = self
+            .tls_port
+            .expect("tls_url needs a server started with RedisOptions::tls");
+        format!("rediss://{userinfo}localhost:{port}")
     }
 
     pub fn socket(&self) -> &Path {
@@ -92,7 +161,8 @@ impl RedisServer {
                 "noeviction",
                 "--daemonize",
                 "no",
-            ]);
+            ])
+            .args(&self.extra_args);
         let child = ChildProcess::spawn("redis", cmd, &self.dir.join(format!("redis-{n}.log")))
             .context("start redis-server (is redis-server installed?)")?;
         let deadline = Instant::now() + Duration::from_secs(30);
@@ -104,7 +174,7 @@ impl RedisServer {
                     child.log()
                 );
             }
-            if ping(&self.socket) {
+            if ping(&self.socket, self.admin.as_ref()) {
                 break;
             }
             if Instant::now() >= deadline {
@@ -146,17 +216,28 @@ impl RedisServer {
     }
 }
 
-/// PING over the socket with a raw RESP request.
-fn ping(socket: &Path) -> bool {
+/// PING over the socket with a raw RESP request (after AUTH when credentials are given).
+fn ping(socket: &Path, auth: Option<&(String, String)>) -> bool {
     let Ok(mut stream) = UnixStream::connect(socket) else {
         return false;
     };
     let _ = stream.set_read_timeout(Some(Duration::from_millis(500)));
-    if stream.write_all(b"PING\r\n").is_err() {
+    let mut request = Vec::new();
+    let mut expected = Vec::new();
+    if let Some((user, pass)) = auth {
+        request.extend_from_slice(b"*3\r\n$4\r\nAUTH\r\n");
+        for arg in [user, pass] {
+            request.extend_from_slice(format!("${}\r\n{arg}\r\n", arg.len()).as_bytes());
+        }
+        expected.extend_from_slice(b"+OK\r\n");
+    }
+    request.extend_from_slice(b"PING\r\n");
+    expected.extend_from_slice(b"+PONG\r\n");
+    if stream.write_all(&request).is_err() {
         return false;
     }
-    let mut reply = [0u8; 7];
-    stream.read_exact(&mut reply).is_ok() && &reply == b"+PONG\r\n"
+    let mut reply = vec![0u8; expected.len()];
+    stream.read_exact(&mut reply).is_ok() && reply == expected
 }
 
 /// One server shared by every test of this test binary that does not stop or kill it.

@@ -1,0 +1,691 @@
+//! Transport security and least privilege, against real servers: Postgres with TLS (a
+//! throwaway CA) and SCRAM passwords, Redis with a TLS port and the ACL users rendered from
+//! `deploy/redis/users.acl`; and secrets kept out of every log line.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use common::{assert_same_entries, insert_txn, read_stream, tail, Fixture};
+use testkit::tls::{ServerCert, TestCa};
+use testkit::{
+    scratch_dir, wait_until, ChildProcess, PgOptions, PgServer, RedisOptions, RedisServer, Signal,
+};
+
+/// The CA, a certificate for `localhost` and one for another name, shared by the tests.
+struct Pki {
+    ca: TestCa,
+    localhost: ServerCert,
+    elsewhere: ServerCert,
+}
+
+fn pki() -> &'static Pki {
+    static PKI: OnceLock<Pki> = OnceLock::new();
+    PKI.get_or_init(|| {
+        let ca = TestCa::new().expect("test CA");
+        Pki {
+            localhost: ca.issue("localhost", &["localhost"]).unwrap(),
+            elsewhere: ca.issue("elsewhere", &["db.example.com"]).unwrap(),
+            ca,
+        }
+    })
+}
+
+/// Postgres with TLS on a loopback port, serving the certificate for `localhost`; one per
+/// test, as each sets its own passwords on the cluster-wide roles.
+fn tls_postgres() -> PgServer {
+    PgServer::start_with(PgOptions::default().tls(pki().localhost.clone()))
+        .expect("start TLS postgres")
+}
+
+/// Postgres whose certificate names another host.
+fn misnamed_postgres() -> &'static PgServer {
+    static PG: OnceLock<PgServer> = OnceLock::new();
+    PG.get_or_init(|| {
+        PgServer::start_with(PgOptions::default().tls(pki().elsewhere.clone()))
+            .expect("start misnamed TLS postgres")
+    })
+}
+
+/// Passwords of this test binary's roles and Redis users (random per run).
+struct Secrets {
+    dir: PathBuf,
+}
+
+impl Secrets {
+    fn new() -> Self {
+        let dir = scratch_dir("secrets");
+        for user in [
+            "admin",
+            "consumers_relay",
+            "workers_relay",
+            "consumers",
+            "workers",
+        ] {
+            std::fs::write(dir.join(user), format!("{}\n", random_hex())).unwrap();
+        }
+        Self { dir }
+    }
+
+    fn file(&self, user: &str) -> PathBuf {
+        self.dir.join(user)
+    }
+
+    fn password(&self, user: &str) -> String {
+        std::fs::read_to_string(self.file(user))
+            .unwrap()
+            .trim()
+            .to_string()
+    }
+}
+
+/// A Redis with the deploy ACL users (passwords from `secrets`), optionally with TLS.
+fn acl_redis(secrets: &Secrets, tls: Option<ServerCert>) -> RedisServer {
+    let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/redis");
+    let acl = scratch_dir("acl").join("users.acl");
+    let status = Command::new(deploy.join("render-acl.sh"))
+        .arg(deploy.join("users.acl"))
+        .arg(&secrets.dir)
+        .arg(&acl)
+        .status()
+        .expect("run render-acl.sh");
+    assert!(status.success(), "render-acl.sh failed");
+    RedisServer::start_with(RedisOptions {
+        tls,
+        acl_file: Some(acl),
+        admin: Some(("admin".into(), secrets.password("admin"))),
+    })
+    .expect("start redis with ACL users")
+}
+
+/// 128 random bits, hex: a password no log line could contain by chance.
+fn random_hex() -> String {
+    use std::io::Read;
+    let mut bytes = [0u8; 16];
+    std::fs::File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .expect("read /dev/urandom");
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+async fn set_password(pg: &PgServer, role: &str, password: &str) {
+    let client = pg.connect("postgres").await.unwrap();
+    // ALTER ROLE takes no bind parameters; the password is ours and hex.
+    client
+        .batch_execute(&format!("ALTER ROLE {role} PASSWORD '{password}'"))
+        .await
+        .unwrap();
+}
+
+fn relay_command(args: &[String], rust_log: &str) -> Command {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_cdc-relay"));
+    cmd.args(args).env("RUST_LOG", rust_log);
+    cmd
+}
+
+/// Run the relay to its exit; a relay still running after 30 s (retrying what it should have
+/// refused) fails the test with its log.
+fn output(args: &[String]) -> Output {
+    let log = scratch_dir("relay-log").join("refused.log");
+    let child =
+        ChildProcess::spawn("relay", relay_command(args, "warn"), &log).expect("spawn relay");
+    let status = match child.wait_exit(Duration::from_secs(30)) {
+        Ok(status) => status,
+        Err(e) => panic!("relay did not exit ({e}): {}", tail(&child.log())),
+    };
+    Output {
+        status,
+        stdout: Vec::new(),
+        stderr: child.log().into_bytes(),
+    }
+}
+
+fn assert_refused(output: &Output, expected: &[&str]) {
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success(),
+        "exit {:?}; stderr: {stderr}",
+        output.status
+    );
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(last.starts_with("cdc-relay: "), "last line: {last:?}");
+    for word in expected {
+        assert!(last.contains(word), "{last:?} does not say {word:?}");
+    }
+}
+
+fn s(parts: &[&str]) -> Vec<String> {
+    parts.iter().map(|p| p.to_string()).collect()
+}
+
+/// The whole secure path: Postgres over `sslmode=verify-full` as a password role (password
+/// and CA from files), Redis over TLS as the relay's ACL user. Plaintext TCP is rejected by
+/// the server's pg_hba, so streaming at all proves both the SQL and the replication
+/// connection are encrypted.
+#[tokio::test]
+async fn relay_streams_over_verified_tls_with_password_files() {
+    let pg = &tls_postgres();
+    let secrets = Secrets::new();
+    let redis = acl_redis(&secrets, Some(pki().localhost.clone()));
+    let fx = Fixture::new(pg, &redis).await;
+    set_password(pg, "consumers_relay", &secrets.password("consumers_relay")).await;
+
+    let database_url = pg.tcp_url("consumers_relay", &fx.db.name, "sslmode=verify-full");
+    let redis_url = redis.tls_url("consumers_relay@");
+    let ca = pki().ca.ca_file().display().to_string();
+    let pg_password = secrets.file("consumers_relay").display().to_string();
+    let redis_password = pg_password.clone();
+    let port = testkit::http::free_port();
+    let admin = format!("127.0.0.1:{port}");
+    let mut args = vec!["run".to_string()];
+    args.extend(fx.flags(&[
+        "--database-url",
+        &database_url,
+        "--redis-url",
+        &redis_url,
+        "--stream",
+        "outbox:consumers",
+        "--admin-addr",
+        &admin,
+    ]));
+    let mut cmd = relay_command(&args, "info,cdc_relay=debug");
+    cmd.env("DATABASE_PASSWORD_FILE", &pg_password)
+        .env("DATABASE_CA_FILE", &ca)
+        .env("REDIS_PASSWORD_FILE", &redis_password)
+        .env("REDIS_CA_FILE", &ca);
+    let log = scratch_dir("relay-log").join("tls.log");
+    let relay = ChildProcess::spawn("relay-tls", cmd, &log).expect("spawn relay");
+    wait_ready(&admin, &relay).await;
+
+    let mut writer = fx.writer().await;
+    for txn in 0..5 {
+        insert_txn(&mut writer, 1, txn, txn % 2 + 1, true)
+            .await
+            .unwrap();
+    }
+    let expected = fx.expected_entries().await;
+    assert_eq!(expected.len(), 7);
+    wait_until(
+        Duration::from_secs(30),
+        "stream has every entry",
+        || async {
+            let got = read_stream(&redis, "outbox:consumers")
+                .await
+                .map_err(|e| e.to_string())?;
+            if got.len() == expected.len() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{} of {} entries; log: {}",
+                    got.len(),
+                    expected.len(),
+                    tail(&relay.log())
+                ))
+            }
+        },
+    )
+    .await;
+    assert_same_entries(
+        &read_stream(&redis, "outbox:consumers").await.unwrap(),
+        &expected,
+    );
+
+    // Both of the relay's connections run as the password role over TLS.
+    let admin_client = pg.connect(&fx.db.name).await.unwrap();
+    let rows = admin_client
+        .query(
+            "SELECT a.backend_type, s.ssl FROM pg_stat_activity a JOIN pg_stat_ssl s USING (pid)
+             WHERE a.usename = 'consumers_relay' AND a.client_addr IS NOT NULL",
+            &[],
+        )
+        .await
+        .unwrap();
+    let kinds: Vec<(String, bool)> = rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    assert!(
+        kinds.iter().any(|(k, ssl)| k == "walsender" && *ssl),
+        "{kinds:?}"
+    );
+    assert!(kinds.iter().all(|(_, ssl)| *ssl), "{kinds:?}");
+
+    relay.signal(Signal::Term).unwrap();
+    let status = relay
+        .wait_exit(Duration::from_secs(30))
+        .expect("relay exits on SIGTERM");
+    assert!(
+        status.success(),
+        "relay exit {status:?}: {}",
+        tail(&relay.log())
+    );
+}
+
+/// `verify-full` refuses a certificate for another name, and a certificate from a CA it was
+/// not given; `verify-ca` checks only the chain, so it accepts the misnamed one; `disable`
+/// is refused by a server that takes TCP only over TLS.
+#[tokio::test]
+async fn postgres_certificates_are_verified_as_sslmode_says() {
+    let pg = misnamed_postgres();
+    let secrets = Secrets::new();
+    let db = pg.create_database().await.unwrap();
+    set_password(pg, "consumers_relay", &secrets.password("consumers_relay")).await;
+    let ca = pki().ca.ca_file().display().to_string();
+    let password = secrets.file("consumers_relay").display().to_string();
+    let setup = |sslmode: &str, with_ca: bool| {
+        let url = pg.tcp_url("consumers_relay", &db.name, &format!("sslmode={sslmode}"));
+        let mut args = s(&[
+            "setup",
+            "--database-url",
+            &url,
+            "--database-password-file",
+            &password,
+            "--slot",
+            &testkit::unique_name("relay"),
+            "--publication",
+            common::PUBLICATION,
+            "--outbox-table",
+            common::OUTBOX,
+        ]);
+        if with_ca {
+            args.extend(s(&["--database-ca-file", &ca]));
+        }
+        output(&args)
+    };
+
+    assert_refused(&setup("verify-full", true), &["certificate", "localhost"]);
+    assert_refused(&setup("verify-full", false), &["certificate"]);
+    assert_refused(&setup("verify-ca", false), &["certificate"]);
+    let accepted = setup("verify-ca", true);
+    assert!(
+        accepted.status.success(),
+        "verify-ca refused a certificate from the trusted CA: {}",
+        String::from_utf8_lossy(&accepted.stderr)
+    );
+    let encrypted_only = setup("require", false);
+    assert!(
+        encrypted_only.status.success(),
+        "sslmode=require must not verify: {}",
+        String::from_utf8_lossy(&encrypted_only.stderr)
+    );
+    assert_refused(&setup("disable", false), &["pg_hba.conf"]);
+}
+
+/// Redis over TLS: a certificate for another name is refused, with or without the CA.
+#[tokio::test]
+async fn redis_certificates_are_verified() {
+    let secrets = Secrets::new();
+    let redis = acl_redis(&secrets, Some(pki().elsewhere.clone()));
+    let pg = testkit::shared_postgres();
+    let fx = Fixture::new(pg, testkit::shared_redis()).await;
+    let ca = pki().ca.ca_file().display().to_string();
+    let password = secrets.file("consumers_relay").display().to_string();
+    let redis_url = redis.tls_url("consumers_relay@");
+    let mut args = vec!["run".to_string()];
+    args.extend(fx.flags(&[
+        "--redis-url",
+        &redis_url,
+        "--stream",
+        "outbox:consumers",
+        "--redis-password-file",
+        &password,
+        "--redis-ca-file",
+        &ca,
+    ]));
+    assert_refused(&output(&args), &["certificate", "Redis"]);
+}
+
+/// A secret in a URL never reaches a log line, at any level, on success or on failure.
+#[tokio::test]
+async fn secrets_in_urls_never_reach_the_logs() {
+    let pg = &tls_postgres();
+    let secrets = Secrets::new();
+    let redis = acl_redis(&secrets, Some(pki().localhost.clone()));
+    let fx = Fixture::new(pg, &redis).await;
+    // Different passwords for Postgres and Redis, so either leak is told apart.
+    let pg_secret = random_hex();
+    let redis_secret = secrets.password("consumers_relay");
+    set_password(pg, "consumers_relay", &pg_secret).await;
+    let ca = pki().ca.ca_file().display().to_string();
+    let database_url = pg.tcp_url(
+        &format!("consumers_relay:{pg_secret}"),
+        &fx.db.name,
+        &format!("sslmode=verify-full&sslrootcert={ca}"),
+    );
+    let redis_url = redis.tls_url(&format!("consumers_relay:{redis_secret}@"));
+    let port = testkit::http::free_port();
+    let admin = format!("127.0.0.1:{port}");
+    let mut args = vec!["run".to_string()];
+    args.extend(fx.flags(&[
+        "--database-url",
+        &database_url,
+        "--redis-url",
+        &redis_url,
+        "--redis-ca-file",
+        &ca,
+        "--stream",
+        "outbox:consumers",
+        "--admin-addr",
+        &admin,
+    ]));
+
+    let mut logs = Vec::new();
+    // Streaming, at trace level for every crate (the TLS and protocol libraries included).
+    {
+        let log = scratch_dir("relay-log").join("trace.log");
+        let relay = ChildProcess::spawn("relay-trace", relay_command(&args, "trace"), &log)
+            .expect("spawn relay");
+        wait_ready(&admin, &relay).await;
+        let mut writer = fx.writer().await;
+        insert_txn(&mut writer, 1, 0, 2, true).await.unwrap();
+        wait_until(Duration::from_secs(30), "entries published", || async {
+            match read_stream(&redis, "outbox:consumers").await {
+                Ok(entries) if entries.len() == 2 => Ok(()),
+                other => Err(format!(
+                    "{:?}; log: {}",
+                    other.map(|e| e.len()),
+                    tail(&relay.log())
+                )),
+            }
+        })
+        .await;
+        let metrics = testkit::http::get(admin.parse().unwrap(), "/metrics")
+            .await
+            .expect("metrics");
+        logs.push(("metrics".to_string(), metrics.1));
+        relay.signal(Signal::Term).unwrap();
+        relay
+            .wait_exit(Duration::from_secs(30))
+            .expect("relay exits");
+        let log = relay.log();
+        assert!(
+            log.contains("TRACE"),
+            "not logging at trace level: {}",
+            tail(&log)
+        );
+        logs.push(("trace run".to_string(), log));
+    }
+    // Failing: a wrong Postgres password, then a wrong Redis password (the secret is then
+    // in the URL the error is about).
+    let wrong_pg = database_url.replace(&pg_secret, &format!("{pg_secret}x"));
+    let mut failing = args.clone();
+    replace_flag(&mut failing, "--database-url", &wrong_pg);
+    let out = relay_command(&failing, "trace").output().unwrap();
+    assert_refused(&out, &["password authentication failed"]);
+    logs.push((
+        "wrong postgres password".into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    ));
+
+    let wrong_redis = redis_url.replace(&redis_secret, &format!("{redis_secret}x"));
+    let mut failing = args.clone();
+    replace_flag(&mut failing, "--redis-url", &wrong_redis);
+    let out = relay_command(&failing, "trace").output().unwrap();
+    assert_refused(&out, &["redis", "authentication failed"]);
+    logs.push((
+        "wrong redis password".into(),
+        String::from_utf8_lossy(&out.stderr).into(),
+    ));
+
+    for (what, text) in &logs {
+        assert!(!text.is_empty(), "{what}: no output captured");
+        for secret in [&pg_secret, &redis_secret] {
+            assert!(
+                !text.contains(secret.as_str()),
+                "{what} shows a password:\n{text}"
+            );
+        }
+    }
+}
+
+/// Wait until the relay streams (rows committed before would be published by the first
+/// start's rebuild, with other ids than the comparison expects).
+async fn wait_ready(admin: &str, relay: &ChildProcess) {
+    let addr = admin.parse().unwrap();
+    wait_until(Duration::from_secs(30), "relay ready", || async {
+        match testkit::http::get(addr, "/readyz").await {
+            Ok((200, _)) => Ok(()),
+            other => Err(format!("{other:?}; log: {}", tail(&relay.log()))),
+        }
+    })
+    .await;
+}
+
+fn replace_flag(args: &mut [String], flag: &str, value: &str) {
+    let i = args.iter().position(|a| a == flag).expect("flag present");
+    args[i + 1] = value.to_string();
+}
+
+/// The ACL users of `deploy/redis/users.acl` can do their job and nothing else.
+#[tokio::test]
+async fn redis_acl_users_have_least_privilege() {
+    let secrets = Secrets::new();
+    let redis = acl_redis(&secrets, None);
+    let as_user = |user: &str| {
+        let url = redis.url_as(user, &secrets.password(user));
+        async move {
+            redis::Client::open(url)
+                .unwrap()
+                .get_multiplexed_async_connection()
+                .await
+                .unwrap()
+        }
+    };
+    async fn try_cmd(
+        conn: &mut redis::aio::MultiplexedConnection,
+        parts: &[&str],
+    ) -> Result<(), String> {
+        let mut cmd = redis::cmd(parts[0]);
+        for p in &parts[1..] {
+            cmd.arg(*p);
+        }
+        cmd.query_async::<redis::Value>(conn)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+    async fn allowed(conn: &mut redis::aio::MultiplexedConnection, who: &str, parts: &[&str]) {
+        if let Err(e) = try_cmd(conn, parts).await {
+            panic!("{who} must be allowed {parts:?}: {e}");
+        }
+    }
+    async fn refused(conn: &mut redis::aio::MultiplexedConnection, who: &str, parts: &[&str]) {
+        match try_cmd(conn, parts).await {
+            Ok(()) => panic!("{who} must not be allowed {parts:?}"),
+            Err(e) => assert!(
+                e.to_uppercase().contains("NOPERM"),
+                "{who} {parts:?}: expected NOPERM, got {e}"
+            ),
+        }
+    }
+
+    let mut relay = as_user("consumers_relay").await;
+    let who = "consumers_relay";
+    allowed(
+        &mut relay,
+        who,
+        &["XADD", "outbox:consumers", "1-1", "k", "v"],
+    )
+    .await;
+    allowed(&mut relay, who, &["XRANGE", "outbox:consumers", "-", "+"]).await;
+    allowed(
+        &mut relay,
+        who,
+        &["XTRIM", "outbox:consumers", "MAXLEN", "~", "1000"],
+    )
+    .await;
+    allowed(
+        &mut relay,
+        who,
+        &["HSET", "outbox:consumers:origin", "system_id", "1"],
+    )
+    .await;
+    refused(&mut relay, who, &["XADD", "outbox:workers", "*", "k", "v"]).await;
+    refused(&mut relay, who, &["XRANGE", "outbox:workers", "-", "+"]).await;
+    refused(
+        &mut relay,
+        who,
+        &["XREAD", "STREAMS", "outbox:consumers", "0"],
+    )
+    .await;
+    refused(
+        &mut relay,
+        who,
+        &[
+            "XREADGROUP",
+            "GROUP",
+            "g",
+            "c",
+            "STREAMS",
+            "outbox:consumers",
+            ">",
+        ],
+    )
+    .await;
+    refused(&mut relay, who, &["DEL", "outbox:consumers"]).await;
+    refused(&mut relay, who, &["UNLINK", "outbox:consumers"]).await;
+    refused(&mut relay, who, &["FLUSHALL"]).await;
+    refused(&mut relay, who, &["SET", "outbox:consumers:origin", "x"]).await;
+    // The rebuild lock: only through the selector's commands.
+    allowed(
+        &mut relay,
+        who,
+        &["SET", "outbox:consumers:rebuilding", "me", "PX", "1000"],
+    )
+    .await;
+    allowed(&mut relay, who, &["DEL", "outbox:consumers:rebuilding"]).await;
+    refused(
+        &mut relay,
+        who,
+        &["XADD", "outbox:consumers:rebuilding", "*", "k", "v"],
+    )
+    .await;
+
+    // A service, set up the way the Workers side will find it: the consumers group exists.
+    let mut service = as_user("consumers").await;
+    let who = "consumers";
+    let mut workers_relay = as_user("workers_relay").await;
+    allowed(
+        &mut workers_relay,
+        "workers_relay",
+        &["XADD", "outbox:workers", "1-1", "k", "v"],
+    )
+    .await;
+    allowed(
+        &mut service,
+        who,
+        &["XGROUP", "CREATE", "outbox:workers", "consumers", "0"],
+    )
+    .await;
+    allowed(
+        &mut service,
+        who,
+        &[
+            "XREADGROUP",
+            "GROUP",
+            "consumers",
+            "c1",
+            "COUNT",
+            "10",
+            "STREAMS",
+            "outbox:workers",
+            ">",
+        ],
+    )
+    .await;
+    allowed(
+        &mut service,
+        who,
+        &["XPENDING", "outbox:workers", "consumers"],
+    )
+    .await;
+    allowed(
+        &mut service,
+        who,
+        &["XAUTOCLAIM", "outbox:workers", "consumers", "c2", "0", "0"],
+    )
+    .await;
+    allowed(
+        &mut service,
+        who,
+        &["XACK", "outbox:workers", "consumers", "1-1"],
+    )
+    .await;
+    allowed(
+        &mut service,
+        who,
+        &["XADD", "deadletter:consumers", "*", "reason", "test"],
+    )
+    .await;
+    allowed(&mut service, who, &["XLEN", "deadletter:consumers"]).await;
+    allowed(
+        &mut service,
+        who,
+        &["SET", "inbox-lease:consumers", "me", "PX", "1000"],
+    )
+    .await;
+    allowed(&mut service, who, &["PUBLISH", "inbox:consumers", "hello"]).await;
+    refused(
+        &mut service,
+        who,
+        &["XADD", "outbox:workers", "*", "k", "v"],
+    )
+    .await;
+    refused(
+        &mut service,
+        who,
+        &["XADD", "outbox:consumers", "*", "k", "v"],
+    )
+    .await;
+    refused(
+        &mut service,
+        who,
+        &["XTRIM", "outbox:workers", "MAXLEN", "0"],
+    )
+    .await;
+    refused(&mut service, who, &["XDEL", "outbox:workers", "1-1"]).await;
+    refused(&mut service, who, &["DEL", "outbox:workers"]).await;
+    refused(&mut service, who, &["DEL", "deadletter:consumers"]).await;
+    refused(
+        &mut service,
+        who,
+        &["XGROUP", "DESTROY", "outbox:workers", "consumers"],
+    )
+    .await;
+    refused(
+        &mut service,
+        who,
+        &[
+            "XREADGROUP",
+            "GROUP",
+            "g",
+            "c",
+            "STREAMS",
+            "outbox:consumers",
+            ">",
+        ],
+    )
+    .await;
+    refused(
+        &mut service,
+        who,
+        &["XADD", "deadletter:workers", "*", "k", "v"],
+    )
+    .await;
+    refused(&mut service, who, &["PUBLISH", "inbox:workers", "hello"]).await;
+    refused(&mut service, who, &["FLUSHALL"]).await;
+
+    // Nobody logs in without a password.
+    let anonymous = redis::Client::open(format!("redis+unix://{}", redis.socket().display()))
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await;
+    let err = match anonymous {
+        Ok(mut conn) => try_cmd(&mut conn, &["PING"]).await.unwrap_err(),
+        Err(e) => e.to_string(),
+    };
+    assert!(
+        err.contains("NOAUTH") || err.contains("auth"),
+        "default user answered: {err}"
+    );
+}
