@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs, when missing, the system packages the tests and the local stack need on Debian:
 # the Postgres 15 server binaries, redis-server, Chromium and ChromeDriver (the chat page's
-# browser test), promtool, and a C toolchain for crates that build C.
+# browser test), promtool, openssl, and a C toolchain for crates that build C.
 # Our tests and the local stack start private instances; the packaged services are not used.
 set -euo pipefail
 
@@ -9,6 +9,8 @@ need=()
 [ -x /usr/lib/postgresql/15/bin/postgres ] || need+=(postgresql-15)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
 command -v setpriv >/dev/null 2>&1 || need+=(util-linux)
+# The local stack makes its CA, certificates and passwords with openssl.
+command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)
 # The chat page is tested in a real headless browser.
 command -v chromium >/dev/null 2>&1 || need+=(chromium)

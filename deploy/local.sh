@@ -1,12 +1,15 @@
 #!/usr/bin/env bash
-# The whole system on this machine: a private Postgres and Redis (configured with the files
-# in deploy/postgres and deploy/redis), the migrations, both relays and both services.
+# The whole system on this machine, configured as in production: a private Postgres and
+# Redis (with the files in deploy/postgres and deploy/redis: TLS only, SCRAM passwords, the
+# Redis ACL users), the migrations, both relays and both services, every connection over
+# TLS verified against a local CA and every credential from a file.
 # Prints the two chat pages; Ctrl-C stops everything, services first, Postgres last.
 #
-# State (data, logs) lives in $CHAT_LOCAL_DIR (default: .local/ in the repository) and is
-# kept between runs. Ports: CONSUMERS_PORT (8081), WORKERS_PORT (8082), relay admin
-# CONSUMERS_RELAY_ADMIN (9181) and WORKERS_RELAY_ADMIN (9182). CHAT_LOCAL_PROFILE=debug uses
-# debug builds.
+# State (data, logs, the local CA, generated passwords) lives in $CHAT_LOCAL_DIR (default:
+# .local/ in the repository) and is kept between runs. Ports (loopback only): CONSUMERS_PORT
+# (8081), WORKERS_PORT (8082), relay admin CONSUMERS_RELAY_ADMIN (9181) and
+# WORKERS_RELAY_ADMIN (9182), PG_PORT (54329), REDIS_PORT (63790).
+# CHAT_LOCAL_PROFILE=debug uses debug builds. Run as root (Postgres runs as `postgres`).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -16,17 +19,24 @@ consumers_port=${CONSUMERS_PORT:-8081}
 workers_port=${WORKERS_PORT:-8082}
 consumers_admin=${CONSUMERS_RELAY_ADMIN:-9181}
 workers_admin=${WORKERS_RELAY_ADMIN:-9182}
+pg_port=${PG_PORT:-54329}
+redis_port=${REDIS_PORT:-63790}
 pg_bin=/usr/lib/postgresql/15/bin
 
 log() { printf '[local] %s\n' "$*" >&2; }
+
+if [ "$(id -u)" -ne 0 ]; then
+  log "run as root: Postgres runs as the postgres user, administered over its socket (peer auth)"
+  exit 1
+fi
 
 "$root/deploy/install-deps.sh"
 
 log "building ($profile)"
 if [ "$profile" = release ]; then
-  cargo build --release --quiet --manifest-path "$root/Cargo.toml" -p cdc-relay -p chat-services -p outbox-migrations
+  cargo build --release --quiet --manifest-path "$root/Cargo.toml" -p cdc-relay -p chat-services
 else
-  cargo build --quiet --manifest-path "$root/Cargo.toml" -p cdc-relay -p chat-services -p outbox-migrations
+  cargo build --quiet --manifest-path "$root/Cargo.toml" -p cdc-relay -p chat-services
 fi
 bin=$root/target/$profile
 
@@ -34,9 +44,16 @@ mkdir -p "$state/logs" "$state/redis" "$state/pg/socket"
 pids=()
 names=()
 
-# Postgres refuses to run as root: as root, run its programs as the postgres user.
-as_postgres=()
-[ "$(id -u)" -eq 0 ] && as_postgres=(setpriv --reuid=postgres --regid=postgres --init-groups --)
+# Postgres refuses to run as root: run its programs as the postgres user.
+as_postgres=(setpriv --reuid=postgres --regid=postgres --init-groups --)
+
+# A local CA, a server certificate for localhost (Postgres and Redis) and a generated
+# password per Postgres role and Redis user, made once.
+secrets=$state/secrets
+"$root/deploy/make-secrets.sh" "$secrets" localhost 127.0.0.1
+# Postgres reads its key as the postgres user and wants it private.
+mkdir -p "$state/pg/tls"
+cp "$secrets/server.pem" "$secrets/server.key" "$state/pg/tls/"
 
 stop_all() {
   trap - INT TERM EXIT
@@ -88,46 +105,71 @@ http_ok() { # port path: 200?
   [ "$status" = 200 ]
 }
 
-# Postgres: a private cluster over a Unix socket, trust auth for local connections.
+# Postgres: a private cluster with the deploy configuration, TLS on 127.0.0.1:$pg_port.
 if [ ! -f "$state/pg/data/PG_VERSION" ]; then
   log "initializing Postgres in $state/pg/data"
   mkdir -p "$state/pg/data"
-  [ "$(id -u)" -eq 0 ] && chown -R postgres:postgres "$state/pg"
-  "${as_postgres[@]}" "$pg_bin/initdb" -D "$state/pg/data" -U postgres --auth=trust --encoding=UTF8 --locale=C >"$state/logs/initdb.log"
+  chown -R postgres:postgres "$state/pg"
+  "${as_postgres[@]}" "$pg_bin/initdb" -D "$state/pg/data" -U postgres --auth-local=peer --auth-host=scram-sha-256 \
+    --encoding=UTF8 --locale=C >"$state/logs/initdb.log"
   echo "include '$root/deploy/postgres/postgresql.conf'" >>"$state/pg/data/postgresql.conf"
 fi
-[ "$(id -u)" -eq 0 ] && chown -R postgres:postgres "$state/pg"
+chown -R postgres:postgres "$state/pg"
+chmod 600 "$state/pg/tls/server.key"
 socket=$state/pg/socket
-start postgres "${as_postgres[@]}" "$pg_bin/postgres" -D "$state/pg/data" -c listen_addresses= -c unix_socket_directories="$socket" -c port=5432
-wait_for "Postgres" 60 "$pg_bin/pg_isready" -q -h "$socket" -p 5432 -U postgres
+start postgres "${as_postgres[@]}" "$pg_bin/postgres" -D "$state/pg/data" -c listen_addresses=127.0.0.1 -c port="$pg_port" \
+  -c unix_socket_directories="$socket" -c hba_file="$root/deploy/postgres/pg_hba.conf" \
+  -c ssl_cert_file="$state/pg/tls/server.pem" -c ssl_key_file="$state/pg/tls/server.key"
+wait_for "Postgres" 60 "$pg_bin/pg_isready" -q -h "$socket" -p "$pg_port" -U postgres
 
-start redis redis-server "$root/deploy/redis/redis.conf" --port 0 --unixsocket "$state/redis/redis.sock" --unixsocketperm 700 --dir "$state/redis"
-wait_for "Redis" 30 redis-cli -s "$state/redis/redis.sock" ping
+# Administration over the socket as the postgres user (peer auth): the database, and the
+# superuser's password for the migrations, which connect like everyone else (TLS, SCRAM).
+psql_admin() { "${as_postgres[@]}" "$pg_bin/psql" -q -X -v ON_ERROR_STOP=1 -h "$socket" -p "$pg_port" -U postgres -d postgres "$@"; }
+psql_admin -tAc "SELECT 1 FROM pg_database WHERE datname = 'chat'" | grep -q 1 || psql_admin -c "CREATE DATABASE chat"
+# On stdin, not the command line, so the password never shows in the process list.
+printf "ALTER ROLE postgres PASSWORD '%s'" "$(cat "$secrets/postgres/postgres")" | psql_admin
 
-host=$(printf '%s' "$socket" | sed 's|/|%2F|g')
-url() { printf 'postgres://%s@%s:5432/chat' "$1" "$host"; }
-redis_url="redis+unix://$state/redis/redis.sock"
+# Redis: the deploy configuration and ACL users, TLS on 127.0.0.1:$redis_port.
+"$root/deploy/redis/render-acl.sh" "$root/deploy/redis/users.acl" "$secrets/redis" "$state/redis/users.acl"
+start redis redis-server "$root/deploy/redis/redis.conf" --bind 127.0.0.1 --port 0 --tls-port "$redis_port" \
+  --tls-cert-file "$secrets/server.pem" --tls-key-file "$secrets/server.key" --tls-ca-cert-file "$secrets/ca.pem" \
+  --aclfile "$state/redis/users.acl" --dir "$state/redis"
+redis_ping() { REDISCLI_AUTH=$(cat "$secrets/redis/admin") redis-cli --tls --cacert "$secrets/ca.pem" -h localhost -p "$redis_port" --user admin --no-auth-warning ping | grep -q PONG; }
+wait_for "Redis" 30 redis_ping
 
-"$pg_bin/psql" -q -h "$socket" -U postgres -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'chat'" | grep -q 1 \
-  || "$pg_bin/createdb" -h "$socket" -U postgres chat
-"$bin/migrate" --database-url "$(url postgres)" >>"$state/logs/migrate.log" 2>&1
+# Every client: TLS verified against the local CA, its password from a file.
+export DATABASE_CA_FILE=$secrets/ca.pem REDIS_CA_FILE=$secrets/ca.pem
+url() { printf 'postgres://%s@localhost:%s/chat?sslmode=verify-full' "$1" "$pg_port"; }
+redis_url() { printf 'rediss://%s@localhost:%s' "$1" "$redis_port"; }
+
+role_passwords=()
+for role in consumers workers consumers_relay workers_relay; do
+  role_passwords+=(--role-password "$role=$secrets/postgres/$role")
+done
+DATABASE_PASSWORD_FILE=$secrets/postgres/postgres "$bin/migrate" --database-url "$(url postgres)" "${role_passwords[@]}" \
+  >>"$state/logs/migrate.log" 2>&1 || { log "migrations failed; see $state/logs/migrate.log"; tail -3 "$state/logs/migrate.log" >&2; exit 1; }
 log "migrations applied"
 
 for side in consumers workers; do
   admin_var=${side}_admin
   relay_args=(--database-url "$(url "${side}_relay")" --slot "${side}_relay" --publication "${side}_outbox"
-    --outbox-table "$side.outbox" --redis-url "$redis_url" --stream "outbox:$side")
-  "$bin/cdc-relay" setup "${relay_args[@]}" >>"$state/logs/relay-$side.log" 2>&1
+    --outbox-table "$side.outbox" --redis-url "$(redis_url "${side}_relay")" --stream "outbox:$side")
+  export DATABASE_PASSWORD_FILE=$secrets/postgres/${side}_relay REDIS_PASSWORD_FILE=$secrets/redis/${side}_relay
+  "$bin/cdc-relay" setup "${relay_args[@]}" >>"$state/logs/relay-$side.log" 2>&1 \
+    || { log "relay setup failed; see $state/logs/relay-$side.log"; tail -3 "$state/logs/relay-$side.log" >&2; exit 1; }
   start "relay-$side" "$bin/cdc-relay" run "${relay_args[@]}" --admin-addr "127.0.0.1:${!admin_var}"
 done
 for side in consumers workers; do
   wait_for "relay $side" 60 http_ok "$([ $side = consumers ] && echo "$consumers_admin" || echo "$workers_admin")" /readyz
 done
 
-start consumers "$bin/chat-service" --side consumers --database-url "$(url consumers)" --redis-url "$redis_url" \
-  --listen "127.0.0.1:$consumers_port" --consumer-name consumers-local
-start workers "$bin/chat-service" --side workers --database-url "$(url workers)" --redis-url "$redis_url" \
-  --listen "127.0.0.1:$workers_port" --consumer-name workers-local
+for side in consumers workers; do
+  port_var=${side}_port
+  export DATABASE_PASSWORD_FILE=$secrets/postgres/$side REDIS_PASSWORD_FILE=$secrets/redis/$side
+  start "$side" "$bin/chat-service" --side "$side" --database-url "$(url "$side")" --redis-url "$(redis_url "$side")" \
+    --listen "127.0.0.1:${!port_var}" --consumer-name "$side-local"
+done
+unset DATABASE_PASSWORD_FILE REDIS_PASSWORD_FILE
 wait_for "consumers" 60 http_ok "$consumers_port" /readyz
 wait_for "workers" 60 http_ok "$workers_port" /readyz
 
@@ -138,6 +180,7 @@ cat <<MSG
 
   relay metrics:  http://127.0.0.1:$consumers_admin/metrics  http://127.0.0.1:$workers_admin/metrics
   logs:           $state/logs/
+  credentials:    $state/secrets/ (Postgres on localhost:$pg_port, Redis on localhost:$redis_port, CA $secrets/ca.pem)
   Ctrl-C stops everything.
 
 MSG

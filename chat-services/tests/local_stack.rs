@@ -43,7 +43,7 @@ fn processes_mentioning(needle: &str) -> Vec<i32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
     let state = testkit::scratch_dir("local-stack");
-    let ports: Vec<u16> = (0..4).map(|_| testkit::http::free_port()).collect();
+    let ports: Vec<u16> = (0..6).map(|_| testkit::http::free_port()).collect();
     let mut cmd = Command::new("bash");
     cmd.arg("-c")
         .arg(readme_run_command())
@@ -53,7 +53,9 @@ async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
         .env("CONSUMERS_PORT", ports[0].to_string())
         .env("WORKERS_PORT", ports[1].to_string())
         .env("CONSUMERS_RELAY_ADMIN", ports[2].to_string())
-        .env("WORKERS_RELAY_ADMIN", ports[3].to_string());
+        .env("WORKERS_RELAY_ADMIN", ports[3].to_string())
+        .env("PG_PORT", ports[4].to_string())
+        .env("REDIS_PORT", ports[5].to_string());
     let stack = ChildProcess::spawn("local-stack", cmd, &state.join("run.log")).unwrap();
     wait_until(Duration::from_secs(600), "the chat page URLs", || async {
         let out = stack.log();
@@ -84,6 +86,28 @@ async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
     let (_, shown) = common::next_message(&mut client, Duration::from_secs(20)).await;
     assert_eq!(shown["id"], sent["id"]);
     drop(client);
+
+    // TLS only: even the right password is refused over plaintext (deploy/postgres/pg_hba.conf).
+    let password = std::fs::read_to_string(state.join("secrets/postgres/consumers")).unwrap();
+    let plaintext = tokio_postgres::connect(
+        &format!(
+            "host=127.0.0.1 port={} user=consumers dbname=chat sslmode=disable password={}",
+            ports[4],
+            password.trim()
+        ),
+        tokio_postgres::NoTls,
+    )
+    .await;
+    let refusal = plaintext.err().expect("a plaintext connection is refused");
+    let message = refusal
+        .as_db_error()
+        .map(|e| e.message().to_string())
+        .unwrap_or_else(|| refusal.to_string());
+    assert!(message.contains("no encryption"), "{message}");
+    // The ACL file Redis loaded holds password hashes only.
+    let acl = std::fs::read_to_string(state.join("redis/users.acl")).unwrap();
+    let redis_password = std::fs::read_to_string(state.join("secrets/redis/consumers")).unwrap();
+    assert!(acl.contains("user consumers on #") && !acl.contains(redis_password.trim()));
 
     // Ctrl-C
     stack.signal(Signal::Int).unwrap();
