@@ -25,6 +25,10 @@ pub struct Args {
     /// Seconds spent at each rate.
     #[arg(long, default_value_t = 5)]
     pub e2e_seconds: u64,
+    /// Seconds of load at the first rate before measuring, not reported: connection pools,
+    /// prepared statements and page caches fill here, not in the first step's p99.
+    #[arg(long, default_value_t = 3)]
+    pub e2e_warmup_seconds: u64,
     /// The send→shown p99 (ms) that ends the climb.
     #[arg(long, default_value_t = 50.0)]
     pub e2e_p99_limit_ms: f64,
@@ -90,14 +94,31 @@ pub async fn measure(args: &Args) -> anyhow::Result<Knee> {
     let consumers = system.service_addr(Side::Consumers);
     let mut steps = Vec::new();
     let mut knee = None;
-    for &rate in &args.e2e_rates {
-        eprintln!("[e2e] {rate} messages/s for {} s", args.e2e_seconds);
+    let warmup = args
+        .e2e_rates
+        .first()
+        .filter(|_| args.e2e_warmup_seconds > 0)
+        .map(|&rate| (rate, args.e2e_warmup_seconds, true));
+    let climb = args
+        .e2e_rates
+        .iter()
+        .map(|&rate| (rate, args.e2e_seconds, false));
+    for (rate, seconds, warming_up) in warmup.into_iter().chain(climb) {
+        eprintln!(
+            "[e2e] {rate} messages/s for {seconds} s{}",
+            if warming_up {
+                " (warm-up, not reported)"
+            } else {
+                ""
+            }
+        );
         let per_connection = Duration::from_secs_f64(args.e2e_connections as f64 / f64::from(rate));
-        let count = (u64::from(rate) * args.e2e_seconds) as usize / args.e2e_connections;
+        let count = (u64::from(rate) * seconds) as usize / args.e2e_connections;
         let start = tokio::time::Instant::now() + Duration::from_millis(100);
         let mut senders = Vec::new();
         for c in 0..args.e2e_connections {
             let chats = args.e2e_chats;
+            let connections = args.e2e_connections as f64;
             senders.push(tokio::spawn(async move {
                 let mut sent = Vec::with_capacity(count);
                 let mut errors = 0;
@@ -105,7 +126,7 @@ pub async fn measure(args: &Args) -> anyhow::Result<Knee> {
                     return (sent, count);
                 };
                 // Connections start staggered within one interval.
-                let offset = per_connection.mul_f64(c as f64 / 16.0);
+                let offset = per_connection.mul_f64(c as f64 / connections);
                 for i in 0..count {
                     let scheduled = start + offset + per_connection * i as u32;
                     tokio::time::sleep_until(scheduled).await;
@@ -157,10 +178,7 @@ pub async fn measure(args: &Args) -> anyhow::Result<Knee> {
             .max()
             .copied()
             .unwrap_or(first);
-        let took = last
-            .duration_since(first)
-            .as_secs_f64()
-            .max(args.e2e_seconds as f64);
+        let took = last.duration_since(first).as_secs_f64().max(seconds as f64);
         let shown = latencies.len();
         let summary = summarize(
             "cdc",
@@ -183,6 +201,9 @@ pub async fn measure(args: &Args) -> anyhow::Result<Knee> {
             "[e2e] {rate}/s: shown {} of {} ({} errors), p50 {:.1} ms, p99 {:.1} ms",
             step.shown, step.sent, step.errors, step.p50_ms, step.p99_ms
         );
+        if warming_up {
+            continue;
+        }
         let held = step.p99_ms <= args.e2e_p99_limit_ms && step.shown == step.sent && errors == 0;
         steps.push(step);
         if !held {
