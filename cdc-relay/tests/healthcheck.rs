@@ -1,0 +1,65 @@
+//! The container health-check probe: exit 0 only for a 2xx answer, 1 for any other answer or
+//! none, 2 for bad usage.
+
+use std::io::{Read, Write};
+use std::net::TcpListener;
+use std::process::Command;
+
+/// Serve one request with `status` on a free loopback port; returns the URL.
+fn answer_once(status: &'static str) -> String {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().unwrap();
+        let mut request = Vec::new();
+        let mut chunk = [0u8; 256];
+        while !request.ends_with(b"\r\n\r\n") {
+            let n = conn.read(&mut chunk).unwrap();
+            assert!(n > 0, "request ended early");
+            request.extend_from_slice(&chunk[..n]);
+        }
+        assert!(String::from_utf8_lossy(&request).starts_with("GET /readyz HTTP/1.0\r\n"));
+        let body = r#"{"status":"x"}"#;
+        write!(
+            conn,
+            "HTTP/1.1 {status}\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .unwrap();
+    });
+    format!("http://127.0.0.1:{port}/readyz")
+}
+
+fn probe(args: &[&str]) -> (Option<i32>, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_healthcheck"))
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn exit_status_follows_the_http_status() {
+    assert_eq!(probe(&[&answer_once("200 OK")]).0, Some(0));
+    let (code, stderr) = probe(&[&answer_once("503 Service Unavailable")]);
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("answered 503"), "{stderr}");
+}
+
+#[test]
+fn no_answer_and_bad_usage_fail() {
+    let port = TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (code, stderr) = probe(&[&format!("http://127.0.0.1:{port}/readyz")]);
+    assert_eq!(code, Some(1), "{stderr}");
+    assert_eq!(probe(&[]).0, Some(2));
+    let (code, stderr) = probe(&["https://127.0.0.1:1/readyz"]);
+    assert_eq!(code, Some(1));
+    assert!(stderr.contains("only http://"), "{stderr}");
+}
