@@ -1,6 +1,7 @@
 //! Command line and environment of a chat service, validated at start.
 
 use std::net::SocketAddr;
+use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
@@ -184,4 +185,37 @@ impl Cli {
             crash_after_inbox_commit: self.crash_after_inbox_commit,
         })
     }
+}
+
+// `migrate`'s command line (the binary is src/bin/migrate.rs), here so tests can inspect it.
+/// Apply the SQL migrations (schemas, tables, roles, grants, publications) in order; applied
+/// ones are skipped, so running it twice is harmless.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "migrate", version)]
+pub struct MigrateCli {
+    /// Postgres URL of a superuser (or a CREATEROLE owner of the database).
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    #[command(flatten)]
+    pub secrets: cdc_relay::config::DatabaseSecrets,
+    /// Set a role's password from a file, `ROLE=FILE` (repeatable), e.g.
+    /// consumers=/run/secrets/consumers-password. Postgres stores it hashed (SCRAM).
+    #[arg(long = "role-password", value_parser = parse_role_password)]
+    pub role_passwords: Vec<(String, PathBuf)>,
+}
+
+/// The roles `--role-password` may set.
+const PASSWORD_ROLES: [&str; 4] = ["consumers", "workers", "consumers_relay", "workers_relay"];
+
+fn parse_role_password(s: &str) -> Result<(String, PathBuf), String> {
+    let (role, file) = s
+        .split_once('=')
+        .ok_or_else(|| format!("'{s}' is not ROLE=FILE"))?;
+    if !PASSWORD_ROLES.contains(&role) {
+        return Err(format!(
+            "role '{role}' is not one of {}",
+            PASSWORD_ROLES.join(", ")
+        ));
+    }
+    Ok((role.to_string(), PathBuf::from(file)))
 }

@@ -1,37 +1,8 @@
 //! `migrate`: apply the chat services' SQL migrations to one database, and optionally set
 //! the roles' passwords (from files, never from the command line).
 
-use std::path::PathBuf;
-
+use chat_services::config::MigrateCli as Cli;
 use clap::Parser;
-
-/// Apply the SQL migrations (schemas, tables, roles, grants, publications) in order; applied
-/// ones are skipped, so running it twice is harmless.
-#[derive(Debug, Parser)]
-#[command(name = "migrate", version)]
-struct Cli {
-    /// Postgres URL of a superuser (or a CREATEROLE owner of the database).
-    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    database_url: String,
-    #[command(flatten)]
-    secrets: cdc_relay::config::DatabaseSecrets,
-    /// Set a role's password from a file, `ROLE=FILE` (repeatable), e.g.
-    /// consumers=/run/secrets/consumers-password. Postgres stores it hashed (SCRAM).
-    #[arg(long = "role-password", value_parser = parse_role_password)]
-    role_passwords: Vec<(String, PathBuf)>,
-}
-
-const ROLES: [&str; 4] = ["consumers", "workers", "consumers_relay", "workers_relay"];
-
-fn parse_role_password(s: &str) -> Result<(String, PathBuf), String> {
-    let (role, file) = s
-        .split_once('=')
-        .ok_or_else(|| format!("'{s}' is not ROLE=FILE"))?;
-    if !ROLES.contains(&role) {
-        return Err(format!("role '{role}' is not one of {}", ROLES.join(", ")));
-    }
-    Ok((role.to_string(), PathBuf::from(file)))
-}
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> std::process::ExitCode {

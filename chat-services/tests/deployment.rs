@@ -1,0 +1,962 @@
+//! The deployment files against the binaries they run. CI has no container engine, so the
+//! images are not built here; instead every reference the files make is checked:
+//! - every `outbox/*` image is a target of the Dockerfile, and compose builds that target;
+//! - every environment variable and flag given to a binary is one it accepts (read from the
+//!   same clap definitions that print `--help`), except `$(NAME)` helpers Kubernetes expands;
+//! - every probe and health check asks a route the running binary serves (asked for real),
+//!   on the port the container listens on, with a program the image contains;
+//! - every secret file a container reads is mounted into it, every ConfigMap key exists,
+//!   the termination grace outlasts the relay's shutdown grace;
+//! - workers.yaml is consumers.yaml with the sides swapped;
+//! - docs/deployment.md's configuration reference is what the binaries' --help says.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use clap::CommandFactory;
+use common::Stack;
+use testkit::shared_postgres;
+use tokio_util::sync::CancellationToken;
+use yaml_rust2::{Yaml, YamlLoader};
+
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn read(path: &str) -> String {
+    std::fs::read_to_string(repo().join(path)).unwrap_or_else(|e| panic!("{path}: {e}"))
+}
+
+// ---------------------------------------------------------------------------------------
+// The binaries: what they accept.
+
+/// Flags (`--name`) and environment variables one command accepts.
+#[derive(Debug, Default, Clone)]
+struct Accepts {
+    flags: BTreeSet<String>,
+    envs: BTreeSet<String>,
+}
+
+fn accepts(cmd: &clap::Command, inherited: &Accepts) -> Accepts {
+    let mut out = inherited.clone();
+    for arg in cmd.get_arguments() {
+        if let Some(long) = arg.get_long() {
+            out.flags.insert(format!("--{long}"));
+        }
+        if let Some(env) = arg.get_env() {
+            out.envs.insert(env.to_string_lossy().into_owned());
+        }
+    }
+    out
+}
+
+/// Each binary's commands: "" for a binary without subcommands.
+fn binaries() -> BTreeMap<&'static str, BTreeMap<String, Accepts>> {
+    let mut all = BTreeMap::new();
+    let relay = cdc_relay::config::Cli::command();
+    let globals = accepts(&relay, &Accepts::default());
+    let subcommands = relay
+        .get_subcommands()
+        .map(|sub| (sub.get_name().to_string(), accepts(sub, &globals)))
+        .collect();
+    all.insert("cdc-relay", subcommands);
+    for (name, cmd) in [
+        ("chat-service", chat_services::config::Cli::command()),
+        ("migrate", chat_services::config::MigrateCli::command()),
+    ] {
+        all.insert(
+            name,
+            BTreeMap::from([(String::new(), accepts(&cmd, &Accepts::default()))]),
+        );
+    }
+    all.insert(
+        "healthcheck",
+        BTreeMap::from([(String::new(), Accepts::default())]),
+    );
+    all
+}
+
+/// What one container runs: binary, subcommand, and the env and flags it is given.
+struct Invocation<'a> {
+    binary: &'a str,
+    subcommand: String,
+    env: BTreeMap<String, String>,
+    args: Vec<String>,
+}
+
+/// Check an invocation against what the binary accepts; returns the problems found.
+fn check_invocation(
+    place: &str,
+    inv: &Invocation,
+    bins: &BTreeMap<&str, BTreeMap<String, Accepts>>,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    let Some(commands) = bins.get(inv.binary) else {
+        return vec![format!("{place}: runs unknown binary {}", inv.binary)];
+    };
+    let Some(accepted) = commands.get(&inv.subcommand) else {
+        return vec![format!(
+            "{place}: {} has no subcommand {:?}",
+            inv.binary, inv.subcommand
+        )];
+    };
+    // The relay's init container shares the relay's environment: a variable of `run` given
+    // to `setup` is ignored by it, which is intended (one list for both).
+    let also: BTreeSet<String> = if inv.binary == "cdc-relay" {
+        commands
+            .values()
+            .flat_map(|a| a.envs.iter().cloned())
+            .collect()
+    } else {
+        BTreeSet::new()
+    };
+    // `$(NAME)` helpers: referenced by another variable's value (Kubernetes expands them).
+    let helpers: BTreeSet<String> = inv.env.values().flat_map(|v| dollar_refs(v)).collect();
+    for name in inv.env.keys() {
+        if !accepted.envs.contains(name) && !also.contains(name) && !helpers.contains(name) {
+            problems.push(format!(
+                "{place}: {} {} does not read the environment variable {name}",
+                inv.binary, inv.subcommand
+            ));
+        }
+    }
+    for helper in &helpers {
+        if !inv.env.contains_key(helper) {
+            problems.push(format!("{place}: $({helper}) is not defined"));
+        }
+    }
+    for arg in &inv.args {
+        if let Some(flag) = arg.strip_prefix("--") {
+            let name = format!("--{}", flag.split('=').next().unwrap());
+            if !accepted.flags.contains(&name) {
+                problems.push(format!("{place}: {} has no flag {name}", inv.binary));
+            }
+        }
+    }
+    problems
+}
+
+fn dollar_refs(value: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut rest = value;
+    while let Some(start) = rest.find("$(") {
+        let after = &rest[start + 2..];
+        let Some(end) = after.find(')') else { break };
+        out.push(after[..end].to_string());
+        rest = &after[end..];
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------------------
+// The running binaries: which routes they serve.
+
+/// Routes the deployment files probe, and for each server whether it answers (not 404).
+struct Routes {
+    service: SocketAddr,
+    relay_admin: SocketAddr,
+}
+
+impl Routes {
+    async fn answers(&self, binary: &str, path: &str) -> Result<(), String> {
+        let addr = match binary {
+            "chat-service" => self.service,
+            "cdc-relay" => self.relay_admin,
+            other => return Err(format!("{other} serves no HTTP")),
+        };
+        let (status, body) = testkit::http::get(addr, path)
+            .await
+            .map_err(|e| format!("GET {path} on {binary}: {e}"))?;
+        if status == 404 {
+            return Err(format!("{binary} has no route {path}: {body}"));
+        }
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The Dockerfile.
+
+#[derive(Debug, Clone, Default)]
+struct Target {
+    /// Programs in /usr/local/bin.
+    programs: BTreeSet<String>,
+    env: BTreeMap<String, String>,
+    entrypoint: Vec<String>,
+    cmd: Vec<String>,
+    healthcheck: Vec<String>,
+}
+
+fn json_array(text: &str) -> Vec<String> {
+    serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("not a JSON array: {text}: {e}"))
+}
+
+fn dockerfile_targets() -> BTreeMap<String, Target> {
+    let text = read("Dockerfile");
+    let joined = text.replace("\\\n", " ");
+    let mut targets: BTreeMap<String, Target> = BTreeMap::new();
+    let mut current: Option<String> = None;
+    for line in joined.lines().map(str::trim) {
+        if line.starts_with('#') || line.is_empty() {
+            continue;
+        }
+        let (instr, rest) = line.split_once(' ').unwrap_or((line, ""));
+        match instr {
+            "FROM" => {
+                let words: Vec<&str> = rest.split_whitespace().collect();
+                let base = targets.get(words[0]).cloned().unwrap_or_default();
+                let name = words
+                    .iter()
+                    .position(|w| w.eq_ignore_ascii_case("AS"))
+                    .map(|i| words[i + 1].to_string())
+                    .expect("every stage is named");
+                targets.insert(name.clone(), base);
+                current = Some(name);
+            }
+            "COPY" => {
+                let t = targets.get_mut(current.as_ref().unwrap()).unwrap();
+                let words: Vec<&str> = rest.split_whitespace().collect();
+                if words.last() == Some(&"/usr/local/bin/") {
+                    for src in &words[..words.len() - 1] {
+                        if !src.starts_with("--") {
+                            t.programs
+                                .insert(src.rsplit('/').next().unwrap().to_string());
+                        }
+                    }
+                }
+            }
+            "ENV" => {
+                let t = targets.get_mut(current.as_ref().unwrap()).unwrap();
+                for pair in rest.split_whitespace() {
+                    let (k, v) = pair.split_once('=').expect("ENV k=v");
+                    t.env.insert(k.into(), v.into());
+                }
+            }
+            "ENTRYPOINT" => {
+                targets
+                    .get_mut(current.as_ref().unwrap())
+                    .unwrap()
+                    .entrypoint = json_array(rest)
+            }
+            "CMD" => targets.get_mut(current.as_ref().unwrap()).unwrap().cmd = json_array(rest),
+            "HEALTHCHECK" => {
+                let cmd = rest.split_once("CMD").expect("HEALTHCHECK ... CMD [...]").1;
+                targets
+                    .get_mut(current.as_ref().unwrap())
+                    .unwrap()
+                    .healthcheck = json_array(cmd)
+            }
+            _ => {}
+        }
+    }
+    targets
+}
+
+/// The binary an image target runs.
+fn entry_binary(target: &Target) -> String {
+    let path = target.entrypoint.first().expect("an ENTRYPOINT");
+    let name = path.rsplit('/').next().unwrap().to_string();
+    assert!(
+        target.programs.contains(&name),
+        "ENTRYPOINT {path} is not copied into the image"
+    );
+    name
+}
+
+/// The port a container listens on, from its listen variable (the image default if unset).
+fn listen_port(binary: &str, env: &BTreeMap<String, String>) -> Option<u16> {
+    let var = match binary {
+        "chat-service" => "LISTEN_ADDR",
+        "cdc-relay" => "CDC_ADMIN_ADDR",
+        _ => return None,
+    };
+    env.get(var)?.rsplit(':').next()?.parse().ok()
+}
+
+// ---------------------------------------------------------------------------------------
+// YAML helpers.
+
+fn load_yaml(path: &str) -> Vec<Yaml> {
+    YamlLoader::load_from_str(&read(path)).unwrap_or_else(|e| panic!("{path} does not parse: {e}"))
+}
+
+/// Apply YAML merge keys (`<<: *anchor`), which compose uses and the loader leaves as keys.
+fn merged(node: &Yaml) -> Yaml {
+    match node {
+        Yaml::Hash(map) => {
+            let mut out = yaml_rust2::yaml::Hash::new();
+            let merge_key = Yaml::String("<<".into());
+            for (k, v) in map {
+                if *k != merge_key {
+                    out.insert(k.clone(), merged(v));
+                }
+            }
+            if let Some(sources) = map.get(&merge_key) {
+                let sources = match sources {
+                    Yaml::Array(list) => list.clone(),
+                    one => vec![one.clone()],
+                };
+                for source in sources {
+                    if let Yaml::Hash(src) = merged(&source) {
+                        for (k, v) in src {
+                            out.entry(k).or_insert(v);
+                        }
+                    }
+                }
+            }
+            Yaml::Hash(out)
+        }
+        Yaml::Array(list) => Yaml::Array(list.iter().map(merged).collect()),
+        other => other.clone(),
+    }
+}
+
+fn string(node: &Yaml) -> String {
+    match node {
+        Yaml::String(s) | Yaml::Real(s) => s.clone(),
+        Yaml::Integer(i) => i.to_string(),
+        Yaml::Boolean(b) => b.to_string(),
+        other => panic!("not a scalar: {other:?}"),
+    }
+}
+
+fn strings(node: &Yaml) -> Vec<String> {
+    node.as_vec()
+        .map(|v| v.iter().map(string).collect())
+        .unwrap_or_default()
+}
+
+fn hash_keys(node: &Yaml) -> Vec<String> {
+    node.as_hash()
+        .map(|h| h.keys().map(string).collect())
+        .unwrap_or_default()
+}
+
+/// `outbox/<target>[:tag]` → target.
+fn outbox_target(image: &str) -> Option<String> {
+    let rest = image.strip_prefix("outbox/")?;
+    Some(rest.split(':').next().unwrap().to_string())
+}
+
+/// Upstream images the files may use (Postgres and Redis of the supported versions).
+const UPSTREAM_IMAGES: &[&str] = &["postgres:15", "redis:7.0"];
+
+// ---------------------------------------------------------------------------------------
+
+/// A chat service and a relay admin server, running, to ask for the routes the files probe.
+async fn running_servers(stack: &Stack<'_>) -> (Routes, common::RunningService, CancellationToken) {
+    let service = stack
+        .service(chat_services::side::Side::Consumers, &[])
+        .await;
+    // A relay whose database is unreachable still serves its admin routes.
+    let argv = [
+        "cdc-relay",
+        "run",
+        "--database-url",
+        "postgres://nobody@%2Fnonexistent/none",
+        "--slot",
+        "s",
+        "--publication",
+        "p",
+        "--outbox-table",
+        "a.b",
+        "--redis-url",
+        "redis+unix:///nonexistent.sock",
+        "--stream",
+        "s",
+        "--admin-addr",
+        "127.0.0.1:0",
+    ];
+    let args = match <cdc_relay::config::Cli as clap::Parser>::try_parse_from(argv)
+        .unwrap()
+        .command
+    {
+        cdc_relay::config::Command::Run(args) => args,
+        _ => unreachable!(),
+    };
+    let relay = cdc_relay::Relay::new(args.validate().unwrap());
+    let stop = CancellationToken::new();
+    {
+        let (relay, stop) = (relay.clone(), stop.clone());
+        tokio::spawn(async move { relay.run(stop).await });
+    }
+    let relay_admin = testkit::wait_until(Duration::from_secs(10), "relay admin bound", || {
+        let addr = relay.admin_addr();
+        async move { addr.ok_or_else(|| "not yet".to_string()) }
+    })
+    .await;
+    let routes = Routes {
+        service: service.addr,
+        relay_admin,
+    };
+    (routes, service, stop)
+}
+
+#[tokio::test]
+async fn compose_references_only_what_exists() {
+    let stack = Stack::start(shared_postgres()).await;
+    let (routes, _service, _relay) = running_servers(&stack).await;
+    let bins = binaries();
+    let targets = dockerfile_targets();
+    let doc = merged(&load_yaml("deploy/compose.yaml")[0]);
+    let services = doc["services"].as_hash().expect("services");
+    let declared_secrets: BTreeSet<String> = hash_keys(&doc["secrets"]).into_iter().collect();
+    let mut problems = Vec::new();
+
+    for (name, svc) in services {
+        let name = string(name);
+        let place = format!("compose service {name}");
+        let image = string(&svc["image"]);
+        let Some(target_name) = outbox_target(&image) else {
+            if !UPSTREAM_IMAGES.contains(&image.as_str()) {
+                problems.push(format!(
+                    "{place}: image {image} is not ours nor a supported upstream image"
+                ));
+            }
+            for volume in strings(&svc["volumes"]) {
+                let source = volume.split(':').next().unwrap();
+                if source.starts_with("./") && !repo().join("deploy").join(source).exists() {
+                    problems.push(format!("{place}: mounts {source}, which does not exist"));
+                }
+            }
+            continue;
+        };
+        let Some(target) = targets.get(&target_name) else {
+            problems.push(format!("{place}: image {image} is not a Dockerfile target"));
+            continue;
+        };
+        if string(&svc["build"]["target"]) != target_name {
+            problems.push(format!(
+                "{place}: builds target {:?} for image {image}",
+                svc["build"]["target"]
+            ));
+        }
+        let binary = entry_binary(target);
+        let command = if svc["command"].is_badvalue() {
+            target.cmd.clone()
+        } else {
+            strings(&svc["command"])
+        };
+        let (subcommand, args) = if binary == "cdc-relay" {
+            (command[0].clone(), command[1..].to_vec())
+        } else {
+            (String::new(), command)
+        };
+        let mut env: BTreeMap<String, String> = svc["environment"]
+            .as_hash()
+            .map(|h| h.iter().map(|(k, v)| (string(k), string(v))).collect())
+            .unwrap_or_default();
+        let inv = Invocation {
+            binary: &binary,
+            subcommand,
+            env: env.clone(),
+            args: args.clone(),
+        };
+        problems.extend(check_invocation(&place, &inv, &bins));
+
+        // Secret files read must be mounted.
+        let mounted: BTreeSet<String> = strings(&svc["secrets"]).into_iter().collect();
+        for secret in &mounted {
+            if !declared_secrets.contains(secret) {
+                problems.push(format!("{place}: secret {secret} is not declared"));
+            }
+        }
+        for value in env.values().chain(args.iter()) {
+            for (i, _) in value.match_indices("/run/secrets/") {
+                let file: String = value[i + "/run/secrets/".len()..]
+                    .chars()
+                    .take_while(|c| c.is_alphanumeric() || matches!(c, '_' | '-' | '.'))
+                    .collect();
+                if !mounted.contains(&file) {
+                    problems.push(format!(
+                        "{place}: reads /run/secrets/{file}, which is not mounted"
+                    ));
+                }
+            }
+        }
+
+        // Health check: our probe, in the image, on the port this container listens on.
+        for (k, v) in &target.env {
+            env.entry(k.clone()).or_insert(v.clone());
+        }
+        let test = strings(&svc["healthcheck"]["test"]);
+        if !test.is_empty() {
+            let port = listen_port(&binary, &env);
+            match test.as_slice() {
+                [cmd, program, url] if cmd == "CMD" => {
+                    let program = program.rsplit('/').next().unwrap();
+                    if !target.programs.contains(program) {
+                        problems.push(format!(
+                            "{place}: health check runs {program}, not in the image"
+                        ));
+                    }
+                    problems.extend(check_url(&place, url, &binary, port, &routes).await);
+                }
+                other => problems.push(format!(
+                    "{place}: health check {other:?} is not `CMD healthcheck URL`"
+                )),
+            }
+        }
+
+        // A sidecar shares its service's network: its admin port is published there.
+        let network = string_or_empty(&svc["network_mode"]);
+        if let Some(owner) = network.strip_prefix("service:") {
+            let owner_ports = strings(&doc["services"][owner]["ports"]);
+            let port = listen_port(&binary, &env).expect("relay listens");
+            if !owner_ports.iter().any(|p| p.ends_with(&format!(":{port}"))) {
+                problems.push(format!(
+                    "{place}: admin port {port} is not published by {owner}"
+                ));
+            }
+        }
+    }
+    assert!(
+        problems.is_empty(),
+        "deploy/compose.yaml:\n{}",
+        problems.join("\n")
+    );
+}
+
+fn string_or_empty(node: &Yaml) -> String {
+    if node.is_badvalue() || node.is_null() {
+        String::new()
+    } else {
+        string(node)
+    }
+}
+
+/// `http://127.0.0.1:PORT/PATH` must be a route of `binary` on the port it listens on.
+async fn check_url(
+    place: &str,
+    url: &str,
+    binary: &str,
+    port: Option<u16>,
+    routes: &Routes,
+) -> Vec<String> {
+    let mut problems = Vec::new();
+    let Some(rest) = url.strip_prefix("http://127.0.0.1:") else {
+        return vec![format!("{place}: probe URL {url} is not on loopback")];
+    };
+    let (p, path) = rest.split_once('/').unwrap();
+    if p.parse::<u16>().ok() != port {
+        problems.push(format!(
+            "{place}: probes port {p}, but {binary} listens on {port:?}"
+        ));
+    }
+    if let Err(e) = routes.answers(binary, &format!("/{path}")).await {
+        problems.push(format!("{place}: {e}"));
+    }
+    problems
+}
+
+/// Every workload of deploy/k8s, as (file, document).
+fn k8s_documents() -> Vec<(String, Yaml)> {
+    let kustomization = &load_yaml("deploy/k8s/kustomization.yaml")[0];
+    strings(&kustomization["resources"])
+        .into_iter()
+        .flat_map(|file| {
+            let path = format!("deploy/k8s/{file}");
+            load_yaml(&path).into_iter().map(move |d| (path.clone(), d))
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn kubernetes_manifests_reference_only_what_exists() {
+    let stack = Stack::start(shared_postgres()).await;
+    let (routes, _service, _relay) = running_servers(&stack).await;
+    let bins = binaries();
+    let targets = dockerfile_targets();
+    let kustomization = &load_yaml("deploy/k8s/kustomization.yaml")[0];
+    let secret_keys: BTreeSet<String> = kustomization["secretGenerator"][0]["files"]
+        .as_vec()
+        .unwrap()
+        .iter()
+        .map(|f| string(f).split('=').next().unwrap().to_string())
+        .collect();
+    let documents = k8s_documents();
+    let config_keys: BTreeSet<String> = documents
+        .iter()
+        .find(|(_, d)| string_or_empty(&d["kind"]) == "ConfigMap")
+        .map(|(_, d)| hash_keys(&d["data"]).into_iter().collect())
+        .expect("a ConfigMap");
+    let mut problems = Vec::new();
+    let mut named_ports = BTreeSet::new();
+
+    for (file, doc) in &documents {
+        let kind = string_or_empty(&doc["kind"]);
+        let pod = match kind.as_str() {
+            "Deployment" | "Job" => &doc["spec"]["template"]["spec"],
+            _ => continue,
+        };
+        let volumes: BTreeMap<String, &Yaml> = pod["volumes"]
+            .as_vec()
+            .map(|v| v.iter().map(|vol| (string(&vol["name"]), vol)).collect())
+            .unwrap_or_default();
+        for vol in volumes.values() {
+            if let Some(items) = vol["secret"]["items"].as_vec() {
+                for item in items {
+                    let key = string(&item["key"]);
+                    if !secret_keys.contains(&key) {
+                        problems.push(format!(
+                            "{file}: secret key {key} is not generated by kustomization.yaml"
+                        ));
+                    }
+                }
+            }
+        }
+        let containers = pod["initContainers"]
+            .as_vec()
+            .into_iter()
+            .flatten()
+            .chain(pod["containers"].as_vec().into_iter().flatten());
+        for c in containers {
+            let cname = string(&c["name"]);
+            let place = format!("{file} container {cname}");
+            let image = string(&c["image"]);
+            let Some(target) = outbox_target(&image).and_then(|t| targets.get(&t).cloned()) else {
+                problems.push(format!("{place}: image {image} is not a Dockerfile target"));
+                continue;
+            };
+            let binary = entry_binary(&target);
+            let command = if c["args"].is_badvalue() {
+                target.cmd.clone()
+            } else {
+                strings(&c["args"])
+            };
+            let (subcommand, args) = if binary == "cdc-relay" {
+                (command[0].clone(), command[1..].to_vec())
+            } else {
+                (String::new(), command)
+            };
+            let mut env = BTreeMap::new();
+            for var in c["env"].as_vec().into_iter().flatten() {
+                let name = string(&var["name"]);
+                let cm = &var["valueFrom"]["configMapKeyRef"];
+                if !cm.is_badvalue() {
+                    let key = string(&cm["key"]);
+                    if !config_keys.contains(&key) {
+                        problems.push(format!("{place}: ConfigMap key {key} does not exist"));
+                    }
+                }
+                // Helpers must be defined before use (Kubernetes expands only earlier ones).
+                let value = string_or_empty(&var["value"]);
+                for r in dollar_refs(&value) {
+                    if !env.contains_key(&r) {
+                        problems.push(format!("{place}: {name} uses $({r}) before it is defined"));
+                    }
+                }
+                env.insert(name, value);
+            }
+            let is_run = subcommand == "run";
+            let inv = Invocation {
+                binary: &binary,
+                subcommand,
+                env: env.clone(),
+                args: args.clone(),
+            };
+            problems.extend(check_invocation(&place, &inv, &bins));
+
+            // Files read from mounted volumes exist in them.
+            let mounts: Vec<(String, String)> = c["volumeMounts"]
+                .as_vec()
+                .into_iter()
+                .flatten()
+                .map(|m| (string(&m["mountPath"]), string(&m["name"])))
+                .collect();
+            for (_, volume) in &mounts {
+                if !volumes.contains_key(volume) {
+                    problems.push(format!("{place}: mounts undefined volume {volume}"));
+                }
+            }
+            for value in env.values().chain(args.iter()) {
+                let path = value.rsplit('=').next().unwrap();
+                if !path.starts_with("/run/secrets/") {
+                    continue;
+                }
+                let found = mounts.iter().any(|(mount, volume)| {
+                    path.strip_prefix(&format!("{mount}/")).is_some_and(|item| {
+                        volumes
+                            .get(volume)
+                            .and_then(|v| v["secret"]["items"].as_vec())
+                            .is_some_and(|items| items.iter().any(|i| string(&i["path"]) == item))
+                    })
+                });
+                if !found {
+                    problems.push(format!(
+                        "{place}: reads {path}, which no mounted volume provides"
+                    ));
+                }
+            }
+
+            // Probes: a route of this binary on a declared port it listens on.
+            for (k, v) in &target.env {
+                env.entry(k.clone()).or_insert(v.clone());
+            }
+            let ports: BTreeMap<String, u16> = c["ports"]
+                .as_vec()
+                .into_iter()
+                .flatten()
+                .map(|p| {
+                    (
+                        string(&p["name"]),
+                        p["containerPort"].as_i64().unwrap() as u16,
+                    )
+                })
+                .collect();
+            for (port_name, number) in &ports {
+                named_ports.insert(port_name.clone());
+                if Some(*number) != listen_port(&binary, &env) {
+                    problems.push(format!(
+                        "{place}: port {port_name} is {number}, but {binary} listens on {:?}",
+                        listen_port(&binary, &env)
+                    ));
+                }
+            }
+            for probe in ["readinessProbe", "livenessProbe", "startupProbe"] {
+                let get = &c[probe]["httpGet"];
+                if get.is_badvalue() {
+                    continue;
+                }
+                let port = string(&get["port"]);
+                let Some(number) = ports.get(&port) else {
+                    problems.push(format!("{place}: {probe} uses undeclared port {port}"));
+                    continue;
+                };
+                let url = format!("http://127.0.0.1:{number}{}", string(&get["path"]));
+                problems.extend(
+                    check_url(
+                        &format!("{place} {probe}"),
+                        &url,
+                        &binary,
+                        listen_port(&binary, &env),
+                        &routes,
+                    )
+                    .await,
+                );
+            }
+
+            // The kubelet must not SIGKILL the relay before its final acknowledgement.
+            if binary == "cdc-relay" && is_run {
+                let grace = pod["terminationGracePeriodSeconds"].as_i64().unwrap_or(30);
+                let shutdown = env
+                    .get("CDC_SHUTDOWN_GRACE")
+                    .map(|v| humantime::parse_duration(v).unwrap().as_secs() as i64)
+                    .unwrap_or(10);
+                let pre_stop = pod["containers"]
+                    .as_vec()
+                    .unwrap()
+                    .iter()
+                    .filter_map(|c| c["lifecycle"]["preStop"]["sleep"]["seconds"].as_i64())
+                    .max()
+                    .unwrap_or(0);
+                if grace < shutdown + pre_stop + 5 {
+                    problems.push(format!("{place}: terminationGracePeriodSeconds {grace} is too short for a {shutdown} s shutdown grace after a {pre_stop} s preStop"));
+                }
+            }
+        }
+        if kind == "Deployment" {
+            let rolling = &doc["spec"]["strategy"]["rollingUpdate"];
+            if rolling["maxUnavailable"].as_i64() != Some(0) {
+                problems.push(format!("{file}: a rolling update must keep every old pod until its replacement is ready (maxUnavailable: 0)"));
+            }
+        }
+    }
+    for (file, doc) in &documents {
+        if string_or_empty(&doc["kind"]) == "PodMonitor" {
+            for endpoint in doc["spec"]["podMetricsEndpoints"].as_vec().unwrap() {
+                let port = string(&endpoint["port"]);
+                if !named_ports.contains(&port) {
+                    problems.push(format!(
+                        "{file}: scrapes port {port}, which no container declares"
+                    ));
+                }
+                if let Err(e) = routes
+                    .answers(
+                        if port == "http" {
+                            "chat-service"
+                        } else {
+                            "cdc-relay"
+                        },
+                        &string(&endpoint["path"]),
+                    )
+                    .await
+                {
+                    problems.push(format!("{file}: {e}"));
+                }
+            }
+        }
+    }
+    assert!(problems.is_empty(), "deploy/k8s:\n{}", problems.join("\n"));
+}
+
+#[test]
+fn the_workers_manifest_is_the_consumers_manifest_with_sides_swapped() {
+    let consumers = read("deploy/k8s/consumers.yaml");
+    let swapped = consumers
+        .replace("consumers", "\u{0}")
+        .replace("workers", "consumers")
+        .replace('\u{0}', "workers")
+        .replace("Consumers", "Workers");
+    assert!(
+        swapped == read("deploy/k8s/workers.yaml"),
+        "deploy/k8s/workers.yaml drifted from consumers.yaml; regenerate it by swapping the sides"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// The configuration reference in docs/deployment.md.
+
+const BEGIN: &str =
+    "<!-- config-reference:begin (generated by chat-services/tests/deployment.rs) -->";
+const END: &str = "<!-- config-reference:end -->";
+
+fn reference_table(title: &str, cmd: &clap::Command, globals: &[&clap::Arg]) -> String {
+    let mut out = format!("#### `{title}`\n\n");
+    let about = cmd.get_about().map(|a| a.to_string()).unwrap_or_default();
+    if !about.is_empty() {
+        out.push_str(&format!("{about}.\n\n"));
+    }
+    out.push_str("| Flag | Environment | Default | Meaning |\n|---|---|---|---|\n");
+    let args = cmd
+        .get_arguments()
+        .chain(globals.iter().copied())
+        // Hidden flags are fault-injection hooks for the lab, not configuration.
+        .filter(|a| !a.is_hide_set())
+        .filter(|a| a.get_long().is_some() && !matches!(a.get_long(), Some("help" | "version")));
+    for arg in args {
+        let env = arg
+            .get_env()
+            .map(|e| format!("`{}`", e.to_string_lossy()))
+            .unwrap_or_else(|| "".into());
+        let default: Vec<String> = arg
+            .get_default_values()
+            .iter()
+            .map(|d| d.to_string_lossy().into_owned())
+            .collect();
+        let default = match default.as_slice() {
+            [] => String::new(),
+            [one] if one.is_empty() => "(empty)".into(),
+            many => format!("`{}`", many.join(",")),
+        };
+        let mut meaning = arg
+            .get_long_help()
+            .or(arg.get_help())
+            .map(|h| h.to_string())
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            .join(" ");
+        let values: Vec<String> = if arg.get_action().takes_values() {
+            arg.get_possible_values()
+                .iter()
+                .map(|v| format!("`{}`", v.get_name()))
+                .collect()
+        } else {
+            Vec::new()
+        };
+        if !values.is_empty() {
+            meaning = format!(
+                "{}. One of {}.",
+                meaning.trim_end_matches('.'),
+                values.join(", ")
+            );
+        }
+        if arg.is_required_set() {
+            meaning = format!("**Required.** {meaning}");
+        }
+        out.push_str(&format!(
+            "| `--{}` | {env} | {default} | {} |\n",
+            arg.get_long().unwrap(),
+            meaning.replace('|', "\\|")
+        ));
+    }
+    out
+}
+
+fn configuration_reference() -> String {
+    let mut out = String::new();
+    let relay = cdc_relay::config::Cli::command();
+    let globals: Vec<&clap::Arg> = relay
+        .get_arguments()
+        .filter(|a| !matches!(a.get_long(), Some("help" | "version")))
+        .collect();
+    for sub in relay.get_subcommands() {
+        out.push_str(&reference_table(
+            &format!("cdc-relay {}", sub.get_name()),
+            sub,
+            &globals,
+        ));
+        out.push('\n');
+    }
+    out.push_str(&reference_table(
+        "chat-service",
+        &chat_services::config::Cli::command(),
+        &[],
+    ));
+    out.push('\n');
+    out.push_str(&reference_table(
+        "migrate",
+        &chat_services::config::MigrateCli::command(),
+        &[],
+    ));
+    out.push_str(
+        "\n#### `healthcheck`\n\n`healthcheck http://127.0.0.1:PORT/PATH` exits 0 when the URL answers 2xx \
+         within 2 s, 1 otherwise (the images have no shell or curl).\n",
+    );
+    out
+}
+
+#[test]
+fn the_configuration_reference_matches_the_binaries() {
+    let path = repo().join("docs/deployment.md");
+    let doc = std::fs::read_to_string(&path).unwrap();
+    let start = doc.find(BEGIN).expect("the reference's begin marker") + BEGIN.len();
+    let end = doc.find(END).expect("the reference's end marker");
+    let expected = format!("\n{}\n", configuration_reference());
+    if doc[start..end] != expected {
+        if std::env::var_os("UPDATE_DOCS").is_some() {
+            let updated = format!("{}{}{}", &doc[..start], expected, &doc[end..]);
+            std::fs::write(&path, updated).unwrap();
+        } else {
+            panic!(
+                "docs/deployment.md's configuration reference is out of date; regenerate it with\n  \
+                 UPDATE_DOCS=1 cargo test -p chat-services --test deployment the_configuration_reference"
+            );
+        }
+    }
+}
+
+/// The binaries' actual --help names every variable the reference names.
+#[test]
+fn help_output_lists_every_environment_variable() {
+    for (bin, cmd) in [
+        (
+            env!("CARGO_BIN_EXE_chat-service"),
+            chat_services::config::Cli::command(),
+        ),
+        (
+            env!("CARGO_BIN_EXE_migrate"),
+            chat_services::config::MigrateCli::command(),
+        ),
+    ] {
+        let out = std::process::Command::new(bin)
+            .arg("--help")
+            .output()
+            .unwrap();
+        let help = String::from_utf8_lossy(&out.stdout);
+        for arg in cmd.get_arguments().filter(|a| !a.is_hide_set()) {
+            if let Some(env) = arg.get_env() {
+                let env = env.to_string_lossy();
+                assert!(
+                    help.contains(&format!("env: {env}")),
+                    "{bin} --help does not show {env}"
+                );
+            }
+        }
+    }
+}
