@@ -9,7 +9,7 @@ use std::process::{Command, Output};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use common::{assert_same_entries, insert_txn, read_stream, tail, Fixture};
+use common::{assert_refused, assert_same_entries, insert_txn, read_stream, tail, Fixture};
 use testkit::tls::{ServerCert, TestCa};
 use testkit::{
     scratch_dir, wait_until, ChildProcess, PgOptions, PgServer, RedisOptions, RedisServer, Signal,
@@ -140,20 +140,6 @@ fn output(args: &[String]) -> Output {
         status,
         stdout: Vec::new(),
         stderr: child.log().into_bytes(),
-    }
-}
-
-fn assert_refused(output: &Output, expected: &[&str]) {
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        !output.status.success(),
-        "exit {:?}; stderr: {stderr}",
-        output.status
-    );
-    let last = stderr.lines().last().unwrap_or_default();
-    assert!(last.starts_with("cdc-relay: "), "last line: {last:?}");
-    for word in expected {
-        assert!(last.contains(word), "{last:?} does not say {word:?}");
     }
 }
 
@@ -456,224 +442,115 @@ fn replace_flag(args: &mut [String], flag: &str, value: &str) {
     args[i + 1] = value.to_string();
 }
 
-/// The ACL users of `deploy/redis/users.acl` can do their job and nothing else.
+/// The ACL users of `deploy/redis/users.acl` can do their job and nothing else. Commands run
+/// in order, so earlier ones set up later ones (the stream, the consumer group).
 #[tokio::test]
 async fn redis_acl_users_have_least_privilege() {
     let secrets = Secrets::new();
     let redis = acl_redis(&secrets, None);
-    let as_user = |user: &str| {
-        let url = redis.url_as(user, &secrets.password(user));
-        async move {
-            redis::Client::open(url)
+    // (user, command, allowed)
+    let cases: &[(&str, &str, bool)] = &[
+        ("consumers_relay", "XADD outbox:consumers 1-1 k v", true),
+        ("consumers_relay", "XRANGE outbox:consumers - +", true),
+        (
+            "consumers_relay",
+            "XTRIM outbox:consumers MAXLEN ~ 1000",
+            true,
+        ),
+        (
+            "consumers_relay",
+            "HSET outbox:consumers:origin system_id 1",
+            true,
+        ),
+        ("consumers_relay", "XADD outbox:workers * k v", false),
+        ("consumers_relay", "XRANGE outbox:workers - +", false),
+        ("consumers_relay", "XREAD STREAMS outbox:consumers 0", false),
+        (
+            "consumers_relay",
+            "XREADGROUP GROUP g c STREAMS outbox:consumers >",
+            false,
+        ),
+        ("consumers_relay", "DEL outbox:consumers", false),
+        ("consumers_relay", "UNLINK outbox:consumers", false),
+        ("consumers_relay", "FLUSHALL", false),
+        ("consumers_relay", "SET outbox:consumers:origin x", false),
+        // The rebuild lock: only through the selector's commands.
+        (
+            "consumers_relay",
+            "SET outbox:consumers:rebuilding me PX 1000",
+            true,
+        ),
+        ("consumers_relay", "DEL outbox:consumers:rebuilding", true),
+        (
+            "consumers_relay",
+            "XADD outbox:consumers:rebuilding * k v",
+            false,
+        ),
+        // A service, with the other side's stream as its relay leaves it.
+        ("workers_relay", "XADD outbox:workers 1-1 k v", true),
+        (
+            "consumers",
+            "XGROUP CREATE outbox:workers consumers 0",
+            true,
+        ),
+        (
+            "consumers",
+            "XREADGROUP GROUP consumers c1 COUNT 10 STREAMS outbox:workers >",
+            true,
+        ),
+        ("consumers", "XPENDING outbox:workers consumers", true),
+        (
+            "consumers",
+            "XAUTOCLAIM outbox:workers consumers c2 0 0",
+            true,
+        ),
+        ("consumers", "XACK outbox:workers consumers 1-1", true),
+        ("consumers", "XADD deadletter:consumers * reason test", true),
+        ("consumers", "XLEN deadletter:consumers", true),
+        ("consumers", "SET inbox-lease:consumers me PX 1000", true),
+        ("consumers", "PUBLISH inbox:consumers hello", true),
+        ("consumers", "XADD outbox:workers * k v", false),
+        ("consumers", "XADD outbox:consumers * k v", false),
+        ("consumers", "XTRIM outbox:workers MAXLEN 0", false),
+        ("consumers", "XDEL outbox:workers 1-1", false),
+        ("consumers", "DEL outbox:workers", false),
+        ("consumers", "DEL deadletter:consumers", false),
+        (
+            "consumers",
+            "XGROUP DESTROY outbox:workers consumers",
+            false,
+        ),
+        (
+            "consumers",
+            "XREADGROUP GROUP g c STREAMS outbox:consumers >",
+            false,
+        ),
+        ("consumers", "XADD deadletter:workers * k v", false),
+        ("consumers", "PUBLISH inbox:workers hello", false),
+        ("consumers", "FLUSHALL", false),
+    ];
+    let mut connections = std::collections::HashMap::new();
+    for &(user, command, allowed) in cases {
+        if !connections.contains_key(user) {
+            let url = redis.url_as(user, &secrets.password(user));
+            let conn = redis::Client::open(url)
                 .unwrap()
                 .get_multiplexed_async_connection()
                 .await
-                .unwrap()
+                .unwrap_or_else(|e| panic!("{user} logs in: {e}"));
+            connections.insert(user, conn);
         }
-    };
-    async fn try_cmd(
-        conn: &mut redis::aio::MultiplexedConnection,
-        parts: &[&str],
-    ) -> Result<(), String> {
-        let mut cmd = redis::cmd(parts[0]);
-        for p in &parts[1..] {
-            cmd.arg(*p);
-        }
-        cmd.query_async::<redis::Value>(conn)
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    }
-    async fn allowed(conn: &mut redis::aio::MultiplexedConnection, who: &str, parts: &[&str]) {
-        if let Err(e) = try_cmd(conn, parts).await {
-            panic!("{who} must be allowed {parts:?}: {e}");
-        }
-    }
-    async fn refused(conn: &mut redis::aio::MultiplexedConnection, who: &str, parts: &[&str]) {
-        match try_cmd(conn, parts).await {
-            Ok(()) => panic!("{who} must not be allowed {parts:?}"),
-            Err(e) => assert!(
+        let reply = run_words(connections.get_mut(user).unwrap(), command).await;
+        match (allowed, reply) {
+            (true, Err(e)) => panic!("{user} must be allowed `{command}`: {e}"),
+            (false, Ok(())) => panic!("{user} must not be allowed `{command}`"),
+            (false, Err(e)) => assert!(
                 e.to_uppercase().contains("NOPERM"),
-                "{who} {parts:?}: expected NOPERM, got {e}"
+                "{user} `{command}`: expected NOPERM, got {e}"
             ),
+            (true, Ok(())) => {}
         }
     }
-
-    let mut relay = as_user("consumers_relay").await;
-    let who = "consumers_relay";
-    allowed(
-        &mut relay,
-        who,
-        &["XADD", "outbox:consumers", "1-1", "k", "v"],
-    )
-    .await;
-    allowed(&mut relay, who, &["XRANGE", "outbox:consumers", "-", "+"]).await;
-    allowed(
-        &mut relay,
-        who,
-        &["XTRIM", "outbox:consumers", "MAXLEN", "~", "1000"],
-    )
-    .await;
-    allowed(
-        &mut relay,
-        who,
-        &["HSET", "outbox:consumers:origin", "system_id", "1"],
-    )
-    .await;
-    refused(&mut relay, who, &["XADD", "outbox:workers", "*", "k", "v"]).await;
-    refused(&mut relay, who, &["XRANGE", "outbox:workers", "-", "+"]).await;
-    refused(
-        &mut relay,
-        who,
-        &["XREAD", "STREAMS", "outbox:consumers", "0"],
-    )
-    .await;
-    refused(
-        &mut relay,
-        who,
-        &[
-            "XREADGROUP",
-            "GROUP",
-            "g",
-            "c",
-            "STREAMS",
-            "outbox:consumers",
-            ">",
-        ],
-    )
-    .await;
-    refused(&mut relay, who, &["DEL", "outbox:consumers"]).await;
-    refused(&mut relay, who, &["UNLINK", "outbox:consumers"]).await;
-    refused(&mut relay, who, &["FLUSHALL"]).await;
-    refused(&mut relay, who, &["SET", "outbox:consumers:origin", "x"]).await;
-    // The rebuild lock: only through the selector's commands.
-    allowed(
-        &mut relay,
-        who,
-        &["SET", "outbox:consumers:rebuilding", "me", "PX", "1000"],
-    )
-    .await;
-    allowed(&mut relay, who, &["DEL", "outbox:consumers:rebuilding"]).await;
-    refused(
-        &mut relay,
-        who,
-        &["XADD", "outbox:consumers:rebuilding", "*", "k", "v"],
-    )
-    .await;
-
-    // A service, set up the way the Workers side will find it: the consumers group exists.
-    let mut service = as_user("consumers").await;
-    let who = "consumers";
-    let mut workers_relay = as_user("workers_relay").await;
-    allowed(
-        &mut workers_relay,
-        "workers_relay",
-        &["XADD", "outbox:workers", "1-1", "k", "v"],
-    )
-    .await;
-    allowed(
-        &mut service,
-        who,
-        &["XGROUP", "CREATE", "outbox:workers", "consumers", "0"],
-    )
-    .await;
-    allowed(
-        &mut service,
-        who,
-        &[
-            "XREADGROUP",
-            "GROUP",
-            "consumers",
-            "c1",
-            "COUNT",
-            "10",
-            "STREAMS",
-            "outbox:workers",
-            ">",
-        ],
-    )
-    .await;
-    allowed(
-        &mut service,
-        who,
-        &["XPENDING", "outbox:workers", "consumers"],
-    )
-    .await;
-    allowed(
-        &mut service,
-        who,
-        &["XAUTOCLAIM", "outbox:workers", "consumers", "c2", "0", "0"],
-    )
-    .await;
-    allowed(
-        &mut service,
-        who,
-        &["XACK", "outbox:workers", "consumers", "1-1"],
-    )
-    .await;
-    allowed(
-        &mut service,
-        who,
-        &["XADD", "deadletter:consumers", "*", "reason", "test"],
-    )
-    .await;
-    allowed(&mut service, who, &["XLEN", "deadletter:consumers"]).await;
-    allowed(
-        &mut service,
-        who,
-        &["SET", "inbox-lease:consumers", "me", "PX", "1000"],
-    )
-    .await;
-    allowed(&mut service, who, &["PUBLISH", "inbox:consumers", "hello"]).await;
-    refused(
-        &mut service,
-        who,
-        &["XADD", "outbox:workers", "*", "k", "v"],
-    )
-    .await;
-    refused(
-        &mut service,
-        who,
-        &["XADD", "outbox:consumers", "*", "k", "v"],
-    )
-    .await;
-    refused(
-        &mut service,
-        who,
-        &["XTRIM", "outbox:workers", "MAXLEN", "0"],
-    )
-    .await;
-    refused(&mut service, who, &["XDEL", "outbox:workers", "1-1"]).await;
-    refused(&mut service, who, &["DEL", "outbox:workers"]).await;
-    refused(&mut service, who, &["DEL", "deadletter:consumers"]).await;
-    refused(
-        &mut service,
-        who,
-        &["XGROUP", "DESTROY", "outbox:workers", "consumers"],
-    )
-    .await;
-    refused(
-        &mut service,
-        who,
-        &[
-            "XREADGROUP",
-            "GROUP",
-            "g",
-            "c",
-            "STREAMS",
-            "outbox:consumers",
-            ">",
-        ],
-    )
-    .await;
-    refused(
-        &mut service,
-        who,
-        &["XADD", "deadletter:workers", "*", "k", "v"],
-    )
-    .await;
-    refused(&mut service, who, &["PUBLISH", "inbox:workers", "hello"]).await;
-    refused(&mut service, who, &["FLUSHALL"]).await;
 
     // Nobody logs in without a password.
     let anonymous = redis::Client::open(format!("redis+unix://{}", redis.socket().display()))
@@ -681,11 +558,27 @@ async fn redis_acl_users_have_least_privilege() {
         .get_multiplexed_async_connection()
         .await;
     let err = match anonymous {
-        Ok(mut conn) => try_cmd(&mut conn, &["PING"]).await.unwrap_err(),
+        Ok(mut conn) => run_words(&mut conn, "PING").await.unwrap_err(),
         Err(e) => e.to_string(),
     };
     assert!(
         err.contains("NOAUTH") || err.contains("auth"),
         "default user answered: {err}"
     );
+}
+
+/// Run a command given as space-separated words.
+async fn run_words(
+    conn: &mut redis::aio::MultiplexedConnection,
+    command: &str,
+) -> Result<(), String> {
+    let mut words = command.split_whitespace();
+    let mut cmd = redis::cmd(words.next().unwrap());
+    for word in words {
+        cmd.arg(word);
+    }
+    cmd.query_async::<redis::Value>(conn)
+        .await
+        .map(|_| ())
+        .map_err(|e| e.to_string())
 }

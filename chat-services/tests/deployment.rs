@@ -267,6 +267,21 @@ fn entry_binary(target: &Target) -> String {
     name
 }
 
+/// The subcommand (the relay's first argument) and the flags a container gives its binary:
+/// `given` (compose `command`, Kubernetes `args`), or the image's CMD when absent.
+fn command_line(binary: &str, target: &Target, given: &Yaml) -> (String, Vec<String>) {
+    let command = if given.is_badvalue() {
+        target.cmd.clone()
+    } else {
+        strings(given)
+    };
+    if binary == "cdc-relay" {
+        (command[0].clone(), command[1..].to_vec())
+    } else {
+        (String::new(), command)
+    }
+}
+
 /// The port a container listens on, from its listen variable (the image default if unset).
 fn listen_port(binary: &str, env: &BTreeMap<String, String>) -> Option<u16> {
     let var = match binary {
@@ -436,16 +451,7 @@ async fn compose_references_only_what_exists() {
             ));
         }
         let binary = entry_binary(target);
-        let command = if svc["command"].is_badvalue() {
-            target.cmd.clone()
-        } else {
-            strings(&svc["command"])
-        };
-        let (subcommand, args) = if binary == "cdc-relay" {
-            (command[0].clone(), command[1..].to_vec())
-        } else {
-            (String::new(), command)
-        };
+        let (subcommand, args) = command_line(&binary, target, &svc["command"]);
         let mut env: BTreeMap<String, String> = svc["environment"]
             .as_hash()
             .map(|h| h.iter().map(|(k, v)| (string(k), string(v))).collect())
@@ -623,16 +629,7 @@ async fn kubernetes_manifests_reference_only_what_exists() {
                 continue;
             };
             let binary = entry_binary(&target);
-            let command = if c["args"].is_badvalue() {
-                target.cmd.clone()
-            } else {
-                strings(&c["args"])
-            };
-            let (subcommand, args) = if binary == "cdc-relay" {
-                (command[0].clone(), command[1..].to_vec())
-            } else {
-                (String::new(), command)
-            };
+            let (subcommand, args) = command_line(&binary, &target, &c["args"]);
             let mut env = BTreeMap::new();
             for var in c["env"].as_vec().into_iter().flatten() {
                 let name = string(&var["name"]);

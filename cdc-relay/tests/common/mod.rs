@@ -271,6 +271,22 @@ impl RelayProcess {
     }
 }
 
+/// The process failed, and the last line of its stderr is one `cdc-relay: ...` line
+/// containing each of `expected`.
+pub fn assert_refused(output: &std::process::Output, expected: &[&str]) {
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success(),
+        "exit {:?}; stderr: {stderr}",
+        output.status
+    );
+    let last = stderr.lines().last().unwrap_or_default();
+    assert!(last.starts_with("cdc-relay: "), "last line: {last:?}");
+    for word in expected {
+        assert!(last.contains(word), "{last:?} does not say {word:?}");
+    }
+}
+
 pub fn tail(log: &str) -> String {
     let lines: Vec<&str> = log.lines().collect();
     lines[lines.len().saturating_sub(15)..].join("\n")
