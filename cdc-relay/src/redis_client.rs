@@ -20,6 +20,16 @@ pub fn client(
             "{flag} is not a valid Redis URL (redis://[user:password@]host[:port][/db], rediss://... for TLS, or redis+unix:///path)"
         ))
     })?;
+    if let redis::ConnectionAddr::Tcp(host, _) = info.addr() {
+        if !is_loopback(host) {
+            // Allowed (some networks encrypt below us), but never silently.
+            tracing::warn!(
+                %host,
+                flag,
+                "Redis connection without TLS to a remote host: use rediss:// unless the network is already encrypted"
+            );
+        }
+    }
     if let Some(path) = password_file {
         let password = read_secret_file(path)?;
         let settings = info.redis_settings().clone().set_password(password);
@@ -45,4 +55,27 @@ pub fn client(
             e.detail().unwrap_or("invalid client configuration")
         ))
     })
+}
+
+fn is_loopback(host: &str) -> bool {
+    host == "localhost"
+        || host
+            .trim_matches(['[', ']'])
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_hosts_are_recognised() {
+        for host in ["localhost", "127.0.0.1", "127.1.2.3", "::1", "[::1]"] {
+            assert!(is_loopback(host), "{host}");
+        }
+        for host in ["redis", "10.0.0.1", "example.com", "::2"] {
+            assert!(!is_loopback(host), "{host}");
+        }
+    }
 }
