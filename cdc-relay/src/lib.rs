@@ -25,6 +25,7 @@ pub mod redis_client;
 pub mod relay;
 mod session;
 pub mod setup;
+pub mod shutdown;
 pub mod slots;
 pub mod status;
 pub mod tls;

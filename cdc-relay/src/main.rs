@@ -23,26 +23,6 @@ fn init_tracing(format: LogFormat) {
     }
 }
 
-/// Cancel `token` on the first SIGTERM or SIGINT.
-fn cancel_on_signal(token: CancellationToken) {
-    tokio::spawn(async move {
-        use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            tracing::error!("cannot install signal handlers");
-            return;
-        };
-        let name = tokio::select! {
-            _ = term.recv() => "SIGTERM",
-            _ = int.recv() => "SIGINT",
-        };
-        tracing::info!(signal = name, "shutting down");
-        token.cancel();
-    });
-}
-
 /// `setup`: the slot, and with --redis-url and --stream the stream's starting record.
 async fn run_setup(args: &cdc_relay::config::SetupArgs) -> Result<(), cdc_relay::RelayError> {
     let timeout = std::time::Duration::from_secs(10);
@@ -73,7 +53,7 @@ async fn main() -> ExitCode {
         Command::Run(args) => match args.validate() {
             Ok(config) => {
                 let shutdown = CancellationToken::new();
-                cancel_on_signal(shutdown.clone());
+                cdc_relay::shutdown::cancel_on_signal(shutdown.clone());
                 cdc_relay::run(config, shutdown).await
             }
             Err(e) => Err(e),

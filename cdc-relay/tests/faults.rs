@@ -64,6 +64,19 @@ impl Writer {
         self.committed.load(Ordering::Relaxed)
     }
 
+    /// Wait (30 s at most) until at least `n` transactions committed.
+    async fn wait_committed(&self, n: u32) {
+        wait_until(Duration::from_secs(30), &format!("{n} commits"), || async {
+            let committed = self.committed();
+            if committed >= n {
+                Ok(())
+            } else {
+                Err(format!("{committed}"))
+            }
+        })
+        .await
+    }
+
     async fn stop(self) -> (u32, u32) {
         self.stop.store(true, Ordering::Relaxed);
         self.task.await.unwrap();
@@ -76,19 +89,8 @@ impl Writer {
 
 async fn wait_stream_complete(fx: &Fixture<'_>) {
     let expected = fx.expected_entries().await;
-    wait_until(
-        Duration::from_secs(60),
-        "the stream to hold every committed insert",
-        || async {
-            let n = fx.stream_len().await;
-            if n >= expected.len() {
-                Ok(())
-            } else {
-                Err(format!("{n} of {}", expected.len()))
-            }
-        },
-    )
-    .await;
+    fx.wait_stream_len(expected.len(), Duration::from_secs(60))
+        .await;
     assert_same_entries(&fx.stream_entries().await, &expected);
 }
 
@@ -115,15 +117,7 @@ async fn sigkill_mid_stream_loses_and_duplicates_nothing() {
     let relay = fx.spawn_relay("relay-1", &["--status-interval", "2s"]);
     relay.wait_streaming().await;
     let writer = Writer::start(fx.db.url("consumers"), Duration::from_millis(1));
-    wait_until(Duration::from_secs(30), "200 entries published", || async {
-        let n = fx.stream_len().await;
-        if n >= 200 {
-            Ok(())
-        } else {
-            Err(format!("{n}"))
-        }
-    })
-    .await;
+    fx.wait_stream_len(200, Duration::from_secs(30)).await;
 
     // WHEN the relay is killed mid-stream
     relay.child.kill().unwrap();
@@ -147,15 +141,9 @@ async fn sigkill_mid_stream_loses_and_duplicates_nothing() {
     // ... and restarted while the writer continues
     let relay = fx.spawn_relay("relay-2", &[]);
     relay.wait_streaming().await;
-    wait_until(Duration::from_secs(30), "300 more commits", || async {
-        let n = writer.committed();
-        if n as usize >= before_restart.len() + 300 {
-            Ok(())
-        } else {
-            Err(format!("{n}"))
-        }
-    })
-    .await;
+    writer
+        .wait_committed(before_restart.len() as u32 + 300)
+        .await;
     let (_, failed) = writer.stop().await;
     assert_eq!(failed, 0);
 
@@ -187,10 +175,7 @@ async fn sigkill_mid_stream_loses_and_duplicates_nothing() {
         }
     })
     .await;
-    relay
-        .child
-        .stop_with(Signal::Term, Duration::from_secs(10))
-        .unwrap();
+    relay.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -201,15 +186,7 @@ async fn redis_outage_holds_acknowledgements_and_loses_nothing() {
     let relay = fx.spawn_relay("relay", &[]);
     relay.wait_streaming().await;
     let writer = Writer::start(fx.db.url("consumers"), Duration::from_millis(3));
-    wait_until(Duration::from_secs(30), "50 entries", || async {
-        let n = fx.stream_len().await;
-        if n >= 50 {
-            Ok(())
-        } else {
-            Err(format!("{n}"))
-        }
-    })
-    .await;
+    fx.wait_stream_len(50, Duration::from_secs(30)).await;
 
     // WHEN Redis is stopped for three seconds while inserts continue
     redis.stop().unwrap();
@@ -249,10 +226,7 @@ async fn redis_outage_holds_acknowledgements_and_loses_nothing() {
     wait_stream_complete(&fx).await;
     let errors = relay.metric("cdc_relay_redis_errors_total").await.unwrap();
     assert!(errors >= 1.0, "the outage was seen: {errors} redis errors");
-    relay
-        .child
-        .stop_with(Signal::Term, Duration::from_secs(10))
-        .unwrap();
+    relay.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -263,42 +237,19 @@ async fn postgres_fast_restart_under_load_loses_and_duplicates_nothing() {
     let relay = fx.spawn_relay("relay", &[]);
     relay.wait_streaming().await;
     let writer = Writer::start(fx.db.url("consumers"), Duration::from_millis(1));
-    wait_until(Duration::from_secs(30), "100 entries", || async {
-        let n = fx.stream_len().await;
-        if n >= 100 {
-            Ok(())
-        } else {
-            Err(format!("{n}"))
-        }
-    })
-    .await;
+    fx.wait_stream_len(100, Duration::from_secs(30)).await;
 
     // WHEN Postgres is restarted (fast shutdown) under load
     pg.restart_fast().unwrap();
     let after_restart = writer.committed();
-    wait_until(
-        Duration::from_secs(30),
-        "the writer to commit 300 more",
-        || async {
-            let n = writer.committed();
-            if n >= after_restart + 300 {
-                Ok(())
-            } else {
-                Err(format!("{n}"))
-            }
-        },
-    )
-    .await;
+    writer.wait_committed(after_restart + 300).await;
     writer.stop().await;
 
     // THEN the relay reconnected and the stream holds each committed insert exactly once
     wait_stream_complete(&fx).await;
     let reconnects = relay.metric("cdc_relay_reconnects_total").await.unwrap();
     assert!(reconnects >= 1.0, "{reconnects}");
-    relay
-        .child
-        .stop_with(Signal::Term, Duration::from_secs(10))
-        .unwrap();
+    relay.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -321,15 +272,7 @@ async fn second_relay_stands_by_and_takes_over_on_sigterm() {
     )
     .await;
     let writer = Writer::start(fx.db.url("consumers"), Duration::from_millis(2));
-    wait_until(Duration::from_secs(30), "100 entries", || async {
-        let n = fx.stream_len().await;
-        if n >= 100 {
-            Ok(())
-        } else {
-            Err(format!("{n}"))
-        }
-    })
-    .await;
+    fx.wait_stream_len(100, Duration::from_secs(30)).await;
 
     // WHEN the first gets SIGTERM (a rolling deploy)
     let terminated = Instant::now();
@@ -360,21 +303,10 @@ async fn second_relay_stands_by_and_takes_over_on_sigterm() {
 
     // AND the stream shows neither gap nor duplicate
     let committed = writer.committed();
-    wait_until(Duration::from_secs(30), "200 more commits", || async {
-        let n = writer.committed();
-        if n >= committed + 200 {
-            Ok(())
-        } else {
-            Err(format!("{n}"))
-        }
-    })
-    .await;
+    writer.wait_committed(committed + 200).await;
     writer.stop().await;
     wait_stream_complete(&fx).await;
-    second
-        .child
-        .stop_with(Signal::Term, Duration::from_secs(10))
-        .unwrap();
+    second.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -394,15 +326,7 @@ async fn a_100k_row_transaction_is_published_with_bounded_memory() {
         .await
         .unwrap();
     // THEN all are published, as <commit_lsn>-0 .. -99999
-    wait_until(Duration::from_secs(120), "100,000 entries", || async {
-        let n = fx.stream_len().await;
-        if n == 100_000 {
-            Ok(())
-        } else {
-            Err(format!("{n}"))
-        }
-    })
-    .await;
+    fx.wait_stream_len(100_000, Duration::from_secs(120)).await;
     let entries = fx.stream_entries().await;
     let lsn = entries[0].id.split_once('-').unwrap().0.to_string();
     for (k, e) in entries.iter().enumerate() {
@@ -435,8 +359,5 @@ async fn a_100k_row_transaction_is_published_with_bounded_memory() {
         },
     )
     .await;
-    relay
-        .child
-        .stop_with(Signal::Term, Duration::from_secs(10))
-        .unwrap();
+    relay.stop();
 }

@@ -7,9 +7,7 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use common::{assert_refused, Fixture};
-use testkit::{
-    shared_postgres, shared_redis, unique_name, wait_until, PgOptions, PgServer, Signal,
-};
+use testkit::{shared_postgres, shared_redis, unique_name, wait_until, PgOptions, PgServer};
 
 fn relay(args: &[String]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_cdc-relay"))
@@ -138,10 +136,7 @@ async fn unreachable_redis_at_start_keeps_retrying_and_says_so() {
         Some((503, body)) => assert!(body.contains("redis_unavailable"), "{body}"),
         other => panic!("readyz {other:?}"),
     }
-    let status = relay
-        .child
-        .stop_with(Signal::Term, Duration::from_secs(10))
-        .unwrap();
+    let status = relay.stop();
     assert!(status.success(), "{status:?}");
 }
 
@@ -182,15 +177,7 @@ async fn a_foreign_writer_moving_the_stream_top_stops_the_relay_instead_of_dropp
     common::insert_txn(&mut writer, 0, 0, 1, true)
         .await
         .unwrap();
-    wait_until(Duration::from_secs(10), "first entry", || async {
-        let n = fx.stream_len().await;
-        if n == 1 {
-            Ok(())
-        } else {
-            Err(format!("{n}"))
-        }
-    })
-    .await;
+    fx.wait_stream_len(1, Duration::from_secs(10)).await;
     // Someone else XADDs with an automatic id (a millisecond timestamp, far above LSNs).
     let mut conn = fx.redis.connect().await.unwrap();
     let _: String = redis::cmd("XADD")

@@ -8,9 +8,7 @@ use std::process::{Command, Output};
 use std::time::Duration;
 
 use common::{insert_txn, Fixture, RelayProcess};
-use testkit::{
-    shared_postgres, shared_redis, wait_until, PgOptions, PgServer, RedisServer, Signal,
-};
+use testkit::{shared_postgres, shared_redis, wait_until, PgOptions, PgServer, RedisServer};
 
 fn cli(args: &[String]) -> Output {
     Command::new(env!("CARGO_BIN_EXE_cdc-relay"))
@@ -62,6 +60,31 @@ async fn stream_ids(fx: &Fixture<'_>) -> HashMap<String, usize> {
         *counts.entry(e.outbox_id).or_default() += 1;
     }
     counts
+}
+
+/// Wait until every one of `outbox_ids` has an entry in the stream.
+async fn wait_published(fx: &Fixture<'_>, outbox_ids: &[String], relay: &RelayProcess) {
+    wait_until(
+        Duration::from_secs(30),
+        "every outbox row in the stream",
+        || async {
+            let ids = stream_ids(fx).await;
+            let missing = outbox_ids
+                .iter()
+                .filter(|id| !ids.contains_key(*id))
+                .count();
+            if missing == 0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{missing} of {} missing; log: {}",
+                    outbox_ids.len(),
+                    common::tail(&relay.child.log())
+                ))
+            }
+        },
+    )
+    .await;
 }
 
 async fn outbox_ids(fx: &Fixture<'_>) -> Vec<String> {
@@ -134,10 +157,7 @@ async fn slot_metrics_follow_the_world_and_pass_promtool() {
     // The exposition passes promtool's lint.
     let (_, body) = testkit::http::get(relay.admin, "/metrics").await.unwrap();
     testkit::http::promtool_check_metrics(&body).unwrap();
-    relay
-        .child
-        .stop_with(Signal::Term, Duration::from_secs(10))
-        .unwrap();
+    relay.stop();
 }
 
 /// A server whose slots are lost once 16 MB of WAL lie behind them and a checkpoint runs.
@@ -171,15 +191,7 @@ async fn a_lost_slot_is_rebuilt_from_the_outbox_with_recover() {
     for txn in 0..10 {
         insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
     }
-    wait_until(Duration::from_secs(10), "10 entries", || async {
-        let n = fx.stream_len().await;
-        if n == 10 {
-            Ok(())
-        } else {
-            Err(format!("{n}"))
-        }
-    })
-    .await;
+    fx.wait_stream_len(10, Duration::from_secs(10)).await;
     wait_metric(
         &relay,
         "cdc_relay_slot_wal_status{status=\"reserved\"}",
@@ -232,20 +244,7 @@ async fn a_lost_slot_is_rebuilt_from_the_outbox_with_recover() {
     }
     let committed = outbox_ids(&fx).await;
     assert_eq!(committed.len(), 35);
-    wait_until(
-        Duration::from_secs(30),
-        "every outbox row in the stream",
-        || async {
-            let ids = stream_ids(&fx).await;
-            let missing = committed.iter().filter(|id| !ids.contains_key(*id)).count();
-            if missing == 0 {
-                Ok(())
-            } else {
-                Err(format!("{missing} missing"))
-            }
-        },
-    )
-    .await;
+    wait_published(&fx, &committed, &relay).await;
     let ids = stream_ids(&fx).await;
     assert!(
         ids.values().all(|n| *n == 1),
@@ -261,10 +260,7 @@ async fn a_lost_slot_is_rebuilt_from_the_outbox_with_recover() {
         |v| v == 1.0,
     )
     .await;
-    relay
-        .child
-        .stop_with(Signal::Term, Duration::from_secs(10))
-        .unwrap();
+    relay.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -303,15 +299,7 @@ async fn redis_restarted_without_its_data_gets_every_message_again() {
     for txn in 0..20 {
         insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
     }
-    wait_until(Duration::from_secs(10), "20 entries", || async {
-        let n = fx.stream_len().await;
-        if n == 20 {
-            Ok(())
-        } else {
-            Err(format!("{n}"))
-        }
-    })
-    .await;
+    fx.wait_stream_len(20, Duration::from_secs(10)).await;
     // WHEN Redis restarts with nothing (no AOF) while messages keep coming
     redis.kill().unwrap();
     redis.wipe_data().unwrap();
@@ -321,20 +309,7 @@ async fn redis_restarted_without_its_data_gets_every_message_again() {
     }
     // THEN every committed message is in the new stream, once
     let committed = outbox_ids(&fx).await;
-    wait_until(
-        Duration::from_secs(30),
-        "every outbox row in the rebuilt stream",
-        || async {
-            let ids = stream_ids(&fx).await;
-            let missing = committed.iter().filter(|id| !ids.contains_key(*id)).count();
-            if missing == 0 {
-                Ok(())
-            } else {
-                Err(format!("{missing} of {} missing", committed.len()))
-            }
-        },
-    )
-    .await;
+    wait_published(&fx, &committed, &relay).await;
     assert!(stream_ids(&fx).await.values().all(|n| *n == 1));
     let m = metrics(&relay).await;
     assert_eq!(
@@ -342,10 +317,7 @@ async fn redis_restarted_without_its_data_gets_every_message_again() {
         1.0
     );
     assert_eq!(m["cdc_relay_republished_events_total"], 30.0);
-    relay
-        .child
-        .stop_with(Signal::Term, Duration::from_secs(10))
-        .unwrap();
+    relay.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -358,15 +330,7 @@ async fn a_deleted_stream_is_republished() {
     for txn in 0..10 {
         insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
     }
-    wait_until(Duration::from_secs(10), "10 entries", || async {
-        let n = fx.stream_len().await;
-        if n == 10 {
-            Ok(())
-        } else {
-            Err(format!("{n}"))
-        }
-    })
-    .await;
+    fx.wait_stream_len(10, Duration::from_secs(10)).await;
     let mut conn = redis.connect().await.unwrap();
     let _: i64 = redis::cmd("DEL")
         .arg(&fx.stream)
@@ -377,27 +341,8 @@ async fn a_deleted_stream_is_republished() {
         insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
     }
     let committed = outbox_ids(&fx).await;
-    wait_until(
-        Duration::from_secs(30),
-        "every outbox row back in the stream",
-        || async {
-            let ids = stream_ids(&fx).await;
-            let missing = committed.iter().filter(|id| !ids.contains_key(*id)).count();
-            if missing == 0 {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{missing} missing; log: {}",
-                    common::tail(&relay.child.log())
-                ))
-            }
-        },
-    )
-    .await;
-    relay
-        .child
-        .stop_with(Signal::Term, Duration::from_secs(10))
-        .unwrap();
+    wait_published(&fx, &committed, &relay).await;
+    relay.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -440,10 +385,7 @@ async fn check_exits_0_1_2_and_the_slot_commands_work() {
     assert_eq!(line.lines().count(), 1);
 
     // With the relay stopped, writes make lag.
-    relay
-        .child
-        .stop_with(Signal::Term, Duration::from_secs(10))
-        .unwrap();
+    relay.stop();
     let mut writer = fx.writer().await;
     for txn in 0..20 {
         insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
@@ -530,10 +472,7 @@ async fn check_exits_0_1_2_and_the_slot_commands_work() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    relay
-        .child
-        .stop_with(Signal::Term, Duration::from_secs(10))
-        .unwrap();
+    relay.stop();
     let out = cli(&args(&[
         "drop-slot",
         "--database-url",

@@ -54,19 +54,8 @@ async fn committed_inserts_arrive_exactly_once_in_commit_order() {
         committed,
         "witness saw every committed insert"
     );
-    wait_until(
-        Duration::from_secs(30),
-        "every committed insert in the stream",
-        || async {
-            let n = fx.stream_len().await;
-            if n >= expected.len() {
-                Ok(())
-            } else {
-                Err(format!("{n} of {}", expected.len()))
-            }
-        },
-    )
-    .await;
+    fx.wait_stream_len(expected.len(), Duration::from_secs(30))
+        .await;
     let actual = fx.stream_entries().await;
     assert_same_entries(&actual, &expected);
     assert!(
@@ -107,15 +96,7 @@ async fn graceful_shutdown_acknowledges_everything_published() {
     for txn in 0..200 {
         insert_txn(&mut client, 0, txn, 1, true).await.unwrap();
     }
-    wait_until(Duration::from_secs(30), "200 entries", || async {
-        let n = fx.stream_len().await;
-        if n == 200 {
-            Ok(())
-        } else {
-            Err(format!("{n}"))
-        }
-    })
-    .await;
+    fx.wait_stream_len(200, Duration::from_secs(30)).await;
     // WHEN it is shut down (the status interval is long, so only the shutdown path can
     // have sent the final acknowledgement in time)
     relay.stop().await.unwrap();

@@ -42,21 +42,7 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    tokio::spawn(async move {
-        use tokio::signal::unix::{signal, SignalKind};
-        let (Ok(mut term), Ok(mut int)) = (
-            signal(SignalKind::terminate()),
-            signal(SignalKind::interrupt()),
-        ) else {
-            return;
-        };
-        let name = tokio::select! {
-            _ = term.recv() => "SIGTERM",
-            _ = int.recv() => "SIGINT",
-        };
-        tracing::info!(signal = name, "shutting down");
-        shutdown.cancel();
-    });
+    cdc_relay::shutdown::cancel_on_signal(shutdown);
     service.run().await;
     ExitCode::SUCCESS
 }

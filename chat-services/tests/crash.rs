@@ -69,14 +69,7 @@ async fn killed_after_inbox_commit_before_xack_the_message_is_redelivered_skippe
         },
     )
     .await;
-    let mut redis = stack.redis.connect().await.unwrap();
-    let pending: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
-        .arg("outbox:consumers")
-        .arg("workers")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    assert_eq!(pending.count(), 0);
+    assert_eq!(stack.pending("outbox:consumers", "workers").await, 0);
     // AND a client reconnecting with its Last-Event-ID receives it exactly once
     let mut client = SseClient::connect(workers.addr, "/chats/21/events", Some(&last_event_id))
         .await
@@ -90,12 +83,7 @@ async fn killed_after_inbox_commit_before_xack_the_message_is_redelivered_skippe
         client.next(Duration::from_millis(300)).await.is_none(),
         "shown exactly once"
     );
-    let count: i64 = db
-        .query_one("SELECT count(*) FROM workers.inbox", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(count, 3);
+    assert_eq!(stack.count("SELECT count(*) FROM workers.inbox").await, 3);
     consumers.stop().await;
     stack.stop().await;
 }

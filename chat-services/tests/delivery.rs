@@ -78,26 +78,19 @@ async fn the_same_entry_delivered_twice_is_recorded_and_shown_once() {
     // THEN the copy is skipped: the next thing shown is the new message
     let (_, next) = next_message(&mut client, Duration::from_secs(10)).await;
     assert_eq!(next["id"], after["id"]);
-    let db = stack.db.connect().await.unwrap();
-    let n: i64 = db
-        .query_one("SELECT count(*) FROM workers.inbox WHERE chat_id = 3", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(n, 2);
+    assert_eq!(
+        stack
+            .count("SELECT count(*) FROM workers.inbox WHERE chat_id = 3")
+            .await,
+        2
+    );
     let (_, metrics) = testkit::http::get(workers.addr, "/metrics").await.unwrap();
     assert_eq!(
         testkit::http::metric_value(&metrics, "chat_duplicates_skipped_total"),
         Some(1.0)
     );
     // Both entries of the message were acknowledged.
-    let pending: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
-        .arg("outbox:consumers")
-        .arg("workers")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    assert_eq!(pending.count(), 0);
+    assert_eq!(stack.pending("outbox:consumers", "workers").await, 0);
     consumers.stop().await;
     workers.stop().await;
     stack.stop().await;
@@ -151,13 +144,7 @@ async fn a_poison_entry_is_dead_lettered_and_messages_after_it_flow() {
         field("reason")
     );
     assert_eq!(field("entry.payload"), "{not json");
-    let pending: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
-        .arg("outbox:consumers")
-        .arg("workers")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    assert_eq!(pending.count(), 0);
+    assert_eq!(stack.pending("outbox:consumers", "workers").await, 0);
     consumers.stop().await;
     workers.stop().await;
     stack.stop().await;
@@ -294,13 +281,7 @@ async fn after_redis_loses_its_data_every_message_is_shown_once() {
         client.next(Duration::from_millis(500)).await.is_none(),
         "nothing shown twice"
     );
-    let db = stack.db.connect().await.unwrap();
-    let n: i64 = db
-        .query_one("SELECT count(*) FROM workers.inbox", &[])
-        .await
-        .unwrap()
-        .get(0);
-    assert_eq!(n, 10);
+    assert_eq!(stack.count("SELECT count(*) FROM workers.inbox").await, 10);
     consumers.stop().await;
     workers.stop().await;
     stack.stop().await;

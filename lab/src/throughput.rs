@@ -332,22 +332,15 @@ async fn drain_with_notify_relay(
     let log = testkit::scratch_dir("lab-notify").join("relay.log");
     let started = Instant::now();
     let relay = ChildProcess::spawn("notify-relay", cmd, &log)?;
-    loop {
-        let len: u64 = redis::cmd("XLEN")
-            .arg(stream)
-            .query_async(&mut conn)
-            .await?;
-        if len >= events {
-            break;
-        }
-        if !relay.is_running() {
-            bail!("notify relay exited: {}", relay.log());
-        }
-        if started.elapsed() > Duration::from_secs(900) {
-            bail!("notify relay drained only {len} of {events} in 15 minutes");
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
+    wait_drained(
+        &mut conn,
+        stream,
+        events,
+        &relay,
+        started,
+        Duration::from_secs(900),
+    )
+    .await?;
     let elapsed = started.elapsed().as_secs_f64();
     relay.kill()?;
     Ok(elapsed)
@@ -426,22 +419,15 @@ async fn drain_with_relay(
     let relay = ChildProcess::spawn("cdc-relay", cmd, &log)?;
     let mut conn = redis.connect().await?;
     let redis_cpu_start = cpu_seconds(redis.pid().unwrap_or(0));
-    loop {
-        let len: u64 = redis::cmd("XLEN")
-            .arg(stream)
-            .query_async(&mut conn)
-            .await?;
-        if len >= events {
-            break;
-        }
-        if !relay.is_running() {
-            bail!("relay exited: {}", relay.log());
-        }
-        if started.elapsed() > Duration::from_secs(600) {
-            bail!("relay drained only {len} of {events} in 10 minutes");
-        }
-        tokio::time::sleep(Duration::from_millis(2)).await;
-    }
+    wait_drained(
+        &mut conn,
+        stream,
+        events,
+        &relay,
+        started,
+        Duration::from_secs(600),
+    )
+    .await?;
     let elapsed = started.elapsed().as_secs_f64();
     let client = db.connect().await?;
     let walsender: i32 = client
@@ -490,4 +476,32 @@ fn cpu_seconds(pid: u32) -> f64 {
             .unwrap_or(0.0);
     // Linux reports in USER_HZ, 100 per second.
     ticks / 100.0
+}
+
+/// Poll the stream's length until it holds `events`, failing if the relay exits or `limit`
+/// passes since `started`.
+async fn wait_drained(
+    conn: &mut redis::aio::MultiplexedConnection,
+    stream: &str,
+    events: u64,
+    relay: &ChildProcess,
+    started: Instant,
+    limit: Duration,
+) -> anyhow::Result<()> {
+    loop {
+        let len: u64 = redis::cmd("XLEN").arg(stream).query_async(conn).await?;
+        if len >= events {
+            return Ok(());
+        }
+        if !relay.is_running() {
+            bail!("{} exited: {}", relay.name(), relay.log());
+        }
+        if started.elapsed() > limit {
+            bail!(
+                "{} drained only {len} of {events} in {limit:?}",
+                relay.name()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
 }

@@ -168,6 +168,19 @@ impl<'a> Fixture<'a> {
             .expect("XLEN")
     }
 
+    /// Wait until the stream holds at least `n` entries.
+    pub async fn wait_stream_len(&self, n: usize, within: Duration) {
+        testkit::wait_until(within, &format!("{n} entries in the stream"), || async {
+            let len = self.stream_len().await;
+            if len >= n {
+                Ok(())
+            } else {
+                Err(format!("{len} of {n}"))
+            }
+        })
+        .await
+    }
+
     /// The relay slot's `confirmed_flush_lsn`.
     pub async fn confirmed_flush_lsn(&self) -> u64 {
         let client = self.db.connect().await.unwrap();
@@ -251,6 +264,13 @@ impl RelayProcess {
     /// /readyz status code and body (`None` while not answering).
     pub async fn readyz(&self) -> Option<(u16, String)> {
         testkit::http::get(self.admin, "/readyz").await.ok()
+    }
+
+    /// SIGTERM, and wait (10 s at most) for the graceful exit.
+    pub fn stop(&self) -> std::process::ExitStatus {
+        self.child
+            .stop_with(testkit::Signal::Term, Duration::from_secs(10))
+            .unwrap()
     }
 
     pub async fn wait_streaming(&self) {

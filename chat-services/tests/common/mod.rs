@@ -94,6 +94,24 @@ impl<'a> Stack<'a> {
         self.relays.push((relay, token, task));
     }
 
+    /// Entries of `stream` delivered to `group` and not yet acknowledged.
+    pub async fn pending(&self, stream: &str, group: &str) -> usize {
+        let mut redis = self.redis.connect().await.unwrap();
+        let pending: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
+            .arg(stream)
+            .arg(group)
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        pending.count()
+    }
+
+    /// The single `count(*)` a query returns.
+    pub async fn count(&self, sql: &str) -> i64 {
+        let db = self.db.connect().await.unwrap();
+        db.query_one(sql, &[]).await.unwrap().get(0)
+    }
+
     /// The service's flags (`extra` appended).
     pub fn service_args(&self, side: Side, extra: &[&str]) -> Vec<String> {
         let mut args: Vec<String> = vec![
