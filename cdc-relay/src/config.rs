@@ -228,7 +228,9 @@ pub struct Tuning {
     /// Most bytes of entry data in one Redis call.
     #[arg(long, env = "CDC_BATCH_MAX_BYTES", default_value_t = 4 << 20)]
     pub batch_max_bytes: usize,
-    /// Approximate MAXLEN of the stream (0: never trim). Keep it well above consumer lag.
+    /// Last-resort cap on the stream's length (0: none). Entries are trimmed once every
+    /// consumer group acknowledged them; only at this cap are unread entries trimmed too,
+    /// counted in cdc_relay_unread_entries_trimmed_total. Keep it well above consumer lag.
     #[arg(long, env = "CDC_STREAM_MAX_LEN", default_value_t = 1_000_000)]
     pub stream_max_len: u64,
     /// How often acknowledgements are reported to Postgres at most.
@@ -258,6 +260,10 @@ pub struct Tuning {
     /// unconfirmed was acknowledged, so nothing is lost).
     #[arg(long, env = "CDC_SHUTDOWN_GRACE", value_parser = humantime::parse_duration, default_value = "10s")]
     pub shutdown_grace: Duration,
+    /// TTL of the rebuild lock in Redis; the rebuilding relay extends it every third of it,
+    /// and other relays stand by while it lives.
+    #[arg(long, env = "CDC_REBUILD_LOCK_TTL", value_parser = humantime::parse_duration, default_value = "30s")]
+    pub rebuild_lock_ttl: Duration,
 }
 
 /// Validated Postgres side of the configuration.
@@ -286,6 +292,7 @@ pub struct RelayConfig {
     pub shutdown_grace: Duration,
     pub on_lost_slot: OnLostSlot,
     pub slot_metrics_interval: Duration,
+    pub rebuild_lock_ttl: Duration,
 }
 
 impl std::fmt::Debug for RelayConfig {
@@ -367,6 +374,7 @@ impl RunArgs {
             ("--standby-retry", t.standby_retry),
             ("--reconnect-max-backoff", t.reconnect_max_backoff),
             ("--slot-metrics-interval", t.slot_metrics_interval),
+            ("--rebuild-lock-ttl", t.rebuild_lock_ttl),
         ] {
             if value.is_zero() {
                 return Err(RelayError::Config(format!(
@@ -392,6 +400,7 @@ impl RunArgs {
             shutdown_grace: t.shutdown_grace,
             on_lost_slot: t.on_lost_slot,
             slot_metrics_interval: t.slot_metrics_interval,
+            rebuild_lock_ttl: t.rebuild_lock_ttl,
         })
     }
 }

@@ -15,6 +15,8 @@ pub(crate) mod script_codes {
     pub const ORIGIN: &str = "ORIGIN";
     pub const DIVERGED: &str = "DIVERGED";
     pub const GAP: &str = "GAP";
+    pub const NORECORD: &str = "NORECORD";
+    pub const TIMELINE: &str = "TIMELINE";
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -71,6 +73,15 @@ pub enum RelayError {
     #[error("stream {stream} is behind what this relay published moments ago: {detail}; Redis lost data (restarted without its AOF, or failed over to a stale replica); reconnecting to republish")]
     StreamBehind { stream: String, detail: String },
 
+    #[error("stream {stream} has no record (Redis lost it, or it was deleted to force a rebuild); reconnecting to rebuild the stream from the outbox table")]
+    RecordMissing { stream: String },
+
+    #[error("stream {stream} is recorded on another Postgres timeline: {detail}; reconnecting to check the timeline history")]
+    TimelineMismatch { stream: String, detail: String },
+
+    #[error("lost the rebuild lock of stream {stream} (Redis unreachable for longer than its TTL, or another relay took it); standing by")]
+    RebuildLockLost { stream: String },
+
     #[error("pgoutput: {0}")]
     Decode(#[from] DecodeError),
 
@@ -97,7 +108,10 @@ impl RelayError {
             // Recovered by the next session when recovery is enabled.
             RelayError::SlotLost { recover, .. } => *recover,
             // Redis lost entries: the next session finds out what and republishes it.
-            RelayError::StreamBehind { .. } => true,
+            RelayError::StreamBehind { .. }
+            | RelayError::RecordMissing { .. }
+            | RelayError::TimelineMismatch { .. }
+            | RelayError::RebuildLockLost { .. } => true,
             RelayError::StreamEnded | RelayError::ConnectTimeout(_) => true,
             RelayError::Postgres(e) => match e.code() {
                 Some(code) => sqlstate_is_transient(code.code()),
@@ -174,6 +188,44 @@ pub fn sqlstate(e: &PgWireError) -> Option<&str> {
     code.chars()
         .all(|c| c.is_ascii_alphanumeric())
         .then_some(code)
+}
+
+/// Where on a replication session an error came from: the same SQLSTATE means a missing
+/// slot at START_REPLICATION and a missing publication at the first decoded change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ReplicationPhase {
+    Start,
+    Streaming,
+}
+
+/// The one mapping of a replication-session error to what it means for the relay.
+pub(crate) fn replication_error(
+    e: PgWireError,
+    phase: ReplicationPhase,
+    cfg: &crate::config::PostgresConfig,
+    recover: bool,
+    holder: Option<u32>,
+) -> RelayError {
+    match (sqlstate(&e), phase) {
+        (Some(sqlstates::OBJECT_IN_USE), _) => RelayError::SlotBusy {
+            slot: cfg.slot.clone(),
+            holder,
+        },
+        (Some(sqlstates::UNDEFINED_OBJECT), ReplicationPhase::Start) => RelayError::SlotMissing {
+            slot: cfg.slot.clone(),
+        },
+        (Some(sqlstates::UNDEFINED_OBJECT), ReplicationPhase::Streaming) => {
+            RelayError::PublicationMissing {
+                publication: cfg.publication.clone(),
+            }
+        }
+        // "cannot read from logical replication slot": invalidated.
+        (Some(sqlstates::OBJECT_NOT_IN_PREREQUISITE_STATE), _) => RelayError::SlotLost {
+            slot: cfg.slot.clone(),
+            recover,
+        },
+        _ => RelayError::Replication(e),
+    }
 }
 
 /// SQLSTATE codes the relay acts on.

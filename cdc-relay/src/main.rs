@@ -3,7 +3,7 @@
 use std::process::ExitCode;
 
 use cdc_relay::config::{Cli, Command, LogFormat};
-use cdc_relay::setup::{setup, SetupOutcome};
+use cdc_relay::setup::{setup, RecordOutcome, SetupOutcome};
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
 
@@ -27,7 +27,8 @@ fn init_tracing(format: LogFormat) {
 async fn run_setup(args: &cdc_relay::config::SetupArgs) -> Result<(), cdc_relay::RelayError> {
     let timeout = std::time::Duration::from_secs(10);
     let pg = args.postgres.validate()?;
-    match setup(&pg, timeout).await? {
+    let outcome = setup(&pg, timeout).await?;
+    match &outcome {
         SetupOutcome::Created { consistent_point } => println!(
             "created replication slot {} (pgoutput) at {consistent_point}",
             pg.slot
@@ -36,8 +37,11 @@ async fn run_setup(args: &cdc_relay::config::SetupArgs) -> Result<(), cdc_relay:
     }
     if let (Some(url), Some(stream)) = (&args.redis_url, &args.stream) {
         let redis = args.redis_secrets.client(url)?;
-        if cdc_relay::setup::init_stream_record(&pg, redis, stream, timeout).await? {
-            println!("stream {stream} starts at the slot's position");
+        match cdc_relay::setup::init_stream_record(&pg, &outcome, redis, stream, timeout).await? {
+            RecordOutcome::Written => println!("stream {stream} starts at the slot's position"),
+            RecordOutcome::LeftAlone(why) => {
+                println!("stream {stream}: record left alone ({why}); `run` checks it")
+            }
         }
     }
     Ok(())

@@ -29,6 +29,8 @@ pub struct Metrics {
     // Recovery.
     pub rebuilds_total: IntCounterVec,
     pub republished_events_total: IntCounter,
+    pub rebuild_remaining_rows: IntGauge,
+    pub unread_entries_trimmed_total: IntCounter,
     // Slot health, read from pg_replication_slots / pg_stat_replication_slots.
     pub slot_lag_bytes: IntGauge,
     pub slot_retained_wal_bytes: IntGauge,
@@ -97,6 +99,8 @@ impl Metrics {
             state: b.register(IntGaugeVec::new(Opts::new("cdc_relay_state", "1 for the relay's current state, 0 for the others"), &["state"]).expect("valid metric")),
             rebuilds_total: b.register(IntCounterVec::new(Opts::new("cdc_relay_rebuilds_total", "Stream rebuilds from the outbox table, by reason"), &["reason"]).expect("valid metric")),
             republished_events_total: b.counter("cdc_relay_republished_events_total", "Outbox rows published again by rebuilds"),
+            rebuild_remaining_rows: b.gauge("cdc_relay_rebuild_remaining_rows", "Outbox rows the running rebuild has still to publish (0 when none runs)"),
+            unread_entries_trimmed_total: b.counter("cdc_relay_unread_entries_trimmed_total", "Stream entries some consumer group had not acknowledged, trimmed because the stream reached --stream-max-len"),
             slot_lag_bytes: b.gauge("cdc_relay_slot_lag_bytes", "WAL between the server's current position and the slot's confirmed_flush_lsn"),
             slot_retained_wal_bytes: b.gauge("cdc_relay_slot_retained_wal_bytes", "WAL the slot keeps on disk: current position minus restart_lsn"),
             slot_safe_wal_size_bytes: b.register(Gauge::new("cdc_relay_slot_safe_wal_size_bytes", "WAL that can still be written before the slot is lost (NaN without max_slot_wal_keep_size)").expect("valid metric")),

@@ -8,7 +8,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
 
-use crate::relay::Context;
+use crate::context::Context;
 use crate::status::Role;
 
 /// One reading of a slot.

@@ -18,9 +18,10 @@ use tracing::warn;
 
 use crate::backoff::Backoff;
 use crate::batch::{Batch, EntryId};
+use crate::context::SharedContext;
 use crate::error::RelayError;
-use crate::publisher::{Origin, PublishOutcome, Publisher};
-use crate::relay::SharedContext;
+use crate::publisher::{PublishOutcome, Publisher};
+use crate::record::Origin;
 
 /// Batches Redis may be working on at once.
 const MAX_IN_FLIGHT: usize = 2;

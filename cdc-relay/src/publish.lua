@@ -2,10 +2,10 @@
 -- with appendfsync always, its writes are fsynced before the reply).
 --
 -- KEYS[1]  the stream
--- KEYS[2]  the stream's origin hash: which Postgres system (and timeline) writes it
+-- KEYS[2]  the stream's record (hash): which Postgres system and timeline write it
 -- ARGV[1]  system_id of the Postgres cluster the entries come from
 -- ARGV[2]  its timeline
--- ARGV[3]  MAXLEN for approximate trimming after the batch ('0': no trimming)
+-- ARGV[3]  the last-resort cap on the stream's length ('0': none); see trim() below
 -- ARGV[4]  fence: the last id this relay session published before this batch ('' at the
 --          start of a session); the stream's top must have reached it
 -- ARGV[5]  the LSN (decimal) the relay will acknowledge to its slot once this call returns
@@ -13,13 +13,16 @@
 --          as the slot says was delivered: a Redis that lost data shows an older value.
 -- ARGV[6..] five per entry: id, event, payload, outbox_id, created_at; ids strictly increase
 --
--- Returns {published, duplicates}. An entry whose id is not above the stream's
--- last-generated-id is a replay (Postgres re-sends what the slot did not acknowledge): it
--- is counted, not written, after checking that the entry stored under that id, if still
--- there, is the same outbox row.
--- Errors (codes read by the relay): ORIGIN (another cluster's stream), GAP (the stream
--- lost entries this session published), DIVERGED (same id, different row, or an id
--- below the top that the stream never held).
+-- Returns {published, duplicates, unread_trimmed}. An entry whose id is not above the
+-- stream's last-generated-id is a replay (Postgres re-sends what the slot did not
+-- acknowledge): it is counted, not written, after checking that the entry stored under that
+-- id, if still there, is the same outbox row.
+-- Errors (codes read by the relay): NORECORD (the record is gone: Redis lost data, or an
+-- operator deleted it to force a rebuild; only `setup` and a rebuild write a record),
+-- ORIGIN (another cluster's stream), TIMELINE (the record names another timeline: the
+-- relay checks the history before going on), GAP (the stream lost entries this session
+-- published), DIVERGED (same id, different row, or an id below the top that the stream
+-- never held).
 
 local stream, origin_key = KEYS[1], KEYS[2]
 local system_id, timeline, maxlen, fence, ack = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
@@ -27,11 +30,11 @@ local FIRST = 6
 
 local origin = redis.call('HMGET', origin_key, 'system_id', 'timeline', 'acked_through')
 if not origin[1] then
-  redis.call('HSET', origin_key, 'system_id', system_id, 'timeline', timeline)
+  return redis.error_reply('NORECORD ' .. origin_key .. ' is missing')
 elseif origin[1] ~= system_id then
   return redis.error_reply('ORIGIN ' .. origin[1])
 elseif origin[2] ~= timeline then
-  redis.call('HSET', origin_key, 'timeline', timeline)
+  return redis.error_reply('TIMELINE the record says ' .. tostring(origin[2]) .. ', the relay reads timeline ' .. timeline)
 end
 
 -- Ids compare as (ms, seq) pairs of unbounded decimals: by length, then lexically.
@@ -69,12 +72,12 @@ end
 -- The record beside the stream: the acknowledged LSN (only ever raised) and the last id
 -- the relay wrote, so a stream that lost entries (deleted, restored from an older state)
 -- is noticed at the next start.
-local function record(last_written)
+local function record(last_i)
   if ack ~= '' and (not origin[3] or num_less(origin[3], ack)) then
     redis.call('HSET', origin_key, 'acked_through', ack)
   end
-  if last_written then
-    redis.call('HSET', origin_key, 'last_id', last_written)
+  if last_i then
+    redis.call('HSET', origin_key, 'last_id', ARGV[last_i], 'last_created_at', ARGV[last_i + 4])
   end
 end
 
@@ -83,11 +86,35 @@ local function add(i)
     'event', ARGV[i + 1], 'payload', ARGV[i + 2], 'outbox_id', ARGV[i + 3], 'created_at', ARGV[i + 4])
 end
 
--- Approximate trimming once per batch, not per entry (XADD MAXLEN costs on every call).
+-- Trimming follows the consumer groups: an entry goes only once every group acknowledged
+-- it, i.e. below the smallest of each group's oldest pending id (delivered, not acked)
+-- and last-delivered id (everything after it is unread). Redis 7.0 has no ACKED trim, so
+-- it is computed here, once per batch. Exact (an entry inside a radix node is only flagged
+-- deleted, so this costs little more than `~`, and what a rebuild compares is precisely
+-- the unacknowledged part). At the cap, whatever still has to go is unread: counted, so
+-- the relay can say so and alert. With no group at all nothing counts as read.
 local function trim()
-  if maxlen > 0 then
-    redis.call('XTRIM', stream, 'MAXLEN', '~', maxlen)
+  local safe = nil
+  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
+    local name, pending, last
+    for i = 1, #g, 2 do
+      if g[i] == 'name' then name = g[i + 1]
+      elseif g[i] == 'pending' then pending = g[i + 1]
+      elseif g[i] == 'last-delivered-id' then last = g[i + 1] end
+    end
+    local keep = last
+    if pending > 0 then
+      keep = redis.call('XPENDING', stream, name)[2]
+    end
+    if not safe or id_less(keep, safe) then safe = keep end
   end
+  if safe and safe ~= '0-0' then
+    redis.call('XTRIM', stream, 'MINID', safe)
+  end
+  if maxlen > 0 and redis.call('XLEN', stream) > maxlen then
+    return redis.call('XTRIM', stream, 'MAXLEN', maxlen)
+  end
+  return 0
 end
 
 -- Fast path: the batch starts above the top, and ids increase, so every entry is new.
@@ -95,18 +122,20 @@ if #ARGV < FIRST or id_less(top, ARGV[FIRST]) then
   for i = FIRST, #ARGV, 5 do
     add(i)
   end
-  trim()
-  record(#ARGV >= FIRST and ARGV[#ARGV - 4] or nil)
-  return {(#ARGV - FIRST + 1) / 5, 0}
+  local unread = 0
+  if #ARGV >= FIRST then unread = trim() end
+  record(#ARGV >= FIRST and (#ARGV - 4) or nil)
+  return {(#ARGV - FIRST + 1) / 5, 0, unread}
 end
 
 -- A replay: skip the entries Redis already has, checking each still stored one.
-local published, duplicates = 0, 0
+local published, duplicates, last_i = 0, 0, nil
 for i = FIRST, #ARGV, 5 do
   local id = ARGV[i]
   if id_less(top, id) then
     add(i)
     top = id
+    last_i = i
     published = published + 1
   else
     local stored = redis.call('XRANGE', stream, id, id)
@@ -125,6 +154,7 @@ for i = FIRST, #ARGV, 5 do
     duplicates = duplicates + 1
   end
 end
-trim()
-record(published > 0 and top or nil)
-return {published, duplicates}
+local unread = 0
+if published > 0 then unread = trim() end
+record(last_i)
+return {published, duplicates, unread}

@@ -6,37 +6,45 @@
 //! that will never reach the stream from the slot. The outbox table keeps rows for a
 //! retention period for exactly this case.
 //!
+//! A new timeline (failover to a standby that lagged, point-in-time restore) is the third
+//! case: the stream holds entries Postgres no longer has, and the new history's LSNs lie
+//! below the stream's top, so new commits would be taken for replays.
+//!
 //! How, without losing a message or reordering the stream:
-//! 1. take the rebuild lock in Redis (other relays stand by) and mark the rebuild started
-//!    in the stream's record, so a crash midway resumes it;
+//! 1. the caller holds the rebuild lock (extended in the background; checked before every
+//!    destructive step) and decided the rebuild with it; mark the rebuild started in the
+//!    stream's record, so a crash midway resumes it;
 //! 2. drop the slot and create it again on the replication session, exporting its snapshot:
 //!    every transaction after the new slot's consistent point will be streamed, and the
 //!    snapshot shows exactly the rows committed before it;
-//! 3. in that snapshot, read the outbox rows; publish those whose outbox id is not already
-//!    in the stream, in outbox id order, with ids right after the stream's top (all below
-//!    the new slot's LSN-based ids);
-//! 4. record the new consistent point as acknowledged, clear the mark, and start streaming
-//!    on the same session (the lock is released once streaming started).
+//! 3. what may not have been consumed goes out again, nothing else. Trimming follows the
+//!    consumer groups, so outbox rows created before the stream's oldest entry (less an
+//!    overlap for commit order ≠ creation order) were consumed by every group; when the
+//!    stream is empty, the record's last written entry is the bound, and when Redis lost
+//!    everything, every retained row goes out. The stream's (outbox id, created_at) pairs
+//!    are copied page by page into a temporary table and the missing rows read through a
+//!    cursor, so memory stays bounded however many rows are retained. They are published
+//!    in outbox id order with ids right after the stream's top;
+//! 4. choose the id offset that puts the new slot's ids above the top, replace the record
+//!    (acknowledged through the consistent point, the server's timeline history), and
+//!    start streaming on the same session (the lock is released once streaming started).
 //!
 //! Rows published again are acceptable duplicates: the receivers' inboxes absorb them.
 
-use std::time::Duration;
-
 use pgwire_replication::{Lsn, ReplicationClient};
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::batch::{Batch, EntryId, StreamEntry};
-use crate::error::RelayError;
+use crate::context::Context;
+use crate::error::{replication_error, RelayError, ReplicationPhase};
 use crate::outbox::{rfc3339_utc, OutboxEvent};
-use crate::publisher::{Origin, Publisher};
-use crate::relay::Context;
+use crate::publisher::Publisher;
+use crate::record::{offset_above, NewRecord, Origin, RebuildLock, StreamRecord};
 
-/// How long the rebuild lock lives without being extended.
-pub(crate) const LOCK_TTL: Duration = Duration::from_secs(30);
 /// Rows read and published per step.
 const CHUNK: usize = 1000;
-/// Stream entries are compared with outbox rows created since the oldest row minus this
-/// (commit order and creation order differ by at most a transaction's duration).
+/// Outbox rows created this long before the stream's oldest entry are still compared with
+/// the stream (commit order and creation order differ by at most a transaction's duration).
 const OVERLAP: &str = "10 minutes";
 
 /// Why the stream is rebuilt.
@@ -44,10 +52,12 @@ const OVERLAP: &str = "10 minutes";
 pub enum Reason {
     /// The slot was invalidated (`wal_status = lost`).
     LostSlot,
-    /// Redis acknowledges less than the slot confirmed: it lost data.
+    /// Redis acknowledges less than the slot confirmed, or lacks entries the relay wrote.
     LostRedisData,
-    /// Redis has no record of the stream at all (first start, or all data lost).
+    /// Redis has no record of the stream (it lost everything, or it was deleted on purpose).
     NoRecord,
+    /// The server's history forked before what the stream acknowledged.
+    Timeline,
     /// A rebuild was interrupted.
     Resumed,
 }
@@ -58,27 +68,42 @@ impl Reason {
             Reason::LostSlot => "lost_slot",
             Reason::LostRedisData => "lost_redis_data",
             Reason::NoRecord => "no_record",
+            Reason::Timeline => "timeline",
             Reason::Resumed => "resumed",
+        }
+    }
+
+    /// One sentence for the log line that announces the rebuild.
+    pub fn explain(self) -> &'static str {
+        match self {
+            Reason::LostSlot => "the slot was invalidated (max_slot_wal_keep_size) and cannot stream what it had not confirmed",
+            Reason::LostRedisData => "Redis acknowledges less than the slot confirmed, or lost entries the relay wrote (restarted without its AOF, a stale replica, or a slot made anew)",
+            Reason::NoRecord => "the stream has no record: Redis lost everything, or the record was deleted to force a rebuild",
+            Reason::Timeline => "Postgres is on a history that forked before what the stream acknowledged (failover to a lagging standby, or a point-in-time restore): the stream holds entries Postgres no longer has",
+            Reason::Resumed => "a rebuild was interrupted",
         }
     }
 }
 
 /// Rebuild on the gated replication session `client` (IDENTIFY_SYSTEM done, replication
-/// not started). The caller holds the rebuild lock.
+/// not started). `record` was read under `lock`. Returns the id offset to stream with.
 pub(crate) async fn rebuild(
     ctx: &Context,
     client: &mut ReplicationClient,
     publisher: &mut Publisher,
     origin: &Origin,
-    holder: &str,
+    record: &StreamRecord,
+    lock: &mut RebuildLock,
     reason: Reason,
-) -> Result<(), RelayError> {
+) -> Result<u64, RelayError> {
     let cfg = &ctx.config;
     let pg = &cfg.postgres;
-    publisher
-        .mark_rebuilding(origin, Some(reason.as_str()))
+    let mut records = publisher.records();
+    records
+        .mark_rebuilding(lock, origin, reason.as_str())
         .await?;
     let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
+    lock.confirm().await?;
     let dropped = sql
         .execute(
             "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
@@ -94,12 +119,15 @@ pub(crate) async fn rebuild(
         }
         return Err(e.into());
     }
+    // Waits for transactions open at this moment; the lock is extended meanwhile.
     let rows = client
         .simple_query(&format!(
             "CREATE_REPLICATION_SLOT \"{}\" LOGICAL pgoutput (SNAPSHOT 'export')",
             pg.slot
         ))
-        .await?;
+        .await
+        .map_err(|e| replication_error(e, ReplicationPhase::Start, pg, true, None))?;
+    lock.check()?;
     let row = rows
         .first()
         .ok_or_else(|| RelayError::Protocol("CREATE_REPLICATION_SLOT returned no row".into()))?;
@@ -114,14 +142,14 @@ pub(crate) async fn rebuild(
     let consistent_point = Lsn::parse(&text(1)?)
         .map_err(|e| RelayError::Protocol(format!("consistent point: {}", e.0)))?;
     let snapshot = text(2)?;
-    info!(slot = %pg.slot, reason = reason.as_str(), consistent_point = %consistent_point, "slot created again; publishing missing outbox rows");
+    info!(slot = %pg.slot, reason = reason.as_str(), consistent_point = %consistent_point, "slot created again; publishing the outbox rows the stream may be missing");
 
-    // The snapshot lives while the replication session stays idle: read it now.
+    // The snapshot lives while the replication session stays idle: read it now. Not
+    // read-only: the comparison needs a temporary table.
     let mut snap = pg.endpoint.connect(cfg.connect_timeout).await?;
     let tx = snap
         .build_transaction()
         .isolation_level(tokio_postgres::IsolationLevel::RepeatableRead)
-        .read_only(true)
         .start()
         .await?;
     tx.batch_execute(&format!(
@@ -129,60 +157,74 @@ pub(crate) async fn rebuild(
         snapshot.replace('\'', "''")
     ))
     .await?;
-    tx.batch_execute("SET LOCAL DateStyle = ISO; SET LOCAL TimeZone = 'UTC'")
+    tx.batch_execute(
+        "SET LOCAL DateStyle = ISO; SET LOCAL TimeZone = 'UTC';
+         CREATE TEMPORARY TABLE cdc_relay_present (id bigint, created_at timestamptz) ON COMMIT DROP",
+    )
+    .await?;
+
+    // What the stream holds now, and from when on outbox rows may be unconsumed.
+    let (top, len) = records.top_and_len().await?;
+    let bound = if len > 0 {
+        records.oldest_created_at().await?
+    } else {
+        record.last_created_at.clone()
+    };
+    let mut after: Option<String> = None;
+    loop {
+        lock.check()?;
+        let (page, last) = records.outbox_ids_page(after.as_deref(), CHUNK).await?;
+        if page.0.is_empty() && last.is_none() {
+            break;
+        }
+        tx.execute(
+            "INSERT INTO cdc_relay_present SELECT * FROM unnest($1::bigint[], $2::text[]::timestamptz[])",
+            &[&page.0, &page.1],
+        )
+        .await?;
+        after = last;
+    }
+    tx.batch_execute("CREATE INDEX ON cdc_relay_present (id); ANALYZE cdc_relay_present")
         .await?;
     let table = format!(
         "\"{}\".\"{}\"",
         pg.outbox_table.schema, pg.outbox_table.table
     );
-    let ids: Vec<(i64, String)> = tx
-        .query(
-            &format!("SELECT o.id, o.id::text FROM {table} o ORDER BY o.id"),
-            &[],
-        )
-        .await?
-        .iter()
-        .map(|r| (r.get(0), r.get(1)))
-        .collect();
-    let since: Option<String> = tx
-        .query_one(
-            &format!(
-                "SELECT to_char((min(created_at) - interval '{OVERLAP}') AT TIME ZONE 'UTC', 'YYYY-MM-DD\"T\"HH24:MI:SS\"Z\"') FROM {table}"
-            ),
-            &[],
-        )
+    let missing = format!(
+        "FROM {table} o
+          WHERE ($1::text IS NULL OR o.created_at >= $1::timestamptz - interval '{OVERLAP}')
+            AND NOT EXISTS (SELECT 1 FROM cdc_relay_present p
+                             WHERE p.id = o.id AND p.created_at = o.created_at)"
+    );
+    let total: i64 = tx
+        .query_one(&format!("SELECT count(*) {missing}"), &[&bound])
         .await?
         .get(0);
-    let present = match &since {
-        Some(since) => publisher.outbox_ids_since(since).await?,
-        None => Default::default(),
-    };
-    let missing: Vec<i64> = ids
-        .iter()
-        .filter(|(_, text)| !present.contains(text))
-        .map(|(id, _)| *id)
-        .collect();
+    ctx.metrics.rebuild_remaining_rows.set(total);
+    let select = tx
+        .prepare(&format!(
+            "SELECT o.id::text, o.event, o.payload::text, o.created_at::text {missing} ORDER BY o.id"
+        ))
+        .await?;
+    let portal = tx.bind(&select, &[&bound]).await?;
 
-    let top = publisher.top().await?;
     let mut next = EntryId {
         commit_lsn: top.commit_lsn,
         seq: top.seq + 1,
     };
     let mut fence = None;
     let mut published = 0u64;
-    for chunk in missing.chunks(CHUNK) {
-        let rows = tx
-            .query(
-                &format!(
-                    "SELECT o.id::text, o.event, o.payload::text, o.created_at::text FROM {table} o
-                      WHERE o.id = ANY($1) ORDER BY o.id"
-                ),
-                &[&chunk],
-            )
-            .await?;
+    let mut last_created_at = record.last_created_at.clone();
+    loop {
+        let rows = tx.query_portal(&portal, CHUNK as i32).await?;
+        if rows.is_empty() {
+            break;
+        }
         let mut batch = Batch::default();
         for row in rows {
             let text = |i: usize| bytes::Bytes::from(row.get::<_, String>(i));
+            let created_at = rfc3339_utc(text(3));
+            last_created_at = Some(String::from_utf8_lossy(&created_at).into_owned());
             batch.push(
                 StreamEntry {
                     id: next,
@@ -190,42 +232,52 @@ pub(crate) async fn rebuild(
                         outbox_id: text(0),
                         event: text(1),
                         payload: text(2),
-                        created_at: rfc3339_utc(text(3)),
+                        created_at,
                     },
                 },
                 0,
             );
             next.seq += 1;
         }
+        lock.check()?;
         let outcome = publisher.publish(&batch, origin, fence).await?;
         published += outcome.published;
+        ctx.metrics
+            .republished_events_total
+            .inc_by(outcome.published);
+        ctx.metrics
+            .rebuild_remaining_rows
+            .set(total - published as i64);
         fence = batch.last_id();
-        if !publisher.lock_rebuild(holder, LOCK_TTL).await? {
-            warn!("lost the rebuild lock while publishing; another relay took over");
-            return Err(RelayError::SlotBusy {
-                slot: pg.slot.clone(),
-                holder: None,
-            });
-        }
     }
     tx.commit().await?;
 
-    // Everything before the consistent point is now in the stream.
-    let mut ack = Batch::default();
-    ack.complete_transaction(consistent_point);
-    publisher.publish(&ack, origin, None).await?;
-    publisher.mark_rebuilding(origin, None).await?;
+    // Everything before the consistent point is in the stream now; new ids go above it.
+    let top = fence.unwrap_or(top);
+    let id_offset = offset_above(top, consistent_point.as_u64(), record.id_offset);
+    records
+        .replace(
+            lock,
+            &NewRecord {
+                origin,
+                acked_through: consistent_point.as_u64(),
+                id_offset,
+                last_id: (top != EntryId::default()).then_some(top),
+                last_created_at,
+            },
+        )
+        .await?;
+    ctx.metrics.rebuild_remaining_rows.set(0);
     ctx.metrics
         .rebuilds_total
         .with_label_values(&[reason.as_str()])
         .inc();
-    ctx.metrics.republished_events_total.inc_by(published);
     info!(
         reason = reason.as_str(),
-        rows = ids.len(),
-        already_in_stream = ids.len() - missing.len(),
+        bound = bound.as_deref().unwrap_or("none: every retained row"),
         republished = published,
+        id_offset,
         "stream rebuilt from the outbox table"
     );
-    Ok(())
+    Ok(id_offset)
 }

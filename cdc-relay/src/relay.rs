@@ -3,7 +3,7 @@
 //! backoff after transient errors, stop on permanent ones.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -13,67 +13,12 @@ use tracing::{error, info, warn};
 use crate::admin;
 use crate::backoff::{jitter, Backoff};
 use crate::config::RelayConfig;
+use crate::context::{Context, SharedContext};
 use crate::error::RelayError;
 use crate::metrics::Metrics;
 use crate::publisher::Publisher;
-use crate::session;
 use crate::status::{RelayStatus, Role};
-
-/// State shared by the relay's tasks.
-pub struct Context {
-    pub config: RelayConfig,
-    pub metrics: Arc<Metrics>,
-    status: watch::Sender<RelayStatus>,
-    admin_addr: OnceLock<SocketAddr>,
-    /// Identifies this process in Redis locks.
-    instance_id: String,
-    this: std::sync::Weak<Context>,
-}
-
-pub(crate) type SharedContext = Arc<Context>;
-
-impl Context {
-    pub(crate) fn shared(&self) -> SharedContext {
-        self.this.upgrade().expect("context alive while in use")
-    }
-
-    pub(crate) fn set_role(&self, role: Role) {
-        self.metrics.set_role(role);
-        self.status
-            .send_if_modified(|s| std::mem::replace(&mut s.role, role) != role);
-    }
-
-    pub(crate) fn set_redis_reachable(&self, reachable: bool) {
-        self.status.send_if_modified(|s| {
-            std::mem::replace(&mut s.redis_reachable, reachable) != reachable
-        });
-    }
-
-    pub(crate) fn set_postgres_reachable(&self, reachable: bool) {
-        self.status.send_if_modified(|s| {
-            std::mem::replace(&mut s.postgres_reachable, reachable) != reachable
-        });
-    }
-
-    pub(crate) fn status_snapshot(&self) -> RelayStatus {
-        self.status.borrow().clone()
-    }
-
-    pub(crate) fn instance_id(&self) -> &str {
-        &self.instance_id
-    }
-
-    pub(crate) fn set_slot_lost(&self, lost: bool) {
-        self.metrics.slot_lost.set(i64::from(lost));
-        self.status
-            .send_if_modified(|s| std::mem::replace(&mut s.slot_lost, lost) != lost);
-    }
-
-    pub(crate) fn set_last_error(&self, error: Option<String>) {
-        self.status
-            .send_if_modified(|s| std::mem::replace(&mut s.last_error, error.clone()) != error);
-    }
-}
+use crate::takeover;
 
 /// A relay: cheap to clone; [`Relay::run`] drives it, the other methods observe it.
 #[derive(Clone)]
@@ -83,20 +28,13 @@ pub struct Relay {
 
 impl Relay {
     pub fn new(config: RelayConfig) -> Self {
-        let metrics = Arc::new(Metrics::new(&config.postgres.slot, &config.stream));
-        let ctx = Arc::new_cyclic(|this| Context {
-            config,
-            metrics,
-            status: watch::Sender::new(RelayStatus::default()),
-            admin_addr: OnceLock::new(),
-            instance_id: format!("{}-{}", std::process::id(), rand::random::<u64>()),
-            this: this.clone(),
-        });
-        Self { ctx }
+        Self {
+            ctx: Context::new(config),
+        }
     }
 
     pub fn status(&self) -> watch::Receiver<RelayStatus> {
-        self.ctx.status.subscribe()
+        self.ctx.subscribe()
     }
 
     pub fn metrics(&self) -> Arc<Metrics> {
@@ -105,7 +43,7 @@ impl Relay {
 
     /// The admin server's bound address, once listening.
     pub fn admin_addr(&self) -> Option<SocketAddr> {
-        self.ctx.admin_addr.get().copied()
+        self.ctx.admin_addr()
     }
 
     /// Run until `shutdown` is cancelled (then `Ok` after the final acknowledgement) or a
@@ -117,7 +55,7 @@ impl Relay {
             let (listener, local) = admin::bind(addr).await.map_err(|e| {
                 RelayError::Config(format!("--admin-addr {addr}: cannot listen: {e}"))
             })?;
-            let _ = ctx.admin_addr.set(local);
+            ctx.set_admin_addr(local);
             info!(addr = %local, "admin server listening");
             let state = admin::AdminState {
                 status: self.status(),
@@ -147,11 +85,11 @@ impl Relay {
         };
         let mut backoff = Backoff::new(Duration::from_millis(200), cfg.reconnect_max_backoff);
         loop {
-            let result = session::run(ctx, publisher.clone(), shutdown).await;
+            let result = takeover::run(ctx, publisher.clone(), shutdown).await;
             let delay = match result {
                 Ok(()) => return Ok(()),
                 Err(RelayError::SlotBusy { slot, holder }) => {
-                    if ctx.status.borrow().role != Role::Standby {
+                    if ctx.role() != Role::Standby {
                         let holder_pid =
                             holder.map_or_else(|| "unknown".to_string(), |p| p.to_string());
                         info!(%slot, %holder_pid, "slot is held by another relay; standing by");
@@ -160,7 +98,7 @@ impl Relay {
                     jitter(cfg.standby_retry * 2)
                 }
                 Err(e) if e.is_transient() => {
-                    if ctx.status.borrow().role == Role::Streaming {
+                    if ctx.role() == Role::Streaming {
                         backoff.reset();
                     }
                     ctx.metrics.reconnects_total.inc();

@@ -21,200 +21,46 @@ use tracing::{debug, info, warn};
 
 use crate::batch::{Batch, BatchLimits, EntryId, StreamEntry};
 use crate::config::OnLostSlot;
-use crate::error::{sqlstate, sqlstates, RelayError};
+use crate::context::Context;
+use crate::error::{replication_error, RelayError, ReplicationPhase};
 use crate::outbox::{RelationCache, Row};
 use crate::pgoutput::{self, PgOutput};
 use crate::pipeline::Pipeline;
-use crate::publisher::StreamRecord;
-use crate::publisher::{Origin, PublishOutcome, Publisher};
-use crate::rebuild::{self, Reason};
-use crate::relay::Context;
-use crate::setup::{check_prerequisites, check_slot, slot_info, SlotInfo};
+use crate::publisher::{PublishOutcome, Publisher};
+use crate::record::Origin;
 use crate::status::Role;
 
 /// Microseconds between the Unix epoch and the Postgres epoch (2000-01-01).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
 
-/// Connect, take the slot (rebuilding the stream first when the slot or Redis lost data)
-/// and stream until shutdown (`Ok`) or an error.
-pub(crate) async fn run(
+/// Stream from a started replication session until shutdown (`Ok`) or an error.
+/// `id_offset` is added to commit LSNs to make stream ids (see `record`).
+pub(crate) async fn stream(
     ctx: &Context,
-    mut publisher: Publisher,
+    client: ReplicationClient,
+    publisher: Publisher,
+    origin: Origin,
+    id_offset: u64,
     shutdown: &CancellationToken,
 ) -> Result<(), RelayError> {
     let cfg = &ctx.config;
-    let pg = &cfg.postgres;
-    let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
-    ctx.set_postgres_reachable(true);
-    check_prerequisites(&sql, pg).await?;
-    let slot = slot_info(&sql, &pg.slot).await?;
-    let lost = slot
-        .as_ref()
-        .is_some_and(|s| s.wal_status.as_deref() == Some("lost"));
-    ctx.set_slot_lost(lost);
-    if lost && cfg.on_lost_slot == OnLostSlot::Fail {
-        return Err(RelayError::SlotLost {
-            slot: pg.slot.clone(),
-            recover: false,
-        });
-    }
-    let record = publisher.record().await?;
-    // A slot dropped by an interrupted rebuild is expected to be missing.
-    let slot = match (slot, &record.rebuilding) {
-        (None, Some(_)) => None,
-        _ => Some(check_slot(&sql, pg).await?),
-    };
-    let holder = ctx.instance_id();
-    if publisher.rebuilding_elsewhere(holder).await? {
-        return Err(RelayError::SlotBusy {
-            slot: pg.slot.clone(),
-            holder: None,
-        });
-    }
-
-    let replication =
-        pg.endpoint
-            .replication_config(&pg.slot, &pg.publication, cfg.status_interval)?;
-    let mut client = ReplicationClient::connect_gated(replication).await?;
-    let identity = within(cfg.connect_timeout, client.identify_system()).await??;
-    let origin = Origin {
-        system_id: identity.system_id,
-        timeline: identity.timeline,
-    };
-    publisher.check_origin(&origin).await?;
-
-    let reason = rebuild_reason(&slot, &record);
-    ctx.set_slot_lost(reason == Some(Reason::LostSlot));
-    let rebuilt = match reason {
-        Some(Reason::LostSlot) if cfg.on_lost_slot == OnLostSlot::Fail => {
-            return Err(RelayError::SlotLost {
-                slot: pg.slot.clone(),
-                recover: false,
-            });
-        }
-        Some(reason) => {
-            if !publisher.lock_rebuild(holder, rebuild::LOCK_TTL).await? {
-                return Err(RelayError::SlotBusy {
-                    slot: pg.slot.clone(),
-                    holder: None,
-                });
-            }
-            warn!(slot = %pg.slot, stream = %publisher.stream(), reason = reason.as_str(), "rebuilding the stream from the outbox table");
-            let result =
-                rebuild::rebuild(ctx, &mut client, &mut publisher, &origin, holder, reason).await;
-            if let Err(e) = result {
-                let _ = publisher.unlock_rebuild(holder).await;
-                return Err(e);
-            }
-            ctx.set_slot_lost(false);
-            true
-        }
-        None => false,
-    };
-    client.start().await?;
-    let started = within(cfg.connect_timeout, client.wait_started()).await;
-    if rebuilt {
-        let _ = publisher.unlock_rebuild(holder).await;
-    }
-    if let Err(e) = started? {
-        let recover = cfg.on_lost_slot == OnLostSlot::Recover;
-        return Err(start_error(e, &sql, &pg.slot, recover).await);
-    }
-    drop(sql);
-    info!(
-        slot = %pg.slot,
-        stream = %publisher.stream(),
-        system_id = %origin.system_id,
-        timeline = origin.timeline,
-        "acquired slot; streaming"
-    );
     ctx.set_role(Role::Streaming);
     ctx.set_last_error(None);
-
     let session = Session {
         ctx,
-        relations: RelationCache::new(pg.outbox_table.clone()),
+        relations: RelationCache::new(cfg.postgres.outbox_table.clone()),
         state: State {
             limits: cfg.batch,
             open: None,
             filling: Batch::default(),
             acknowledged_lsn: Lsn(0),
             ack_only_not_before: tokio::time::Instant::now(),
+            id_offset,
         },
         pipeline: Pipeline::new(publisher, origin, ctx.shared()),
         client,
     };
     session.stream(shutdown).await
-}
-
-/// Whether (and why) the stream must be rebuilt before streaming: the slot is lost, Redis
-/// knows less than the slot confirmed or lacks entries the relay wrote (it lost data),
-/// Redis has no record of the stream, or a rebuild was interrupted.
-fn rebuild_reason(slot: &Option<SlotInfo>, record: &StreamRecord) -> Option<Reason> {
-    let Some(slot) = slot else {
-        return Some(Reason::Resumed);
-    };
-    if slot.wal_status.as_deref() == Some("lost") {
-        return Some(Reason::LostSlot);
-    }
-    if record.rebuilding.is_some() {
-        return Some(Reason::Resumed);
-    }
-    if record.system_id.is_none() {
-        return Some(Reason::NoRecord);
-    }
-    // Entries the relay wrote are gone (the stream was deleted or restored from older data).
-    if record.last_id.is_some_and(|last| record.top < last) {
-        return Some(Reason::LostRedisData);
-    }
-    match (record.acked_through, slot.confirmed_flush_lsn) {
-        (acked, Some(confirmed)) if acked.unwrap_or(0) < confirmed.as_u64() => {
-            Some(Reason::LostRedisData)
-        }
-        _ => None,
-    }
-}
-
-async fn within<T>(
-    limit: Duration,
-    fut: impl std::future::Future<Output = T>,
-) -> Result<T, RelayError> {
-    tokio::time::timeout(limit, fut)
-        .await
-        .map_err(|_| RelayError::ConnectTimeout(limit))
-}
-
-/// Turn a START_REPLICATION failure into what it means for the relay.
-async fn start_error(
-    e: PgWireError,
-    sql: &tokio_postgres::Client,
-    slot: &str,
-    ctx_recover: bool,
-) -> RelayError {
-    let recover = ctx_recover;
-    match sqlstate(&e) {
-        Some(sqlstates::OBJECT_IN_USE) => {
-            let holder = slot_info(sql, slot)
-                .await
-                .ok()
-                .flatten()
-                .and_then(|s| s.active_pid)
-                .map(|pid| pid as u32);
-            RelayError::SlotBusy {
-                slot: slot.to_string(),
-                holder,
-            }
-        }
-        Some(sqlstates::UNDEFINED_OBJECT) => RelayError::SlotMissing {
-            slot: slot.to_string(),
-        },
-        // "cannot read from logical replication slot": invalidated.
-        Some(sqlstates::OBJECT_NOT_IN_PREREQUISITE_STATE) => RelayError::SlotLost {
-            slot: slot.to_string(),
-            recover,
-        },
-        _ => RelayError::Replication(e),
-    }
 }
 
 /// A transaction between its Begin and its Commit.
@@ -235,6 +81,8 @@ struct State {
     /// entries) waits until then, so a busy database with an idle outbox costs Redis a few
     /// small calls per second, not one per keepalive.
     ack_only_not_before: tokio::time::Instant,
+    /// Added to commit LSNs to make stream ids.
+    id_offset: u64,
 }
 
 impl State {
@@ -329,17 +177,9 @@ impl Session<'_> {
     }
 
     fn streaming_error(&self, e: PgWireError) -> RelayError {
-        match sqlstate(&e) {
-            // At the first decoded change: the publication was dropped after the slot was made.
-            Some(sqlstates::UNDEFINED_OBJECT) => RelayError::PublicationMissing {
-                publication: self.ctx.config.postgres.publication.clone(),
-            },
-            Some(sqlstates::OBJECT_NOT_IN_PREREQUISITE_STATE) => RelayError::SlotLost {
-                slot: self.ctx.config.postgres.slot.clone(),
-                recover: self.ctx.config.on_lost_slot == OnLostSlot::Recover,
-            },
-            _ => RelayError::Replication(e),
-        }
+        let cfg = &self.ctx.config;
+        let recover = cfg.on_lost_slot == OnLostSlot::Recover;
+        replication_error(e, ReplicationPhase::Streaming, &cfg.postgres, recover, None)
     }
 
     fn on_event(&mut self, event: ReplicationEvent) -> Result<(), RelayError> {
@@ -371,7 +211,7 @@ impl Session<'_> {
                             RelayError::Protocol("insert outside a transaction".into())
                         })?;
                         let id = EntryId {
-                            commit_lsn: txn.commit_lsn.as_u64(),
+                            commit_lsn: txn.commit_lsn.as_u64() + self.state.id_offset,
                             seq: txn.next_seq,
                         };
                         txn.next_seq += 1;
@@ -426,6 +266,16 @@ impl Session<'_> {
         let metrics = &self.ctx.metrics;
         metrics.events_published_total.inc_by(outcome.published);
         metrics.duplicates_rejected_total.inc_by(outcome.duplicates);
+        if outcome.unread_trimmed > 0 {
+            metrics
+                .unread_entries_trimmed_total
+                .inc_by(outcome.unread_trimmed);
+            warn!(
+                trimmed = outcome.unread_trimmed,
+                max_len = self.ctx.config.stream_max_len,
+                "the stream reached --stream-max-len: trimmed entries some consumer group had not acknowledged"
+            );
+        }
         metrics.publish_batches_total.inc();
         metrics
             .publish_batch_entries

@@ -112,40 +112,85 @@ pub async fn check_slot(client: &Client, cfg: &PostgresConfig) -> Result<SlotInf
     }
 }
 
-/// Record in Redis, beside a stream nobody wrote yet, that it starts at the slot's current
-/// position (so the first `run` streams instead of rebuilding from the outbox table).
-/// Returns whether a record was written (`false`: the stream already has one).
+/// What `setup` did about the stream's record.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordOutcome {
+    /// The stream starts at the new slot's consistent point.
+    Written,
+    /// Left alone: the slot existed before (the record, or its absence, is `run`'s to judge),
+    /// or the stream already has a record or entries.
+    LeftAlone(&'static str),
+}
+
+/// Write the stream's first record, only when this `setup` call created the slot and the
+/// stream has neither a record nor entries: then nothing committed before the slot's
+/// consistent point is owed to the stream. In every other case the record is left alone,
+/// so a Redis that lost its data is rebuilt by `run`, never silently adopted.
 pub async fn init_stream_record(
     cfg: &PostgresConfig,
+    setup: &SetupOutcome,
     redis: redis::Client,
     stream: &str,
     timeout: Duration,
-) -> Result<bool, RelayError> {
-    let mut publisher = crate::publisher::Publisher::connect(redis, stream, 0, timeout).await?;
-    if publisher.record().await?.system_id.is_some() {
-        return Ok(false);
+) -> Result<RecordOutcome, RelayError> {
+    let SetupOutcome::Created { consistent_point } = setup else {
+        return Ok(RecordOutcome::LeftAlone("the slot existed before"));
+    };
+    let consistent_point = pgwire_replication::Lsn::parse(consistent_point)
+        .map_err(|e| RelayError::Protocol(format!("consistent point: {}", e.0)))?;
+    let publisher = crate::publisher::Publisher::connect(redis, stream, 0, timeout).await?;
+    let mut records = publisher.records();
+    let record = records.read().await?;
+    if record.exists() {
+        return Ok(RecordOutcome::LeftAlone("the stream already has a record"));
     }
+    if record.len > 0 {
+        return Ok(RecordOutcome::LeftAlone("the stream already has entries"));
+    }
+    let origin = server_origin(cfg, timeout).await?;
+    let written = records
+        .create(&crate::record::NewRecord {
+            origin: &origin,
+            acked_through: consistent_point.as_u64(),
+            id_offset: crate::record::offset_above(record.top, consistent_point.as_u64(), 0),
+            last_id: None,
+            last_created_at: None,
+        })
+        .await?;
+    Ok(if written {
+        RecordOutcome::Written
+    } else {
+        RecordOutcome::LeftAlone("the stream already has a record")
+    })
+}
+
+/// The server's system id, timeline and timeline history, over a replication session.
+pub async fn server_origin(
+    cfg: &PostgresConfig,
+    timeout: Duration,
+) -> Result<crate::record::Origin, RelayError> {
+    let within = |what| RelayError::ConnectTimeout(what);
     let replication =
         cfg.endpoint
             .replication_config(&cfg.slot, &cfg.publication, Duration::from_secs(1))?;
     let mut session = pgwire_replication::ReplicationClient::connect_gated(replication).await?;
     let identity = tokio::time::timeout(timeout, session.identify_system())
         .await
-        .map_err(|_| RelayError::ConnectTimeout(timeout))??;
-    drop(session);
-    let client = cfg.endpoint.connect(timeout).await?;
-    let position = check_slot(&client, cfg)
-        .await?
-        .confirmed_flush_lsn
-        .ok_or_else(|| RelayError::Protocol("the slot has no confirmed position".into()))?;
-    let origin = crate::publisher::Origin {
+        .map_err(|_| within(timeout))??;
+    let history = if identity.timeline > 1 {
+        let file = tokio::time::timeout(timeout, session.timeline_history(identity.timeline))
+            .await
+            .map_err(|_| within(timeout))??;
+        crate::record::TimelineHistory::parse(&String::from_utf8_lossy(&file.content))
+            .map_err(|e| RelayError::Protocol(format!("TIMELINE_HISTORY: {e}")))?
+    } else {
+        crate::record::TimelineHistory::default()
+    };
+    Ok(crate::record::Origin {
         system_id: identity.system_id,
         timeline: identity.timeline,
-    };
-    let mut start = crate::batch::Batch::default();
-    start.complete_transaction(position);
-    publisher.publish(&start, &origin, None).await?;
-    Ok(true)
+        history,
+    })
 }
 
 /// What `setup` did.

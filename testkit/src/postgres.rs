@@ -233,6 +233,88 @@ impl PgServer {
         Ok(server)
     }
 
+    /// A streaming hot standby of `primary` (not started by `pg_basebackup -R` from a
+    /// template, but a base backup of the running primary): its own data directory and
+    /// socket, the primary's settings. Slots are not copied (Postgres 15 has no failover
+    /// slots), exactly as on a real standby.
+    pub fn standby_of(primary: &PgServer) -> anyhow::Result<Self> {
+        let root = scratch_dir("pg-standby");
+        let data_dir = root.join("data");
+        let socket_dir = root.join("socket");
+        std::fs::create_dir_all(&socket_dir)?;
+        chown_to_postgres(&root)?;
+        let output = as_postgres(&pg_bin_dir()?.join("pg_basebackup"))
+            .arg("-D")
+            .arg(&data_dir)
+            .arg("-h")
+            .arg(&primary.socket_dir)
+            .args(["-p", &primary.port.to_string(), "-U", "postgres"])
+            .args(["-X", "stream", "-R", "--checkpoint=fast", "--no-sync"])
+            .output()
+            .context("run pg_basebackup")?;
+        if !output.status.success() {
+            bail!(
+                "pg_basebackup failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        // The primary's arguments, with this server's data directory and socket.
+        let args = primary
+            .args
+            .iter()
+            .map(|arg| {
+                arg.replace(
+                    &primary.data_dir.display().to_string(),
+                    &data_dir.display().to_string(),
+                )
+                .replace(
+                    &primary.socket_dir.display().to_string(),
+                    &socket_dir.display().to_string(),
+                )
+            })
+            .collect();
+        let server = Self {
+            root,
+            data_dir,
+            socket_dir,
+            port: primary.port,
+            tcp: false,
+            args,
+            process: Mutex::new(None),
+            starts: Mutex::new(0),
+        };
+        server.start_again()?;
+        Ok(server)
+    }
+
+    /// Promote this standby (waits until it accepts writes on its new timeline).
+    pub async fn promote(&self) -> anyhow::Result<()> {
+        let client = self.connect("postgres").await?;
+        let promoted: bool = client
+            .query_one("SELECT pg_promote(true, 60)", &[])
+            .await?
+            .get(0);
+        if !promoted {
+            bail!("pg_promote did not finish within 60 s");
+        }
+        Ok(())
+    }
+
+    /// The position this server has replayed (a standby) or written (a primary) up to.
+    pub async fn wal_position(&self) -> anyhow::Result<u64> {
+        let client = self.connect("postgres").await?;
+        let lsn: String = client
+            .query_one(
+                "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+                              ELSE pg_current_wal_lsn() END)::text",
+                &[],
+            )
+            .await?
+            .get(0);
+        let (hi, lo) = lsn.split_once('/').context("an LSN")?;
+        Ok((u64::from_str_radix(hi, 16)? << 32) | u64::from_str_radix(lo, 16)?)
+    }
+
     pub fn data_dir(&self) -> &Path {
         &self.data_dir
     }
@@ -334,7 +416,8 @@ impl PgServer {
         std::fs::read_to_string(self.data_dir.join("postmaster.pid"))
             .map(|s| {
                 let lines: Vec<&str> = s.lines().map(str::trim).collect();
-                lines.first() == Some(&pid.to_string().as_str()) && lines.get(7) == Some(&"ready")
+                lines.first() == Some(&pid.to_string().as_str())
+                    && matches!(lines.get(7), Some(&"ready") | Some(&"standby"))
             })
             .unwrap_or(false)
     }
@@ -390,6 +473,17 @@ impl PgServer {
             socket_dir: self.socket_dir.clone(),
             port: self.port,
         })
+    }
+}
+
+impl TestDb {
+    /// The same database on another server (a standby or a restored copy).
+    pub fn on(&self, server: &PgServer) -> TestDb {
+        TestDb {
+            name: self.name.clone(),
+            socket_dir: server.socket_dir.clone(),
+            port: server.port,
+        }
     }
 }
 

@@ -13,7 +13,7 @@ use cdc_relay::outbox::{OutboxEvent, RelationCache, Row};
 use cdc_relay::pgoutput::{self, PgOutput};
 use cdc_relay::{Relay, RelayConfig, RelayError};
 use redis::streams::StreamRangeReply;
-use testkit::{unique_name, ChildProcess, PgServer, RedisServer, TestDb};
+use testkit::{unique_name, wait_until, ChildProcess, PgServer, RedisServer, TestDb};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
@@ -52,16 +52,24 @@ impl<'a> Fixture<'a> {
             )
             .await
             .expect("create witness slot");
-        let outcome = cdc_relay::setup::setup(
-            &fixture.config_args(&[]).postgres.validate().unwrap(),
-            Duration::from_secs(10),
-        )
-        .await
-        .expect("setup relay slot");
+        let pg = fixture.config_args(&[]).postgres.validate().unwrap();
+        let outcome = cdc_relay::setup::setup(&pg, Duration::from_secs(10))
+            .await
+            .expect("setup relay slot");
         assert!(
             matches!(outcome, cdc_relay::setup::SetupOutcome::Created { .. }),
             "slot not created: {outcome:?}"
         );
+        let record = cdc_relay::setup::init_stream_record(
+            &pg,
+            &outcome,
+            redis::Client::open(redis.url()).unwrap(),
+            &fixture.stream,
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("stream record");
+        assert_eq!(record, cdc_relay::setup::RecordOutcome::Written);
         fixture
     }
 
@@ -485,4 +493,86 @@ pub async fn insert_txn(
     } else {
         tx.rollback().await
     }
+}
+
+/// Every sample of the relay's /metrics, by series (`name{labels}`).
+pub async fn metrics(relay: &RelayProcess) -> HashMap<String, f64> {
+    let Ok((_, body)) = testkit::http::get(relay.admin, "/metrics").await else {
+        return HashMap::new();
+    };
+    testkit::http::metric_samples(&body)
+}
+
+pub async fn wait_metric(relay: &RelayProcess, series: &str, what: &str, ok: impl Fn(f64) -> bool) {
+    wait_until(Duration::from_secs(30), what, || async {
+        match metrics(relay).await.get(series) {
+            Some(v) if ok(*v) => Ok(()),
+            other => Err(format!("{series} = {other:?}")),
+        }
+    })
+    .await
+}
+
+/// Bytes of WAL written into a table outside the publication.
+pub async fn write_noise(db: &tokio_postgres::Client, megabytes: usize) {
+    db.batch_execute("CREATE TABLE IF NOT EXISTS public.noise (pad text)")
+        .await
+        .unwrap();
+    for _ in 0..megabytes {
+        db.batch_execute(
+            "INSERT INTO public.noise SELECT repeat('x', 1000) FROM generate_series(1, 1000)",
+        )
+        .await
+        .unwrap();
+    }
+}
+
+/// Outbox ids in the stream, with how many times each appears.
+pub async fn stream_ids(fx: &Fixture<'_>) -> HashMap<String, usize> {
+    let mut counts = HashMap::new();
+    for e in fx.stream_entries().await {
+        *counts.entry(e.outbox_id).or_default() += 1;
+    }
+    counts
+}
+
+/// Wait until every one of `outbox_ids` has an entry in the stream.
+pub async fn wait_published(fx: &Fixture<'_>, outbox_ids: &[String], relay: &RelayProcess) {
+    wait_until(
+        Duration::from_secs(30),
+        "every outbox row in the stream",
+        || async {
+            let ids = stream_ids(fx).await;
+            let missing = outbox_ids
+                .iter()
+                .filter(|id| !ids.contains_key(*id))
+                .count();
+            if missing == 0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{missing} of {} missing; log: {}",
+                    outbox_ids.len(),
+                    tail(&relay.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+}
+
+pub async fn outbox_ids(fx: &Fixture<'_>) -> Vec<String> {
+    let db = fx.db.connect().await.unwrap();
+    db.query("SELECT id::text FROM consumers.outbox ORDER BY id", &[])
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+/// A stream id as a comparable pair.
+pub fn parse_stream_id(id: &str) -> (u64, u64) {
+    let (ms, seq) = id.split_once('-').expect("a stream id");
+    (ms.parse().unwrap(), seq.parse().unwrap())
 }

@@ -1,0 +1,450 @@
+//! Taking the slot: everything between "connected" and "streaming". Checks the database,
+//! decides whether the stream can continue from the slot or must first be rebuilt from the
+//! outbox table, and starts replication.
+//!
+//! The decision rests on the record's invariant (see `record`): Redis's `acked_through` ≥
+//! the slot's `confirmed_flush_lsn`. The slot is read first, then Redis, so an active relay
+//! acknowledging in between cannot make a healthy stream look as if Redis lost data. A
+//! rebuild is decided only after taking the rebuild lock and reading both again in that
+//! order, and only while the slot is not held by another walsender: a standby never touches
+//! the record.
+
+use pgwire_replication::ReplicationClient;
+use tokio_util::sync::CancellationToken;
+use tracing::{info, warn};
+
+use crate::config::OnLostSlot;
+use crate::context::Context;
+use crate::error::{replication_error, RelayError, ReplicationPhase};
+use crate::publisher::Publisher;
+use crate::rebuild::{self, Reason};
+use crate::record::{Origin, RebuildLock, StreamRecord, TimelineHistory};
+use crate::session;
+use crate::setup::{check_prerequisites, check_slot, slot_info, SlotInfo};
+
+/// What to do before streaming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Decision {
+    /// The slot continues the stream.
+    Stream,
+    /// Same, after recording the server's later timeline (the stream's history is a prefix).
+    Adopt,
+    Rebuild(Reason),
+    /// No slot and no rebuild under way: `setup` was not run (or the slot was dropped).
+    SlotMissing,
+}
+
+/// The decision, from the slot (read first), the record (read second) and the server.
+pub(crate) fn decide(
+    slot: Option<&SlotInfo>,
+    record: &StreamRecord,
+    origin: &Origin,
+    server_lsn: u64,
+) -> Decision {
+    let Some(slot) = slot else {
+        return match record.rebuilding {
+            Some(_) => Decision::Rebuild(Reason::Resumed),
+            None => Decision::SlotMissing,
+        };
+    };
+    if slot.wal_status.as_deref() == Some("lost") {
+        return Decision::Rebuild(Reason::LostSlot);
+    }
+    if record.rebuilding.is_some() {
+        return Decision::Rebuild(Reason::Resumed);
+    }
+    if !record.exists() {
+        return Decision::Rebuild(Reason::NoRecord);
+    }
+    let acked = record.acked_through.unwrap_or(0);
+    if history_diverged(record, origin) || acked > server_lsn {
+        return Decision::Rebuild(Reason::Timeline);
+    }
+    // Entries the relay wrote are gone (the stream was deleted or restored from older data).
+    if record.last_id.is_some_and(|last| record.top < last) {
+        return Decision::Rebuild(Reason::LostRedisData);
+    }
+    // Redis knows less than the slot confirmed: it lost data, or the slot was made anew.
+    if slot
+        .confirmed_flush_lsn
+        .is_some_and(|confirmed| acked < confirmed.as_u64())
+    {
+        return Decision::Rebuild(Reason::LostRedisData);
+    }
+    if record.timeline != Some(origin.timeline) {
+        return Decision::Adopt;
+    }
+    Decision::Stream
+}
+
+/// Whether the stream holds (or may hold) entries of a history the server no longer has:
+/// the recorded timeline is not an ancestor of the server's, its switch point lies below
+/// what the stream acknowledged, or the recorded ancestors differ from the server's.
+fn history_diverged(record: &StreamRecord, origin: &Origin) -> bool {
+    let recorded = record.timeline.unwrap_or(origin.timeline);
+    if recorded == origin.timeline {
+        return false;
+    }
+    let Some(switch) = origin.history.switch_point(recorded) else {
+        return true;
+    };
+    let acked = record.acked_through.unwrap_or(0);
+    let ancestors_differ = record.history.as_ref().is_some_and(|h| {
+        h.switches
+            .iter()
+            .any(|(tli, lsn)| origin.history.switch_point(*tli) != Some(*lsn))
+    });
+    acked > switch || ancestors_differ
+}
+
+/// Connect, take the slot (rebuilding the stream first when needed) and stream until
+/// shutdown (`Ok`) or an error.
+pub(crate) async fn run(
+    ctx: &Context,
+    mut publisher: Publisher,
+    shutdown: &CancellationToken,
+) -> Result<(), RelayError> {
+    let cfg = &ctx.config;
+    let pg = &cfg.postgres;
+    let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
+    ctx.set_postgres_reachable(true);
+    check_prerequisites(&sql, pg).await?;
+    let holder = ctx.instance_id();
+    let mut records = publisher.records();
+
+    // 1. The slot, then Redis.
+    let slot = read_slot(ctx, &sql).await?;
+    if records.rebuilding_elsewhere(holder).await? {
+        return Err(busy(ctx, None));
+    }
+    let record = records.read().await?;
+
+    let replication =
+        pg.endpoint
+            .replication_config(&pg.slot, &pg.publication, cfg.status_interval)?;
+    let mut client = ReplicationClient::connect_gated(replication).await?;
+    let identity = within(cfg, client.identify_system()).await??;
+    let history = if identity.timeline > 1 {
+        let file = within(cfg, client.timeline_history(identity.timeline)).await??;
+        TimelineHistory::parse(&String::from_utf8_lossy(&file.content))
+            .map_err(|e| RelayError::Protocol(format!("TIMELINE_HISTORY: {e}")))?
+    } else {
+        TimelineHistory::default()
+    };
+    let origin = Origin {
+        system_id: identity.system_id,
+        timeline: identity.timeline,
+        history,
+    };
+    if let Some(recorded) = record
+        .system_id
+        .as_ref()
+        .filter(|s| **s != origin.system_id)
+    {
+        return Err(RelayError::OriginMismatch {
+            stream: publisher.stream().to_string(),
+            stream_system: recorded.clone(),
+            server_system: origin.system_id.clone(),
+        });
+    }
+    let server_lsn = identity.xlogpos.as_u64();
+    let mut decision = decide(slot.as_ref(), &record, &origin, server_lsn);
+    let mut id_offset = record.id_offset;
+    let mut lock = None;
+    if let Decision::Rebuild(reason) = decision {
+        refuse_lost_slot(ctx, reason)?;
+        let Some(mut taken) = RebuildLock::acquire(
+            publisher.connection(),
+            publisher.stream(),
+            holder,
+            cfg.rebuild_lock_ttl,
+        )
+        .await?
+        else {
+            return Err(busy(ctx, None));
+        };
+        // 2. With the lock, both again in the same order: only now is a rebuild decided.
+        let again = async {
+            let slot = read_slot(ctx, &sql).await?;
+            let record = records.read().await?;
+            Ok::<_, RelayError>((slot, record))
+        };
+        let (slot, record) = match again.await {
+            Ok(read) => read,
+            Err(e) => {
+                taken.release().await;
+                return Err(e);
+            }
+        };
+        decision = decide(slot.as_ref(), &record, &origin, server_lsn);
+        id_offset = record.id_offset;
+        if let Decision::Rebuild(reason) = decision {
+            let rebuilt = match refuse_lost_slot(ctx, reason) {
+                Ok(()) => {
+                    warn!(slot = %pg.slot, stream = %publisher.stream(), reason = reason.as_str(), why = reason.explain(), "rebuilding the stream from the outbox table");
+                    rebuild::rebuild(
+                        ctx,
+                        &mut client,
+                        &mut publisher,
+                        &origin,
+                        &record,
+                        &mut taken,
+                        reason,
+                    )
+                    .await
+                }
+                Err(e) => Err(e),
+            };
+            match rebuilt {
+                Ok(offset) => id_offset = offset,
+                Err(e) => {
+                    taken.release().await;
+                    return Err(e);
+                }
+            }
+            ctx.set_slot_lost(false);
+        }
+        lock = Some(taken);
+    }
+    match decision {
+        Decision::SlotMissing => {
+            if let Some(lock) = lock {
+                lock.release().await;
+            }
+            return Err(RelayError::SlotMissing {
+                slot: pg.slot.clone(),
+            });
+        }
+        Decision::Adopt => {
+            if records.adopt_timeline(&origin).await? {
+                info!(stream = %publisher.stream(), timeline = origin.timeline, "the stream continues on the server's new timeline (its switch point is past everything the stream acknowledged)");
+            }
+        }
+        Decision::Stream | Decision::Rebuild(_) => {}
+    }
+
+    client.start().await?;
+    let started = within(cfg, client.wait_started()).await;
+    if let Some(lock) = lock {
+        lock.release().await;
+    }
+    if let Err(e) = started? {
+        let holder = slot_info(&sql, &pg.slot)
+            .await
+            .ok()
+            .flatten()
+            .and_then(|s| s.active_pid)
+            .map(|pid| pid as u32);
+        let recover = cfg.on_lost_slot == OnLostSlot::Recover;
+        return Err(replication_error(
+            e,
+            ReplicationPhase::Start,
+            pg,
+            recover,
+            holder,
+        ));
+    }
+    drop(sql);
+    info!(
+        slot = %pg.slot,
+        stream = %publisher.stream(),
+        system_id = %origin.system_id,
+        timeline = origin.timeline,
+        id_offset,
+        "acquired slot; streaming"
+    );
+    session::stream(ctx, client, publisher, origin, id_offset, shutdown).await
+}
+
+/// The slot as Postgres shows it; a slot held by another walsender means standing by.
+async fn read_slot(
+    ctx: &Context,
+    sql: &tokio_postgres::Client,
+) -> Result<Option<SlotInfo>, RelayError> {
+    let pg = &ctx.config.postgres;
+    let slot = match slot_info(sql, &pg.slot).await? {
+        Some(_) => Some(check_slot(sql, pg).await?),
+        None => None,
+    };
+    if let Some(pid) = slot.as_ref().and_then(|s| s.active_pid) {
+        return Err(busy(ctx, Some(pid as u32)));
+    }
+    let lost = slot
+        .as_ref()
+        .is_some_and(|s| s.wal_status.as_deref() == Some("lost"));
+    ctx.set_slot_lost(lost);
+    if lost {
+        // Said at once, whatever state Redis is in.
+        refuse_lost_slot(ctx, Reason::LostSlot)?;
+    }
+    Ok(slot)
+}
+
+fn refuse_lost_slot(ctx: &Context, reason: Reason) -> Result<(), RelayError> {
+    if reason == Reason::LostSlot && ctx.config.on_lost_slot == OnLostSlot::Fail {
+        return Err(RelayError::SlotLost {
+            slot: ctx.config.postgres.slot.clone(),
+            recover: false,
+        });
+    }
+    Ok(())
+}
+
+fn busy(ctx: &Context, holder: Option<u32>) -> RelayError {
+    RelayError::SlotBusy {
+        slot: ctx.config.postgres.slot.clone(),
+        holder,
+    }
+}
+
+async fn within<T>(
+    cfg: &crate::config::RelayConfig,
+    fut: impl std::future::Future<Output = T>,
+) -> Result<T, RelayError> {
+    tokio::time::timeout(cfg.connect_timeout, fut)
+        .await
+        .map_err(|_| RelayError::ConnectTimeout(cfg.connect_timeout))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::batch::EntryId;
+    use pgwire_replication::Lsn;
+
+    fn slot(confirmed: u64) -> SlotInfo {
+        SlotInfo {
+            plugin: Some("pgoutput".into()),
+            slot_type: "logical".into(),
+            database: Some("chat".into()),
+            active_pid: None,
+            wal_status: Some("reserved".into()),
+            confirmed_flush_lsn: Some(Lsn(confirmed)),
+        }
+    }
+
+    fn record(acked: u64, timeline: u32) -> StreamRecord {
+        StreamRecord {
+            system_id: Some("7".into()),
+            timeline: Some(timeline),
+            history: Some(TimelineHistory::default()),
+            acked_through: Some(acked),
+            last_id: Some(EntryId {
+                commit_lsn: 90,
+                seq: 0,
+            }),
+            top: EntryId {
+                commit_lsn: 90,
+                seq: 0,
+            },
+            ..Default::default()
+        }
+    }
+
+    fn origin(timeline: u32, switches: &[(u32, u64)]) -> Origin {
+        Origin {
+            system_id: "7".into(),
+            timeline,
+            history: TimelineHistory {
+                switches: switches.to_vec(),
+            },
+        }
+    }
+
+    #[test]
+    fn redis_ahead_of_the_slot_streams_and_behind_it_rebuilds() {
+        let o = origin(1, &[]);
+        assert_eq!(
+            decide(Some(&slot(100)), &record(100, 1), &o, 500),
+            Decision::Stream
+        );
+        // The active relay acknowledged after we read the slot: Redis is ahead; fine.
+        assert_eq!(
+            decide(Some(&slot(100)), &record(150, 1), &o, 500),
+            Decision::Stream
+        );
+        assert_eq!(
+            decide(Some(&slot(100)), &record(99, 1), &o, 500),
+            Decision::Rebuild(Reason::LostRedisData)
+        );
+        let mut lost_entries = record(100, 1);
+        lost_entries.top = EntryId::default();
+        assert_eq!(
+            decide(Some(&slot(100)), &lost_entries, &o, 500),
+            Decision::Rebuild(Reason::LostRedisData)
+        );
+    }
+
+    #[test]
+    fn no_record_a_marker_or_no_slot_decide_before_anything_else() {
+        let o = origin(1, &[]);
+        assert_eq!(
+            decide(Some(&slot(100)), &StreamRecord::default(), &o, 500),
+            Decision::Rebuild(Reason::NoRecord)
+        );
+        assert_eq!(
+            decide(None, &record(100, 1), &o, 500),
+            Decision::SlotMissing
+        );
+        let mut marked = record(100, 1);
+        marked.rebuilding = Some("lost_slot".into());
+        assert_eq!(
+            decide(None, &marked, &o, 500),
+            Decision::Rebuild(Reason::Resumed)
+        );
+        let mut lost = slot(100);
+        lost.wal_status = Some("lost".into());
+        assert_eq!(
+            decide(Some(&lost), &record(100, 1), &o, 500),
+            Decision::Rebuild(Reason::LostSlot)
+        );
+    }
+
+    #[test]
+    fn a_new_timeline_is_adopted_only_when_it_forked_after_what_the_stream_acknowledged() {
+        // Promoted standby that had everything: adopt.
+        assert_eq!(
+            decide(
+                Some(&slot(100)),
+                &record(100, 1),
+                &origin(2, &[(1, 120)]),
+                500
+            ),
+            Decision::Adopt
+        );
+        // Standby behind what the stream acknowledged: rebuild.
+        assert_eq!(
+            decide(
+                Some(&slot(50)),
+                &record(100, 1),
+                &origin(2, &[(1, 80)]),
+                500
+            ),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        // Recorded timeline not an ancestor of the server's.
+        assert_eq!(
+            decide(
+                Some(&slot(50)),
+                &record(100, 3),
+                &origin(2, &[(1, 80)]),
+                500
+            ),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        // WAL ends before what the stream acknowledged (restored, same timeline).
+        assert_eq!(
+            decide(Some(&slot(50)), &record(100, 1), &origin(1, &[]), 60),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        // Recorded ancestors differ from the server's.
+        let mut r = record(100, 2);
+        r.history = Some(TimelineHistory {
+            switches: vec![(1, 70)],
+        });
+        assert_eq!(
+            decide(Some(&slot(100)), &r, &origin(3, &[(1, 60), (2, 200)]), 500),
+            Decision::Rebuild(Reason::Timeline)
+        );
+    }
+}

@@ -1,0 +1,509 @@
+//! Recovery that never loses a message, each case on real servers with the release-shaped
+//! binary: Redis emptied while the relay is quiet, a standby beside a loaded relay,
+//! trimming that follows the consumer groups, a failover to a standby that lags behind what
+//! the relay published, and a rebuild slowed past its lock's TTL.
+
+mod common;
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use common::{
+    insert_txn, metrics, outbox_ids, stream_ids, wait_published, write_noise, Fixture, RelayProcess,
+};
+use testkit::{shared_postgres, wait_until, PgServer, RedisServer};
+
+fn setup_cli(fx: &Fixture<'_>, database_url: &str) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_cdc-relay"))
+        .args([
+            "setup",
+            "--database-url",
+            database_url,
+            "--slot",
+            &fx.slot,
+            "--publication",
+            common::PUBLICATION,
+            "--outbox-table",
+            common::OUTBOX,
+            "--redis-url",
+            &fx.redis.url(),
+            "--stream",
+            &fx.stream,
+        ])
+        .output()
+        .expect("run cdc-relay setup")
+}
+
+async fn record_field(fx: &Fixture<'_>, field: &str) -> Option<String> {
+    let mut conn = fx.redis.connect().await.unwrap();
+    redis::cmd("HGET")
+        .arg(format!("{}:origin", fx.stream))
+        .arg(field)
+        .query_async(&mut conn)
+        .await
+        .unwrap()
+}
+
+/// Every outbox row in the stream exactly once.
+async fn assert_every_row_once(fx: &Fixture<'_>, relay: &RelayProcess) {
+    let committed = outbox_ids(fx).await;
+    wait_published(fx, &committed, relay).await;
+    let ids = stream_ids(fx).await;
+    let twice: Vec<_> = ids.iter().filter(|(_, n)| **n > 1).collect();
+    assert!(twice.is_empty(), "published twice: {twice:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_emptied_while_the_relay_is_quiet_gets_every_row_back() {
+    // GIVEN a relay that published 20 rows, then restarted (a new session, nothing sent yet)
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let relay = fx.spawn_relay("relay-1", &[]);
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    for txn in 0..20 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    fx.wait_stream_len(20, Duration::from_secs(10)).await;
+    relay.stop();
+    let relay = fx.spawn_relay("relay-2", &["--status-interval", "50ms"]);
+    relay.wait_streaming().await;
+
+    // WHEN Redis restarts empty, other tables write WAL (keepalives), then 5 more rows
+    redis.kill().unwrap();
+    redis.wipe_data().unwrap();
+    redis.start_again().unwrap();
+    let admin = fx.db.connect().await.unwrap();
+    write_noise(&admin, 2).await;
+    for txn in 20..25 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+
+    // THEN all 25 rows are in the stream, once, and the rebuild says why
+    assert_every_row_once(&fx, &relay).await;
+    assert_eq!(stream_ids(&fx).await.len(), 25);
+    let m = metrics(&relay).await;
+    assert_eq!(m["cdc_relay_rebuilds_total{reason=\"no_record\"}"], 1.0);
+    relay.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_emptied_then_setup_and_a_restart_gets_every_row_back() {
+    // GIVEN a relay that published 20 rows
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let relay = fx.spawn_relay("relay-1", &[]);
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    for txn in 0..20 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    fx.wait_stream_len(20, Duration::from_secs(10)).await;
+
+    // WHEN Redis restarts empty while the relay is down, rows keep coming, and the pod
+    // restarts as Kubernetes does it: `setup` (the init container), then `run`
+    relay.stop();
+    redis.kill().unwrap();
+    redis.wipe_data().unwrap();
+    redis.start_again().unwrap();
+    for txn in 20..30 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    let out = setup_cli(&fx, &fx.db.url("consumers_relay"));
+    assert!(out.status.success(), "{out:?}");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(said.contains("left alone"), "{said}");
+    assert_eq!(
+        record_field(&fx, "system_id").await,
+        None,
+        "setup wrote a record"
+    );
+    let relay = fx.spawn_relay("relay-2", &[]);
+
+    // THEN all 30 rows are in the stream, once
+    assert_every_row_once(&fx, &relay).await;
+    assert_eq!(stream_ids(&fx).await.len(), 30);
+    relay.stop();
+}
+
+/// Single-row commits at about `per_second` from several connections until stopped.
+struct Load {
+    stop: Arc<AtomicBool>,
+    committed: Arc<AtomicU32>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl Load {
+    fn start(url: String, connections: u32, per_second: u32) -> Load {
+        let stop = Arc::new(AtomicBool::new(false));
+        let committed = Arc::new(AtomicU32::new(0));
+        let period = Duration::from_secs_f64(connections as f64 / per_second as f64);
+        let tasks = (0..connections)
+            .map(|writer| {
+                let (url, stop, committed) = (url.clone(), stop.clone(), committed.clone());
+                tokio::spawn(async move {
+                    let (mut client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                        .await
+                        .unwrap();
+                    tokio::spawn(conn);
+                    let mut tick = tokio::time::interval(period);
+                    let mut txn = 0;
+                    while !stop.load(Ordering::Relaxed) {
+                        tick.tick().await;
+                        insert_txn(&mut client, writer, txn, 1, true).await.unwrap();
+                        committed.fetch_add(1, Ordering::Relaxed);
+                        txn += 1;
+                    }
+                })
+            })
+            .collect();
+        Load {
+            stop,
+            committed,
+            tasks,
+        }
+    }
+
+    async fn stop(self) -> u32 {
+        self.stop.store(true, Ordering::Relaxed);
+        for task in self.tasks {
+            task.await.unwrap();
+        }
+        self.committed.load(Ordering::Relaxed)
+    }
+}
+
+/// How long the standby test loads the relay (`CDC_STANDBY_LOAD_SECONDS`; the lab's soak
+/// runs it for minutes).
+fn standby_load_seconds() -> u64 {
+    std::env::var("CDC_STANDBY_LOAD_SECONDS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(20)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_standby_beside_a_loaded_relay_never_rebuilds() {
+    // GIVEN an active relay and a standby on one slot, and ~1,500 single-row commits/s
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let active = fx.spawn_relay("active", &["--standby-retry", "20ms"]);
+    active.wait_streaming().await;
+    let standby = fx.spawn_relay("standby", &["--standby-retry", "20ms"]);
+    wait_until(
+        Duration::from_secs(30),
+        "the second relay standing by",
+        || async {
+            match standby.readyz().await {
+                Some((503, body)) if body.contains("standby") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    let load = Load::start(fx.db.url("consumers"), 8, 1500);
+
+    // WHEN the load runs for a while, then the active relay gets SIGTERM (a rolling deploy)
+    let seconds = standby_load_seconds();
+    let until = tokio::time::Instant::now() + Duration::from_secs(seconds);
+    while tokio::time::Instant::now() < until {
+        assert_eq!(
+            record_field(&fx, "rebuilding").await,
+            None,
+            "a rebuild marker appeared; standby log: {}",
+            common::tail(&standby.child.log())
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    active.stop();
+    standby.wait_streaming().await;
+    let after = load.committed.load(Ordering::Relaxed);
+    wait_until(
+        Duration::from_secs(30),
+        "500 commits after the handover",
+        || async {
+            let n = load.committed.load(Ordering::Relaxed);
+            if n >= after + 500 {
+                Ok(())
+            } else {
+                Err(format!("{n}"))
+            }
+        },
+    )
+    .await;
+    let committed = load.stop().await;
+
+    // THEN nothing was rebuilt, no marker was left, and the stream is exactly the commits,
+    // with LSN-derived ids, in commit order
+    let expected = fx.expected_entries().await;
+    assert_eq!(expected.len(), committed as usize);
+    fx.wait_stream_len(expected.len(), Duration::from_secs(60))
+        .await;
+    common::assert_same_entries(&fx.stream_entries().await, &expected);
+    assert_eq!(record_field(&fx, "rebuilding").await, None);
+    for relay in [&standby] {
+        let m = metrics(relay).await;
+        let rebuilds: f64 = m
+            .iter()
+            .filter(|(k, _)| k.starts_with("cdc_relay_rebuilds_total"))
+            .map(|(_, v)| v)
+            .sum();
+        assert_eq!(rebuilds, 0.0, "{m:?}");
+    }
+    for log in [active.child.log(), standby.child.log()] {
+        assert!(
+            !log.contains("rebuilding the stream"),
+            "{}",
+            common::tail(&log)
+        );
+    }
+    eprintln!("standby under load: {committed} commits in {seconds} s, handover clean");
+    standby.stop();
+}
+
+async fn xcmd<T: redis::FromRedisValue>(fx: &Fixture<'_>, args: &[&str]) -> T {
+    let mut conn = fx.redis.connect().await.unwrap();
+    let mut cmd = redis::cmd(args[0]);
+    for a in &args[1..] {
+        cmd.arg(*a);
+    }
+    cmd.query_async(&mut conn).await.unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn trimming_never_deletes_what_a_group_has_not_acknowledged() {
+    // GIVEN a consumer group that read 100 entries and acknowledged 80 of them, and a relay
+    // whose last-resort cap is far away
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let _: () = xcmd(&fx, &["XGROUP", "CREATE", &fx.stream, "g", "0", "MKSTREAM"]).await;
+    let relay = fx.spawn_relay("relay", &["--stream-max-len", "1000"]);
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    for txn in 0..300 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    fx.wait_stream_len(300, Duration::from_secs(30)).await;
+    let read: redis::streams::StreamReadReply = xcmd(
+        &fx,
+        &[
+            "XREADGROUP",
+            "GROUP",
+            "g",
+            "c",
+            "COUNT",
+            "100",
+            "STREAMS",
+            &fx.stream,
+            ">",
+        ],
+    )
+    .await;
+    let delivered: Vec<String> = read.keys[0].ids.iter().map(|e| e.id.clone()).collect();
+    let mut ack = vec!["XACK", fx.stream.as_str(), "g"];
+    ack.extend(delivered[..80].iter().map(String::as_str));
+    let _: i64 = xcmd(&fx, &ack).await;
+
+    // WHEN more entries are published (each batch trims)
+    for txn in 300..350 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    wait_until(
+        Duration::from_secs(30),
+        "the acknowledged entries trimmed",
+        || async {
+            let first = fx.stream_entries().await.first().map(|e| e.id.clone());
+            match first {
+                Some(id) if id == delivered[80] => Ok(()),
+                other => Err(format!("first entry {other:?}, want {}", delivered[80])),
+            }
+        },
+    )
+    .await;
+
+    // THEN exactly the 80 acknowledged entries went: the pending and unread ones stay
+    let entries = fx.stream_entries().await;
+    assert_eq!(entries.len(), 350 - 80);
+    let m = metrics(&relay).await;
+    assert_eq!(m["cdc_relay_unread_entries_trimmed_total"], 0.0);
+    relay.stop();
+
+    // AND WHEN the group stops reading and the stream hits a low cap, the cap wins, counted
+    let relay = fx.spawn_relay("relay-capped", &["--stream-max-len", "100"]);
+    relay.wait_streaming().await;
+    for txn in 350..360 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    wait_until(Duration::from_secs(30), "the cap to trim", || async {
+        let trimmed = metrics(&relay)
+            .await
+            .get("cdc_relay_unread_entries_trimmed_total")
+            .copied();
+        match trimmed {
+            Some(n) if n >= 180.0 => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert_eq!(fx.stream_len().await, 100);
+    relay.stop();
+}
+
+/// The stream's payloads (`writer`, `txn`), with how many times each appears.
+async fn stream_payloads(fx: &Fixture<'_>) -> HashMap<(u64, u64), usize> {
+    let mut counts = HashMap::new();
+    for e in fx.stream_entries().await {
+        let key = (
+            e.payload["writer"].as_u64().unwrap(),
+            e.payload["txn"].as_u64().unwrap(),
+        );
+        *counts.entry(key).or_default() += 1;
+    }
+    counts
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn failover_to_a_standby_behind_the_stream_loses_no_new_message() {
+    // GIVEN a primary with a streaming standby, and a relay on the primary
+    let primary = PgServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(&primary, &redis).await;
+    let relay = fx.spawn_relay("relay-primary", &[]);
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    for txn in 0..50 {
+        insert_txn(&mut writer, 1, txn, 1, true).await.unwrap();
+    }
+    let standby = PgServer::standby_of(&primary).unwrap();
+    let target = primary.wal_position().await.unwrap();
+    wait_until(Duration::from_secs(30), "the standby caught up", || async {
+        match standby.wal_position().await {
+            Ok(at) if at >= target => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+
+    // WHEN the standby falls behind by 100 commits the relay already published,
+    standby.stop_fast().unwrap();
+    for txn in 0..100 {
+        insert_txn(&mut writer, 2, txn, 1, true).await.unwrap();
+    }
+    fx.wait_stream_len(150, Duration::from_secs(30)).await;
+    let top_before = fx.stream_entries().await.last().unwrap().id.clone();
+    // the primary dies, the standby is promoted, and the pod restarts against it
+    primary.kill().unwrap();
+    relay.child.kill().unwrap();
+    standby.start_again().unwrap();
+    standby.promote().await.unwrap();
+    let db = fx.db.on(&standby);
+    let out = setup_cli(&fx, &db.url("consumers_relay"));
+    assert!(out.status.success(), "{out:?}");
+    let relay = fx.spawn_relay(
+        "relay-promoted",
+        &["--database-url", &db.url("consumers_relay")],
+    );
+    relay.wait_streaming().await;
+    let mut writer = db.connect_as("consumers").await.unwrap();
+    for txn in 0..100 {
+        insert_txn(&mut writer, 3, txn, 1, true).await.unwrap();
+    }
+
+    // THEN every message committed on the new timeline reaches the stream, once, after
+    // everything that was there before
+    wait_until(
+        Duration::from_secs(60),
+        "the new timeline's messages",
+        || async {
+            let payloads = stream_payloads(&fx).await;
+            let missing = (0..100)
+                .filter(|t| !payloads.contains_key(&(3, *t)))
+                .count();
+            if missing == 0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{missing} of 100 missing; log: {}",
+                    common::tail(&relay.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+    let payloads = stream_payloads(&fx).await;
+    for txn in 0..100 {
+        assert_eq!(payloads[&(3, txn)], 1, "new message {txn} published twice");
+    }
+    for txn in 0..50 {
+        assert!(payloads.contains_key(&(1, txn)), "old message {txn} lost");
+    }
+    let entries = fx.stream_entries().await;
+    let first_new = entries
+        .iter()
+        .position(|e| e.payload["writer"] == 3)
+        .unwrap();
+    assert!(common::parse_stream_id(&entries[first_new].id) > common::parse_stream_id(&top_before));
+    let m = metrics(&relay).await;
+    assert_eq!(m["cdc_relay_rebuilds_total{reason=\"timeline\"}"], 1.0);
+    assert!(relay
+        .child
+        .log()
+        .contains("forked before what the stream acknowledged"));
+    relay.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rebuild_slowed_past_its_lock_ttl_keeps_the_lock() {
+    // GIVEN a stream whose record is deleted (the runbook's way to force a rebuild), and an
+    // open transaction that makes CREATE_REPLICATION_SLOT wait
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let mut writer = fx.writer().await;
+    for txn in 0..10 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    let mut blocker = fx.writer().await;
+    let open = blocker.transaction().await.unwrap();
+    open.execute(
+        "INSERT INTO consumers.outbox (event, payload) VALUES ('test.event', '{\"writer\": 9, \"txn\": 0, \"row\": 0}')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let _: i64 = xcmd(&fx, &["DEL", &format!("{}:origin", fx.stream)]).await;
+
+    // WHEN a relay rebuilds with a 1 s lock TTL while a second relay keeps trying
+    let flags = ["--rebuild-lock-ttl", "1s", "--standby-retry", "50ms"];
+    let first = fx.spawn_relay("first", &flags);
+    wait_until(Duration::from_secs(30), "the rebuild to start", || async {
+        if first.child.log().contains("rebuilding the stream") {
+            Ok(())
+        } else {
+            Err(common::tail(&first.child.log()))
+        }
+    })
+    .await;
+    let second = fx.spawn_relay("second", &flags);
+    // The scenario itself: the open transaction holds the slot creation for four TTLs
+    // while the second relay keeps trying to take over.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    open.commit().await.unwrap();
+
+    // THEN the first relay finishes, the second never rebuilt, and every row is there once
+    first.wait_streaming().await;
+    for txn in 10..20 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    assert_every_row_once(&fx, &first).await;
+    assert!(
+        !second.child.log().contains("rebuilding the stream"),
+        "{}",
+        common::tail(&second.child.log())
+    );
+    let m = metrics(&first).await;
+    assert_eq!(m["cdc_relay_rebuilds_total{reason=\"no_record\"}"], 1.0);
+    first.stop();
+    second.stop();
+}
