@@ -1,7 +1,8 @@
 //! The soak: both sides send at a steady rate while faults hit every part at random (SIGKILL
 //! and restart of each service and each relay, a deploy, Redis SIGKILL and restart on its
-//! AOF, a Postgres fast restart, a relay handing over to a standby), with transactions that
-//! roll back mixed in. Then it verifies: every committed message is in the other side's inbox
+//! AOF, Redis restarted without its data, a Postgres fast restart, a relay handing over to a
+//! standby, a standby waiting beside a loaded relay for seconds before the handover), with
+//! transactions that roll back mixed in. Then it verifies: every committed message is in the other side's inbox
 //! exactly once, in the sender's commit order per chat; no rolled-back message appears; every
 //! SSE client saw every message of its chat exactly once.
 //!
@@ -105,18 +106,27 @@ enum Fault {
     KillRelay(Side),
     RelayHandover(Side),
     KillRedis,
+    /// Redis SIGKILLed and restarted with an empty data directory: the relays rebuild.
+    WipeRedis,
+    /// A standby beside the loaded active relay for a few seconds, then the handover; the
+    /// standby must never decide a rebuild.
+    StandbyUnderLoad(Side),
     RestartPostgres,
 }
 
 impl Fault {
     fn pick(rng: &mut StdRng) -> Fault {
         let side = SIDES[rng.random_range(0..2)];
-        match rng.random_range(0..6) {
-            0 => Fault::KillService(side),
-            1 => Fault::DeployService(side),
-            2 => Fault::KillRelay(side),
-            3 => Fault::RelayHandover(side),
-            4 => Fault::KillRedis,
+        // Redis losing everything is rarer than the rest: each one republishes the whole
+        // retained outbox.
+        match rng.random_range(0..15) {
+            0 | 1 => Fault::KillService(side),
+            2 | 3 => Fault::DeployService(side),
+            4 | 5 => Fault::KillRelay(side),
+            6 | 7 => Fault::RelayHandover(side),
+            8 | 9 => Fault::KillRedis,
+            10 => Fault::WipeRedis,
+            11 | 12 => Fault::StandbyUnderLoad(side),
             _ => Fault::RestartPostgres,
         }
     }
@@ -396,34 +406,9 @@ async fn inject(
             system.start(&name, Kind::Relay(side), &[])?;
             format!("{name}: SIGKILL, restarted")
         }
-        Fault::RelayHandover(side) => {
-            let old = relays.active[&side].clone();
-            let new = if old.ends_with("-a") {
-                format!("relay-{side}-b")
-            } else {
-                format!("relay-{side}-a")
-            };
-            system.start(&new, Kind::Relay(side), &[])?;
-            // The newcomer stands by while the old one holds the slot...
-            let admin = system.relay_admin(&new).expect("just started");
-            let standby = tokio::time::Instant::now() + Duration::from_secs(20);
-            while tokio::time::Instant::now() < standby {
-                if let Ok((503, body)) = testkit::http::get(admin, "/readyz").await {
-                    if body.contains("standby") {
-                        break;
-                    }
-                }
-                tokio::time::sleep(Duration::from_millis(20)).await;
-            }
-            // ... and takes over when it is deployed away.
-            let handover = Instant::now();
-            system.stop(&old, Signal::Term)?;
-            system.wait_relay(&new, Duration::from_secs(30)).await?;
-            relays.active.insert(side, new.clone());
-            format!(
-                "{old} → {new}: SIGTERM with a standby waiting, took over in {:.0} ms",
-                handover.elapsed().as_secs_f64() * 1000.0
-            )
+        Fault::RelayHandover(side) => handover(system, relays, side, Duration::ZERO).await?,
+        Fault::StandbyUnderLoad(side) => {
+            handover(system, relays, side, Duration::from_secs(3)).await?
         }
         Fault::KillRedis => {
             system.redis.kill()?;
@@ -431,6 +416,16 @@ async fn inject(
             system.redis.start_again()?;
             format!(
                 "redis: SIGKILL, restarted on its AOF after {} ms",
+                outage.as_millis()
+            )
+        }
+        Fault::WipeRedis => {
+            system.redis.kill()?;
+            system.redis.wipe_data()?;
+            tokio::time::sleep(outage).await;
+            system.redis.start_again()?;
+            format!(
+                "redis: SIGKILL, restarted without its data after {} ms",
                 outage.as_millis()
             )
         }
@@ -444,6 +439,60 @@ async fn inject(
             format!("postgres: fast restart ({} ms)", took.as_millis())
         }
     })
+}
+
+/// Start a second relay for `side`, let it stand by for `beside` under the soak's load, then
+/// SIGTERM the active one. Fails if the newcomer decided Redis lost data: it did not.
+async fn handover(
+    system: &Arc<System>,
+    relays: &mut Relays,
+    side: Side,
+    beside: Duration,
+) -> anyhow::Result<String> {
+    let old = relays.active[&side].clone();
+    let new = if old.ends_with("-a") {
+        format!("relay-{side}-b")
+    } else {
+        format!("relay-{side}-a")
+    };
+    system.start(&new, Kind::Relay(side), &[])?;
+    // The newcomer stands by while the old one holds the slot...
+    let admin = system.relay_admin(&new).expect("just started");
+    let standby = tokio::time::Instant::now() + Duration::from_secs(20);
+    while tokio::time::Instant::now() < standby {
+        if let Ok((503, body)) = testkit::http::get(admin, "/readyz").await {
+            if body.contains("standby") {
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // (the scenario: standing by under load for a while)
+    tokio::time::sleep(beside).await;
+    // ... and takes over when it is deployed away.
+    let handover = Instant::now();
+    system.stop(&old, Signal::Term)?;
+    system.wait_relay(&new, Duration::from_secs(30)).await?;
+    relays.active.insert(side, new.clone());
+    let took = handover.elapsed();
+    if let Ok((_, body)) = testkit::http::get(admin, "/metrics").await {
+        let rebuilds: f64 = testkit::http::metric_samples(&body)
+            .iter()
+            // After a Redis wipe a rebuild (no_record) is due whoever holds the slot; Redis
+            // "losing data" while it lost nothing is what a standby must never conclude.
+            .filter(|(k, _)| k.starts_with("cdc_relay_rebuilds_total{reason=\"lost_redis_data\""))
+            .map(|(_, v)| v)
+            .sum();
+        anyhow::ensure!(
+            rebuilds == 0.0,
+            "{new} rebuilt the stream for lost Redis data at a handover, while Redis lost nothing"
+        );
+    }
+    Ok(format!(
+        "{old} → {new}: SIGTERM with a standby waiting {} s, took over in {:.0} ms",
+        beside.as_secs(),
+        took.as_secs_f64() * 1000.0
+    ))
 }
 
 /// Transactions that write a message and its event, then roll back: they must never show.
