@@ -1,7 +1,8 @@
 //! Recovery that never loses a message, each case on real servers with the release-shaped
 //! binary: Redis emptied while the relay is quiet, a standby beside a loaded relay,
 //! trimming that follows the consumer groups, a failover to a standby that lags behind what
-//! the relay published, and a rebuild slowed past its lock's TTL.
+//! the relay published, a point-in-time restore below the stream's top, and a rebuild
+//! slowed past its lock's TTL.
 
 mod common;
 
@@ -13,7 +14,7 @@ use std::time::Duration;
 use common::{
     insert_txn, metrics, outbox_ids, stream_ids, wait_published, write_noise, Fixture, RelayProcess,
 };
-use testkit::{shared_postgres, wait_until, PgServer, RedisServer};
+use testkit::{shared_postgres, wait_until, PgOptions, PgServer, RedisServer};
 
 fn setup_cli(fx: &Fixture<'_>, database_url: &str) -> std::process::Output {
     std::process::Command::new(env!("CARGO_BIN_EXE_cdc-relay"))
@@ -189,9 +190,11 @@ async fn a_standby_beside_a_loaded_relay_never_rebuilds() {
     // GIVEN an active relay and a standby on one slot, and ~1,500 single-row commits/s
     let redis = RedisServer::start().unwrap();
     let fx = Fixture::new(shared_postgres(), &redis).await;
-    let active = fx.spawn_relay("active", &["--standby-retry", "20ms"]);
+    // Frequent acknowledgements and retries: the slot's position moves between any two reads.
+    let flags = ["--standby-retry", "10ms", "--status-interval", "10ms"];
+    let active = fx.spawn_relay("active", &flags);
     active.wait_streaming().await;
-    let standby = fx.spawn_relay("standby", &["--standby-retry", "20ms"]);
+    let standby = fx.spawn_relay("standby", &flags);
     wait_until(
         Duration::from_secs(30),
         "the second relay standing by",
@@ -451,6 +454,87 @@ async fn failover_to_a_standby_behind_the_stream_loses_no_new_message() {
         .child
         .log()
         .contains("forked before what the stream acknowledged"));
+    relay.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_point_in_time_restore_below_the_stream_loses_no_new_message() {
+    // GIVEN a primary archiving its WAL, a base backup, and a relay that published 100 rows
+    let archive = PgServer::archive_dir().unwrap();
+    let primary = PgServer::start_with(PgOptions::default().archiving(&archive)).unwrap();
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(&primary, &redis).await;
+    let backup = primary.base_backup().unwrap();
+    let relay = fx.spawn_relay("relay-primary", &[]);
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    for txn in 0..50 {
+        insert_txn(&mut writer, 1, txn, 1, true).await.unwrap();
+    }
+    let admin = fx.db.connect().await.unwrap();
+    let target: String = admin
+        .query_one("SELECT pg_current_wal_lsn()::text", &[])
+        .await
+        .unwrap()
+        .get(0);
+    for txn in 0..50 {
+        insert_txn(&mut writer, 2, txn, 1, true).await.unwrap();
+    }
+    fx.wait_stream_len(100, Duration::from_secs(30)).await;
+    let top_before = fx.stream_entries().await.last().unwrap().id.clone();
+    primary.archive_current_wal().await.unwrap();
+
+    // WHEN the cluster is restored to the point after the first 50 (same system, a new
+    // timeline, LSNs below the stream's top) and the pod restarts against it
+    relay.stop();
+    primary.stop_fast().unwrap();
+    let restored = PgServer::restore(&primary, &backup, &archive, &target)
+        .await
+        .unwrap();
+    let db = fx.db.on(&restored);
+    let out = setup_cli(&fx, &db.url("consumers_relay"));
+    assert!(out.status.success(), "{out:?}");
+    let relay = fx.spawn_relay(
+        "relay-restored",
+        &["--database-url", &db.url("consumers_relay")],
+    );
+    relay.wait_streaming().await;
+    let mut writer = db.connect_as("consumers").await.unwrap();
+    for txn in 0..100 {
+        insert_txn(&mut writer, 3, txn, 1, true).await.unwrap();
+    }
+
+    // THEN every message committed after the restore is in the stream, once, above the
+    // old top, and the log says why the stream was rebuilt
+    wait_until(
+        Duration::from_secs(60),
+        "the restored cluster's messages",
+        || async {
+            let payloads = stream_payloads(&fx).await;
+            let missing = (0..100)
+                .filter(|t| !payloads.contains_key(&(3, *t)))
+                .count();
+            if missing == 0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{missing} of 100 missing; log: {}",
+                    common::tail(&relay.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+    let payloads = stream_payloads(&fx).await;
+    assert!((0..100).all(|t| payloads[&(3, t)] == 1));
+    let entries = fx.stream_entries().await;
+    let first_new = entries
+        .iter()
+        .position(|e| e.payload["writer"] == 3)
+        .unwrap();
+    assert!(common::parse_stream_id(&entries[first_new].id) > common::parse_stream_id(&top_before));
+    let m = metrics(&relay).await;
+    assert_eq!(m["cdc_relay_rebuilds_total{reason=\"timeline\"}"], 1.0);
     relay.stop();
 }
 

@@ -37,6 +37,12 @@ impl PgOptions {
         self
     }
 
+    /// Archive finished WAL segments into `dir` (for point-in-time restores).
+    pub fn archiving(self, dir: &Path) -> Self {
+        self.setting("archive_mode", "on")
+            .setting("archive_command", format!("cp %p {}/%f", dir.display()))
+    }
+
     pub fn tls(mut self, cert: ServerCert) -> Self {
         self.tls = Some(cert);
         self
@@ -285,6 +291,135 @@ impl PgServer {
         };
         server.start_again()?;
         Ok(server)
+    }
+
+    /// A directory this server's `archive_command` copies finished WAL segments into:
+    /// start the server with [`PgOptions::archiving`] pointing at it.
+    pub fn archive_dir() -> anyhow::Result<PathBuf> {
+        let dir = scratch_dir("pg-archive");
+        chown_to_postgres(&dir)?;
+        Ok(dir)
+    }
+
+    /// A base backup of this running server (`pg_basebackup -X stream`), for
+    /// [`PgServer::restore`].
+    pub fn base_backup(&self) -> anyhow::Result<PathBuf> {
+        let root = scratch_dir("pg-backup");
+        chown_to_postgres(&root)?;
+        let dir = root.join("data");
+        let output = as_postgres(&pg_bin_dir()?.join("pg_basebackup"))
+            .arg("-D")
+            .arg(&dir)
+            .arg("-h")
+            .arg(&self.socket_dir)
+            .args(["-p", &self.port.to_string(), "-U", "postgres"])
+            .args(["-X", "stream", "--checkpoint=fast", "--no-sync"])
+            .output()
+            .context("run pg_basebackup")?;
+        if !output.status.success() {
+            bail!(
+                "pg_basebackup failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        Ok(dir)
+    }
+
+    /// Switch to a new WAL segment and wait until the finished one is archived.
+    pub async fn archive_current_wal(&self) -> anyhow::Result<()> {
+        let client = self.connect("postgres").await?;
+        let segment: String = client
+            .query_one("SELECT pg_walfile_name(pg_switch_wal())", &[])
+            .await?
+            .get(0);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let archived: Option<String> = client
+                .query_one("SELECT last_archived_wal FROM pg_stat_archiver", &[])
+                .await?
+                .get(0);
+            if archived.is_some_and(|a| a >= segment) {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("WAL segment {segment} not archived within 30 s");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
+    /// A point-in-time restore of `primary`'s cluster: `backup` (from [`base_backup`]) with
+    /// the WAL in `archive` replayed up to `target_lsn`, then promoted onto a new timeline.
+    /// Returns once it accepts writes.
+    pub async fn restore(
+        primary: &PgServer,
+        backup: &Path,
+        archive: &Path,
+        target_lsn: &str,
+    ) -> anyhow::Result<Self> {
+        let root = scratch_dir("pg-restored");
+        let data_dir = root.join("data");
+        let socket_dir = root.join("socket");
+        std::fs::create_dir_all(&socket_dir)?;
+        let status = Command::new("cp")
+            .arg("-a")
+            .arg(backup)
+            .arg(&data_dir)
+            .status()?;
+        if !status.success() {
+            bail!("copying the base backup failed");
+        }
+        std::fs::write(data_dir.join("recovery.signal"), "")?;
+        chown_to_postgres(&root)?;
+        let mut args: Vec<String> = primary
+            .args
+            .iter()
+            .map(|arg| {
+                arg.replace(
+                    &primary.data_dir.display().to_string(),
+                    &data_dir.display().to_string(),
+                )
+                .replace(
+                    &primary.socket_dir.display().to_string(),
+                    &socket_dir.display().to_string(),
+                )
+            })
+            .collect();
+        for setting in [
+            format!("restore_command=cp {}/%f %p", archive.display()),
+            format!("recovery_target_lsn={target_lsn}"),
+            "recovery_target_action=promote".to_string(),
+            "archive_mode=off".to_string(),
+        ] {
+            args.push("-c".into());
+            args.push(setting);
+        }
+        let server = Self {
+            root,
+            data_dir,
+            socket_dir,
+            port: primary.port,
+            tcp: false,
+            args,
+            process: Mutex::new(None),
+            starts: Mutex::new(0),
+        };
+        server.start_again()?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let client = server.connect("postgres").await?;
+            let recovering: bool = client
+                .query_one("SELECT pg_is_in_recovery()", &[])
+                .await?
+                .get(0);
+            if !recovering {
+                return Ok(server);
+            }
+            if Instant::now() >= deadline {
+                bail!("the restored server still recovering after 60 s");
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Promote this standby (waits until it accepts writes on its new timeline).
