@@ -205,8 +205,9 @@ pub struct RunArgs {
 pub struct SetupArgs {
     #[command(flatten)]
     pub postgres: PostgresArgs,
-    /// With --stream: record in Redis that the (new) stream starts at the slot's position,
-    /// so the first `run` streams instead of rebuilding from the outbox table.
+    /// With --stream: when this call creates the slot and the stream is empty, record in
+    /// Redis that the stream starts at the slot's position (so the first `run` streams
+    /// instead of rebuilding from the outbox table); an existing record is never touched.
     #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub redis_url: Option<String>,
     /// The stream `run` will write (see --redis-url).
