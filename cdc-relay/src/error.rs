@@ -79,6 +79,13 @@ pub enum RelayError {
     #[error("stream {stream} is recorded on another Postgres timeline: {detail}; reconnecting to check the timeline history")]
     TimelineMismatch { stream: String, detail: String },
 
+    #[error("stream {stream} is on Postgres timeline {recorded}, but this server is on the older timeline {server}: it is not the current primary (after a failover); point --database-url at the current primary")]
+    OlderTimeline {
+        stream: String,
+        recorded: u32,
+        server: u32,
+    },
+
     #[error("lost the rebuild lock of stream {stream} (Redis unreachable for longer than its TTL, or another relay took it); standing by")]
     RebuildLockLost { stream: String },
 
@@ -134,6 +141,7 @@ impl RelayError {
             | RelayError::SlotMismatch { .. }
             | RelayError::OriginMismatch { .. }
             | RelayError::StreamDiverged { .. }
+            | RelayError::OlderTimeline { .. }
             | RelayError::Decode(_)
             | RelayError::Outbox(_)
             | RelayError::Protocol(_) => false,

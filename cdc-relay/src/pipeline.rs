@@ -52,7 +52,15 @@ pub(crate) struct Pipeline {
 }
 
 impl Pipeline {
-    pub fn new(publisher: Publisher, origin: Origin, ctx: SharedContext) -> Self {
+    /// `fence`: the stream's top when the session decided to stream. The first batch is
+    /// refused (GAP) if Redis no longer holds it, e.g. after failing over to a stale replica
+    /// between the session's start and its first call.
+    pub fn new(
+        publisher: Publisher,
+        origin: Origin,
+        ctx: SharedContext,
+        fence: Option<EntryId>,
+    ) -> Self {
         let backoff = Backoff::new(Duration::from_millis(50), ctx.config.reconnect_max_backoff);
         Self {
             publisher,
@@ -62,7 +70,7 @@ impl Pipeline {
             resend: VecDeque::new(),
             retry_at: None,
             backoff,
-            last_sealed_id: None,
+            last_sealed_id: fence,
         }
     }
 

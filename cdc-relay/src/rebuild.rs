@@ -86,7 +86,8 @@ impl Reason {
 }
 
 /// Rebuild on the gated replication session `client` (IDENTIFY_SYSTEM done, replication
-/// not started). `record` was read under `lock`. Returns the id offset to stream with.
+/// not started). `record` was read under `lock`. Returns the id offset to stream with and
+/// the stream's top after the rebuild.
 pub(crate) async fn rebuild(
     ctx: &Context,
     client: &mut ReplicationClient,
@@ -95,7 +96,7 @@ pub(crate) async fn rebuild(
     record: &StreamRecord,
     lock: &mut RebuildLock,
     reason: Reason,
-) -> Result<u64, RelayError> {
+) -> Result<(u64, EntryId), RelayError> {
     let cfg = &ctx.config;
     let pg = &cfg.postgres;
     let mut records = publisher.records();
@@ -112,6 +113,10 @@ pub(crate) async fn rebuild(
         .await;
     if let Err(e) = dropped {
         if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) {
+            // Nothing done yet: a marker of ours would make the holder rebuild for nothing.
+            if record.exists() && record.rebuilding.is_none() {
+                records.clear_marker().await?;
+            }
             return Err(RelayError::SlotBusy {
                 slot: pg.slot.clone(),
                 holder: None,
@@ -163,12 +168,18 @@ pub(crate) async fn rebuild(
     )
     .await?;
 
-    // What the stream holds now, and from when on outbox rows may be unconsumed.
+    // What the stream holds now, and from when on outbox rows may be unconsumed: trimming
+    // follows the groups and never empties a stream (it keeps the last-delivered entry), so
+    // rows before the oldest entry were consumed. An empty stream lost its data, and a
+    // missing record is Redis losing everything or an operator asking for everything:
+    // then every retained row is compared.
     let (top, len) = records.top_and_len().await?;
-    let bound = if len > 0 {
+    let everything = reason == Reason::NoRecord
+        || record.rebuilding.as_deref() == Some(Reason::NoRecord.as_str());
+    let bound = if len > 0 && !everything {
         records.oldest_created_at().await?
     } else {
-        record.last_created_at.clone()
+        None
     };
     let mut after: Option<String> = None;
     loop {
@@ -212,8 +223,12 @@ pub(crate) async fn rebuild(
         commit_lsn: top.commit_lsn,
         seq: top.seq + 1,
     };
-    let mut fence = None;
+    // The stream must still hold what it held when compared (a failover to a stale replica
+    // mid-rebuild is refused, and the next session starts over).
+    let mut fence = (top != EntryId::default()).then_some(top);
     let mut published = 0u64;
+    // The cap is for live traffic: a rebuild must not trim what it just republished.
+    let mut publisher = publisher.uncapped();
     let mut last_created_at = record.last_created_at.clone();
     loop {
         let rows = tx.query_portal(&portal, CHUNK as i32).await?;
@@ -242,6 +257,9 @@ pub(crate) async fn rebuild(
         lock.check()?;
         let outcome = publisher.publish(&batch, origin, fence).await?;
         published += outcome.published;
+        ctx.metrics
+            .unread_entries_trimmed_total
+            .inc_by(outcome.unread_trimmed);
         ctx.metrics
             .republished_events_total
             .inc_by(outcome.published);
@@ -279,5 +297,5 @@ pub(crate) async fn rebuild(
         id_offset,
         "stream rebuilt from the outbox table"
     );
-    Ok(id_offset)
+    Ok((id_offset, top))
 }

@@ -323,13 +323,25 @@ impl Records {
         Ok(adopted == 1)
     }
 
-    /// Whether some relay other than `holder` holds the rebuild lock.
+    /// Whether some relay other than `holder` holds the rebuild lock (the lock's value is
+    /// `<holder>/<nonce>`: a leftover of this process's own is not another relay's).
     pub async fn rebuilding_elsewhere(&mut self, holder: &str) -> Result<bool, RelayError> {
         let current: Option<String> = redis::cmd("GET")
             .arg(&self.lock_key)
             .query_async(&mut self.conn)
             .await?;
-        Ok(current.is_some_and(|c| c != holder))
+        Ok(current.is_some_and(|c| !c.starts_with(&format!("{holder}/"))))
+    }
+
+    /// Take a rebuild marker back that this relay set and did nothing after (the slot turned
+    /// out to be held by another walsender).
+    pub(crate) async fn clear_marker(&mut self) -> Result<(), RelayError> {
+        let _: i64 = redis::cmd("HDEL")
+            .arg(&self.origin_key)
+            .arg("rebuilding")
+            .query_async(&mut self.conn)
+            .await?;
+        Ok(())
     }
 
     /// The oldest entry's `created_at` (`None`: the stream is empty).

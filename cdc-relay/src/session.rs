@@ -33,16 +33,28 @@ use crate::status::Role;
 /// Microseconds between the Unix epoch and the Postgres epoch (2000-01-01).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
 
+/// Where a session starts: ids are commit LSNs plus `id_offset` (see `record`), and the
+/// stream must still hold `top` (its last id when the session decided to stream).
+pub(crate) struct Start {
+    pub origin: Origin,
+    pub id_offset: u64,
+    pub top: EntryId,
+}
+
 /// Stream from a started replication session until shutdown (`Ok`) or an error.
-/// `id_offset` is added to commit LSNs to make stream ids (see `record`).
 pub(crate) async fn stream(
     ctx: &Context,
     client: ReplicationClient,
     publisher: Publisher,
-    origin: Origin,
-    id_offset: u64,
+    start: Start,
     shutdown: &CancellationToken,
 ) -> Result<(), RelayError> {
+    let Start {
+        origin,
+        id_offset,
+        top,
+    } = start;
+    let fence = (top != EntryId::default()).then_some(top);
     let cfg = &ctx.config;
     ctx.set_role(Role::Streaming);
     ctx.set_last_error(None);
@@ -57,7 +69,7 @@ pub(crate) async fn stream(
             ack_only_not_before: tokio::time::Instant::now(),
             id_offset,
         },
-        pipeline: Pipeline::new(publisher, origin, ctx.shared()),
+        pipeline: Pipeline::new(publisher, origin, ctx.shared(), fence),
         client,
     };
     session.stream(shutdown).await

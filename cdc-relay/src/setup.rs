@@ -122,10 +122,11 @@ pub enum RecordOutcome {
     LeftAlone(&'static str),
 }
 
-/// Write the stream's first record, only when this `setup` call created the slot and the
-/// stream has neither a record nor entries: then nothing committed before the slot's
-/// consistent point is owed to the stream. In every other case the record is left alone,
-/// so a Redis that lost its data is rebuilt by `run`, never silently adopted.
+/// Write the stream's first record, only when this `setup` call created the slot, the
+/// stream has neither a record nor entries, and the outbox table is empty: then nothing
+/// committed before the slot's consistent point is owed to the stream (a fresh install).
+/// In every other case the record is left alone, so a Redis that lost its data, or a slot
+/// made anew after a failover, is rebuilt by `run` from the outbox, never silently adopted.
 pub async fn init_stream_record(
     cfg: &PostgresConfig,
     setup: &SetupOutcome,
@@ -146,6 +147,22 @@ pub async fn init_stream_record(
     }
     if record.len > 0 {
         return Ok(RecordOutcome::LeftAlone("the stream already has entries"));
+    }
+    // Rows committed after the slot's consistent point come from the slot; any row seen
+    // here may be from before it.
+    let client = cfg.endpoint.connect(timeout).await?;
+    let table = format!(
+        "\"{}\".\"{}\"",
+        cfg.outbox_table.schema, cfg.outbox_table.table
+    );
+    let has_rows: bool = client
+        .query_one(&format!("SELECT EXISTS (SELECT 1 FROM {table})"), &[])
+        .await?
+        .get(0);
+    if has_rows {
+        return Ok(RecordOutcome::LeftAlone(
+            "the outbox has rows the stream may not hold",
+        ));
     }
     let origin = server_origin(cfg, timeout).await?;
     let written = records

@@ -32,6 +32,9 @@ pub(crate) enum Decision {
     Rebuild(Reason),
     /// No slot and no rebuild under way: `setup` was not run (or the slot was dropped).
     SlotMissing,
+    /// The server is on an older timeline than the stream (the old primary after a
+    /// failover): rebuilding from it would undo the newer history, so refuse.
+    OlderTimeline,
 }
 
 /// The decision, from the slot (read first), the record (read second) and the server.
@@ -56,8 +59,14 @@ pub(crate) fn decide(
     if !record.exists() {
         return Decision::Rebuild(Reason::NoRecord);
     }
+    if record
+        .timeline
+        .is_some_and(|recorded| recorded > origin.timeline)
+    {
+        return Decision::OlderTimeline;
+    }
     let acked = record.acked_through.unwrap_or(0);
-    if history_diverged(record, origin) || acked > server_lsn {
+    if history_diverged(record, origin) || written_through(record) > server_lsn {
         return Decision::Rebuild(Reason::Timeline);
     }
     // Entries the relay wrote are gone (the stream was deleted or restored from older data).
@@ -82,19 +91,27 @@ pub(crate) fn decide(
 /// what the stream acknowledged, or the recorded ancestors differ from the server's.
 fn history_diverged(record: &StreamRecord, origin: &Origin) -> bool {
     let recorded = record.timeline.unwrap_or(origin.timeline);
-    if recorded == origin.timeline {
-        return false;
-    }
-    let Some(switch) = origin.history.switch_point(recorded) else {
-        return true;
-    };
-    let acked = record.acked_through.unwrap_or(0);
+    // Ancestors must be the server's: equal timeline numbers of two restores differ here.
     let ancestors_differ = record.history.as_ref().is_some_and(|h| {
         h.switches
             .iter()
             .any(|(tli, lsn)| origin.history.switch_point(*tli) != Some(*lsn))
     });
-    acked > switch || ancestors_differ
+    if recorded == origin.timeline {
+        return ancestors_differ;
+    }
+    let Some(switch) = origin.history.switch_point(recorded) else {
+        return true;
+    };
+    written_through(record) > switch || ancestors_differ
+}
+
+/// The highest LSN the stream holds anything of: what it acknowledged, or the commit LSN of
+/// its top entry (a large transaction is published in chunks before its Commit is
+/// acknowledged).
+fn written_through(record: &StreamRecord) -> u64 {
+    let acked = record.acked_through.unwrap_or(0);
+    acked.max(record.top.commit_lsn.saturating_sub(record.id_offset))
 }
 
 /// Connect, take the slot (rebuilding the stream first when needed) and stream until
@@ -150,6 +167,7 @@ pub(crate) async fn run(
     let server_lsn = identity.xlogpos.as_u64();
     let mut decision = decide(slot.as_ref(), &record, &origin, server_lsn);
     let mut id_offset = record.id_offset;
+    let mut top = record.top;
     let mut lock = None;
     if let Decision::Rebuild(reason) = decision {
         refuse_lost_slot(ctx, reason)?;
@@ -178,6 +196,7 @@ pub(crate) async fn run(
         };
         decision = decide(slot.as_ref(), &record, &origin, server_lsn);
         id_offset = record.id_offset;
+        top = record.top;
         if let Decision::Rebuild(reason) = decision {
             let rebuilt = match refuse_lost_slot(ctx, reason) {
                 Ok(()) => {
@@ -196,7 +215,7 @@ pub(crate) async fn run(
                 Err(e) => Err(e),
             };
             match rebuilt {
-                Ok(offset) => id_offset = offset,
+                Ok(rebuilt) => (id_offset, top) = rebuilt,
                 Err(e) => {
                     taken.release().await;
                     return Err(e);
@@ -220,9 +239,20 @@ pub(crate) async fn run(
                 info!(stream = %publisher.stream(), timeline = origin.timeline, "the stream continues on the server's new timeline (its switch point is past everything the stream acknowledged)");
             }
         }
+        Decision::OlderTimeline => {
+            if let Some(lock) = lock {
+                lock.release().await;
+            }
+            return Err(RelayError::OlderTimeline {
+                stream: publisher.stream().to_string(),
+                recorded: record.timeline.unwrap_or_default(),
+                server: origin.timeline,
+            });
+        }
         Decision::Stream | Decision::Rebuild(_) => {}
     }
 
+    let rebuilt_here = matches!(decision, Decision::Rebuild(_));
     client.start().await?;
     let started = within(cfg, client.wait_started()).await;
     if let Some(lock) = lock {
@@ -245,6 +275,14 @@ pub(crate) async fn run(
         ));
     }
     drop(sql);
+    if !rebuilt_here {
+        // Another relay may have started a rebuild between our decision and START (it
+        // dropped and made the slot we now hold): leave the stream to it.
+        let now = records.read().await?;
+        if now.rebuilding.is_some() || records.rebuilding_elsewhere(holder).await? {
+            return Err(busy(ctx, None));
+        }
+    }
     info!(
         slot = %pg.slot,
         stream = %publisher.stream(),
@@ -253,7 +291,12 @@ pub(crate) async fn run(
         id_offset,
         "acquired slot; streaming"
     );
-    session::stream(ctx, client, publisher, origin, id_offset, shutdown).await
+    let start = session::Start {
+        origin,
+        id_offset,
+        top,
+    };
+    session::stream(ctx, client, publisher, start, shutdown).await
 }
 
 /// The slot as Postgres shows it; a slot held by another walsender means standing by.
@@ -422,7 +465,7 @@ mod tests {
             ),
             Decision::Rebuild(Reason::Timeline)
         );
-        // Recorded timeline not an ancestor of the server's.
+        // The server is on an older timeline than the stream: the old primary. Refuse.
         assert_eq!(
             decide(
                 Some(&slot(50)),
@@ -430,6 +473,32 @@ mod tests {
                 &origin(2, &[(1, 80)]),
                 500
             ),
+            Decision::OlderTimeline
+        );
+        // Recorded timeline not an ancestor of the server's.
+        assert_eq!(
+            decide(
+                Some(&slot(50)),
+                &record(100, 2),
+                &origin(3, &[(1, 80)]),
+                500
+            ),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        // A large transaction's chunks sit above what was acknowledged: they count.
+        let mut chunked = record(100, 1);
+        chunked.top.commit_lsn = 130;
+        assert_eq!(
+            decide(Some(&slot(100)), &chunked, &origin(2, &[(1, 120)]), 500),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        // Same timeline number, another history (two restores): diverged.
+        let mut other = record(100, 2);
+        other.history = Some(TimelineHistory {
+            switches: vec![(1, 90)],
+        });
+        assert_eq!(
+            decide(Some(&slot(100)), &other, &origin(2, &[(1, 95)]), 500),
             Decision::Rebuild(Reason::Timeline)
         );
         // WAL ends before what the stream acknowledged (restored, same timeline).

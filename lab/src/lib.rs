@@ -7,6 +7,7 @@ pub mod chaos;
 pub mod clients;
 pub mod knee;
 pub mod latency;
+pub mod rebuild;
 pub mod report;
 pub mod soak;
 pub mod system;

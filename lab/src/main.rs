@@ -1,7 +1,7 @@
 //! `chat-lab`: parse the command line and run one experiment.
 
 use clap::{Parser, Subcommand};
-use lab::{baseline, chaos, latency, soak, throughput};
+use lab::{baseline, chaos, latency, rebuild, soak, throughput};
 
 #[derive(Debug, Parser)]
 #[command(name = "chat-lab", version)]
@@ -21,6 +21,8 @@ enum Command {
     Latency(latency::Args),
     /// Relay drain rate (beside pg_recvlogical and the NOTIFY relay) and the end-to-end knee.
     Throughput(throughput::Args),
+    /// A rebuild's cost at scale: rows/s and the relay's peak memory.
+    Rebuild(rebuild::Args),
     /// The baselines the experiments compare against (started by the lab itself).
     #[command(subcommand, hide = true)]
     Baseline(baseline::Command),
@@ -35,6 +37,7 @@ fn main() -> anyhow::Result<()> {
             Command::Soak(args) => soak::run(args).await,
             Command::Latency(args) => latency::run(args).await,
             Command::Throughput(args) => throughput::run(args).await,
+            Command::Rebuild(args) => rebuild::run(args).await,
             Command::Baseline(command) => baseline::run(command).await,
         }
     })

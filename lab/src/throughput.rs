@@ -147,19 +147,19 @@ async fn measure_shape(
     let mut relay_slots = Vec::new();
     let mut recv_slots = Vec::new();
     for _ in 0..rounds {
-        for slots in [&mut relay_slots, &mut recv_slots] {
-            let slot = unique_name("lab");
-            admin
-                .query_one(
-                    "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
-                    &[&slot],
-                )
-                .await?;
-            slots.push(slot);
-        }
+        let slot = unique_name("lab");
+        admin
+            .query_one(
+                "SELECT pg_create_logical_replication_slot($1, 'pgoutput')",
+                &[&slot],
+            )
+            .await?;
+        recv_slots.push(slot);
+        relay_slots.push(unique_name("lab"));
     }
-    // Each relay round's stream starts at its slot's position (what `setup` records), so the
-    // relay streams the fill rather than rebuilding it from the table.
+    // `setup` creates each relay round's slot before the fill, with the outbox still empty,
+    // so it records that the stream starts at the slot's position: the relay streams the
+    // fill rather than rebuilding it from the table.
     let mut streams = Vec::new();
     for slot in &relay_slots {
         let stream = format!("lab:{}", unique_name("stream"));
