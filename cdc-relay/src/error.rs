@@ -79,7 +79,7 @@ pub enum RelayError {
     #[error("stream {stream} is recorded on another Postgres timeline: {detail}; reconnecting to check the timeline history")]
     TimelineMismatch { stream: String, detail: String },
 
-    #[error("stream {stream} is on Postgres timeline {recorded}, but this server is on the older timeline {server}: it is not the current primary (after a failover); point --database-url at the current primary")]
+    #[error("stream {stream} is on Postgres timeline {recorded}, but this server is on its ancestor timeline {server}: it is not the current primary (after a failover); retrying; point --database-url at the current primary")]
     OlderTimeline {
         stream: String,
         recorded: u32,
@@ -119,6 +119,8 @@ impl RelayError {
             | RelayError::RecordMissing { .. }
             | RelayError::TimelineMismatch { .. }
             | RelayError::RebuildLockLost { .. } => true,
+            // The URL may point at the old primary for a moment (DNS or VIP lag): retry.
+            RelayError::OlderTimeline { .. } => true,
             RelayError::StreamEnded | RelayError::ConnectTimeout(_) => true,
             RelayError::Postgres(e) => match e.code() {
                 Some(code) => sqlstate_is_transient(code.code()),
@@ -141,7 +143,6 @@ impl RelayError {
             | RelayError::SlotMismatch { .. }
             | RelayError::OriginMismatch { .. }
             | RelayError::StreamDiverged { .. }
-            | RelayError::OlderTimeline { .. }
             | RelayError::Decode(_)
             | RelayError::Outbox(_)
             | RelayError::Protocol(_) => false,

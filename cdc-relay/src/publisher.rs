@@ -71,14 +71,6 @@ impl Publisher {
         Ok(())
     }
 
-    /// The same publisher without the last-resort length cap (for rebuilds).
-    pub(crate) fn uncapped(&self) -> Publisher {
-        Publisher {
-            max_len: 0,
-            ..self.clone()
-        }
-    }
-
     /// The stream's record, with this publisher's connection.
     pub fn records(&self) -> Records {
         Records::new(self.conn.clone(), &self.stream)

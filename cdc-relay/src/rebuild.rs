@@ -100,9 +100,12 @@ pub(crate) async fn rebuild(
     let cfg = &ctx.config;
     let pg = &cfg.postgres;
     let mut records = publisher.records();
-    records
-        .mark_rebuilding(lock, origin, reason.as_str())
-        .await?;
+    // A resumed rebuild keeps the reason it started with (it decides what is compared).
+    let marker = match (&record.rebuilding, reason) {
+        (Some(started), Reason::Resumed) => started.as_str(),
+        _ => reason.as_str(),
+    };
+    records.mark_rebuilding(lock, origin, marker).await?;
     let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
     lock.confirm().await?;
     let dropped = sql
@@ -113,8 +116,9 @@ pub(crate) async fn rebuild(
         .await;
     if let Err(e) = dropped {
         if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) {
-            // Nothing done yet: a marker of ours would make the holder rebuild for nothing.
-            if record.exists() && record.rebuilding.is_none() {
+            // Nothing done yet: a marker of ours would make the holder rebuild for nothing
+            // (but a new timeline written beside it is evidence to keep).
+            if record.exists() && record.rebuilding.is_none() && reason != Reason::Timeline {
                 records.clear_marker().await?;
             }
             return Err(RelayError::SlotBusy {
@@ -212,6 +216,16 @@ pub(crate) async fn rebuild(
         .await?
         .get(0);
     ctx.metrics.rebuild_remaining_rows.set(total);
+    // The cap would trim republished rows before anyone read them (and Redis is sized for
+    // it): refuse, saying what to change, rather than lose them.
+    let cap = cfg.stream_max_len;
+    if cap > 0 && len + total as u64 > cap {
+        return Err(RelayError::Config(format!(
+            "rebuilding {} needs {} entries ({len} in the stream, {total} outbox rows to republish) but --stream-max-len is {cap}: raise it (and Redis memory) to at least that, then restart the relay",
+            publisher.stream(),
+            len + total as u64,
+        )));
+    }
     let select = tx
         .prepare(&format!(
             "SELECT o.id::text, o.event, o.payload::text, o.created_at::text {missing} ORDER BY o.id"
@@ -227,8 +241,6 @@ pub(crate) async fn rebuild(
     // mid-rebuild is refused, and the next session starts over).
     let mut fence = (top != EntryId::default()).then_some(top);
     let mut published = 0u64;
-    // The cap is for live traffic: a rebuild must not trim what it just republished.
-    let mut publisher = publisher.uncapped();
     let mut last_created_at = record.last_created_at.clone();
     loop {
         let rows = tx.query_portal(&portal, CHUNK as i32).await?;

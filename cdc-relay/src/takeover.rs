@@ -44,6 +44,18 @@ pub(crate) fn decide(
     origin: &Origin,
     server_lsn: u64,
 ) -> Decision {
+    // First of all: a server on an ancestor of the stream's history is the old primary;
+    // nothing it says (a lost slot, a marker) may rewrite the newer history.
+    if record
+        .timeline
+        .is_some_and(|recorded| recorded > origin.timeline)
+        && record
+            .history
+            .as_ref()
+            .is_some_and(|h| h.switch_point(origin.timeline).is_some())
+    {
+        return Decision::OlderTimeline;
+    }
     let Some(slot) = slot else {
         return match record.rebuilding {
             Some(_) => Decision::Rebuild(Reason::Resumed),
@@ -58,12 +70,6 @@ pub(crate) fn decide(
     }
     if !record.exists() {
         return Decision::Rebuild(Reason::NoRecord);
-    }
-    if record
-        .timeline
-        .is_some_and(|recorded| recorded > origin.timeline)
-    {
-        return Decision::OlderTimeline;
     }
     let acked = record.acked_through.unwrap_or(0);
     if history_diverged(record, origin) || written_through(record) > server_lsn {
@@ -465,7 +471,19 @@ mod tests {
             ),
             Decision::Rebuild(Reason::Timeline)
         );
-        // The server is on an older timeline than the stream: the old primary. Refuse.
+        // The server is on an ancestor of the stream's timeline: the old primary. Refuse,
+        // even with a marker.
+        let mut newer = record(100, 3);
+        newer.history = Some(TimelineHistory {
+            switches: vec![(1, 80), (2, 95)],
+        });
+        newer.rebuilding = Some("timeline".into());
+        assert_eq!(
+            decide(Some(&slot(50)), &newer, &origin(2, &[(1, 80)]), 500),
+            Decision::OlderTimeline
+        );
+        // A lower timeline number that is no ancestor (a restore without the archive's
+        // later history files) is a new history: rebuild.
         assert_eq!(
             decide(
                 Some(&slot(50)),
@@ -473,7 +491,7 @@ mod tests {
                 &origin(2, &[(1, 80)]),
                 500
             ),
-            Decision::OlderTimeline
+            Decision::Rebuild(Reason::Timeline)
         );
         // Recorded timeline not an ancestor of the server's.
         assert_eq!(

@@ -115,6 +115,24 @@ enum Fault {
 }
 
 impl Fault {
+    /// Every kind once, in random order and on random sides: drawn first, so even a short
+    /// soak meets each fault.
+    fn deck(rng: &mut StdRng) -> Vec<Fault> {
+        let mut side = || SIDES[rng.random_range(0..2)];
+        let mut deck = vec![
+            Fault::KillService(side()),
+            Fault::DeployService(side()),
+            Fault::KillRelay(side()),
+            Fault::RelayHandover(side()),
+            Fault::KillRedis,
+            Fault::WipeRedis,
+            Fault::StandbyUnderLoad(side()),
+            Fault::RestartPostgres,
+        ];
+        rand::seq::SliceRandom::shuffle(&mut deck[..], rng);
+        deck
+    }
+
     fn pick(rng: &mut StdRng) -> Fault {
         let side = SIDES[rng.random_range(0..2)];
         // Redis losing everything is rarer than the rest: each one republishes the whole
@@ -227,6 +245,7 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
 
     // Faults.
     let mut faults = Vec::new();
+    let mut deck = Fault::deck(&mut rng);
     let deadline = started + Duration::from_secs(args.seconds);
     loop {
         let pause = args.fault_every.mul_f64(rng.random_range(0.5..1.5));
@@ -234,7 +253,7 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
             break;
         }
         tokio::time::sleep(pause).await;
-        let fault = Fault::pick(&mut rng);
+        let fault = deck.pop().unwrap_or_else(|| Fault::pick(&mut rng));
         let outage = Duration::from_millis(rng.random_range(200..1500));
         let line = inject(&system, &mut relays, fault, outage).await?;
         let line = format!("{:>6.1}s  {line}", started.elapsed().as_secs_f64());
