@@ -544,7 +544,10 @@ impl Active<'_> {
         Ok(Flow::Continue)
     }
 
-    /// Insert into the inbox, retrying while Postgres is unavailable (keeping the lease).
+    /// Insert into the inbox, retrying in place (keeping the lease, never counting a
+    /// delivery) while Postgres is unavailable or its state refuses the write (read-only,
+    /// permissions, a missing table, a lock): that is nobody's entry's fault. Only a row
+    /// Postgres refuses for its own data comes back as `Rejected`.
     async fn record(
         &mut self,
         batch: &[Received],
@@ -554,16 +557,26 @@ impl Active<'_> {
         loop {
             match self.inbox.store.record_inbox(batch).await {
                 Ok(seqs) => return Ok(Recorded::Done(seqs)),
-                Err(e) if e.is_transient() => {
+                Err(e) if e.is_row_refused() => return Ok(Recorded::Rejected(e)),
+                Err(e) => {
                     let delay = backoff.next_delay();
-                    warn!(error = %e, retry_in = ?delay, entries = batch.len(), "inbox unavailable; retrying the same entries");
+                    let cause = if e.is_transient() {
+                        "unavailable"
+                    } else {
+                        "database_state"
+                    };
+                    self.inbox
+                        .metrics
+                        .inbox_write_retries_total
+                        .with_label_values(&[cause])
+                        .inc();
+                    warn!(error = %e, cause, retry_in = ?delay, entries = batch.len(), "inbox write failed for a reason that is not the entries' fault; retrying the same entries");
                     tokio::select! {
                         _ = shutdown.cancelled() => return Ok(Recorded::Shutdown),
                         _ = tokio::time::sleep(delay) => {}
                     }
                     self.renew_if_due().await?;
                 }
-                Err(e) => return Ok(Recorded::Rejected(e)),
             }
         }
     }

@@ -1,6 +1,9 @@
 //! Every metric a chat service exports, defined once: `chat_<what>_<unit>[_total]`.
 
-use prometheus::{Encoder, Histogram, HistogramOpts, IntCounter, IntGauge, Registry, TextEncoder};
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
 
 pub struct Metrics {
     registry: Registry,
@@ -14,6 +17,7 @@ pub struct Metrics {
     pub delivery_seconds: Histogram,
     pub outbox_deleted_total: IntCounter,
     pub dead_letter_entries: IntGauge,
+    pub inbox_write_retries_total: IntCounterVec,
 }
 
 impl Metrics {
@@ -50,7 +54,19 @@ impl Metrics {
         registry
             .register(Box::new(delivery_seconds.clone()))
             .expect("unique metric");
+        let inbox_write_retries_total = IntCounterVec::new(
+            Opts::new(
+                "chat_inbox_write_retries_total",
+                "Inbox writes retried in place, by cause: unavailable (connection, shutdown) or database_state (read-only, permissions, missing table, locks); never a delivery",
+            ),
+            &["cause"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(inbox_write_retries_total.clone()))
+            .expect("unique metric");
         Self {
+            inbox_write_retries_total,
             delivery_seconds,
             messages_sent_total: counter(
                 "chat_messages_sent_total",

@@ -24,7 +24,14 @@ pub enum StoreError {
     /// `before` names no message of this chat (HTTP 400).
     #[error("before={0} is not a message of this chat")]
     UnknownCursor(Uuid),
-    /// Anything else (HTTP 500): a bug or a schema mismatch.
+    /// Postgres refused the row itself: a data exception (SQLSTATE class 22) or an
+    /// integrity constraint violation (23). The one kind of failure that is the data's
+    /// fault, so the only one that may dead-letter an entry (HTTP 500 on a send: the
+    /// handler validates first, so it is a bug there).
+    #[error("postgres refused the row: {0}")]
+    RowRefused(String),
+    /// Anything else: the database's state (read-only after a failover, a revoked
+    /// permission, a missing table mid-migration, a lock timeout) or a bug (HTTP 500).
     #[error("postgres: {0}")]
     Other(String),
 }
@@ -33,6 +40,11 @@ impl StoreError {
     /// Whether retrying later can succeed.
     pub fn is_transient(&self) -> bool {
         matches!(self, StoreError::Unavailable(_))
+    }
+
+    /// Whether the failure is the written row's own fault (see [`StoreError::RowRefused`]).
+    pub fn is_row_refused(&self) -> bool {
+        matches!(self, StoreError::RowRefused(_))
     }
 }
 
@@ -43,6 +55,9 @@ impl From<tokio_postgres::Error> for StoreError {
             // restart), system errors, serialization failures and deadlocks.
             Some(code) if matches!(&code.code()[..2], "08" | "53" | "57" | "58" | "40") => {
                 StoreError::Unavailable(describe(&e))
+            }
+            Some(code) if matches!(&code.code()[..2], "22" | "23") => {
+                StoreError::RowRefused(describe(&e))
             }
             Some(_) => StoreError::Other(describe(&e)),
             None => StoreError::Unavailable(describe(&e)),
