@@ -129,6 +129,21 @@ async fn bad_input_is_refused_with_a_json_error_naming_the_problem() {
         415,
         "Content-Type must be application/json",
     );
+    // No Content-Type at all (what a cross-site no-cors fetch of a string sends is
+    // text/plain; without the header nothing is assumed either).
+    assert_error(
+        &request(
+            a,
+            "POST",
+            "/chats/7/messages",
+            &[],
+            r#"{"body":"x"}"#.to_string(),
+        )
+        .await
+        .unwrap(),
+        415,
+        "Content-Type must be application/json",
+    );
     let huge = format!(r#"{{"body":"{}"}}"#, "x".repeat(70_000));
     assert_error(
         &post_raw(a, "/chats/7/messages", json, &huge).await,
