@@ -61,6 +61,16 @@ pub struct Cli {
     /// Postgres connections in the pool.
     #[arg(long, env = "CHAT_DB_POOL_SIZE", default_value_t = 16)]
     pub db_pool_size: usize,
+    /// Open HTTP connections at most; beyond it a new connection gets 503 and is closed.
+    #[arg(long, env = "CHAT_MAX_CONNECTIONS", default_value_t = 10_000)]
+    pub max_connections: usize,
+    /// Open event streams (SSE) at most on this instance; beyond it 503 (clients retry).
+    #[arg(long, env = "CHAT_MAX_EVENT_STREAMS", default_value_t = 5_000)]
+    pub max_event_streams: usize,
+    /// How long a connection may take to send a request's headers, and stay idle between
+    /// requests, before it is closed.
+    #[arg(long, env = "CHAT_HEADER_READ_TIMEOUT", value_parser = humantime::parse_duration, default_value = "30s")]
+    pub header_read_timeout: Duration,
     /// Log line format.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
@@ -91,6 +101,9 @@ pub struct ServiceConfig {
     pub lease_ttl: Duration,
     pub sse_heartbeat: Duration,
     pub db_pool_size: usize,
+    pub max_connections: usize,
+    pub max_event_streams: usize,
+    pub header_read_timeout: Duration,
     pub outbox_retention: Duration,
     pub outbox_retention_interval: Duration,
     pub crash_after_inbox_commit: Option<u64>,
@@ -161,6 +174,12 @@ impl Cli {
         if self.db_pool_size == 0 {
             return Err("--db-pool-size must be at least 1".into());
         }
+        if self.max_connections == 0 || self.max_event_streams == 0 {
+            return Err("--max-connections and --max-event-streams must be at least 1".into());
+        }
+        if self.header_read_timeout.is_zero() {
+            return Err("--header-read-timeout must be greater than zero".into());
+        }
         Ok(ServiceConfig {
             side: self.side,
             postgres,
@@ -180,6 +199,9 @@ impl Cli {
             lease_ttl: self.lease_ttl,
             sse_heartbeat: self.sse_heartbeat,
             db_pool_size: self.db_pool_size,
+            max_connections: self.max_connections,
+            max_event_streams: self.max_event_streams,
+            header_read_timeout: self.header_read_timeout,
             outbox_retention: self.outbox_retention,
             outbox_retention_interval: self.outbox_retention_interval,
             crash_after_inbox_commit: self.crash_after_inbox_commit,

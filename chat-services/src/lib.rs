@@ -50,6 +50,7 @@ impl Service {
             consumer: status_rx,
             shutdown,
             sse_heartbeat: config.sse_heartbeat,
+            limits: http::Limits::new(&config),
         });
         Ok(Self {
             config,

@@ -18,6 +18,10 @@ pub struct Metrics {
     pub outbox_deleted_total: IntCounter,
     pub dead_letter_entries: IntGauge,
     pub inbox_write_retries_total: IntCounterVec,
+    pub accept_errors_total: IntCounter,
+    pub connections_refused_total: IntCounter,
+    pub event_streams_refused_total: IntCounter,
+    pub live_chats: IntGauge,
 }
 
 impl Metrics {
@@ -66,6 +70,22 @@ impl Metrics {
             .register(Box::new(inbox_write_retries_total.clone()))
             .expect("unique metric");
         Self {
+            accept_errors_total: counter(
+                "chat_accept_errors_total",
+                "Failed accepts (such as too many open files), each followed by a pause",
+            ),
+            connections_refused_total: counter(
+                "chat_connections_refused_total",
+                "Connections answered 503 and closed because --max-connections were open",
+            ),
+            event_streams_refused_total: counter(
+                "chat_event_streams_refused_total",
+                "Event streams refused with 503 because --max-event-streams were open",
+            ),
+            live_chats: gauge(
+                "chat_live_chats",
+                "Chats with at least one open event stream on this instance",
+            ),
             inbox_write_retries_total,
             delivery_seconds,
             messages_sent_total: counter(

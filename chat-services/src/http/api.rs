@@ -40,6 +40,7 @@ pub fn page(app: &App) -> Response<Body> {
 }
 
 pub fn metrics(app: &App) -> Response<Body> {
+    app.metrics.live_chats.set(app.hub.chats() as i64);
     let mut resp = Response::new(reply::full(app.metrics.encode()));
     resp.headers_mut().insert(
         CONTENT_TYPE,

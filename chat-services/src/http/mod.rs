@@ -9,9 +9,12 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tokio::io::AsyncWriteExt;
+use tokio::sync::Semaphore;
+
 use hyper::body::Incoming;
 use hyper::{Method, Request, Response, StatusCode};
-use hyper_util::rt::TokioIo;
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
@@ -35,35 +38,82 @@ pub struct App {
     /// Cancelled at shutdown: open event streams end so connections can close.
     pub shutdown: CancellationToken,
     pub sse_heartbeat: Duration,
+    pub limits: Limits,
 }
+
+/// What one instance holds open at most, so a flood of connections or streams costs a 503,
+/// not the process.
+pub struct Limits {
+    pub connections: Arc<Semaphore>,
+    pub event_streams: Arc<Semaphore>,
+    pub header_read_timeout: Duration,
+}
+
+impl Limits {
+    pub fn new(config: &crate::config::ServiceConfig) -> Self {
+        Self {
+            connections: Arc::new(Semaphore::new(config.max_connections)),
+            event_streams: Arc::new(Semaphore::new(config.max_event_streams)),
+            header_read_timeout: config.header_read_timeout,
+        }
+    }
+}
+
+/// Written to a connection past `--max-connections` before closing it.
+const OVER_CAPACITY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: 68\r\n\r\n{\"error\":\"too many connections to this instance; retry in a moment\"}";
 
 /// Serve until `shutdown`, then let in-flight requests finish (bounded).
 pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: CancellationToken) {
     let graceful = GracefulShutdown::new();
+    // Accept errors (EMFILE above all) back off instead of spinning on the same error.
+    let mut accept_pause = Duration::ZERO;
     loop {
         let stream = tokio::select! {
             _ = shutdown.cancelled() => break,
             accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => stream,
+                Ok((stream, _)) => {
+                    accept_pause = Duration::ZERO;
+                    stream
+                }
                 Err(e) => {
-                    warn!(error = %e, "accept failed");
+                    accept_pause = (accept_pause * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
+                    app.metrics.accept_errors_total.inc();
+                    warn!(error = %e, pause = ?accept_pause, "accept failed; pausing");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(accept_pause) => {}
+                    }
                     continue;
                 }
             },
         };
         let _ = stream.set_nodelay(true);
+        let Ok(permit) = app.limits.connections.clone().try_acquire_owned() else {
+            app.metrics.connections_refused_total.inc();
+            tokio::spawn(async move {
+                let mut stream = stream;
+                let _ =
+                    tokio::time::timeout(Duration::from_secs(1), stream.write_all(OVER_CAPACITY))
+                        .await;
+            });
+            continue;
+        };
+        let header_read_timeout = app.limits.header_read_timeout;
         let app = app.clone();
         let service = hyper::service::service_fn(move |req| {
             let app = app.clone();
             async move { Ok::<_, Infallible>(route(app, req).await) }
         });
         let conn = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(header_read_timeout)
             .serve_connection(TokioIo::new(stream), service);
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             if let Err(e) = conn.await {
                 debug!(error = %e, "connection ended with an error");
             }
+            drop(permit);
         });
     }
     tokio::select! {

@@ -15,12 +15,13 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use hyper::header::{HeaderValue, CACHE_CONTROL, CONTENT_TYPE};
 use hyper::Response;
+use hyper::StatusCode;
 use tokio::sync::{broadcast, mpsc};
 use tracing::debug;
 
 use super::reply::Body;
 use super::App;
-use crate::hub::Live;
+use crate::hub::{Live, Subscription};
 use crate::model::HistoryItem;
 use crate::store::StoreError;
 
@@ -38,6 +39,16 @@ pub fn frame(item: &HistoryItem) -> Bytes {
 
 /// Start streaming chat `chat_id` from position `after` (`None`: from now on).
 pub fn respond(app: Arc<App>, chat_id: i64, after: Option<i64>) -> Response<Body> {
+    let Ok(permit) = app.limits.event_streams.clone().try_acquire_owned() else {
+        app.metrics.event_streams_refused_total.inc();
+        let mut resp = super::reply::error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "too many event streams on this instance; retry in a moment",
+        );
+        resp.headers_mut()
+            .insert("retry-after", HeaderValue::from_static("1"));
+        return resp;
+    };
     let (tx, rx) = mpsc::channel::<Bytes>(CLIENT_QUEUE);
     let live = app.hub.subscribe(chat_id);
     tokio::spawn(async move {
@@ -46,6 +57,7 @@ pub fn respond(app: Arc<App>, chat_id: i64, after: Option<i64>) -> Response<Body
             debug!(chat_id, error = %e, "event stream ended");
         }
         app.metrics.sse_clients.dec();
+        drop(permit);
     });
     let body = stream::unfold(rx, |mut rx| async move {
         rx.recv().await.map(|bytes| (Ok(Frame::data(bytes)), rx))
@@ -70,7 +82,7 @@ async fn stream_events(
     app: &App,
     chat_id: i64,
     after: Option<i64>,
-    mut live: broadcast::Receiver<Live>,
+    mut live: Subscription,
     tx: &mpsc::Sender<Bytes>,
 ) -> Result<(), StreamEnd> {
     let send =

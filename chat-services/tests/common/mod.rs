@@ -165,12 +165,30 @@ impl<'a> Stack<'a> {
 
     /// Start a service binary as a process on a free port; waits until it is ready.
     pub async fn service_process(&self, side: Side, name: &str, extra: &[&str]) -> ServiceProcess {
+        self.service_process_under(side, name, extra, &[]).await
+    }
+
+    /// Same, run through `wrapper` (a command that execs the rest, such as `prlimit`).
+    pub async fn service_process_under(
+        &self,
+        side: Side,
+        name: &str,
+        extra: &[&str],
+        wrapper: &[&str],
+    ) -> ServiceProcess {
         let port = testkit::http::free_port();
         let listen = format!("127.0.0.1:{port}");
         let mut args = self.service_args(side, extra);
         let i = args.iter().position(|a| a == "127.0.0.1:0").unwrap();
         args[i] = listen.clone();
-        let mut cmd = Command::new(env!("CARGO_BIN_EXE_chat-service"));
+        let mut cmd = match wrapper.split_first() {
+            Some((program, rest)) => {
+                let mut cmd = Command::new(program);
+                cmd.args(rest).arg(env!("CARGO_BIN_EXE_chat-service"));
+                cmd
+            }
+            None => Command::new(env!("CARGO_BIN_EXE_chat-service")),
+        };
         cmd.args(args).env("RUST_LOG", "info");
         let log = testkit::scratch_dir("service-log").join(format!("{name}.log"));
         let child = ChildProcess::spawn(name, cmd, &log).expect("spawn chat-service");
