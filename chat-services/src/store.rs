@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use time::OffsetDateTime;
+use tracing::warn;
 use uuid::Uuid;
 
 use crate::model::{HistoryItem, Message, MESSAGE_CREATED};
@@ -30,6 +31,10 @@ pub enum StoreError {
     /// handler validates first, so it is a bug there).
     #[error("postgres refused the row: {0}")]
     RowRefused(String),
+    /// A send whose commit outcome could not be learned within the resolution window
+    /// (HTTP 503 with the key: retrying with it returns the message if it was written).
+    #[error("the database did not answer whether the message was written; retry with Idempotency-Key {idempotency_key}")]
+    OutcomeUnknown { idempotency_key: String },
     /// Anything else: the database's state (read-only after a failover, a revoked
     /// permission, a missing table mid-migration, a lock timeout) or a bug (HTTP 500).
     #[error("postgres: {0}")]
@@ -79,6 +84,74 @@ fn describe(e: &tokio_postgres::Error) -> String {
         Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
         None => e.to_string(),
     }
+}
+
+/// How long a send whose outcome is unknown is retried before answering 503.
+const RESOLVE_WITHIN: Duration = Duration::from_secs(5);
+
+/// One send's statement, runnable again with the same message id and key.
+struct Send<'a> {
+    message: &'a Message,
+    key: &'a str,
+    payload: &'a serde_json::Value,
+}
+
+impl Send<'_> {
+    /// One statement, so one round trip and atomic without an explicit transaction: the
+    /// outbox row exists exactly when the message row does. `ON CONFLICT DO NOTHING` covers
+    /// both the message id and the key, so running it again never writes twice.
+    async fn execute(&self, store: &Store) -> Attempt {
+        let s = store.side.schema();
+        let client = match store.pool.get().await {
+            Ok(client) => client,
+            Err(e) => return Attempt::Refused(e.into()),
+        };
+        let statement = match client
+            .prepare_cached(&format!(
+                "WITH m AS (
+                   INSERT INTO {s}.messages (id, chat_id, body, created_at, idempotency_key)
+                   VALUES ($1, $2, $3, $4, $5)
+                   ON CONFLICT DO NOTHING
+                   RETURNING id
+                 )
+                 INSERT INTO {s}.outbox (event, payload) SELECT $6, $7 FROM m"
+            ))
+            .await
+        {
+            Ok(statement) => statement,
+            Err(e) => return Attempt::Refused(e.into()),
+        };
+        let m = self.message;
+        let executed = client
+            .execute(
+                &statement,
+                &[
+                    &m.id,
+                    &m.chat_id,
+                    &m.body,
+                    &m.created_at,
+                    &self.key,
+                    &MESSAGE_CREATED,
+                    self.payload,
+                ],
+            )
+            .await;
+        match executed {
+            Ok(inserted) => Attempt::Done(inserted),
+            // The server answered with an error: the statement (and its commit) failed.
+            Err(e) if e.as_db_error().is_some() => Attempt::Refused(e.into()),
+            Err(e) => Attempt::Unknown(e.to_string()),
+        }
+    }
+}
+
+/// What one run of a send's statement did.
+enum Attempt {
+    Done(u64),
+    /// Certainly not written (it never reached the server, or the server refused it).
+    Refused(StoreError),
+    /// Sent, and no answer: written or not.
+    Unknown(String),
 }
 
 /// A message recorded into the inbox by [`Store::record_inbox`].
@@ -162,42 +235,37 @@ impl Store {
             side: self.side,
         };
         let payload = serde_json::to_value(&message).expect("message serializes");
-        let client = self.pool.get().await?;
-        // One statement, so one round trip and atomic without an explicit transaction: the
-        // outbox row exists exactly when the message row does.
-        let statement = client
-            .prepare_cached(&format!(
-                "WITH m AS (
-                   INSERT INTO {s}.messages (id, chat_id, body, created_at, idempotency_key)
-                   VALUES ($1, $2, $3, $4, $5)
-                   ON CONFLICT (idempotency_key) DO NOTHING
-                   RETURNING id
-                 )
-                 INSERT INTO {s}.outbox (event, payload) SELECT $6, $7 FROM m"
-            ))
-            .await?;
-        let inserted = client
-            .execute(
-                &statement,
-                &[
-                    &message.id,
-                    &chat_id,
-                    &body,
-                    &created_at,
-                    &idempotency_key,
-                    &MESSAGE_CREATED,
-                    &payload,
-                ],
-            )
-            .await?;
+        // Every send has a key: the client's, or one of ours, so that an outcome we cannot
+        // learn (Postgres unreachable for the whole resolution window) can still be retried
+        // safely by the client with the key we answer.
+        let key = idempotency_key
+            .map(str::to_string)
+            .unwrap_or_else(|| format!("auto:{}", message.id));
+        let send = Send {
+            message: &message,
+            key: &key,
+            payload: &payload,
+        };
+        let inserted = match send.execute(self).await {
+            Attempt::Done(inserted) => inserted,
+            Attempt::Refused(e) => return Err(e),
+            // The statement went out and no answer came back (the connection broke): it
+            // may have committed. Send it again: the same message id and key make a second
+            // run write nothing if the first committed, and wait for it if still running.
+            Attempt::Unknown(e) => {
+                warn!(error = %e, message_id = %message.id, "send's outcome unknown (connection lost); resolving");
+                self.resolve(&send).await?
+            }
+        };
         if inserted == 1 {
             return Ok((message, false));
         }
-        // The idempotency key was used before: answer the original, write nothing.
+        // The key (or the message id) was written before: answer the original.
+        let client = self.pool.get().await?;
         let row = client
             .query_one(
                 &format!("SELECT id, chat_id, body, created_at FROM {s}.messages WHERE idempotency_key = $1"),
-                &[&idempotency_key],
+                &[&key],
             )
             .await?;
         let original = Message {
@@ -212,7 +280,43 @@ impl Store {
                 chat_id: original.chat_id,
             });
         }
-        Ok((original, true))
+        // The same message id: this very send, committed before its connection broke.
+        let replayed = original.id != message.id;
+        Ok((original, replayed))
+    }
+
+    /// Run `send` again on fresh connections until its outcome is known (5 s at most).
+    async fn resolve(&self, send: &Send<'_>) -> Result<u64, StoreError> {
+        let deadline = tokio::time::Instant::now() + RESOLVE_WITHIN;
+        let mut pause = Duration::from_millis(50);
+        loop {
+            match send.execute(self).await {
+                Attempt::Done(inserted) => return Ok(inserted),
+                // A definite refusal of the rerun, not an outage: its own answer.
+                Attempt::Refused(e) if !e.is_transient() => return Err(e),
+                Attempt::Refused(e) => {
+                    let e = e.to_string();
+                    if tokio::time::Instant::now() + pause > deadline {
+                        warn!(error = %e, key = %send.key, "send's outcome still unknown");
+                        return Err(StoreError::OutcomeUnknown {
+                            idempotency_key: send.key.to_string(),
+                        });
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+                Attempt::Unknown(e) => {
+                    if tokio::time::Instant::now() + pause > deadline {
+                        warn!(error = %e, key = %send.key, "send's outcome still unknown");
+                        return Err(StoreError::OutcomeUnknown {
+                            idempotency_key: send.key.to_string(),
+                        });
+                    }
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(Duration::from_secs(1));
+                }
+            }
+        }
     }
 
     /// The chat as this side sees it, oldest first: sent and received messages ordered by

@@ -15,6 +15,7 @@
 pub mod http;
 mod postgres;
 mod process;
+pub mod proxy;
 mod redis_server;
 mod scratch;
 pub mod tls;

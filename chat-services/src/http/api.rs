@@ -81,6 +81,20 @@ fn store_error(e: StoreError) -> Response<Body> {
         StoreError::Unavailable(_) => {
             reply::unavailable("the database is unavailable; nothing was written, retry shortly")
         }
+        StoreError::OutcomeUnknown {
+            ref idempotency_key,
+        } => {
+            let mut resp = reply::json(
+                StatusCode::SERVICE_UNAVAILABLE,
+                &serde_json::json!({"error": e.to_string(), "idempotency_key": idempotency_key}),
+            );
+            let headers = resp.headers_mut();
+            headers.insert("retry-after", HeaderValue::from_static("1"));
+            if let Ok(key) = HeaderValue::from_str(idempotency_key) {
+                headers.insert("idempotency-key", key);
+            }
+            resp
+        }
         StoreError::IdempotencyMismatch { .. } => reply::error(StatusCode::UNPROCESSABLE_ENTITY, e),
         StoreError::UnknownCursor(_) => reply::error(StatusCode::BAD_REQUEST, e),
         StoreError::Other(ref detail) | StoreError::RowRefused(ref detail) => {

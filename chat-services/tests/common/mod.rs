@@ -134,8 +134,13 @@ impl<'a> Stack<'a> {
 
     /// Start a service in-process.
     pub async fn service(&self, side: Side, extra: &[&str]) -> RunningService {
+        self.service_with(self.service_args(side, extra)).await
+    }
+
+    /// Start a service in-process with exactly these flags.
+    pub async fn service_with(&self, args: Vec<String>) -> RunningService {
         let mut argv = vec!["chat-service".to_string()];
-        argv.extend(self.service_args(side, extra));
+        argv.extend(args);
         let config = chat_services::Cli::try_parse_from(argv)
             .expect("service flags")
             .validate()

@@ -1,0 +1,108 @@
+//! A loopback TCP proxy in front of a Unix socket (a test Postgres) that can cut a
+//! connection at the worst moment: right after the server answered a request the client
+//! sent, before the client sees the answer ("the connection died after COMMIT").
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, UnixStream};
+
+/// Forwards 127.0.0.1:<port> to a Unix socket until dropped.
+pub struct Proxy {
+    addr: SocketAddr,
+    armed: Arc<Mutex<Option<Vec<u8>>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    /// Listen on a free loopback port, forwarding each connection to `socket`.
+    pub async fn to_unix(socket: PathBuf) -> anyhow::Result<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let armed: Arc<Mutex<Option<Vec<u8>>>> = Arc::default();
+        let task = tokio::spawn({
+            let armed = armed.clone();
+            async move {
+                while let Ok((tcp, _)) = listener.accept().await {
+                    let Ok(unix) = UnixStream::connect(&socket).await else {
+                        continue;
+                    };
+                    tokio::spawn(forward(tcp, unix, armed.clone()));
+                }
+            }
+        });
+        Ok(Self { addr, armed, task })
+    }
+
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// The next connection whose client sends bytes containing `pattern` is cut as soon
+    /// as the server answers: the answer is dropped and both sides are closed. Once.
+    pub fn cut_reply_after(&self, pattern: &[u8]) {
+        *self.armed.lock().unwrap() = Some(pattern.to_vec());
+    }
+
+    /// Whether the armed cut happened.
+    pub fn cut_done(&self) -> bool {
+        self.armed.lock().unwrap().is_none()
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn forward(tcp: tokio::net::TcpStream, unix: UnixStream, armed: Arc<Mutex<Option<Vec<u8>>>>) {
+    let (mut client_read, mut client_write) = tcp.into_split();
+    let (mut server_read, mut server_write) = unix.into_split();
+    // Set when this connection's client sent the armed pattern.
+    let marked = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let upstream = {
+        let (armed, marked) = (armed.clone(), marked.clone());
+        async move {
+            let mut buf = vec![0u8; 64 * 1024];
+            loop {
+                let n = match client_read.read(&mut buf).await {
+                    Ok(0) | Err(_) => return,
+                    Ok(n) => n,
+                };
+                if let Some(pattern) = armed.lock().unwrap().as_ref() {
+                    if buf[..n].windows(pattern.len()).any(|w| w == &pattern[..]) {
+                        marked.store(true, std::sync::atomic::Ordering::SeqCst);
+                    }
+                }
+                if server_write.write_all(&buf[..n]).await.is_err() {
+                    return;
+                }
+            }
+        }
+    };
+    let downstream = async move {
+        let mut buf = vec![0u8; 64 * 1024];
+        loop {
+            let n = match server_read.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => n,
+            };
+            if marked.load(std::sync::atomic::Ordering::SeqCst) {
+                // The server answered what the client sent: drop the answer, close both.
+                *armed.lock().unwrap() = None;
+                return;
+            }
+            if client_write.write_all(&buf[..n]).await.is_err() {
+                return;
+            }
+        }
+    };
+    // Whichever side ends first ends the connection (dropping both halves closes it).
+    tokio::select! {
+        _ = upstream => {}
+        _ = downstream => {}
+    }
+}
