@@ -95,6 +95,8 @@ enum ConsumeError {
     Redis(#[from] redis::RedisError),
     #[error("lost the consumer lease")]
     LeaseLost,
+    #[error("{0}")]
+    Store(crate::store::StoreError),
     #[error("unexpected reply: {0}")]
     Reply(String),
 }
@@ -228,14 +230,30 @@ impl Inbox {
                 _ = tokio::time::sleep(jitter(lease.ttl() / 5)) => {}
             }
         }
-        info!(consumer = %self.cfg.consumer, stream = %self.cfg.stream, group = %self.cfg.group, "inbox consumer active");
+        // Fence the previous holder where the writes land (it may be paused, not dead).
+        let epoch = match self.store.claim_inbox_writer(&self.cfg.consumer).await {
+            Ok(epoch) => epoch,
+            Err(e) => {
+                let _ = self.release(lease, &mut conn).await;
+                return Err(ConsumeError::Store(e));
+            }
+        };
+        if !lease.acquire(&mut conn).await? {
+            // The claim outlasted the lease: whoever holds it now bumps the epoch again.
+            return Err(ConsumeError::LeaseLost);
+        }
+        info!(consumer = %self.cfg.consumer, stream = %self.cfg.stream, group = %self.cfg.group, epoch, "inbox consumer active");
         self.set_role(ConsumerRole::Active);
+        // Whatever a previous holder recorded and never announced is shown now.
+        self.hub.resync_all();
+        notify::publish_resync(&mut conn, self.cfg.side).await;
         let mut active = Active {
             inbox: self,
             lease,
             conn,
             blocking,
             renew_at: Instant::now() + lease.ttl() / 3,
+            epoch,
         };
         let result = active.consume(shutdown).await;
         if let Err(e) = active.inbox.release(lease, &mut active.conn).await {
@@ -261,6 +279,8 @@ struct Active<'a> {
     conn: ConnectionManager,
     blocking: MultiplexedConnection,
     renew_at: Instant,
+    /// This holder's inbox-writer epoch; writes with an older one are refused.
+    epoch: i64,
 }
 
 impl Active<'_> {
@@ -294,6 +314,14 @@ impl Active<'_> {
                 _ = shutdown.cancelled() => return Ok(Flow::Shutdown),
                 read = self.read(">") => read?,
             };
+            if !entries.is_empty() && self.took_older_entries(&entries).await? {
+                // A previous holder, paused while its blocking read was outstanding, was
+                // handed entries older than these: they are ours now; record all in order.
+                if let Flow::Shutdown = self.drain_own_pending(shutdown).await? {
+                    return Ok(Flow::Shutdown);
+                }
+                continue;
+            }
             if !entries.is_empty() {
                 if let Flow::Shutdown = self.process(entries, shutdown).await? {
                     return Ok(Flow::Shutdown);
@@ -342,11 +370,39 @@ impl Active<'_> {
         }
     }
 
+    /// Whether entries other than `batch` were pending in the group (now claimed by this
+    /// consumer): a paused previous holder's outstanding read can be served after this
+    /// holder took over, and those entries precede the batch in the stream.
+    async fn took_older_entries(&mut self, batch: &[Entry]) -> Result<bool, ConsumeError> {
+        let claimed = self.claim_ids(Duration::ZERO).await?;
+        let ours: std::collections::HashSet<&str> = batch.iter().map(|e| e.id.as_str()).collect();
+        let others = claimed
+            .iter()
+            .filter(|id| !ours.contains(id.as_str()))
+            .count();
+        if others > 0 {
+            info!(
+                claimed = others,
+                "entries delivered to a previous holder claimed; recording them first"
+            );
+        }
+        Ok(others > 0)
+    }
+
     /// XAUTOCLAIM every pending entry idle at least `min_idle` for this consumer (ids only:
     /// the delivery count grows when they are read). Returns how many were claimed.
     async fn claim(&mut self, min_idle: Duration) -> Result<usize, ConsumeError> {
+        let claimed = self.claim_ids(min_idle).await?.len();
+        if claimed > 0 {
+            info!(claimed, min_idle = ?min_idle, "claimed pending entries");
+        }
+        Ok(claimed)
+    }
+
+    /// XAUTOCLAIM (JUSTID) every pending entry idle at least `min_idle`; the claimed ids.
+    async fn claim_ids(&mut self, min_idle: Duration) -> Result<Vec<String>, ConsumeError> {
         let mut cursor = "0-0".to_string();
-        let mut claimed = 0;
+        let mut claimed = Vec::new();
         loop {
             let reply: Value = redis::cmd("XAUTOCLAIM")
                 .arg(&self.cfg().stream)
@@ -370,7 +426,12 @@ impl Active<'_> {
                 .map_err(|e| ConsumeError::Reply(e.to_string()))?
                 .unwrap_or_else(|| "0-0".into());
             if let Some(Value::Array(ids)) = parts.get(1) {
-                claimed += ids.len();
+                for id in ids {
+                    claimed.push(
+                        redis::from_redis_value_ref::<String>(id)
+                            .map_err(|e| ConsumeError::Reply(e.to_string()))?,
+                    );
+                }
             }
             if let Some(Value::Array(deleted)) = parts.get(2) {
                 if !deleted.is_empty() {
@@ -385,9 +446,6 @@ impl Active<'_> {
                 break;
             }
             cursor = next;
-        }
-        if claimed > 0 {
-            info!(claimed, min_idle = ?min_idle, "claimed pending entries");
         }
         Ok(claimed)
     }
@@ -555,8 +613,16 @@ impl Active<'_> {
     ) -> Result<Recorded, ConsumeError> {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
-            match self.inbox.store.record_inbox(batch).await {
+            match self.inbox.store.record_inbox(batch, self.epoch).await {
                 Ok(seqs) => return Ok(Recorded::Done(seqs)),
+                // Another instance is the writer now: leave the batch to it.
+                Err(StoreError::Fenced { ours, current }) => {
+                    warn!(
+                        ours,
+                        current, "another instance became the inbox writer; standing down"
+                    );
+                    return Err(ConsumeError::LeaseLost);
+                }
                 Err(e) if e.is_row_refused() => return Ok(Recorded::Rejected(e)),
                 Err(e) => {
                     let delay = backoff.next_delay();

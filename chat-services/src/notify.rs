@@ -32,6 +32,9 @@ struct Notification {
     chat_id: i64,
     seq: i64,
     frame: String,
+    /// The inbox changed writer: every stream re-reads the inbox.
+    #[serde(default)]
+    resync: bool,
 }
 
 /// Tell the other instances of this side that a message was recorded (best effort).
@@ -47,6 +50,7 @@ pub async fn publish(
         chat_id,
         seq,
         frame: String::from_utf8_lossy(frame).into_owned(),
+        resync: false,
     };
     let payload = serde_json::to_string(&note).expect("notification serializes");
     let sent: redis::RedisResult<i64> = redis::cmd("PUBLISH")
@@ -56,6 +60,27 @@ pub async fn publish(
         .await;
     if let Err(e) = sent {
         debug!(error = %e, "live notification not sent; other instances catch up from the inbox");
+    }
+}
+
+/// Tell every instance of this side to re-read the inbox (a new writer took over: what the
+/// previous one recorded and never announced is shown now).
+pub async fn publish_resync(conn: &mut ConnectionManager, side: Side) {
+    let note = Notification {
+        from: instance_id().to_string(),
+        chat_id: 0,
+        seq: 0,
+        frame: String::new(),
+        resync: true,
+    };
+    let payload = serde_json::to_string(&note).expect("notification serializes");
+    let sent: redis::RedisResult<i64> = redis::cmd("PUBLISH")
+        .arg(channel(side))
+        .arg(payload)
+        .query_async(conn)
+        .await;
+    if let Err(e) = sent {
+        debug!(error = %e, "resync notification not sent");
     }
 }
 
@@ -77,7 +102,9 @@ pub async fn follow(client: redis::Client, side: Side, hub: Arc<Hub>, shutdown: 
                 let Ok(note) = serde_json::from_str::<Notification>(&payload) else {
                     continue;
                 };
-                if note.from != instance_id() {
+                if note.resync {
+                    hub.resync_all();
+                } else if note.from != instance_id() {
                     hub.publish(note.chat_id, note.seq, Bytes::from(note.frame));
                 }
             }

@@ -31,6 +31,10 @@ pub enum StoreError {
     /// handler validates first, so it is a bug there).
     #[error("postgres refused the row: {0}")]
     RowRefused(String),
+    /// The inbox writer's epoch moved on: another instance holds the consumer lease now,
+    /// and this write was refused (nothing written).
+    #[error("another instance became the inbox writer (epoch {current}, ours {ours})")]
+    Fenced { ours: i64, current: i64 },
     /// A send whose commit outcome could not be learned within the resolution window
     /// (HTTP 503 with the key: retrying with it returns the message if it was written).
     #[error("the database did not answer whether the message was written; retry with Idempotency-Key {idempotency_key}")]
@@ -387,9 +391,28 @@ impl Store {
     /// Record received messages in one transaction, each once (by message id), in the given
     /// order. Returns the inbox position of each message recorded now; messages already in
     /// the inbox (redeliveries) are absent from the map.
+    /// Become the inbox's writer (after taking the consumer lease): bump the fencing epoch.
+    /// Waits for a previous holder's in-flight write, whose epoch it then invalidates.
+    pub async fn claim_inbox_writer(&self, holder: &str) -> Result<i64, StoreError> {
+        let s = self.side.schema();
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one(
+                &format!(
+                    "UPDATE {s}.inbox_writer SET holder = $1, epoch = epoch + 1 RETURNING epoch"
+                ),
+                &[&holder],
+            )
+            .await?;
+        Ok(row.get(0))
+    }
+
+    /// Record received messages, only while `epoch` is the inbox writer's epoch (see
+    /// [`Store::claim_inbox_writer`]); `Fenced` otherwise, with nothing written.
     pub async fn record_inbox(
         &self,
         received: &[Received],
+        epoch: i64,
     ) -> Result<HashMap<Uuid, i64>, StoreError> {
         let s = self.side.schema();
         let mut ids = Vec::with_capacity(received.len());
@@ -405,23 +428,51 @@ impl Store {
             streams.push(r.stream_id.as_str());
         }
         let client = self.pool.get().await?;
-        // One statement; identities are assigned in the order of `ord`, which is stream
-        // order, so positions grow in the sender's commit order.
+        // One statement: the writer row locked FOR SHARE and its epoch checked, then the
+        // rows inserted, identities assigned in the order of `ord`, which is stream order,
+        // so positions grow in the sender's commit order. The first output row (message id
+        // NULL) carries the current epoch.
         let statement = client
             .prepare_cached(&format!(
-                    "INSERT INTO {s}.inbox (message_id, chat_id, body, sent_at, stream_id)
-                     SELECT id, chat, body, sent, stream
-                       FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::timestamptz[], $5::text[])
-                            WITH ORDINALITY AS r(id, chat, body, sent, stream, ord)
-                      ORDER BY ord
-                     ON CONFLICT (message_id) DO NOTHING
-                     RETURNING message_id, seq"
+                    "WITH w AS (SELECT epoch FROM {s}.inbox_writer FOR SHARE),
+                          ins AS (
+                            INSERT INTO {s}.inbox (message_id, chat_id, body, sent_at, stream_id)
+                            SELECT id, chat, body, sent, stream
+                              FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::timestamptz[], $5::text[])
+                                   WITH ORDINALITY AS r(id, chat, body, sent, stream, ord)
+                             WHERE (SELECT epoch FROM w) = $6
+                             ORDER BY ord
+                            ON CONFLICT (message_id) DO NOTHING
+                            RETURNING message_id, seq)
+                     SELECT NULL::uuid, (SELECT epoch FROM w)
+                     UNION ALL
+                     SELECT message_id, seq FROM ins"
             ))
             .await?;
         let rows = client
-            .query(&statement, &[&ids, &chats, &bodies, &sent, &streams])
+            .query(
+                &statement,
+                &[&ids, &chats, &bodies, &sent, &streams, &epoch],
+            )
             .await?;
-        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+        let mut recorded = HashMap::with_capacity(rows.len());
+        for row in &rows {
+            match row.get::<_, Option<Uuid>>(0) {
+                Some(id) => {
+                    recorded.insert(id, row.get(1));
+                }
+                None => {
+                    let current: i64 = row.get(1);
+                    if current != epoch {
+                        return Err(StoreError::Fenced {
+                            ours: epoch,
+                            current,
+                        });
+                    }
+                }
+            }
+        }
+        Ok(recorded)
     }
 
     /// Received messages of a chat after inbox position `after`, in order.

@@ -97,6 +97,10 @@ fn store_error(e: StoreError) -> Response<Body> {
         }
         StoreError::IdempotencyMismatch { .. } => reply::error(StatusCode::UNPROCESSABLE_ENTITY, e),
         StoreError::UnknownCursor(_) => reply::error(StatusCode::BAD_REQUEST, e),
+        StoreError::Fenced { .. } => {
+            error!(error = %e, "inbox fencing error on a request path");
+            reply::error(StatusCode::INTERNAL_SERVER_ERROR, "internal error")
+        }
         StoreError::Other(ref detail) | StoreError::RowRefused(ref detail) => {
             error!(error = %detail, "database error");
             reply::error(StatusCode::INTERNAL_SERVER_ERROR, "internal error")

@@ -128,7 +128,18 @@ impl<'a> Stack<'a> {
             "--lease-ttl".into(),
             "3s".into(),
         ];
-        args.extend(extra.iter().map(|s| s.to_string()));
+        // A flag given again in `extra` replaces the default's value (clap takes each once).
+        let mut rest = extra.iter();
+        while let Some(flag) = rest.next() {
+            match args.iter().position(|a| a == flag) {
+                Some(i) if flag.starts_with("--") && i + 1 < args.len() => {
+                    if let Some(value) = rest.next() {
+                        args[i + 1] = value.to_string();
+                    }
+                }
+                _ => args.push(flag.to_string()),
+            }
+        }
         args
     }
 
@@ -173,8 +184,39 @@ impl<'a> Stack<'a> {
         self.service_process_under(side, name, extra, &[]).await
     }
 
+    /// A service process that stands by (another instance holds the inbox lease): waits
+    /// until it answers /readyz.
+    pub async fn service_process_standby(
+        &self,
+        side: Side,
+        name: &str,
+        extra: &[&str],
+    ) -> ServiceProcess {
+        let process = self.spawn_service(side, name, extra, &[]);
+        testkit::wait_until(Duration::from_secs(30), "service ready", || async {
+            match testkit::http::get(process.addr, "/readyz").await {
+                Ok((200, _)) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        })
+        .await;
+        process
+    }
+
     /// Same, run through `wrapper` (a command that execs the rest, such as `prlimit`).
     pub async fn service_process_under(
+        &self,
+        side: Side,
+        name: &str,
+        extra: &[&str],
+        wrapper: &[&str],
+    ) -> ServiceProcess {
+        let process = self.spawn_service(side, name, extra, wrapper);
+        process.wait_consuming().await;
+        process
+    }
+
+    fn spawn_service(
         &self,
         side: Side,
         name: &str,
@@ -197,12 +239,10 @@ impl<'a> Stack<'a> {
         cmd.args(args).env("RUST_LOG", "info");
         let log = testkit::scratch_dir("service-log").join(format!("{name}.log"));
         let child = ChildProcess::spawn(name, cmd, &log).expect("spawn chat-service");
-        let process = ServiceProcess {
+        ServiceProcess {
             child,
             addr: listen.parse().unwrap(),
-        };
-        process.wait_consuming().await;
-        process
+        }
     }
 
     pub async fn stop(mut self) {
