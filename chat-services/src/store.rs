@@ -65,7 +65,10 @@ impl From<tokio_postgres::Error> for StoreError {
             Some(code) if matches!(&code.code()[..2], "08" | "53" | "57" | "58" | "40") => {
                 StoreError::Unavailable(describe(&e))
             }
-            Some(code) if matches!(&code.code()[..2], "22" | "23") => {
+            // (23505 excepted: every write that can meet a duplicate says ON CONFLICT, so a
+            // unique violation means database state, such as an identity sequence behind
+            // its table after a restore.)
+            Some(code) if matches!(&code.code()[..2], "22" | "23") && code.code() != "23505" => {
                 StoreError::RowRefused(describe(&e))
             }
             Some(_) => StoreError::Other(describe(&e)),
@@ -142,8 +145,15 @@ impl Send<'_> {
             .await;
         match executed {
             Ok(inserted) => Attempt::Done(inserted),
-            // The server answered with an error: the statement (and its commit) failed.
-            Err(e) if e.as_db_error().is_some() => Attempt::Refused(e.into()),
+            // The server answered with an ERROR: the statement (and its commit) failed. A
+            // FATAL (an immediate shutdown, a crash restart) may follow a commit: unknown.
+            Err(e)
+                if e.as_db_error().is_some_and(|db| {
+                    db.parsed_severity() == Some(tokio_postgres::error::Severity::Error)
+                }) =>
+            {
+                Attempt::Refused(e.into())
+            }
             Err(e) => Attempt::Unknown(e.to_string()),
         }
     }
@@ -264,14 +274,24 @@ impl Store {
         if inserted == 1 {
             return Ok((message, false));
         }
-        // The key (or the message id) was written before: answer the original.
-        let client = self.pool.get().await?;
+        // Our own key was already there: this very send, committed before its connection
+        // broke (a rerun wrote nothing). No need to read it back.
+        if idempotency_key.is_none() {
+            return Ok((message, false));
+        }
+        // The client's key was used before: answer the original. Failing to read it now
+        // leaves the outcome unknown, not "nothing written".
+        let unknown = || StoreError::OutcomeUnknown {
+            idempotency_key: key.clone(),
+        };
+        let client = self.pool.get().await.map_err(|_| unknown())?;
         let row = client
             .query_one(
                 &format!("SELECT id, chat_id, body, created_at FROM {s}.messages WHERE idempotency_key = $1"),
                 &[&key],
             )
-            .await?;
+            .await
+            .map_err(|_| unknown())?;
         let original = Message {
             id: row.get(0),
             chat_id: row.get(1),
@@ -294,10 +314,10 @@ impl Store {
         let deadline = tokio::time::Instant::now() + RESOLVE_WITHIN;
         let mut pause = Duration::from_millis(50);
         loop {
+            // Only a completed rerun settles it: a rerun refused (say by a read-only node
+            // after a failover) says nothing about whether the first attempt committed.
             match send.execute(self).await {
                 Attempt::Done(inserted) => return Ok(inserted),
-                // A definite refusal of the rerun, not an outage: its own answer.
-                Attempt::Refused(e) if !e.is_transient() => return Err(e),
                 Attempt::Refused(e) => {
                     let e = e.to_string();
                     if tokio::time::Instant::now() + pause > deadline {

@@ -85,8 +85,7 @@ async fn stream_events(
     mut live: Subscription,
     tx: &mpsc::Sender<Bytes>,
 ) -> Result<(), StreamEnd> {
-    let send =
-        |bytes: Bytes| async move { tx.send(bytes).await.map_err(|_| StreamEnd::ClientGone) };
+    let send = |bytes: Bytes| async move { send_or_give_up(app, tx, bytes).await };
     send(Bytes::from_static(b"retry: 1000\n\n")).await?;
     let mut last = match after {
         Some(after) => {
@@ -121,6 +120,19 @@ async fn stream_events(
     }
 }
 
+/// Queue a frame for the client; a client that has not read for two heartbeats is dropped
+/// (it holds a stream slot and its connection; it resumes with Last-Event-ID).
+async fn send_or_give_up(
+    app: &App,
+    tx: &mpsc::Sender<Bytes>,
+    bytes: Bytes,
+) -> Result<(), StreamEnd> {
+    match tokio::time::timeout(app.sse_heartbeat * 2, tx.send(bytes)).await {
+        Ok(Ok(())) => Ok(()),
+        _ => Err(StreamEnd::ClientGone),
+    }
+}
+
 /// Send everything recorded for the chat after `last`, advancing it.
 async fn catch_up(
     app: &App,
@@ -132,9 +144,7 @@ async fn catch_up(
         let page = app.store.replay(chat_id, *last, REPLAY_PAGE).await?;
         let n = page.len() as i64;
         for item in &page {
-            tx.send(frame(item))
-                .await
-                .map_err(|_| StreamEnd::ClientGone)?;
+            send_or_give_up(app, tx, frame(item)).await?;
             *last = item.seq.unwrap_or(*last);
         }
         if n < REPLAY_PAGE {
