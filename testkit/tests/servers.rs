@@ -30,9 +30,11 @@ async fn postgres_starts_logical_and_migrated() {
         tables,
         [
             "consumers.inbox",
+            "consumers.inbox_writer",
             "consumers.messages",
             "consumers.outbox",
             "workers.inbox",
+            "workers.inbox_writer",
             "workers.messages",
             "workers.outbox"
         ]
