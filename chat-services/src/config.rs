@@ -75,7 +75,9 @@ pub struct Cli {
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
     /// Fault injection for tests and the lab: SIGKILL the process right after the n-th
-    /// received message is committed to the inbox, before XACK.
+    /// received message is committed to the inbox, before XACK. Only in builds with the
+    /// `failpoints` feature.
+    #[cfg(feature = "failpoints")]
     #[arg(long, env = "CHAT_CRASH_AFTER_INBOX_COMMIT", hide = true)]
     pub crash_after_inbox_commit: Option<u64>,
 }
@@ -204,7 +206,10 @@ impl Cli {
             header_read_timeout: self.header_read_timeout,
             outbox_retention: self.outbox_retention,
             outbox_retention_interval: self.outbox_retention_interval,
+            #[cfg(feature = "failpoints")]
             crash_after_inbox_commit: self.crash_after_inbox_commit,
+            #[cfg(not(feature = "failpoints"))]
+            crash_after_inbox_commit: None,
         })
     }
 }

@@ -13,6 +13,15 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use tokio::sync::broadcast;
 
+/// The SSE frame of a received message; `id:` is its inbox position. Made here, below
+/// both the inbox consumer (which announces) and the SSE handler (which replays), so neither
+/// imports the other.
+pub fn frame(item: &crate::model::HistoryItem) -> Bytes {
+    let seq = item.seq.expect("received messages have a position");
+    let data = serde_json::to_string(item).expect("message serializes");
+    Bytes::from(format!("id: {seq}\nevent: message\ndata: {data}\n\n"))
+}
+
 /// Messages a chat's channel buffers for its slowest subscriber before it lags.
 const CHAT_BUFFER: usize = 256;
 

@@ -15,7 +15,7 @@
 //!   entry's fault: the batch is retried in place and its delivery count does not grow.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -123,6 +123,8 @@ pub struct Inbox {
     hub: Arc<Hub>,
     metrics: Arc<Metrics>,
     status: watch::Sender<ConsumerStatus>,
+    /// Messages recorded so far (for the `failpoints` crash hook).
+    #[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
     recorded: AtomicU64,
 }
 
@@ -310,10 +312,19 @@ impl Active<'_> {
                 }
                 next_claim = Instant::now() + claim_every;
             }
+            let issued = Instant::now();
             let entries = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(Flow::Shutdown),
                 read = self.read(">") => read?,
             };
+            // A read that outlasted its block was paused (a stall, SIGSTOP): another
+            // instance may hold the lease now. Check before claiming or re-reading
+            // anything, which would raise the new holder's delivery counts.
+            if issued.elapsed() > READ_BLOCK + Duration::from_millis(500)
+                && !self.lease.acquire(&mut self.conn).await?
+            {
+                return Err(ConsumeError::LeaseLost);
+            }
             if !entries.is_empty() && self.took_older_entries(&entries).await? {
                 // A previous holder, paused while its blocking read was outstanding, was
                 // handed entries older than these: they are ours now; record all in order.
@@ -659,8 +670,15 @@ impl Active<'_> {
             match recorded.get(&message.id) {
                 Some(seq) => {
                     new.push((*seq, message));
-                    let n = self.inbox.recorded.fetch_add(1, Ordering::SeqCst) + 1;
-                    if self.cfg().crash_after_inbox_commit == Some(n) {
+                    #[cfg(feature = "failpoints")]
+                    if self.cfg().crash_after_inbox_commit
+                        == Some(
+                            self.inbox
+                                .recorded
+                                .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+                                + 1,
+                        )
+                    {
                         error!(message_id = %message.id, "failpoint: crashing after the inbox commit, before XACK");
                         // SAFETY: signalling our own process.
                         unsafe {
@@ -679,7 +697,7 @@ impl Active<'_> {
         new.sort_by_key(|(seq, _)| *seq);
         let mut notes = Vec::with_capacity(new.len());
         for (seq, message) in new {
-            let frame = crate::http::sse::frame(&HistoryItem {
+            let frame = crate::hub::frame(&HistoryItem {
                 message: message.clone(),
                 seq: Some(seq),
             });

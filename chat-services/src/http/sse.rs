@@ -21,21 +21,13 @@ use tracing::debug;
 
 use super::reply::Body;
 use super::App;
-use crate::hub::{Live, Subscription};
-use crate::model::HistoryItem;
+use crate::hub::{frame, Live, Subscription};
 use crate::store::StoreError;
 
 /// Messages replayed from the inbox per query.
 const REPLAY_PAGE: i64 = 500;
 /// Frames queued for one client before its stream waits (and its live feed may lag).
 const CLIENT_QUEUE: usize = 64;
-
-/// The SSE frame of a received message; `id:` is its inbox position.
-pub fn frame(item: &HistoryItem) -> Bytes {
-    let seq = item.seq.expect("received messages have a position");
-    let data = serde_json::to_string(item).expect("message serializes");
-    Bytes::from(format!("id: {seq}\nevent: message\ndata: {data}\n\n"))
-}
 
 /// Start streaming chat `chat_id` from position `after` (`None`: from now on).
 pub fn respond(app: Arc<App>, chat_id: i64, after: Option<i64>) -> Response<Body> {
