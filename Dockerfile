@@ -12,7 +12,7 @@ WORKDIR /src
 COPY . .
 RUN --mount=type=cache,target=/usr/local/cargo/registry \
     --mount=type=cache,target=/src/target \
-    cargo build --release --locked -p cdc-relay -p chat-services \
+    cargo build --release --locked --no-default-features -p cdc-relay -p chat-services \
  && mkdir -p /out \
  && cp target/release/cdc-relay target/release/chat-service target/release/migrate \
        target/release/healthcheck /out/
