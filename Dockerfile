@@ -33,10 +33,11 @@ CMD ["run"]
 
 FROM runtime AS chat-service
 COPY --from=build /out/chat-service /out/healthcheck /usr/local/bin/
-ENV LISTEN_ADDR=0.0.0.0:8080 LOG_FORMAT=json
-EXPOSE 8080
+# Admin listener: /healthz, /readyz, /metrics, kept off the public port.
+ENV LISTEN_ADDR=0.0.0.0:8080 CHAT_ADMIN_ADDR=0.0.0.0:9090 LOG_FORMAT=json
+EXPOSE 8080 9090
 HEALTHCHECK --interval=5s --timeout=3s --start-period=30s \
-  CMD ["/usr/local/bin/healthcheck", "http://127.0.0.1:8080/readyz"]
+  CMD ["/usr/local/bin/healthcheck", "http://127.0.0.1:9090/readyz"]
 ENTRYPOINT ["/usr/local/bin/chat-service"]
 
 FROM runtime AS migrate

@@ -19,6 +19,8 @@ consumers_port=${CONSUMERS_PORT:-8081}
 workers_port=${WORKERS_PORT:-8082}
 consumers_admin=${CONSUMERS_RELAY_ADMIN:-9181}
 workers_admin=${WORKERS_RELAY_ADMIN:-9182}
+consumers_service_admin=${CONSUMERS_ADMIN:-9191}
+workers_service_admin=${WORKERS_ADMIN:-9192}
 pg_port=${PG_PORT:-54329}
 redis_port=${REDIS_PORT:-63790}
 pg_bin=/usr/lib/postgresql/15/bin
@@ -165,13 +167,14 @@ done
 
 for side in consumers workers; do
   port_var=${side}_port
+  service_admin_var=${side}_service_admin
   export DATABASE_PASSWORD_FILE=$secrets/postgres/$side REDIS_PASSWORD_FILE=$secrets/redis/$side
   start "$side" "$bin/chat-service" --side "$side" --database-url "$(url "$side")" --redis-url "$(redis_url "$side")" \
-    --listen "127.0.0.1:${!port_var}" --consumer-name "$side-local"
+    --listen "127.0.0.1:${!port_var}" --admin-addr "127.0.0.1:${!service_admin_var}" --consumer-name "$side-local"
 done
 unset DATABASE_PASSWORD_FILE REDIS_PASSWORD_FILE
-wait_for "consumers" 60 http_ok "$consumers_port" /readyz
-wait_for "workers" 60 http_ok "$workers_port" /readyz
+wait_for "consumers" 60 http_ok "$consumers_service_admin" /readyz
+wait_for "workers" 60 http_ok "$workers_service_admin" /readyz
 
 cat <<MSG
 
@@ -179,6 +182,7 @@ cat <<MSG
   Workers chat:   http://127.0.0.1:$workers_port/
 
   relay metrics:  http://127.0.0.1:$consumers_admin/metrics  http://127.0.0.1:$workers_admin/metrics
+  service admin:  http://127.0.0.1:$consumers_service_admin/metrics  http://127.0.0.1:$workers_service_admin/metrics
   logs:           $state/logs/
   credentials:    $state/secrets/ (Postgres on localhost:$pg_port, Redis on localhost:$redis_port, CA $secrets/ca.pem)
   Ctrl-C stops everything.

@@ -27,9 +27,13 @@ pub struct Cli {
     pub database_secrets: cdc_relay::config::DatabaseSecrets,
     #[command(flatten)]
     pub redis_secrets: cdc_relay::config::RedisSecrets,
-    /// HTTP listen address.
+    /// HTTP listen address (the API, the page, event streams, /healthz).
     #[arg(long, env = "LISTEN_ADDR", default_value = "127.0.0.1:8080")]
     pub listen: String,
+    /// Admin listen address: /healthz, /readyz and /metrics, kept off the public listener;
+    /// empty to disable.
+    #[arg(long, env = "CHAT_ADMIN_ADDR", default_value = "127.0.0.1:9090")]
+    pub admin_addr: String,
     /// Stable consumer name of this instance in the consumer group (default: <side>-<hostname>).
     #[arg(long, env = "CONSUMER_NAME")]
     pub consumer_name: Option<String>,
@@ -95,6 +99,7 @@ pub struct ServiceConfig {
     pub postgres: cdc_relay::pg::PgEndpoint,
     pub redis: redis::Client,
     pub listen: SocketAddr,
+    pub admin_addr: Option<SocketAddr>,
     pub consumer_name: String,
     pub inbound_stream: String,
     pub dead_letter_stream: String,
@@ -147,6 +152,16 @@ impl Cli {
                 self.listen
             )
         })?;
+        let admin_addr = if self.admin_addr.is_empty() {
+            None
+        } else {
+            Some(self.admin_addr.parse().map_err(|_| {
+                format!(
+                    "--admin-addr '{}' is not host:port (e.g. 0.0.0.0:9090), or empty to disable",
+                    self.admin_addr
+                )
+            })?)
+        };
         let consumer_name = self
             .consumer_name
             .clone()
@@ -187,6 +202,7 @@ impl Cli {
             postgres,
             redis,
             listen,
+            admin_addr,
             consumer_name,
             inbound_stream: self
                 .inbound_stream

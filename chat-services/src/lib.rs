@@ -31,6 +31,7 @@ pub use side::Side;
 pub struct Service {
     config: ServiceConfig,
     listener: TcpListener,
+    admin: Option<TcpListener>,
     app: Arc<http::App>,
     status_tx: watch::Sender<inbox::ConsumerStatus>,
 }
@@ -41,6 +42,14 @@ impl Service {
         let listener = TcpListener::bind(config.listen)
             .await
             .map_err(|e| format!("--listen {}: cannot listen: {e}", config.listen))?;
+        let admin = match config.admin_addr {
+            Some(addr) => Some(
+                TcpListener::bind(addr)
+                    .await
+                    .map_err(|e| format!("--admin-addr {addr}: cannot listen: {e}"))?,
+            ),
+            None => None,
+        };
         let (status_tx, status_rx) = watch::channel(inbox::ConsumerStatus::default());
         let app = Arc::new(http::App {
             side: config.side,
@@ -55,6 +64,7 @@ impl Service {
         Ok(Self {
             config,
             listener,
+            admin,
             app,
             status_tx,
         })
@@ -64,6 +74,11 @@ impl Service {
         self.listener
             .local_addr()
             .expect("bound listener has an address")
+    }
+
+    /// The admin listener's address (/healthz, /readyz, /metrics), if enabled.
+    pub fn admin_addr(&self) -> Option<SocketAddr> {
+        self.admin.as_ref().and_then(|l| l.local_addr().ok())
     }
 
     pub fn consumer_status(&self) -> watch::Receiver<inbox::ConsumerStatus> {
@@ -110,7 +125,25 @@ impl Service {
             cfg.outbox_retention_interval,
             shutdown.clone(),
         ));
-        http::serve(self.listener, self.app.clone(), shutdown).await;
+        let admin = self.admin.map(|listener| {
+            info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listener (healthz, readyz, metrics)");
+            tokio::spawn(http::serve(
+                listener,
+                self.app.clone(),
+                shutdown.clone(),
+                http::Surface::Admin,
+            ))
+        });
+        http::serve(
+            self.listener,
+            self.app.clone(),
+            shutdown,
+            http::Surface::Public,
+        )
+        .await;
+        if let Some(admin) = admin {
+            let _ = admin.await;
+        }
         let _ = retention.await;
         if tokio::time::timeout(Duration::from_secs(10), consumer)
             .await

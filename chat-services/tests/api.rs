@@ -278,7 +278,7 @@ async fn a_send_writes_the_message_and_its_event_and_answers_the_message() {
     assert_eq!(sent["chat_id"], 42);
     assert_eq!(sent["side"], "workers");
     assert!(sent["created_at"].as_str().unwrap().ends_with('Z'));
-    let (status, metrics) = testkit::http::get(svc.addr, "/metrics").await.unwrap();
+    let (status, metrics) = testkit::http::get(svc.admin, "/metrics").await.unwrap();
     assert_eq!(status, 200);
     assert_eq!(
         testkit::http::metric_value(&metrics, "chat_messages_sent_total"),
@@ -406,7 +406,7 @@ async fn postgres_down_answers_503_with_retry_after_and_writes_nothing() {
     .unwrap();
     assert_error(&reply, 503, "nothing was written");
     assert_eq!(reply.header("retry-after"), Some("1"));
-    let (status, body) = testkit::http::get(svc.addr, "/readyz").await.unwrap();
+    let (status, body) = testkit::http::get(svc.admin, "/readyz").await.unwrap();
     assert_eq!(status, 503, "{body}");
     assert!(body.contains("postgres_unavailable"));
     pg.start_again().unwrap();
@@ -414,7 +414,7 @@ async fn postgres_down_answers_503_with_retry_after_and_writes_nothing() {
         std::time::Duration::from_secs(20),
         "ready again",
         || async {
-            match testkit::http::get(svc.addr, "/readyz").await {
+            match testkit::http::get(svc.admin, "/readyz").await {
                 Ok((200, _)) => Ok(()),
                 other => Err(format!("{other:?}")),
             }
@@ -494,4 +494,27 @@ async fn each_role_is_refused_the_other_sides_schema() {
             "{sql}"
         );
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn probes_and_metrics_answer_on_the_admin_listener_only() {
+    let stack = Stack::start(shared_postgres()).await;
+    let svc = stack.service(Side::Consumers, &[]).await;
+    for path in ["/readyz", "/metrics"] {
+        let (status, body) = testkit::http::get(svc.addr, path).await.unwrap();
+        assert_eq!(status, 404, "{path} on the public listener: {body}");
+        assert!(body.contains("admin listener"), "{body}");
+        let (status, _) = testkit::http::get(svc.admin, path).await.unwrap();
+        assert_eq!(status, 200, "{path} on the admin listener");
+    }
+    for addr in [svc.addr, svc.admin] {
+        let (status, _) = testkit::http::get(addr, "/healthz").await.unwrap();
+        assert_eq!(status, 200);
+    }
+    let (status, _) = testkit::http::get(svc.admin, "/chats/1/messages")
+        .await
+        .unwrap();
+    assert_eq!(status, 404, "the API is not on the admin listener");
+    svc.stop().await;
+    stack.stop().await;
 }

@@ -59,7 +59,7 @@ async fn killed_after_inbox_commit_before_xack_the_message_is_redelivered_skippe
         Duration::from_secs(10),
         "redelivered entry skipped",
         || async {
-            let (_, metrics) = testkit::http::get(workers.addr, "/metrics")
+            let (_, metrics) = testkit::http::get(workers.admin, "/metrics")
                 .await
                 .map_err(|e| e.to_string())?;
             match testkit::http::metric_value(&metrics, "chat_duplicates_skipped_total") {

@@ -77,7 +77,7 @@ async fn a_revoked_insert_and_a_read_only_database_dead_letter_nothing() {
     for i in 0..5 {
         sent.push(send(consumers.addr, 5, &format!("while revoked {i}")).await);
     }
-    wait_retrying(workers.addr, 3.0).await;
+    wait_retrying(workers.admin, 3.0).await;
     assert_eq!(dead_letters(&stack).await, 0);
     // ... and after the grant comes back, they are all shown, once, in order
     admin
@@ -99,7 +99,7 @@ async fn a_revoked_insert_and_a_read_only_database_dead_letter_nothing() {
     for i in 0..5 {
         sent.push(send(consumers.addr, 5, &format!("while read-only {i}")).await);
     }
-    wait_retrying(workers.addr, 3.0).await;
+    wait_retrying(workers.admin, 3.0).await;
     assert_eq!(dead_letters(&stack).await, 0);
     admin
         .batch_execute("ALTER ROLE workers RESET default_transaction_read_only")

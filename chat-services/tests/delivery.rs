@@ -84,7 +84,7 @@ async fn the_same_entry_delivered_twice_is_recorded_and_shown_once() {
             .await,
         2
     );
-    let (_, metrics) = testkit::http::get(workers.addr, "/metrics").await.unwrap();
+    let (_, metrics) = testkit::http::get(workers.admin, "/metrics").await.unwrap();
     assert_eq!(
         testkit::http::metric_value(&metrics, "chat_duplicates_skipped_total"),
         Some(1.0)
@@ -174,7 +174,9 @@ async fn sends_succeed_while_redis_is_down_and_everything_arrives_in_order_after
             started.elapsed()
         );
     }
-    let (status, body) = testkit::http::get(consumers.addr, "/readyz").await.unwrap();
+    let (status, body) = testkit::http::get(consumers.admin, "/readyz")
+        .await
+        .unwrap();
     assert_eq!(
         status, 200,
         "a Redis outage does not make sends unready: {body}"

@@ -158,15 +158,24 @@ fn dollar_refs(value: &str) -> Vec<String> {
 /// Routes the deployment files probe, and for each server whether it answers (not 404).
 struct Routes {
     service: SocketAddr,
+    service_admin: SocketAddr,
     relay_admin: SocketAddr,
 }
 
+/// One HTTP listener of a binary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Listener {
+    Service,
+    ServiceAdmin,
+    RelayAdmin,
+}
+
 impl Routes {
-    async fn answers(&self, binary: &str, path: &str) -> Result<(), String> {
-        let addr = match binary {
-            "chat-service" => self.service,
-            "cdc-relay" => self.relay_admin,
-            other => return Err(format!("{other} serves no HTTP")),
+    async fn answers(&self, binary: &str, listener: Listener, path: &str) -> Result<(), String> {
+        let addr = match listener {
+            Listener::Service => self.service,
+            Listener::ServiceAdmin => self.service_admin,
+            Listener::RelayAdmin => self.relay_admin,
         };
         let (status, body) = testkit::http::get(addr, path)
             .await
@@ -282,14 +291,22 @@ fn command_line(binary: &str, target: &Target, given: &Yaml) -> (String, Vec<Str
     }
 }
 
-/// The port a container listens on, from its listen variable (the image default if unset).
-fn listen_port(binary: &str, env: &BTreeMap<String, String>) -> Option<u16> {
-    let var = match binary {
-        "chat-service" => "LISTEN_ADDR",
-        "cdc-relay" => "CDC_ADMIN_ADDR",
-        _ => return None,
+/// The ports a container listens on, from its listen variables (the image defaults if unset).
+fn listen_ports(binary: &str, env: &BTreeMap<String, String>) -> Vec<(u16, Listener)> {
+    let vars: &[(&str, Listener)] = match binary {
+        "chat-service" => &[
+            ("LISTEN_ADDR", Listener::Service),
+            ("CHAT_ADMIN_ADDR", Listener::ServiceAdmin),
+        ],
+        "cdc-relay" => &[("CDC_ADMIN_ADDR", Listener::RelayAdmin)],
+        _ => &[],
     };
-    env.get(var)?.rsplit(':').next()?.parse().ok()
+    vars.iter()
+        .filter_map(|(var, listener)| {
+            let port = env.get(*var)?.rsplit(':').next()?.parse().ok()?;
+            Some((port, *listener))
+        })
+        .collect()
 }
 
 // ---------------------------------------------------------------------------------------
@@ -406,6 +423,7 @@ async fn running_servers(stack: &Stack<'_>) -> (Routes, common::RunningService, 
     .await;
     let routes = Routes {
         service: service.addr,
+        service_admin: service.admin,
         relay_admin,
     };
     (routes, service, stop)
@@ -491,7 +509,7 @@ async fn compose_references_only_what_exists() {
         }
         let test = strings(&svc["healthcheck"]["test"]);
         if !test.is_empty() {
-            let port = listen_port(&binary, &env);
+            let ports = listen_ports(&binary, &env);
             match test.as_slice() {
                 [cmd, program, url] if cmd == "CMD" => {
                     let program = program.rsplit('/').next().unwrap();
@@ -500,7 +518,7 @@ async fn compose_references_only_what_exists() {
                             "{place}: health check runs {program}, not in the image"
                         ));
                     }
-                    problems.extend(check_url(&place, url, &binary, port, &routes).await);
+                    problems.extend(check_url(&place, url, &binary, &ports, &routes).await);
                 }
                 other => problems.push(format!(
                     "{place}: health check {other:?} is not `CMD healthcheck URL`"
@@ -512,7 +530,10 @@ async fn compose_references_only_what_exists() {
         let network = string_or_empty(&svc["network_mode"]);
         if let Some(owner) = network.strip_prefix("service:") {
             let owner_ports = strings(&doc["services"][owner]["ports"]);
-            let port = listen_port(&binary, &env).expect("relay listens");
+            let port = listen_ports(&binary, &env)
+                .first()
+                .expect("relay listens")
+                .0;
             if !owner_ports.iter().any(|p| p.ends_with(&format!(":{port}"))) {
                 problems.push(format!(
                     "{place}: admin port {port} is not published by {owner}"
@@ -540,23 +561,26 @@ async fn check_url(
     place: &str,
     url: &str,
     binary: &str,
-    port: Option<u16>,
+    ports: &[(u16, Listener)],
     routes: &Routes,
 ) -> Vec<String> {
-    let mut problems = Vec::new();
     let Some(rest) = url.strip_prefix("http://127.0.0.1:") else {
         return vec![format!("{place}: probe URL {url} is not on loopback")];
     };
     let (p, path) = rest.split_once('/').unwrap();
-    if p.parse::<u16>().ok() != port {
-        problems.push(format!(
-            "{place}: probes port {p}, but {binary} listens on {port:?}"
-        ));
+    let Some((_, listener)) = ports
+        .iter()
+        .find(|(n, _)| Some(*n) == p.parse::<u16>().ok())
+    else {
+        return vec![format!(
+            "{place}: probes port {p}, but {binary} listens on {:?}",
+            ports.iter().map(|(n, _)| n).collect::<Vec<_>>()
+        )];
+    };
+    match routes.answers(binary, *listener, &format!("/{path}")).await {
+        Ok(()) => Vec::new(),
+        Err(e) => vec![format!("{place}: {e}")],
     }
-    if let Err(e) = routes.answers(binary, &format!("/{path}")).await {
-        problems.push(format!("{place}: {e}"));
-    }
-    problems
 }
 
 /// Every workload of deploy/k8s, as (file, document).
@@ -705,12 +729,13 @@ async fn kubernetes_manifests_reference_only_what_exists() {
                     )
                 })
                 .collect();
+            let listening = listen_ports(&binary, &env);
             for (port_name, number) in &ports {
                 named_ports.insert(port_name.clone());
-                if Some(*number) != listen_port(&binary, &env) {
+                if !listening.iter().any(|(n, _)| n == number) {
                     problems.push(format!(
                         "{place}: port {port_name} is {number}, but {binary} listens on {:?}",
-                        listen_port(&binary, &env)
+                        listening.iter().map(|(n, _)| n).collect::<Vec<_>>()
                     ));
                 }
             }
@@ -730,7 +755,7 @@ async fn kubernetes_manifests_reference_only_what_exists() {
                         &format!("{place} {probe}"),
                         &url,
                         &binary,
-                        listen_port(&binary, &env),
+                        &listening,
                         &routes,
                     )
                     .await,
@@ -772,15 +797,13 @@ async fn kubernetes_manifests_reference_only_what_exists() {
                         "{file}: scrapes port {port}, which no container declares"
                     ));
                 }
+                let (binary, listener) = match port.as_str() {
+                    "http" => ("chat-service", Listener::Service),
+                    "admin" => ("chat-service", Listener::ServiceAdmin),
+                    _ => ("cdc-relay", Listener::RelayAdmin),
+                };
                 if let Err(e) = routes
-                    .answers(
-                        if port == "http" {
-                            "chat-service"
-                        } else {
-                            "cdc-relay"
-                        },
-                        &string(&endpoint["path"]),
-                    )
+                    .answers(binary, listener, &string(&endpoint["path"]))
                     .await
                 {
                     problems.push(format!("{file}: {e}"));

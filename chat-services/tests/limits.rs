@@ -34,7 +34,7 @@ fn cpu_seconds(pid: u32) -> f64 {
 }
 
 async fn metric(service: &ServiceProcess, name: &str) -> Option<f64> {
-    let (_, body) = testkit::http::get(service.addr, "/metrics").await.ok()?;
+    let (_, body) = testkit::http::get(service.admin, "/metrics").await.ok()?;
     testkit::http::metric_value(&body, name)
 }
 

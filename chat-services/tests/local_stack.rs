@@ -43,7 +43,7 @@ fn processes_mentioning(needle: &str) -> Vec<i32> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
     let state = testkit::scratch_dir("local-stack");
-    let ports: Vec<u16> = (0..6).map(|_| testkit::http::free_port()).collect();
+    let ports: Vec<u16> = (0..8).map(|_| testkit::http::free_port()).collect();
     let mut cmd = Command::new("bash");
     cmd.arg("-c")
         .arg(readme_run_command())
@@ -55,7 +55,9 @@ async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
         .env("CONSUMERS_RELAY_ADMIN", ports[2].to_string())
         .env("WORKERS_RELAY_ADMIN", ports[3].to_string())
         .env("PG_PORT", ports[4].to_string())
-        .env("REDIS_PORT", ports[5].to_string());
+        .env("REDIS_PORT", ports[5].to_string())
+        .env("CONSUMERS_ADMIN", ports[6].to_string())
+        .env("WORKERS_ADMIN", ports[7].to_string());
     let stack = ChildProcess::spawn("local-stack", cmd, &state.join("run.log")).unwrap();
     wait_until(Duration::from_secs(600), "the chat page URLs", || async {
         let out = stack.log();

@@ -68,7 +68,7 @@ async fn old_outbox_rows_are_deleted_and_nothing_is_published_for_it() {
         if old == 0 && all == 1 { Ok(()) } else { Err(format!("{old} old of {all}")) }
     })
     .await;
-    let (_, metrics) = testkit::http::get(svc.addr, "/metrics").await.unwrap();
+    let (_, metrics) = testkit::http::get(svc.admin, "/metrics").await.unwrap();
     assert_eq!(
         testkit::http::metric_value(&metrics, "chat_outbox_deleted_total"),
         Some(5.0)

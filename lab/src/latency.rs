@@ -106,7 +106,7 @@ impl Stages {
             .expect("relay started");
         let (_, relay) = testkit::http::get(relay, "/metrics").await?;
         let (_, workers) =
-            testkit::http::get(system.service_addr(Side::Workers), "/metrics").await?;
+            testkit::http::get(system.service_admin(Side::Workers), "/metrics").await?;
         Ok(Self {
             commit_to_published_ms: avg(&relay, "cdc_relay_commit_to_published_seconds"),
             publish_call_ms: avg(&relay, "cdc_relay_publish_batch_duration_seconds"),

@@ -53,6 +53,9 @@ pub struct System {
     pub db: TestDb,
     bins: Bins,
     service_ports: HashMap<Side, u16>,
+    /// The real services' admin listeners (/readyz, /metrics); baselines answer on their
+    /// service port.
+    service_admin_ports: HashMap<Side, u16>,
     logs: PathBuf,
     processes: Mutex<HashMap<String, ChildProcess>>,
     generations: Mutex<HashMap<String, u32>>,
@@ -71,6 +74,10 @@ impl System {
         let system = Self {
             bins,
             service_ports: [Side::Consumers, Side::Workers]
+                .into_iter()
+                .map(|s| (s, testkit::http::free_port()))
+                .collect(),
+            service_admin_ports: [Side::Consumers, Side::Workers]
                 .into_iter()
                 .map(|s| (s, testkit::http::free_port()))
                 .collect(),
@@ -110,6 +117,24 @@ impl System {
 
     pub fn service_addr(&self, side: Side) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], self.service_ports[&side]))
+    }
+
+    /// Where the real service of `side` answers /readyz and /metrics.
+    pub fn service_admin(&self, side: Side) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], self.service_admin_ports[&side]))
+    }
+
+    /// /readyz of whatever serves `side`: the real service's admin listener, or a
+    /// baseline's own port.
+    async fn readyz(&self, side: Side) -> Option<(u16, String)> {
+        for addr in [self.service_admin(side), self.service_addr(side)] {
+            if let Ok(reply) = testkit::http::get(addr, "/readyz").await {
+                if reply.0 != 404 {
+                    return Some(reply);
+                }
+            }
+        }
+        None
     }
 
     /// Start a process called `name` of `kind` (`extra` flags appended).
@@ -171,6 +196,7 @@ impl System {
                     .args(["--database-url", &self.db.url(side.as_str())])
                     .args(["--redis-url", &self.redis.url()])
                     .args(["--listen", &self.service_addr(side).to_string()])
+                    .args(["--admin-addr", &self.service_admin(side).to_string()])
                     .args(["--consumer-name", &format!("{}-lab", side.as_str())])
                     .args(["--lease-ttl", "3s", "--claim-idle", "5s"]);
                 cmd
@@ -208,10 +234,9 @@ impl System {
     /// Wait until whatever serves `side` answers /readyz: the real service with its inbox
     /// consumer active, or a baseline sender.
     pub async fn wait_service(&self, side: Side, timeout: Duration) -> anyhow::Result<()> {
-        let addr = self.service_addr(side);
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            if let Ok((200, body)) = testkit::http::get(addr, "/readyz").await {
+            if let Some((200, body)) = self.readyz(side).await {
                 if body.contains("\"consumer\":\"active\"")
                     || body.contains("\"consumer\":\"none\"")
                 {
@@ -228,10 +253,9 @@ impl System {
     /// Wait until whatever serves `side` accepts sends (/readyz 200; its inbox consumer may
     /// still be waiting for Redis).
     pub async fn wait_accepting(&self, side: Side, timeout: Duration) -> anyhow::Result<()> {
-        let addr = self.service_addr(side);
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            if let Ok((200, _)) = testkit::http::get(addr, "/readyz").await {
+            if let Some((200, _)) = self.readyz(side).await {
                 return Ok(());
             }
             if tokio::time::Instant::now() >= deadline {

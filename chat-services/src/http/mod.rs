@@ -62,8 +62,21 @@ impl Limits {
 /// Written to a connection past `--max-connections` before closing it.
 const OVER_CAPACITY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: 68\r\n\r\n{\"error\":\"too many connections to this instance; retry in a moment\"}";
 
+/// Which routes a listener serves: the public one the API, the page and event streams; the
+/// admin one probes and metrics (kept off the public port).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Surface {
+    Public,
+    Admin,
+}
+
 /// Serve until `shutdown`, then let in-flight requests finish (bounded).
-pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: CancellationToken) {
+pub async fn serve(
+    listener: TcpListener,
+    app: Arc<App>,
+    shutdown: CancellationToken,
+    surface: Surface,
+) {
     let graceful = GracefulShutdown::new();
     // Accept errors (EMFILE above all) back off instead of spinning on the same error.
     let mut accept_pause = Duration::ZERO;
@@ -102,7 +115,12 @@ pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: CancellationT
         let app = app.clone();
         let service = hyper::service::service_fn(move |req| {
             let app = app.clone();
-            async move { Ok::<_, Infallible>(route(app, req).await) }
+            async move {
+                Ok::<_, Infallible>(match surface {
+                    Surface::Public => route(app, req).await,
+                    Surface::Admin => route_admin(app, req).await,
+                })
+            }
         });
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
@@ -119,6 +137,23 @@ pub async fn serve(listener: TcpListener, app: Arc<App>, shutdown: CancellationT
     tokio::select! {
         _ = graceful.shutdown() => {}
         _ = tokio::time::sleep(Duration::from_secs(10)) => warn!("connections still open 10 s after shutdown; closing"),
+    }
+}
+
+async fn route_admin(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    match path.as_str() {
+        "/healthz" | "/readyz" | "/metrics" if method != Method::GET => {
+            reply::method_not_allowed(&method, &path, "GET")
+        }
+        "/healthz" => reply::json(StatusCode::OK, &serde_json::json!({"status": "alive"})),
+        "/readyz" => api::readyz(&app).await,
+        "/metrics" => api::metrics(&app),
+        _ => reply::error(
+            StatusCode::NOT_FOUND,
+            format!("no route {path} on the admin listener (healthz, readyz, metrics)"),
+        ),
     }
 }
 
@@ -139,8 +174,10 @@ async fn route(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
             StatusCode::OK,
             &serde_json::json!({"status": "alive"}),
         )),
-        ["readyz"] if method == Method::GET => api::readyz(&app).await,
-        ["metrics"] => get_only(api::metrics(&app)),
+        ["readyz"] | ["metrics"] => reply::error(
+            StatusCode::NOT_FOUND,
+            format!("{path} is served on the admin listener (--admin-addr)"),
+        ),
         ["chats", chat_id, "messages"] => match method {
             Method::GET => api::history(&app, chat_id, req.uri().query()).await,
             Method::POST => api::send(&app, chat_id, req).await,
@@ -149,7 +186,7 @@ async fn route(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
         ["chats", chat_id, "events"] if method == Method::GET => {
             api::events(app.clone(), chat_id, &req)
         }
-        ["readyz"] | ["chats", _, "events"] => reply::method_not_allowed(&method, &path, "GET"),
+        ["chats", _, "events"] => reply::method_not_allowed(&method, &path, "GET"),
         _ => reply::error(StatusCode::NOT_FOUND, format!("no route {path}")),
     }
 }

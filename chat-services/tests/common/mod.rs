@@ -123,6 +123,8 @@ impl<'a> Stack<'a> {
             self.redis.url(),
             "--listen".into(),
             "127.0.0.1:0".into(),
+            "--admin-addr".into(),
+            "127.0.0.1:0".into(),
             "--consumer-name".into(),
             format!("{side}-test"),
             "--lease-ttl".into(),
@@ -159,6 +161,7 @@ impl<'a> Stack<'a> {
         let shutdown = CancellationToken::new();
         let service = Service::bind(config, shutdown.clone()).await.expect("bind");
         let addr = service.local_addr();
+        let admin = service.admin_addr().expect("admin listener");
         let mut status = service.consumer_status();
         let task = tokio::spawn(service.run());
         testkit::wait_until(Duration::from_secs(20), "inbox consumer active", || {
@@ -174,6 +177,7 @@ impl<'a> Stack<'a> {
         .await;
         RunningService {
             addr,
+            admin,
             shutdown,
             task: Some(task),
         }
@@ -194,7 +198,7 @@ impl<'a> Stack<'a> {
     ) -> ServiceProcess {
         let process = self.spawn_service(side, name, extra, &[]);
         testkit::wait_until(Duration::from_secs(30), "service ready", || async {
-            match testkit::http::get(process.addr, "/readyz").await {
+            match testkit::http::get(process.admin, "/readyz").await {
                 Ok((200, _)) => Ok(()),
                 other => Err(format!("{other:?}")),
             }
@@ -225,9 +229,12 @@ impl<'a> Stack<'a> {
     ) -> ServiceProcess {
         let port = testkit::http::free_port();
         let listen = format!("127.0.0.1:{port}");
+        let admin = format!("127.0.0.1:{}", testkit::http::free_port());
         let mut args = self.service_args(side, extra);
         let i = args.iter().position(|a| a == "127.0.0.1:0").unwrap();
         args[i] = listen.clone();
+        let a = args.iter().position(|a| a == "--admin-addr").unwrap() + 1;
+        args[a] = admin.clone();
         let mut cmd = match wrapper.split_first() {
             Some((program, rest)) => {
                 let mut cmd = Command::new(program);
@@ -242,6 +249,7 @@ impl<'a> Stack<'a> {
         ServiceProcess {
             child,
             addr: listen.parse().unwrap(),
+            admin: admin.parse().unwrap(),
         }
     }
 
@@ -255,6 +263,8 @@ impl<'a> Stack<'a> {
 
 pub struct RunningService {
     pub addr: SocketAddr,
+    /// /healthz, /readyz, /metrics.
+    pub admin: SocketAddr,
     shutdown: CancellationToken,
     task: Option<tokio::task::JoinHandle<()>>,
 }
@@ -275,13 +285,15 @@ impl Drop for RunningService {
 pub struct ServiceProcess {
     pub child: ChildProcess,
     pub addr: SocketAddr,
+    /// /healthz, /readyz, /metrics.
+    pub admin: SocketAddr,
 }
 
 impl ServiceProcess {
     /// Until /readyz says the inbox consumer is active.
     pub async fn wait_consuming(&self) {
         testkit::wait_until(Duration::from_secs(30), "service consuming", || async {
-            match testkit::http::get(self.addr, "/readyz").await {
+            match testkit::http::get(self.admin, "/readyz").await {
                 Ok((200, body)) if body.contains("\"consumer\":\"active\"") => Ok(()),
                 other => Err(format!("{other:?}; exited: {:?}", self.child.try_status())),
             }
