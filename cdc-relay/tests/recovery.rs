@@ -367,6 +367,55 @@ async fn stream_payloads(fx: &Fixture<'_>) -> HashMap<(u64, u64), usize> {
     counts
 }
 
+/// The pod restarted against `db` (a promoted standby, a restored cluster) as Kubernetes
+/// does it (`setup`, then `run`), 100 messages committed there; returns the relay once every
+/// one of them is in the stream exactly once, with ids above `top_before`.
+async fn restart_on_new_history(
+    fx: &Fixture<'_>,
+    db: &testkit::TestDb,
+    name: &str,
+    top_before: &str,
+) -> RelayProcess {
+    let out = setup_cli(fx, &db.url("consumers_relay"));
+    assert!(out.status.success(), "{out:?}");
+    let relay = fx.spawn_relay(name, &["--database-url", &db.url("consumers_relay")]);
+    relay.wait_streaming().await;
+    let mut writer = db.connect_as("consumers").await.unwrap();
+    for txn in 0..100 {
+        insert_txn(&mut writer, 3, txn, 1, true).await.unwrap();
+    }
+    wait_until(
+        Duration::from_secs(60),
+        "the new history's messages",
+        || async {
+            let payloads = stream_payloads(fx).await;
+            let missing = (0..100)
+                .filter(|t| !payloads.contains_key(&(3, *t)))
+                .count();
+            if missing == 0 {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{missing} of 100 missing; log: {}",
+                    common::tail(&relay.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+    let payloads = stream_payloads(fx).await;
+    for txn in 0..100 {
+        assert_eq!(payloads[&(3, txn)], 1, "new message {txn} published twice");
+    }
+    let entries = fx.stream_entries().await;
+    let first_new = entries
+        .iter()
+        .position(|e| e.payload["writer"] == 3)
+        .unwrap();
+    assert!(common::parse_stream_id(&entries[first_new].id) > common::parse_stream_id(top_before));
+    relay
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_to_a_standby_behind_the_stream_loses_no_new_message() {
     // GIVEN a primary with a streaming standby, and a relay on the primary
@@ -402,52 +451,14 @@ async fn failover_to_a_standby_behind_the_stream_loses_no_new_message() {
     standby.start_again().unwrap();
     standby.promote().await.unwrap();
     let db = fx.db.on(&standby);
-    let out = setup_cli(&fx, &db.url("consumers_relay"));
-    assert!(out.status.success(), "{out:?}");
-    let relay = fx.spawn_relay(
-        "relay-promoted",
-        &["--database-url", &db.url("consumers_relay")],
-    );
-    relay.wait_streaming().await;
-    let mut writer = db.connect_as("consumers").await.unwrap();
-    for txn in 0..100 {
-        insert_txn(&mut writer, 3, txn, 1, true).await.unwrap();
-    }
 
     // THEN every message committed on the new timeline reaches the stream, once, after
     // everything that was there before
-    wait_until(
-        Duration::from_secs(60),
-        "the new timeline's messages",
-        || async {
-            let payloads = stream_payloads(&fx).await;
-            let missing = (0..100)
-                .filter(|t| !payloads.contains_key(&(3, *t)))
-                .count();
-            if missing == 0 {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{missing} of 100 missing; log: {}",
-                    common::tail(&relay.child.log())
-                ))
-            }
-        },
-    )
-    .await;
+    let relay = restart_on_new_history(&fx, &db, "relay-promoted", &top_before).await;
     let payloads = stream_payloads(&fx).await;
-    for txn in 0..100 {
-        assert_eq!(payloads[&(3, txn)], 1, "new message {txn} published twice");
-    }
     for txn in 0..50 {
         assert!(payloads.contains_key(&(1, txn)), "old message {txn} lost");
     }
-    let entries = fx.stream_entries().await;
-    let first_new = entries
-        .iter()
-        .position(|e| e.payload["writer"] == 3)
-        .unwrap();
-    assert!(common::parse_stream_id(&entries[first_new].id) > common::parse_stream_id(&top_before));
     let m = metrics(&relay).await;
     assert_eq!(m["cdc_relay_rebuilds_total{reason=\"timeline\"}"], 1.0);
     assert!(relay
@@ -492,47 +503,10 @@ async fn a_point_in_time_restore_below_the_stream_loses_no_new_message() {
         .await
         .unwrap();
     let db = fx.db.on(&restored);
-    let out = setup_cli(&fx, &db.url("consumers_relay"));
-    assert!(out.status.success(), "{out:?}");
-    let relay = fx.spawn_relay(
-        "relay-restored",
-        &["--database-url", &db.url("consumers_relay")],
-    );
-    relay.wait_streaming().await;
-    let mut writer = db.connect_as("consumers").await.unwrap();
-    for txn in 0..100 {
-        insert_txn(&mut writer, 3, txn, 1, true).await.unwrap();
-    }
 
     // THEN every message committed after the restore is in the stream, once, above the
-    // old top, and the log says why the stream was rebuilt
-    wait_until(
-        Duration::from_secs(60),
-        "the restored cluster's messages",
-        || async {
-            let payloads = stream_payloads(&fx).await;
-            let missing = (0..100)
-                .filter(|t| !payloads.contains_key(&(3, *t)))
-                .count();
-            if missing == 0 {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{missing} of 100 missing; log: {}",
-                    common::tail(&relay.child.log())
-                ))
-            }
-        },
-    )
-    .await;
-    let payloads = stream_payloads(&fx).await;
-    assert!((0..100).all(|t| payloads[&(3, t)] == 1));
-    let entries = fx.stream_entries().await;
-    let first_new = entries
-        .iter()
-        .position(|e| e.payload["writer"] == 3)
-        .unwrap();
-    assert!(common::parse_stream_id(&entries[first_new].id) > common::parse_stream_id(&top_before));
+    // old top, and the rebuild says why
+    let relay = restart_on_new_history(&fx, &db, "relay-restored", &top_before).await;
     let m = metrics(&relay).await;
     assert_eq!(m["cdc_relay_rebuilds_total{reason=\"timeline\"}"], 1.0);
     relay.stop();

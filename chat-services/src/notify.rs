@@ -52,7 +52,12 @@ pub async fn publish(
         frame: String::from_utf8_lossy(frame).into_owned(),
         resync: false,
     };
-    let payload = serde_json::to_string(&note).expect("notification serializes");
+    send(conn, side, &note).await;
+}
+
+/// PUBLISH a notification (best effort: whoever misses it catches up from the inbox).
+async fn send(conn: &mut ConnectionManager, side: Side, note: &Notification) {
+    let payload = serde_json::to_string(note).expect("notification serializes");
     let sent: redis::RedisResult<i64> = redis::cmd("PUBLISH")
         .arg(channel(side))
         .arg(payload)
@@ -73,15 +78,7 @@ pub async fn publish_resync(conn: &mut ConnectionManager, side: Side) {
         frame: String::new(),
         resync: true,
     };
-    let payload = serde_json::to_string(&note).expect("notification serializes");
-    let sent: redis::RedisResult<i64> = redis::cmd("PUBLISH")
-        .arg(channel(side))
-        .arg(payload)
-        .query_async(conn)
-        .await;
-    if let Err(e) = sent {
-        debug!(error = %e, "resync notification not sent");
-    }
+    send(conn, side, &note).await;
 }
 
 /// Feed notifications of other instances into the local hub until `shutdown`.

@@ -316,30 +316,19 @@ impl Store {
         loop {
             // Only a completed rerun settles it: a rerun refused (say by a read-only node
             // after a failover) says nothing about whether the first attempt committed.
-            match send.execute(self).await {
+            let e = match send.execute(self).await {
                 Attempt::Done(inserted) => return Ok(inserted),
-                Attempt::Refused(e) => {
-                    let e = e.to_string();
-                    if tokio::time::Instant::now() + pause > deadline {
-                        warn!(error = %e, key = %send.key, "send's outcome still unknown");
-                        return Err(StoreError::OutcomeUnknown {
-                            idempotency_key: send.key.to_string(),
-                        });
-                    }
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(1));
-                }
-                Attempt::Unknown(e) => {
-                    if tokio::time::Instant::now() + pause > deadline {
-                        warn!(error = %e, key = %send.key, "send's outcome still unknown");
-                        return Err(StoreError::OutcomeUnknown {
-                            idempotency_key: send.key.to_string(),
-                        });
-                    }
-                    tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(Duration::from_secs(1));
-                }
+                Attempt::Refused(e) => e.to_string(),
+                Attempt::Unknown(e) => e,
+            };
+            if tokio::time::Instant::now() + pause > deadline {
+                warn!(error = %e, key = %send.key, "send's outcome still unknown");
+                return Err(StoreError::OutcomeUnknown {
+                    idempotency_key: send.key.to_string(),
+                });
             }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(Duration::from_secs(1));
         }
     }
 

@@ -239,6 +239,24 @@ impl PgServer {
         Ok(server)
     }
 
+    /// This server's arguments for another server of the same cluster (a standby, a
+    /// restored copy): its own data directory and socket.
+    fn args_for(&self, data_dir: &Path, socket_dir: &Path) -> Vec<String> {
+        self.args
+            .iter()
+            .map(|arg| {
+                arg.replace(
+                    &self.data_dir.display().to_string(),
+                    &data_dir.display().to_string(),
+                )
+                .replace(
+                    &self.socket_dir.display().to_string(),
+                    &socket_dir.display().to_string(),
+                )
+            })
+            .collect()
+    }
+
     /// A streaming hot standby of `primary` (not started by `pg_basebackup -R` from a
     /// template, but a base backup of the running primary): its own data directory and
     /// socket, the primary's settings. Slots are not copied (Postgres 15 has no failover
@@ -264,21 +282,7 @@ impl PgServer {
                 String::from_utf8_lossy(&output.stderr)
             );
         }
-        // The primary's arguments, with this server's data directory and socket.
-        let args = primary
-            .args
-            .iter()
-            .map(|arg| {
-                arg.replace(
-                    &primary.data_dir.display().to_string(),
-                    &data_dir.display().to_string(),
-                )
-                .replace(
-                    &primary.socket_dir.display().to_string(),
-                    &socket_dir.display().to_string(),
-                )
-            })
-            .collect();
+        let args = primary.args_for(&data_dir, &socket_dir);
         let server = Self {
             root,
             data_dir,
@@ -371,20 +375,7 @@ impl PgServer {
         }
         std::fs::write(data_dir.join("recovery.signal"), "")?;
         chown_to_postgres(&root)?;
-        let mut args: Vec<String> = primary
-            .args
-            .iter()
-            .map(|arg| {
-                arg.replace(
-                    &primary.data_dir.display().to_string(),
-                    &data_dir.display().to_string(),
-                )
-                .replace(
-                    &primary.socket_dir.display().to_string(),
-                    &socket_dir.display().to_string(),
-                )
-            })
-            .collect();
+        let mut args = primary.args_for(&data_dir, &socket_dir);
         for setting in [
             format!("restore_command=cp {}/%f %p", archive.display()),
             format!("recovery_target_lsn={target_lsn}"),
