@@ -77,7 +77,7 @@ local function record(last_i)
     redis.call('HSET', origin_key, 'acked_through', ack)
   end
   if last_i then
-    redis.call('HSET', origin_key, 'last_id', ARGV[last_i], 'last_created_at', ARGV[last_i + 4])
+    redis.call('HSET', origin_key, 'last_id', ARGV[last_i])
   end
 end
 

@@ -20,10 +20,10 @@
 //! 3. what may not have been consumed goes out again, nothing else. Trimming follows the
 //!    consumer groups, so outbox rows created before the stream's oldest entry (less an
 //!    overlap for commit order ≠ creation order) were consumed by every group; when the
-//!    stream is empty, the record's last written entry is the bound, and when Redis lost
-//!    everything, every retained row goes out. The stream's (outbox id, created_at) pairs
-//!    are copied page by page into a temporary table and the missing rows read through a
-//!    cursor, so memory stays bounded however many rows are retained. They are published
+//!    stream is empty or its record is missing, every retained row is compared. The
+//!    stream's (outbox id, created_at) pairs are copied page by page into a temporary table
+//!    and the missing rows read through a portal, so memory stays bounded however many rows
+//!    are retained. They are published
 //!    in outbox id order with ids right after the stream's top;
 //! 4. choose the id offset that puts the new slot's ids above the top, replace the record
 //!    (acknowledged through the consistent point, the server's timeline history), and
@@ -241,7 +241,6 @@ pub(crate) async fn rebuild(
     // mid-rebuild is refused, and the next session starts over).
     let mut fence = (top != EntryId::default()).then_some(top);
     let mut published = 0u64;
-    let mut last_created_at = record.last_created_at.clone();
     loop {
         let rows = tx.query_portal(&portal, CHUNK as i32).await?;
         if rows.is_empty() {
@@ -250,8 +249,6 @@ pub(crate) async fn rebuild(
         let mut batch = Batch::default();
         for row in rows {
             let text = |i: usize| bytes::Bytes::from(row.get::<_, String>(i));
-            let created_at = rfc3339_utc(text(3));
-            last_created_at = Some(String::from_utf8_lossy(&created_at).into_owned());
             batch.push(
                 StreamEntry {
                     id: next,
@@ -259,7 +256,7 @@ pub(crate) async fn rebuild(
                         outbox_id: text(0),
                         event: text(1),
                         payload: text(2),
-                        created_at,
+                        created_at: rfc3339_utc(text(3)),
                     },
                 },
                 0,
@@ -293,7 +290,6 @@ pub(crate) async fn rebuild(
                 acked_through: consistent_point.as_u64(),
                 id_offset,
                 last_id: (top != EntryId::default()).then_some(top),
-                last_created_at,
             },
         )
         .await?;

@@ -46,6 +46,35 @@ pub struct Origin {
     pub history: TimelineHistory,
 }
 
+impl Origin {
+    /// IDENTIFY_SYSTEM and TIMELINE_HISTORY on a gated replication session: the server's
+    /// origin, and its current WAL flush position.
+    pub async fn identify(
+        session: &mut pgwire_replication::ReplicationClient,
+        timeout: Duration,
+    ) -> Result<(Origin, u64), RelayError> {
+        let within = |_| RelayError::ConnectTimeout(timeout);
+        let identity = tokio::time::timeout(timeout, session.identify_system())
+            .await
+            .map_err(within)??;
+        let history = if identity.timeline > 1 {
+            let file = tokio::time::timeout(timeout, session.timeline_history(identity.timeline))
+                .await
+                .map_err(within)??;
+            TimelineHistory::parse(&String::from_utf8_lossy(&file.content))
+                .map_err(|e| RelayError::Protocol(format!("TIMELINE_HISTORY: {e}")))?
+        } else {
+            TimelineHistory::default()
+        };
+        let origin = Origin {
+            system_id: identity.system_id,
+            timeline: identity.timeline,
+            history,
+        };
+        Ok((origin, identity.xlogpos.as_u64()))
+    }
+}
+
 /// A timeline history file: for each ancestor timeline, the LSN where it ended.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct TimelineHistory {
@@ -109,9 +138,8 @@ pub struct StreamRecord {
     pub acked_through: Option<u64>,
     /// A rebuild started and did not finish (its reason).
     pub rebuilding: Option<String>,
-    /// The last id the relay wrote, and that entry's `created_at`.
+    /// The last id the relay wrote.
     pub last_id: Option<EntryId>,
-    pub last_created_at: Option<String>,
     /// Added to commit LSNs to make stream ids (non-zero after a rebuild onto a history
     /// whose LSNs lie below the stream's top).
     pub id_offset: u64,
@@ -133,7 +161,6 @@ pub(crate) struct NewRecord<'a> {
     pub acked_through: u64,
     pub id_offset: u64,
     pub last_id: Option<EntryId>,
-    pub last_created_at: Option<String>,
 }
 
 impl NewRecord<'_> {
@@ -147,9 +174,6 @@ impl NewRecord<'_> {
         ];
         if let Some(id) = self.last_id {
             fields.push(("last_id", id.to_string()));
-        }
-        if let Some(at) = &self.last_created_at {
-            fields.push(("last_created_at", at.clone()));
         }
         fields
     }
@@ -168,7 +192,7 @@ pub(crate) fn offset_above(top: EntryId, start_lsn: u64, current: u64) -> u64 {
 /// it by a whole TTL: the ACL keeps the lock and the record in separate selectors, so one
 /// script cannot touch both.)
 const REPLACE: &str = r#"
-redis.call('HDEL', KEYS[1], 'rebuilding', 'last_id', 'last_created_at')
+redis.call('HDEL', KEYS[1], 'rebuilding', 'last_id')
 redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 "#;
@@ -217,7 +241,6 @@ impl Records {
                 "acked_through",
                 "rebuilding",
                 "last_id",
-                "last_created_at",
                 "id_offset",
             ])
             .query_async(&mut self.conn)
@@ -231,8 +254,7 @@ impl Records {
             acked_through: field(3).and_then(|a| a.parse().ok()),
             rebuilding: field(4),
             last_id: field(5).and_then(|id| id.parse().ok()),
-            last_created_at: field(6),
-            id_offset: field(7).and_then(|o| o.parse().ok()).unwrap_or(0),
+            id_offset: field(6).and_then(|o| o.parse().ok()).unwrap_or(0),
             top,
             len,
         })

@@ -171,7 +171,6 @@ pub async fn init_stream_record(
             acked_through: consistent_point.as_u64(),
             id_offset: crate::record::offset_above(record.top, consistent_point.as_u64(), 0),
             last_id: None,
-            last_created_at: None,
         })
         .await?;
     Ok(if written {
@@ -186,28 +185,13 @@ pub async fn server_origin(
     cfg: &PostgresConfig,
     timeout: Duration,
 ) -> Result<crate::record::Origin, RelayError> {
-    let within = |what| RelayError::ConnectTimeout(what);
     let replication =
         cfg.endpoint
             .replication_config(&cfg.slot, &cfg.publication, Duration::from_secs(1))?;
     let mut session = pgwire_replication::ReplicationClient::connect_gated(replication).await?;
-    let identity = tokio::time::timeout(timeout, session.identify_system())
-        .await
-        .map_err(|_| within(timeout))??;
-    let history = if identity.timeline > 1 {
-        let file = tokio::time::timeout(timeout, session.timeline_history(identity.timeline))
-            .await
-            .map_err(|_| within(timeout))??;
-        crate::record::TimelineHistory::parse(&String::from_utf8_lossy(&file.content))
-            .map_err(|e| RelayError::Protocol(format!("TIMELINE_HISTORY: {e}")))?
-    } else {
-        crate::record::TimelineHistory::default()
-    };
-    Ok(crate::record::Origin {
-        system_id: identity.system_id,
-        timeline: identity.timeline,
-        history,
-    })
+    Ok(crate::record::Origin::identify(&mut session, timeout)
+        .await?
+        .0)
 }
 
 /// What `setup` did.

@@ -18,7 +18,7 @@ use crate::context::Context;
 use crate::error::{replication_error, RelayError, ReplicationPhase};
 use crate::publisher::Publisher;
 use crate::rebuild::{self, Reason};
-use crate::record::{Origin, RebuildLock, StreamRecord, TimelineHistory};
+use crate::record::{Origin, RebuildLock, StreamRecord};
 use crate::session;
 use crate::setup::{check_prerequisites, check_slot, slot_info, SlotInfo};
 
@@ -146,19 +146,7 @@ pub(crate) async fn run(
         pg.endpoint
             .replication_config(&pg.slot, &pg.publication, cfg.status_interval)?;
     let mut client = ReplicationClient::connect_gated(replication).await?;
-    let identity = within(cfg, client.identify_system()).await??;
-    let history = if identity.timeline > 1 {
-        let file = within(cfg, client.timeline_history(identity.timeline)).await??;
-        TimelineHistory::parse(&String::from_utf8_lossy(&file.content))
-            .map_err(|e| RelayError::Protocol(format!("TIMELINE_HISTORY: {e}")))?
-    } else {
-        TimelineHistory::default()
-    };
-    let origin = Origin {
-        system_id: identity.system_id,
-        timeline: identity.timeline,
-        history,
-    };
+    let (origin, server_lsn) = Origin::identify(&mut client, cfg.connect_timeout).await?;
     if let Some(recorded) = record
         .system_id
         .as_ref()
@@ -170,7 +158,6 @@ pub(crate) async fn run(
             server_system: origin.system_id.clone(),
         });
     }
-    let server_lsn = identity.xlogpos.as_u64();
     let mut decision = decide(slot.as_ref(), &record, &origin, server_lsn);
     let mut id_offset = record.id_offset;
     let mut top = record.top;
@@ -359,6 +346,7 @@ async fn within<T>(
 mod tests {
     use super::*;
     use crate::batch::EntryId;
+    use crate::record::TimelineHistory;
     use pgwire_replication::Lsn;
 
     fn slot(confirmed: u64) -> SlotInfo {

@@ -56,11 +56,8 @@ async fn assert_every_row_once(fx: &Fixture<'_>, relay: &RelayProcess) {
     assert!(twice.is_empty(), "published twice: {twice:?}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_emptied_while_the_relay_is_quiet_gets_every_row_back() {
-    // GIVEN a relay that published 20 rows, then restarted (a new session, nothing sent yet)
-    let redis = RedisServer::start().unwrap();
-    let fx = Fixture::new(shared_postgres(), &redis).await;
+/// A relay (`relay-1`) that published 20 rows, and the writer that committed them.
+async fn relay_that_published_20_rows(fx: &Fixture<'_>) -> (RelayProcess, tokio_postgres::Client) {
     let relay = fx.spawn_relay("relay-1", &[]);
     relay.wait_streaming().await;
     let mut writer = fx.writer().await;
@@ -68,6 +65,15 @@ async fn redis_emptied_while_the_relay_is_quiet_gets_every_row_back() {
         insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
     }
     fx.wait_stream_len(20, Duration::from_secs(10)).await;
+    (relay, writer)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_emptied_while_the_relay_is_quiet_gets_every_row_back() {
+    // GIVEN a relay that published 20 rows, then restarted (a new session, nothing sent yet)
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let (relay, mut writer) = relay_that_published_20_rows(&fx).await;
     relay.stop();
     let relay = fx.spawn_relay("relay-2", &["--status-interval", "50ms"]);
     relay.wait_streaming().await;
@@ -95,13 +101,7 @@ async fn redis_emptied_then_setup_and_a_restart_gets_every_row_back() {
     // GIVEN a relay that published 20 rows
     let redis = RedisServer::start().unwrap();
     let fx = Fixture::new(shared_postgres(), &redis).await;
-    let relay = fx.spawn_relay("relay-1", &[]);
-    relay.wait_streaming().await;
-    let mut writer = fx.writer().await;
-    for txn in 0..20 {
-        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
-    }
-    fx.wait_stream_len(20, Duration::from_secs(10)).await;
+    let (relay, mut writer) = relay_that_published_20_rows(&fx).await;
 
     // WHEN Redis restarts empty while the relay is down, rows keep coming, and the pod
     // restarts as Kubernetes does it: `setup` (the init container), then `run`
@@ -218,6 +218,7 @@ async fn a_standby_beside_a_loaded_relay_never_rebuilds() {
             "a rebuild marker appeared; standby log: {}",
             common::tail(&standby.child.log())
         );
+        // (the scenario's sampling period: the marker is watched for the whole load)
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     active.stop();

@@ -239,10 +239,36 @@ impl PgServer {
         Ok(server)
     }
 
-    /// This server's arguments for another server of the same cluster (a standby, a
-    /// restored copy): its own data directory and socket.
-    fn args_for(&self, data_dir: &Path, socket_dir: &Path) -> Vec<String> {
-        self.args
+    /// `pg_basebackup` of this running server into `dir` (`extra`: more flags).
+    fn base_backup_into(&self, dir: &Path, extra: &[&str]) -> anyhow::Result<()> {
+        let output = as_postgres(&pg_bin_dir()?.join("pg_basebackup"))
+            .arg("-D")
+            .arg(dir)
+            .arg("-h")
+            .arg(&self.socket_dir)
+            .args(["-p", &self.port.to_string(), "-U", "postgres"])
+            .args(["-X", "stream", "--checkpoint=fast", "--no-sync"])
+            .args(extra)
+            .output()
+            .context("run pg_basebackup")?;
+        if !output.status.success() {
+            bail!(
+                "pg_basebackup failed: {}",
+                String::from_utf8_lossy(&output.stderr)
+            );
+        }
+        Ok(())
+    }
+
+    /// Start another server of this cluster over `root/data` (a standby, a restored copy):
+    /// this server's arguments with its own data directory and socket, plus `settings`.
+    fn start_copy(&self, root: PathBuf, settings: &[String]) -> anyhow::Result<Self> {
+        let data_dir = root.join("data");
+        let socket_dir = root.join("socket");
+        std::fs::create_dir_all(&socket_dir)?;
+        chown_to_postgres(&root)?;
+        let mut args: Vec<String> = self
+            .args
             .iter()
             .map(|arg| {
                 arg.replace(
@@ -254,7 +280,23 @@ impl PgServer {
                     &socket_dir.display().to_string(),
                 )
             })
-            .collect()
+            .collect();
+        for setting in settings {
+            args.push("-c".into());
+            args.push(setting.clone());
+        }
+        let server = Self {
+            root,
+            data_dir,
+            socket_dir,
+            port: self.port,
+            tcp: false,
+            args,
+            process: Mutex::new(None),
+            starts: Mutex::new(0),
+        };
+        server.start_again()?;
+        Ok(server)
     }
 
     /// A streaming hot standby of `primary` (not started by `pg_basebackup -R` from a
@@ -263,38 +305,9 @@ impl PgServer {
     /// slots), exactly as on a real standby.
     pub fn standby_of(primary: &PgServer) -> anyhow::Result<Self> {
         let root = scratch_dir("pg-standby");
-        let data_dir = root.join("data");
-        let socket_dir = root.join("socket");
-        std::fs::create_dir_all(&socket_dir)?;
         chown_to_postgres(&root)?;
-        let output = as_postgres(&pg_bin_dir()?.join("pg_basebackup"))
-            .arg("-D")
-            .arg(&data_dir)
-            .arg("-h")
-            .arg(&primary.socket_dir)
-            .args(["-p", &primary.port.to_string(), "-U", "postgres"])
-            .args(["-X", "stream", "-R", "--checkpoint=fast", "--no-sync"])
-            .output()
-            .context("run pg_basebackup")?;
-        if !output.status.success() {
-            bail!(
-                "pg_basebackup failed: {}",
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
-        let args = primary.args_for(&data_dir, &socket_dir);
-        let server = Self {
-            root,
-            data_dir,
-            socket_dir,
-            port: primary.port,
-            tcp: false,
-            args,
-            process: Mutex::new(None),
-            starts: Mutex::new(0),
-        };
-        server.start_again()?;
-        Ok(server)
+        primary.base_backup_into(&root.join("data"), &["-R"])?;
+        primary.start_copy(root, &[])
     }
 
     /// A directory this server's `archive_command` copies finished WAL segments into:
@@ -311,21 +324,7 @@ impl PgServer {
         let root = scratch_dir("pg-backup");
         chown_to_postgres(&root)?;
         let dir = root.join("data");
-        let output = as_postgres(&pg_bin_dir()?.join("pg_basebackup"))
-            .arg("-D")
-            .arg(&dir)
-            .arg("-h")
-            .arg(&self.socket_dir)
-            .args(["-p", &self.port.to_string(), "-U", "postgres"])
-            .args(["-X", "stream", "--checkpoint=fast", "--no-sync"])
-            .output()
-            .context("run pg_basebackup")?;
-        if !output.status.success() {
-            bail!(
-                "pg_basebackup failed: {}",
-                String::from_utf8_lossy(&output.stderr)
-            );
-        }
+        self.base_backup_into(&dir, &[])?;
         Ok(dir)
     }
 
@@ -362,40 +361,24 @@ impl PgServer {
         target_lsn: &str,
     ) -> anyhow::Result<Self> {
         let root = scratch_dir("pg-restored");
-        let data_dir = root.join("data");
-        let socket_dir = root.join("socket");
-        std::fs::create_dir_all(&socket_dir)?;
         let status = Command::new("cp")
             .arg("-a")
             .arg(backup)
-            .arg(&data_dir)
+            .arg(root.join("data"))
             .status()?;
         if !status.success() {
             bail!("copying the base backup failed");
         }
-        std::fs::write(data_dir.join("recovery.signal"), "")?;
-        chown_to_postgres(&root)?;
-        let mut args = primary.args_for(&data_dir, &socket_dir);
-        for setting in [
-            format!("restore_command=cp {}/%f %p", archive.display()),
-            format!("recovery_target_lsn={target_lsn}"),
-            "recovery_target_action=promote".to_string(),
-            "archive_mode=off".to_string(),
-        ] {
-            args.push("-c".into());
-            args.push(setting);
-        }
-        let server = Self {
+        std::fs::write(root.join("data").join("recovery.signal"), "")?;
+        let server = primary.start_copy(
             root,
-            data_dir,
-            socket_dir,
-            port: primary.port,
-            tcp: false,
-            args,
-            process: Mutex::new(None),
-            starts: Mutex::new(0),
-        };
-        server.start_again()?;
+            &[
+                format!("restore_command=cp {}/%f %p", archive.display()),
+                format!("recovery_target_lsn={target_lsn}"),
+                "recovery_target_action=promote".to_string(),
+                "archive_mode=off".to_string(),
+            ],
+        )?;
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let client = server.connect("postgres").await?;
