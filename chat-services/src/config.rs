@@ -55,6 +55,11 @@ pub struct Cli {
     /// Interval of SSE heartbeat comments.
     #[arg(long, env = "CHAT_SSE_HEARTBEAT", value_parser = humantime::parse_duration, default_value = "15s")]
     pub sse_heartbeat: Duration,
+    /// How often each instance compares the newest position of every chat it streams with
+    /// what its streams sent: the bound on how late a message whose live hint was lost (its
+    /// writer killed between commit and hint) is shown. One small query per interval.
+    #[arg(long, env = "CHAT_FEED_CHECK_INTERVAL", value_parser = humantime::parse_duration, default_value = "2s")]
+    pub feed_check_interval: Duration,
     /// Outbox rows older than this are deleted. It bounds recovery: a relay whose slot or
     /// Redis lost data can republish only rows still in the outbox.
     #[arg(long, env = "CHAT_OUTBOX_RETENTION", value_parser = humantime::parse_duration, default_value = "24h")]
@@ -107,6 +112,7 @@ pub struct ServiceConfig {
     pub max_deliveries: u64,
     pub lease_ttl: Duration,
     pub sse_heartbeat: Duration,
+    pub feed_check_interval: Duration,
     pub db_pool_size: usize,
     pub max_connections: usize,
     pub max_event_streams: usize,
@@ -183,6 +189,9 @@ impl Cli {
         if self.sse_heartbeat.is_zero() || self.claim_idle.is_zero() {
             return Err("--sse-heartbeat and --claim-idle must be greater than zero".into());
         }
+        if self.feed_check_interval < Duration::from_millis(100) {
+            return Err("--feed-check-interval must be at least 100ms".into());
+        }
         if self.outbox_retention < Duration::from_secs(60)
             || self.outbox_retention_interval.is_zero()
         {
@@ -216,6 +225,7 @@ impl Cli {
             max_deliveries: self.max_deliveries,
             lease_ttl: self.lease_ttl,
             sse_heartbeat: self.sse_heartbeat,
+            feed_check_interval: self.feed_check_interval,
             db_pool_size: self.db_pool_size,
             max_connections: self.max_connections,
             max_event_streams: self.max_event_streams,

@@ -1,8 +1,12 @@
-//! Live fan-out of received messages to the SSE clients of each chat on this instance.
+//! Live fan-out of a chat's feed (sent and received messages) to the SSE clients of each
+//! chat on this instance.
 //!
-//! The inbox is the source of truth; the hub only carries what was just committed, so an
-//! SSE stream that falls behind (a slow client) is told it lagged and catches up from the
-//! inbox instead of slowing anyone else down. Messages are published in inbox order.
+//! The database is the source of truth; the hub only carries hints of what was just
+//! committed: a message with its feed position, the newest position of a chat (a tip), or
+//! "re-read everything" (resync). A stream that sees a position beyond the next one, a tip
+//! beyond what it sent, a resync, or that lagged (a slow client) reads the gap from the
+//! database instead of slowing anyone else down. Hints may come late, twice, or never:
+//! nothing depends on them but latency.
 //!
 //! A chat's channel lives exactly as long as its subscribers: the last [`Subscription`]
 //! dropped removes it, so chats opened once and left cost nothing afterwards.
@@ -13,13 +17,16 @@ use std::sync::{Arc, Mutex};
 use bytes::Bytes;
 use tokio::sync::broadcast;
 
-/// The SSE frame of a received message; `id:` is its inbox position. Made here, below
-/// both the inbox consumer (which announces) and the SSE handler (which replays), so neither
-/// imports the other.
+/// The SSE frame of a feed item; `id:` is `p<pos>`, its position in the chat's feed (the
+/// `p` tells it from the side-wide inbox sequence that ids were before migration V7). Made
+/// here, below the inbox consumer, the send handler (which announce) and the SSE handler
+/// (which replays), so none imports another.
 pub fn frame(item: &crate::model::HistoryItem) -> Bytes {
-    let seq = item.seq.expect("received messages have a position");
     let data = serde_json::to_string(item).expect("message serializes");
-    Bytes::from(format!("id: {seq}\nevent: message\ndata: {data}\n\n"))
+    Bytes::from(format!(
+        "id: p{}\nevent: message\ndata: {data}\n\n",
+        item.pos
+    ))
 }
 
 /// Messages a chat's channel buffers for its slowest subscriber before it lags.
@@ -27,9 +34,12 @@ const CHAT_BUFFER: usize = 256;
 
 #[derive(Debug, Clone)]
 pub enum Live {
-    /// A message recorded at inbox position `seq`, as a ready SSE frame.
-    Message { seq: i64, frame: Bytes },
-    /// Something may have been missed (a notification feed reconnected): re-read the inbox.
+    /// A message committed at feed position `pos`, as a ready SSE frame.
+    Message { pos: i64, frame: Bytes },
+    /// The chat's feed reaches position `pos`: a stream behind it reads what it missed.
+    Tip(i64),
+    /// Something may have been missed (a notification feed reconnected, the inbox changed
+    /// writer): re-read the feed.
     Resync,
 }
 
@@ -61,15 +71,29 @@ impl Hub {
         self.chats.lock().unwrap().len()
     }
 
-    /// Hand a recorded message to the chat's subscribers, if any (never blocks).
-    pub fn publish(&self, chat_id: i64, seq: i64, frame: Bytes) {
+    /// Hand a committed message to the chat's subscribers, if any (never blocks).
+    pub fn publish(&self, chat_id: i64, pos: i64, frame: Bytes) {
+        self.send(chat_id, Live::Message { pos, frame });
+    }
+
+    /// Tell the chat's subscribers how far its feed reaches.
+    pub fn tip(&self, chat_id: i64, pos: i64) {
+        self.send(chat_id, Live::Tip(pos));
+    }
+
+    fn send(&self, chat_id: i64, live: Live) {
         let mut chats = self.chats.lock().unwrap();
         if let Some(sender) = chats.get(&chat_id) {
-            if sender.send(Live::Message { seq, frame }).is_err() {
+            if sender.send(live).is_err() {
                 // Nobody listens any more.
                 chats.remove(&chat_id);
             }
         }
+    }
+
+    /// The chats with subscribers on this instance.
+    pub fn chat_ids(&self) -> Vec<i64> {
+        self.chats.lock().unwrap().keys().copied().collect()
     }
 
     /// Tell every subscriber to re-read the inbox.

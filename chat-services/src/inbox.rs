@@ -27,13 +27,12 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::hub::Hub;
 use crate::lease::Lease;
 use crate::metrics::Metrics;
 use crate::model::{self, HistoryItem};
-use crate::notify;
+use crate::notify::Announcer;
 use crate::side::Side;
-use crate::store::{Received, Store, StoreError};
+use crate::store::{Position, Received, Store, StoreError};
 
 /// Entries read per call.
 const READ_COUNT: usize = 100;
@@ -120,7 +119,7 @@ pub struct Inbox {
     cfg: InboxConfig,
     client: redis::Client,
     store: Store,
-    hub: Arc<Hub>,
+    announcer: Announcer,
     metrics: Arc<Metrics>,
     status: watch::Sender<ConsumerStatus>,
     /// Messages recorded so far (for the `failpoints` crash hook).
@@ -133,7 +132,7 @@ impl Inbox {
         cfg: InboxConfig,
         client: redis::Client,
         store: Store,
-        hub: Arc<Hub>,
+        announcer: Announcer,
         metrics: Arc<Metrics>,
         status: watch::Sender<ConsumerStatus>,
     ) -> Self {
@@ -141,7 +140,7 @@ impl Inbox {
             cfg,
             client,
             store,
-            hub,
+            announcer,
             metrics,
             status,
             recorded: AtomicU64::new(0),
@@ -247,8 +246,7 @@ impl Inbox {
         info!(consumer = %self.cfg.consumer, stream = %self.cfg.stream, group = %self.cfg.group, epoch, "inbox consumer active");
         self.set_role(ConsumerRole::Active);
         // Whatever a previous holder recorded and never announced is shown now.
-        self.hub.resync_all();
-        notify::publish_resync(&mut conn, self.cfg.side).await;
+        self.announcer.resync();
         let mut active = Active {
             inbox: self,
             lease,
@@ -577,13 +575,13 @@ impl Active<'_> {
                 })
                 .collect();
             let recorded = match self.record(&batch, shutdown).await? {
-                Recorded::Done(seqs) => seqs,
+                Recorded::Done(positions) => positions,
                 Recorded::Shutdown => return Ok(Flow::Shutdown),
                 Recorded::Rejected(rejected) => {
                     // Postgres refused the batch itself: record entries one by one and
                     // dead-letter the ones it refuses.
                     warn!(error = %rejected, "inbox insert refused; recording entries one at a time");
-                    let mut seqs = HashMap::new();
+                    let mut positions = HashMap::new();
                     let mut ok = Vec::new();
                     for (entry, message) in received {
                         let single = [Received {
@@ -592,7 +590,7 @@ impl Active<'_> {
                         }];
                         match self.record(&single, shutdown).await? {
                             Recorded::Done(s) => {
-                                seqs.extend(s);
+                                positions.extend(s);
                                 ok.push((entry, message));
                             }
                             Recorded::Shutdown => return Ok(Flow::Shutdown),
@@ -602,7 +600,7 @@ impl Active<'_> {
                         }
                     }
                     received = ok;
-                    seqs
+                    positions
                 }
             };
             self.after_commit(&received, &recorded).await?;
@@ -625,7 +623,7 @@ impl Active<'_> {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
             match self.inbox.store.record_inbox(batch, self.epoch).await {
-                Ok(seqs) => return Ok(Recorded::Done(seqs)),
+                Ok(positions) => return Ok(Recorded::Done(positions)),
                 // Another instance is the writer now: leave the batch to it.
                 Err(StoreError::Fenced { ours, current }) => {
                     warn!(
@@ -658,51 +656,55 @@ impl Active<'_> {
         }
     }
 
-    /// After the inbox commit: acknowledge, then show the new messages live.
+    /// After the inbox commit: show, then acknowledge. Redeliveries are shown again: the
+    /// first showing may never have happened (the previous writer killed between its commit
+    /// and its hint); streams that sent them skip them by position.
     async fn after_commit(
         &mut self,
         received: &[(Entry, model::Message)],
-        recorded: &HashMap<uuid::Uuid, i64>,
+        recorded: &HashMap<uuid::Uuid, Position>,
     ) -> Result<(), ConsumeError> {
         let metrics = &self.inbox.metrics;
-        let mut new: Vec<(i64, &model::Message)> = Vec::new();
+        let mut shown: Vec<HistoryItem> = Vec::with_capacity(received.len());
         for (entry, message) in received {
-            match recorded.get(&message.id) {
-                Some(seq) => {
-                    new.push((*seq, message));
-                    #[cfg(feature = "failpoints")]
-                    if self.cfg().crash_after_inbox_commit
-                        == Some(
-                            self.inbox
-                                .recorded
-                                .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
-                                + 1,
-                        )
-                    {
-                        error!(message_id = %message.id, "failpoint: crashing after the inbox commit, before XACK");
-                        // SAFETY: signalling our own process.
-                        unsafe {
-                            libc::kill(libc::getpid(), libc::SIGKILL);
-                        }
+            let Some(position) = recorded.get(&message.id) else {
+                // Not written and not there: only a batch refused by a newer writer's epoch
+                // does that, and it ends before getting here.
+                return Err(ConsumeError::Reply(format!(
+                    "message {} of entry {} has no feed position after the inbox commit",
+                    message.id, entry.id
+                )));
+            };
+            if position.new {
+                metrics.messages_received_total.inc();
+                #[cfg(feature = "failpoints")]
+                if self.cfg().crash_after_inbox_commit
+                    == Some(
+                        self.inbox
+                            .recorded
+                            .fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+                            + 1,
+                    )
+                {
+                    error!(message_id = %message.id, "failpoint: crashing after the inbox commit, before XACK");
+                    // SAFETY: signalling our own process.
+                    unsafe {
+                        libc::kill(libc::getpid(), libc::SIGKILL);
                     }
                 }
-                None => {
-                    metrics.duplicates_skipped_total.inc();
-                    info!(message_id = %message.id, stream_id = %entry.id, "duplicate skipped; already in the inbox");
-                }
+            } else {
+                metrics.duplicates_skipped_total.inc();
+                info!(message_id = %message.id, stream_id = %entry.id, pos = position.pos, "redelivery of a message already in the inbox; shown again, recorded once");
             }
-        }
-        // Show first (the inbox committed, so this hides nothing), then acknowledge.
-        metrics.messages_received_total.inc_by(new.len() as u64);
-        new.sort_by_key(|(seq, _)| *seq);
-        let mut notes = Vec::with_capacity(new.len());
-        for (seq, message) in new {
-            let frame = crate::hub::frame(&HistoryItem {
+            shown.push(HistoryItem {
                 message: message.clone(),
-                seq: Some(seq),
+                pos: position.pos,
             });
-            self.inbox.hub.publish(message.chat_id, seq, frame.clone());
-            notes.push((message.chat_id, seq, frame));
+        }
+        shown.sort_by_key(|item| (item.message.chat_id, item.pos));
+        shown.dedup_by_key(|item| item.message.id);
+        for item in &shown {
+            self.inbox.announcer.announce(item);
         }
         let now = time::OffsetDateTime::now_utc();
         for (entry, _) in received {
@@ -721,12 +723,7 @@ impl Active<'_> {
             }
         }
         let ids: Vec<String> = received.iter().map(|(e, _)| e.id.clone()).collect();
-        self.ack(&ids).await?;
-        let side = self.cfg().side;
-        for (chat_id, seq, frame) in notes {
-            notify::publish(&mut self.conn, side, chat_id, seq, &frame).await;
-        }
-        Ok(())
+        self.ack(&ids).await
     }
 
     async fn ack(&mut self, ids: &[String]) -> Result<(), ConsumeError> {
@@ -775,7 +772,7 @@ impl Active<'_> {
 }
 
 enum Recorded {
-    Done(HashMap<uuid::Uuid, i64>),
+    Done(HashMap<uuid::Uuid, Position>),
     Rejected(StoreError),
     Shutdown,
 }

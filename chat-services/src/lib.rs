@@ -1,7 +1,8 @@
 //! The chat services. One library, two sides (`Consumers` and `Workers`): each writes a
 //! sent message and its outbox event in one transaction (and nothing else on the request
 //! path), consumes the other side's stream into its inbox exactly once per message, and
-//! shows received messages live over Server-Sent Events, replayable from the inbox.
+//! shows each chat's feed (sent and received) live over Server-Sent Events, replayable from
+//! the database.
 
 pub mod config;
 pub mod http;
@@ -33,6 +34,7 @@ pub struct Service {
     listener: TcpListener,
     admin: Option<TcpListener>,
     app: Arc<http::App>,
+    publisher: notify::Publisher,
     status_tx: watch::Sender<inbox::ConsumerStatus>,
 }
 
@@ -51,11 +53,20 @@ impl Service {
             None => None,
         };
         let (status_tx, status_rx) = watch::channel(inbox::ConsumerStatus::default());
+        let hub = hub::Hub::new();
+        let metrics = Arc::new(metrics::Metrics::new(config.side));
+        let (announcer, publisher) = notify::Announcer::new(
+            hub.clone(),
+            config.redis.clone(),
+            config.side,
+            metrics.clone(),
+        );
         let app = Arc::new(http::App {
             side: config.side,
             store: store::Store::new(&config.postgres, config.side, config.db_pool_size)?,
-            hub: hub::Hub::new(),
-            metrics: Arc::new(metrics::Metrics::new(config.side)),
+            hub,
+            announcer,
+            metrics,
             consumer: status_rx,
             shutdown,
             sse_heartbeat: config.sse_heartbeat,
@@ -66,6 +77,7 @@ impl Service {
             listener,
             admin,
             app,
+            publisher,
             status_tx,
         })
     }
@@ -104,7 +116,7 @@ impl Service {
             },
             cfg.redis.clone(),
             self.app.store.clone(),
-            self.app.hub.clone(),
+            self.app.announcer.clone(),
             self.app.metrics.clone(),
             self.status_tx,
         );
@@ -116,6 +128,13 @@ impl Service {
             cfg.redis.clone(),
             cfg.side,
             self.app.hub.clone(),
+            shutdown.clone(),
+        ));
+        let publisher = tokio::spawn(self.publisher.run(shutdown.clone()));
+        let tips = tokio::spawn(notify::watch_tips(
+            self.app.store.clone(),
+            self.app.hub.clone(),
+            cfg.feed_check_interval,
             shutdown.clone(),
         ));
         let retention = tokio::spawn(retention::run(
@@ -152,6 +171,8 @@ impl Service {
             warn!("inbox consumer did not stop within 10 s");
         }
         let _ = follower.await;
+        let _ = publisher.await;
+        let _ = tips.await;
         info!("stopped");
     }
 }

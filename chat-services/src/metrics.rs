@@ -14,6 +14,8 @@ pub struct Metrics {
     pub entries_lost_total: IntCounter,
     pub consumer_active: IntGauge,
     pub sse_clients: IntGauge,
+    pub sse_gaps_filled_total: IntCounter,
+    pub live_hints_unpublished_total: IntCounter,
     pub delivery_seconds: Histogram,
     pub outbox_deleted_total: IntCounter,
     pub dead_letter_entries: IntGauge,
@@ -113,6 +115,14 @@ impl Metrics {
                 "1 while this instance holds the inbox lease",
             ),
             sse_clients: gauge("chat_sse_clients", "Connected Server-Sent Events clients"),
+            live_hints_unpublished_total: counter(
+                "chat_live_hints_unpublished_total",
+                "Live hints that did not reach the other instances (Redis refused or the queue was full); each owes them a resync, sent once Redis takes it",
+            ),
+            sse_gaps_filled_total: counter(
+                "chat_sse_gaps_filled_total",
+                "Event streams that saw a later position than the next one (a hint late or lost) and read the gap from the database",
+            ),
             outbox_deleted_total: counter(
                 "chat_outbox_deleted_total",
                 "Outbox rows deleted by retention",

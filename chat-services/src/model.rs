@@ -25,14 +25,14 @@ pub struct Message {
     pub side: Side,
 }
 
-/// A message in a chat's history as one side sees it.
+/// A message in a chat's feed as one side shows it (history, SSE, a send's answer).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct HistoryItem {
     #[serde(flatten)]
     pub message: Message,
-    /// For received messages: the inbox position (the SSE event id).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub seq: Option<i64>,
+    /// Its position in the chat's feed on this side (sent and received messages share
+    /// it); the SSE event id is `p<pos>`.
+    pub pos: i64,
 }
 
 /// Why a request is refused; the text is returned as `{"error": ...}`.

@@ -1,20 +1,37 @@
-//! Live notifications between instances of one side. Only the instance holding the inbox
-//! lease records messages; it tells its own SSE clients directly and the other instances
-//! through a Redis pub/sub channel. A notification is only a shortcut: when the feed breaks
-//! (Redis restarted, connection lost), every SSE stream re-reads the inbox, the truth.
+//! Live hints between the instances of one side, and the safety net under them.
+//!
+//! Any instance commits to a chat's feed: the one holding the inbox lease records received
+//! messages, every instance records sends. The committing instance hands the message to its
+//! own hub at once and to the other instances through a Redis pub/sub channel. Hints are
+//! only a shortcut, so each way one can get lost is covered:
+//! - a PUBLISH that fails (Redis down, an ACL refusing it) or a hint dropped because the
+//!   queue was full leaves a resync owed, published as soon as Redis takes it again;
+//! - a subscriber whose feed broke (Redis restarted, connection lost) re-reads on reconnect;
+//! - a process killed between its commit and its hint is covered by [`watch_tips`], which
+//!   compares every subscribed chat's newest position with what streams have sent.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use cdc_relay::backoff::Backoff;
 use futures::StreamExt;
-use redis::aio::ConnectionManager;
+use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
-use crate::hub::Hub;
+use crate::hub::{frame, Hub};
+use crate::metrics::Metrics;
+use crate::model::HistoryItem;
 use crate::side::Side;
+use crate::store::Store;
+
+/// Hints queued for the Redis publisher before new ones are dropped (and a resync owed).
+const QUEUE: usize = 4096;
+/// Chats asked about per tip query.
+const TIPS_PER_QUERY: usize = 10_000;
 
 /// Instance id in notifications, so an instance skips its own.
 fn instance_id() -> &'static str {
@@ -22,73 +39,182 @@ fn instance_id() -> &'static str {
     ID.get_or_init(|| uuid::Uuid::new_v4().simple().to_string())
 }
 
+/// The side's hint channel. Named after the feed (ids `p<pos>`): instances of a version
+/// that sent side-wide inbox positions use another channel, so neither misreads the other.
 fn channel(side: Side) -> String {
-    format!("inbox:{side}")
+    format!("feed:{side}")
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Notification {
     from: String,
     chat_id: i64,
-    seq: i64,
+    pos: i64,
     frame: String,
-    /// The inbox changed writer: every stream re-reads the inbox.
+    /// Something may have been missed: every stream re-reads its chat's feed.
     #[serde(default)]
     resync: bool,
 }
 
-/// Tell the other instances of this side that a message was recorded (best effort).
-pub async fn publish(
-    conn: &mut ConnectionManager,
-    side: Side,
-    chat_id: i64,
-    seq: i64,
-    frame: &Bytes,
-) {
-    let note = Notification {
-        from: instance_id().to_string(),
-        chat_id,
-        seq,
-        frame: String::from_utf8_lossy(frame).into_owned(),
-        resync: false,
-    };
-    send(conn, side, &note).await;
+/// Hands committed feed items to this instance's streams and, through Redis, to the other
+/// instances'. Never blocks and never fails: what it cannot deliver is owed as a resync.
+#[derive(Clone)]
+pub struct Announcer {
+    hub: Arc<Hub>,
+    queue: mpsc::Sender<Notification>,
+    /// A hint was dropped or not published: a resync must go out.
+    owed: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
 }
 
-/// PUBLISH a notification (best effort: whoever misses it catches up from the inbox).
-async fn send(conn: &mut ConnectionManager, side: Side, note: &Notification) {
-    let payload = serde_json::to_string(note).expect("notification serializes");
-    let sent: redis::RedisResult<i64> = redis::cmd("PUBLISH")
-        .arg(channel(side))
-        .arg(payload)
-        .query_async(conn)
-        .await;
-    if let Err(e) = sent {
-        debug!(error = %e, "live notification not sent; other instances catch up from the inbox");
+impl Announcer {
+    /// An announcer and the publisher task that must run for its hints to leave.
+    pub fn new(
+        hub: Arc<Hub>,
+        client: redis::Client,
+        side: Side,
+        metrics: Arc<Metrics>,
+    ) -> (Self, Publisher) {
+        let (queue, rx) = mpsc::channel(QUEUE);
+        let owed = Arc::new(AtomicBool::new(false));
+        let publisher = Publisher {
+            client,
+            side,
+            rx,
+            owed: owed.clone(),
+            metrics: metrics.clone(),
+        };
+        (
+            Self {
+                hub,
+                queue,
+                owed,
+                metrics,
+            },
+            publisher,
+        )
+    }
+
+    /// Show a committed item on every instance.
+    pub fn announce(&self, item: &HistoryItem) {
+        let frame = frame(item);
+        self.hub
+            .publish(item.message.chat_id, item.pos, frame.clone());
+        let note = Notification {
+            from: instance_id().to_string(),
+            chat_id: item.message.chat_id,
+            pos: item.pos,
+            frame: String::from_utf8_lossy(&frame).into_owned(),
+            resync: false,
+        };
+        if self.queue.try_send(note).is_err() {
+            self.metrics.live_hints_unpublished_total.inc();
+            self.owed.store(true, Ordering::SeqCst);
+        }
+    }
+
+    /// Make every stream on every instance re-read its chat's feed (a new inbox writer took
+    /// over: what the previous one recorded and never announced is shown now).
+    pub fn resync(&self) {
+        self.hub.resync_all();
+        self.owed.store(true, Ordering::SeqCst);
+        // Wake the publisher; if the queue is full it is busy and will see the flag.
+        let _ = self.queue.try_send(resync_note());
     }
 }
 
-/// Tell every instance of this side to re-read the inbox (a new writer took over: what the
-/// previous one recorded and never announced is shown now).
-pub async fn publish_resync(conn: &mut ConnectionManager, side: Side) {
-    let note = Notification {
+fn resync_note() -> Notification {
+    Notification {
         from: instance_id().to_string(),
         chat_id: 0,
-        seq: 0,
+        pos: 0,
         frame: String::new(),
         resync: true,
-    };
-    send(conn, side, &note).await;
+    }
 }
 
-/// Feed notifications of other instances into the local hub until `shutdown`.
+/// Publishes an [`Announcer`]'s hints to Redis, in order, until shutdown.
+pub struct Publisher {
+    client: redis::Client,
+    side: Side,
+    rx: mpsc::Receiver<Notification>,
+    owed: Arc<AtomicBool>,
+    metrics: Arc<Metrics>,
+}
+
+impl Publisher {
+    pub async fn run(mut self, shutdown: CancellationToken) {
+        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+        let mut conn: Option<ConnectionManager> = None;
+        loop {
+            // A resync owed goes out before anything else; until it does, single hints
+            // are moot (the resync covers them) and are dropped.
+            let note = if self.owed.load(Ordering::SeqCst) {
+                while self.rx.try_recv().is_ok() {}
+                self.owed.store(false, Ordering::SeqCst);
+                resync_note()
+            } else {
+                tokio::select! {
+                    _ = shutdown.cancelled() => return,
+                    note = self.rx.recv() => match note {
+                        Some(note) => note,
+                        None => return,
+                    },
+                }
+            };
+            let resync = note.resync;
+            match self.publish(&mut conn, &note).await {
+                Ok(()) => {
+                    if resync {
+                        debug!("resync published");
+                    }
+                    backoff.reset();
+                }
+                Err(e) => {
+                    self.metrics.live_hints_unpublished_total.inc();
+                    self.owed.store(true, Ordering::SeqCst);
+                    let delay = backoff.next_delay();
+                    warn!(error = %e, retry_in = ?delay, "live hint not published; a resync is owed to the other instances");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep(delay) => {}
+                    }
+                }
+            }
+        }
+    }
+
+    async fn publish(
+        &self,
+        conn: &mut Option<ConnectionManager>,
+        note: &Notification,
+    ) -> redis::RedisResult<()> {
+        if conn.is_none() {
+            let config = ConnectionManagerConfig::new()
+                .set_response_timeout(Some(Duration::from_secs(2)))
+                .set_connection_timeout(Some(Duration::from_secs(2)))
+                .set_number_of_retries(1);
+            *conn = Some(ConnectionManager::new_with_config(self.client.clone(), config).await?);
+        }
+        let conn = conn.as_mut().expect("connected above");
+        let payload = serde_json::to_string(note).expect("notification serializes");
+        let _: i64 = redis::cmd("PUBLISH")
+            .arg(channel(self.side))
+            .arg(payload)
+            .query_async(conn)
+            .await?;
+        Ok(())
+    }
+}
+
+/// Feed other instances' hints into the local hub until `shutdown`.
 pub async fn follow(client: redis::Client, side: Side, hub: Arc<Hub>, shutdown: CancellationToken) {
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
     loop {
         let session = async {
             let mut pubsub = client.get_async_pubsub().await?;
             pubsub.subscribe(channel(side)).await?;
-            // Anything published while we were not subscribed is in the inbox.
+            // Anything published while we were not subscribed is in the database.
             hub.resync_all();
             backoff.reset();
             let mut messages = pubsub.on_message();
@@ -102,7 +228,7 @@ pub async fn follow(client: redis::Client, side: Side, hub: Arc<Hub>, shutdown: 
                 if note.resync {
                     hub.resync_all();
                 } else if note.from != instance_id() {
-                    hub.publish(note.chat_id, note.seq, Bytes::from(note.frame));
+                    hub.publish(note.chat_id, note.pos, Bytes::from(note.frame));
                 }
             }
             redis::RedisResult::Ok(())
@@ -111,13 +237,48 @@ pub async fn follow(client: redis::Client, side: Side, hub: Arc<Hub>, shutdown: 
             _ = shutdown.cancelled() => return,
             ended = session => {
                 if let Err(e) = ended {
-                    warn!(error = %e, "live notification feed interrupted");
+                    warn!(error = %e, "live hint feed interrupted");
                 }
             }
         }
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(backoff.next_delay()) => {}
+        }
+    }
+}
+
+/// Every `every`, tell each subscribed chat's streams how far its feed reaches, so a
+/// message whose hint never came (its writer killed between commit and hint, a hint lost
+/// with Redis) is shown within `every` at the latest. One query per `TIPS_PER_QUERY` chats.
+pub async fn watch_tips(store: Store, hub: Arc<Hub>, every: Duration, shutdown: CancellationToken) {
+    let mut tick = tokio::time::interval(every);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut failing = false;
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = tick.tick() => {}
+        }
+        for chats in hub.chat_ids().chunks(TIPS_PER_QUERY) {
+            match store.tips(chats).await {
+                Ok(tips) => {
+                    if failing {
+                        info!("feed tips readable again");
+                        failing = false;
+                    }
+                    for (chat_id, pos) in tips {
+                        hub.tip(chat_id, pos);
+                    }
+                }
+                Err(e) => {
+                    if !failing {
+                        warn!(error = %e, "cannot read feed tips; live hints still flow");
+                        failing = true;
+                    }
+                    break;
+                }
+            }
         }
     }
 }

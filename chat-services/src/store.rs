@@ -106,7 +106,9 @@ struct Send<'a> {
 impl Send<'_> {
     /// One statement, so one round trip and atomic without an explicit transaction: the
     /// outbox row exists exactly when the message row does. `ON CONFLICT DO NOTHING` covers
-    /// both the message id and the key, so running it again never writes twice.
+    /// both the message id and the key, so running it again never writes twice. The chat
+    /// feed position comes back when the message was written now (the trigger of migration
+    /// V7 assigns it).
     async fn execute(&self, store: &Store) -> Attempt {
         let s = store.side.schema();
         let client = match store.pool.get().await {
@@ -119,9 +121,10 @@ impl Send<'_> {
                    INSERT INTO {s}.messages (id, chat_id, body, created_at, idempotency_key)
                    VALUES ($1, $2, $3, $4, $5)
                    ON CONFLICT DO NOTHING
-                   RETURNING id
-                 )
-                 INSERT INTO {s}.outbox (event, payload) SELECT $6, $7 FROM m"
+                   RETURNING pos
+                 ),
+                 o AS (INSERT INTO {s}.outbox (event, payload) SELECT $6, $7 FROM m)
+                 SELECT pos FROM m"
             ))
             .await
         {
@@ -130,7 +133,7 @@ impl Send<'_> {
         };
         let m = self.message;
         let executed = client
-            .execute(
+            .query_opt(
                 &statement,
                 &[
                     &m.id,
@@ -144,7 +147,7 @@ impl Send<'_> {
             )
             .await;
         match executed {
-            Ok(inserted) => Attempt::Done(inserted),
+            Ok(row) => Attempt::Done(row.map(|r| r.get(0))),
             // The server answered with an ERROR: the statement (and its commit) failed. A
             // FATAL (an immediate shutdown, a crash restart) may follow a commit: unknown.
             Err(e)
@@ -161,14 +164,32 @@ impl Send<'_> {
 
 /// What one run of a send's statement did.
 enum Attempt {
-    Done(u64),
+    /// Ran to completion: the message's feed position if written now, `None` if it was
+    /// already there.
+    Done(Option<i64>),
     /// Certainly not written (it never reached the server, or the server refused it).
     Refused(StoreError),
     /// Sent, and no answer: written or not.
     Unknown(String),
 }
 
-/// A message recorded into the inbox by [`Store::record_inbox`].
+/// A sent message with its place in the chat's feed.
+#[derive(Debug, Clone)]
+pub struct Sent {
+    pub item: HistoryItem,
+    /// The Idempotency-Key was used before: this is the original, nothing was written.
+    pub replayed: bool,
+}
+
+/// Where [`Store::record_inbox`] put a message in its chat's feed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Position {
+    pub pos: i64,
+    /// Recorded by this call (`false`: it was in the inbox already).
+    pub new: bool,
+}
+
+/// A message to record into the inbox by [`Store::record_inbox`].
 #[derive(Debug, Clone)]
 pub struct Received {
     pub stream_id: String,
@@ -226,14 +247,14 @@ impl Store {
     }
 
     /// Write the message and its outbox event in one transaction. With an idempotency key
-    /// already used for the same chat and body, return the original (`true`: a replay)
-    /// and write nothing.
+    /// already used for the same chat and body, return the original (a replay) and write
+    /// nothing.
     pub async fn send(
         &self,
         chat_id: i64,
         body: &str,
         idempotency_key: Option<&str>,
-    ) -> Result<(Message, bool), StoreError> {
+    ) -> Result<Sent, StoreError> {
         let s = self.side.schema();
         // The message's timestamp comes from here (like its UUIDv7), at the database's
         // microsecond precision, so the event carries exactly what is stored and answered.
@@ -260,8 +281,8 @@ impl Store {
             key: &key,
             payload: &payload,
         };
-        let inserted = match send.execute(self).await {
-            Attempt::Done(inserted) => inserted,
+        let written = match send.execute(self).await {
+            Attempt::Done(written) => written,
             Attempt::Refused(e) => return Err(e),
             // The statement went out and no answer came back (the connection broke): it
             // may have committed. Send it again: the same message id and key make a second
@@ -271,23 +292,23 @@ impl Store {
                 self.resolve(&send).await?
             }
         };
-        if inserted == 1 {
-            return Ok((message, false));
+        if let Some(pos) = written {
+            return Ok(Sent {
+                item: HistoryItem { message, pos },
+                replayed: false,
+            });
         }
-        // Our own key was already there: this very send, committed before its connection
-        // broke (a rerun wrote nothing). No need to read it back.
-        if idempotency_key.is_none() {
-            return Ok((message, false));
-        }
-        // The client's key was used before: answer the original. Failing to read it now
-        // leaves the outcome unknown, not "nothing written".
+        // The key was there already: the client's key used before, or this very send
+        // (our own key or the client's), committed before its connection broke. Answer
+        // the original. Failing to read it now leaves the outcome unknown, not "nothing
+        // written".
         let unknown = || StoreError::OutcomeUnknown {
             idempotency_key: key.clone(),
         };
         let client = self.pool.get().await.map_err(|_| unknown())?;
         let row = client
             .query_one(
-                &format!("SELECT id, chat_id, body, created_at FROM {s}.messages WHERE idempotency_key = $1"),
+                &format!("SELECT id, chat_id, body, created_at, pos FROM {s}.messages WHERE idempotency_key = $1"),
                 &[&key],
             )
             .await
@@ -306,18 +327,24 @@ impl Store {
         }
         // The same message id: this very send, committed before its connection broke.
         let replayed = original.id != message.id;
-        Ok((original, replayed))
+        Ok(Sent {
+            item: HistoryItem {
+                message: original,
+                pos: row.get(4),
+            },
+            replayed,
+        })
     }
 
     /// Run `send` again on fresh connections until its outcome is known (5 s at most).
-    async fn resolve(&self, send: &Send<'_>) -> Result<u64, StoreError> {
+    async fn resolve(&self, send: &Send<'_>) -> Result<Option<i64>, StoreError> {
         let deadline = tokio::time::Instant::now() + RESOLVE_WITHIN;
         let mut pause = Duration::from_millis(50);
         loop {
             // Only a completed rerun settles it: a rerun refused (say by a read-only node
             // after a failover) says nothing about whether the first attempt committed.
             let e = match send.execute(self).await {
-                Attempt::Done(inserted) => return Ok(inserted),
+                Attempt::Done(written) => return Ok(written),
                 Attempt::Refused(e) => e.to_string(),
                 Attempt::Unknown(e) => e,
             };
@@ -332,8 +359,8 @@ impl Store {
         }
     }
 
-    /// The chat as this side sees it, oldest first: sent and received messages ordered by
-    /// their sender's timestamp; `before` pages back from a message id.
+    /// The chat as this side shows it, oldest first: sent and received messages in feed
+    /// order (their per-chat position); `before` pages back from a message id.
     pub async fn history(
         &self,
         chat_id: i64,
@@ -342,64 +369,118 @@ impl Store {
     ) -> Result<Vec<HistoryItem>, StoreError> {
         let s = self.side.schema();
         let client = self.pool.get().await?;
-        let cursor: Option<(OffsetDateTime, Uuid)> = match before {
+        let before_pos: Option<i64> = match before {
             None => None,
             Some(id) => {
                 let row = client
                     .query_opt(
                         &format!(
-                            "SELECT created_at FROM {s}.messages WHERE id = $1 AND chat_id = $2
+                            "SELECT pos FROM {s}.messages WHERE id = $1 AND chat_id = $2
                              UNION ALL
-                             SELECT sent_at FROM {s}.inbox WHERE message_id = $1 AND chat_id = $2"
+                             SELECT pos FROM {s}.inbox WHERE message_id = $1 AND chat_id = $2"
                         ),
                         &[&id, &chat_id],
                     )
                     .await?
                     .ok_or(StoreError::UnknownCursor(id))?;
-                Some((row.get(0), id))
+                Some(row.get(0))
             }
         };
-        let (before_at, before_id) = cursor.unzip();
         let rows = client
             .query(
                 &format!(
-                    "SELECT id, body, at, sent, seq FROM (
-                        SELECT id, body, created_at AS at, true AS sent, NULL::bigint AS seq
-                          FROM {s}.messages WHERE chat_id = $1
-                        UNION ALL
-                        SELECT message_id, body, sent_at, false, seq
-                          FROM {s}.inbox WHERE chat_id = $1
-                     ) m
-                     WHERE $2::timestamptz IS NULL OR (at, id) < ($2, $3)
-                     ORDER BY at DESC, id DESC
-                     LIMIT $4"
+                    "SELECT * FROM (
+                        SELECT id, body, created_at, true, pos FROM {s}.messages
+                         WHERE chat_id = $1 AND pos < $2 ORDER BY pos DESC LIMIT $3) sent
+                     UNION ALL
+                     SELECT * FROM (
+                        SELECT message_id, body, sent_at, false, pos FROM {s}.inbox
+                         WHERE chat_id = $1 AND pos < $2 ORDER BY pos DESC LIMIT $3) received
+                     ORDER BY pos DESC
+                     LIMIT $3"
                 ),
-                &[&chat_id, &before_at, &before_id, &limit],
+                &[&chat_id, &before_pos.unwrap_or(i64::MAX), &limit],
             )
             .await?;
-        let mut items: Vec<HistoryItem> = rows
-            .iter()
-            .map(|r| {
-                let sent: bool = r.get(3);
-                HistoryItem {
-                    message: Message {
-                        id: r.get(0),
-                        chat_id,
-                        body: r.get(1),
-                        created_at: r.get(2),
-                        side: if sent { self.side } else { self.side.other() },
-                    },
-                    seq: r.get(4),
-                }
-            })
-            .collect();
+        let mut items: Vec<HistoryItem> = rows.iter().map(|r| self.item(chat_id, r)).collect();
         items.reverse();
         Ok(items)
     }
 
-    /// Record received messages in one transaction, each once (by message id), in the given
-    /// order. Returns the inbox position of each message recorded now; messages already in
-    /// the inbox (redeliveries) are absent from the map.
+    /// A feed row `(id, body, created_at, sent, pos)` as a history item.
+    fn item(&self, chat_id: i64, row: &tokio_postgres::Row) -> HistoryItem {
+        let sent: bool = row.get(3);
+        HistoryItem {
+            message: Message {
+                id: row.get(0),
+                chat_id,
+                body: row.get(1),
+                created_at: row.get(2),
+                side: if sent { self.side } else { self.side.other() },
+            },
+            pos: row.get(4),
+        }
+    }
+
+    /// The chat's feed after position `after`, in order (sent and received).
+    pub async fn feed(
+        &self,
+        chat_id: i64,
+        after: i64,
+        limit: i64,
+    ) -> Result<Vec<HistoryItem>, StoreError> {
+        let s = self.side.schema();
+        let client = self.pool.get().await?;
+        let statement = client
+            .prepare_cached(&format!(
+                "SELECT * FROM (
+                    SELECT id, body, created_at, true, pos FROM {s}.messages
+                     WHERE chat_id = $1 AND pos > $2 ORDER BY pos LIMIT $3) sent
+                 UNION ALL
+                 SELECT * FROM (
+                    SELECT message_id, body, sent_at, false, pos FROM {s}.inbox
+                     WHERE chat_id = $1 AND pos > $2 ORDER BY pos LIMIT $3) received
+                 ORDER BY pos
+                 LIMIT $3"
+            ))
+            .await?;
+        let rows = client
+            .query(&statement, &[&chat_id, &after, &limit])
+            .await?;
+        Ok(rows.iter().map(|r| self.item(chat_id, r)).collect())
+    }
+
+    /// The newest position of each chat's feed (chats with no message are absent). Every
+    /// position up to it is final: readers that reach it missed nothing.
+    pub async fn tips(&self, chats: &[i64]) -> Result<Vec<(i64, i64)>, StoreError> {
+        let s = self.side.schema();
+        let client = self.pool.get().await?;
+        let statement = client
+            .prepare_cached(&format!(
+                "SELECT chat_id, last_pos FROM {s}.chats WHERE chat_id = ANY($1)"
+            ))
+            .await?;
+        let rows = client.query(&statement, &[&chats]).await?;
+        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+    }
+
+    /// The feed position a cursor of the previous event-id scheme (a side-wide inbox `seq`,
+    /// before migration V7) stands for: that of the last received message at or before it.
+    pub async fn position_of_inbox_seq(&self, chat_id: i64, seq: i64) -> Result<i64, StoreError> {
+        let s = self.side.schema();
+        let client = self.pool.get().await?;
+        let row = client
+            .query_opt(
+                &format!(
+                    "SELECT pos FROM {s}.inbox WHERE chat_id = $1 AND seq <= $2
+                      ORDER BY seq DESC LIMIT 1"
+                ),
+                &[&chat_id, &seq],
+            )
+            .await?;
+        Ok(row.map(|r| r.get(0)).unwrap_or(0))
+    }
+
     /// Become the inbox's writer (after taking the consumer lease): bump the fencing epoch.
     /// Waits for a previous holder's in-flight write, whose epoch it then invalidates.
     pub async fn claim_inbox_writer(&self, holder: &str) -> Result<i64, StoreError> {
@@ -416,13 +497,16 @@ impl Store {
         Ok(row.get(0))
     }
 
-    /// Record received messages, only while `epoch` is the inbox writer's epoch (see
-    /// [`Store::claim_inbox_writer`]); `Fenced` otherwise, with nothing written.
+    /// Record received messages in one transaction, each once (by message id), in the
+    /// given order, only while `epoch` is the inbox writer's epoch (see
+    /// [`Store::claim_inbox_writer`]); `Fenced` otherwise, with nothing written. Returns
+    /// every message's feed position, whether recorded now or found there (a redelivery,
+    /// to be announced again: its first announcement may never have gone out).
     pub async fn record_inbox(
         &self,
         received: &[Received],
         epoch: i64,
-    ) -> Result<HashMap<Uuid, i64>, StoreError> {
+    ) -> Result<HashMap<Uuid, Position>, StoreError> {
         let s = self.side.schema();
         let mut ids = Vec::with_capacity(received.len());
         let mut chats = Vec::with_capacity(received.len());
@@ -438,9 +522,10 @@ impl Store {
         }
         let client = self.pool.get().await?;
         // One statement: the writer row locked FOR SHARE and its epoch checked, then the
-        // rows inserted, identities assigned in the order of `ord`, which is stream order,
-        // so positions grow in the sender's commit order. The first output row (message id
-        // NULL) carries the current epoch.
+        // rows inserted in the order of `ord` (stream order, so feed positions, taken by
+        // the V7 trigger, follow the sender's commit order). The first output row (message
+        // id NULL) carries the current epoch; then the rows written now; then those that
+        // were there before (the statement's snapshot does not see its own inserts).
         let statement = client
             .prepare_cached(&format!(
                     "WITH w AS (SELECT epoch FROM {s}.inbox_writer FOR SHARE),
@@ -452,10 +537,13 @@ impl Store {
                              WHERE (SELECT epoch FROM w) = $6
                              ORDER BY ord
                             ON CONFLICT (message_id) DO NOTHING
-                            RETURNING message_id, seq)
-                     SELECT NULL::uuid, (SELECT epoch FROM w)
+                            RETURNING message_id, pos)
+                     SELECT NULL::uuid, (SELECT epoch FROM w), true
                      UNION ALL
-                     SELECT message_id, seq FROM ins"
+                     SELECT message_id, pos, true FROM ins
+                     UNION ALL
+                     SELECT message_id, pos, false FROM {s}.inbox
+                      WHERE message_id = ANY($1) AND (SELECT epoch FROM w) = $6"
             ))
             .await?;
         let rows = client
@@ -468,7 +556,13 @@ impl Store {
         for row in &rows {
             match row.get::<_, Option<Uuid>>(0) {
                 Some(id) => {
-                    recorded.insert(id, row.get(1));
+                    recorded.insert(
+                        id,
+                        Position {
+                            pos: row.get(1),
+                            new: row.get(2),
+                        },
+                    );
                 }
                 None => {
                     let current: i64 = row.get(1);
@@ -482,39 +576,6 @@ impl Store {
             }
         }
         Ok(recorded)
-    }
-
-    /// Received messages of a chat after inbox position `after`, in order.
-    pub async fn replay(
-        &self,
-        chat_id: i64,
-        after: i64,
-        limit: i64,
-    ) -> Result<Vec<HistoryItem>, StoreError> {
-        let s = self.side.schema();
-        let client = self.pool.get().await?;
-        let rows = client
-            .query(
-                &format!(
-                    "SELECT seq, message_id, body, sent_at FROM {s}.inbox
-                      WHERE chat_id = $1 AND seq > $2 ORDER BY seq LIMIT $3"
-                ),
-                &[&chat_id, &after, &limit],
-            )
-            .await?;
-        Ok(rows
-            .iter()
-            .map(|r| HistoryItem {
-                seq: Some(r.get(0)),
-                message: Message {
-                    id: r.get(1),
-                    chat_id,
-                    body: r.get(2),
-                    created_at: r.get(3),
-                    side: self.side.other(),
-                },
-            })
-            .collect())
     }
 
     /// Delete up to `batch` outbox rows older than `older_than`; returns how many. Deletes
@@ -538,16 +599,5 @@ impl Store {
         Ok(client
             .execute(&statement, &[&older_than.as_secs_f64(), &batch])
             .await?)
-    }
-
-    /// The newest inbox position (0 when empty): where a client without `Last-Event-ID`
-    /// starts.
-    pub async fn last_seq(&self) -> Result<i64, StoreError> {
-        let s = self.side.schema();
-        let client = self.pool.get().await?;
-        let row = client
-            .query_one(&format!("SELECT coalesce(max(seq), 0) FROM {s}.inbox"), &[])
-            .await?;
-        Ok(row.get(0))
     }
 }

@@ -67,16 +67,26 @@ async fn messages(page: &Client) -> Vec<String> {
     texts
 }
 
-async fn scenario(consumers_page: &Client, workers_page: &Client, consumers: &str, workers: &str) {
+/// Two tabs on Consumers (on two instances) and one on Workers, all on chat 31.
+async fn scenario(
+    consumers_page: &Client,
+    second_consumers_page: &Client,
+    workers_page: &Client,
+    [consumers, second_consumers, workers]: [&str; 3],
+) {
     consumers_page
         .goto(&format!("{consumers}/#chat=31"))
+        .await
+        .unwrap();
+    second_consumers_page
+        .goto(&format!("{second_consumers}/#chat=31"))
         .await
         .unwrap();
     workers_page
         .goto(&format!("{workers}/#chat=31"))
         .await
         .unwrap();
-    for page in [consumers_page, workers_page] {
+    for page in [consumers_page, second_consumers_page, workers_page] {
         wait_until(Duration::from_secs(20), "page live", || async {
             let status = page
                 .find(Locator::Id("status"))
@@ -115,20 +125,35 @@ async fn scenario(consumers_page: &Client, workers_page: &Client, consumers: &st
         },
     )
     .await;
-    // ... appears on the Workers page, live, as received text.
-    wait_until(
-        Duration::from_secs(20),
-        "message shown on the Workers page",
-        || async {
-            let shown = messages(workers_page).await;
-            if shown == [text] {
-                Ok(())
-            } else {
-                Err(format!("{shown:?}"))
-            }
-        },
-    )
-    .await;
+    // ... appears on the Workers page, live, as received text, and on the other
+    // Consumers tab (another instance), live, as sent text.
+    for (page, name) in [
+        (workers_page, "Workers page"),
+        (second_consumers_page, "second Consumers tab"),
+    ] {
+        wait_until(
+            Duration::from_secs(20),
+            &format!("message shown on the {name}"),
+            || async {
+                let shown = messages(page).await;
+                if shown == [text] {
+                    Ok(())
+                } else {
+                    Err(format!("{shown:?}"))
+                }
+            },
+        )
+        .await;
+    }
+    assert_eq!(
+        second_consumers_page
+            .find_all(Locator::Css("#messages .message.sent"))
+            .await
+            .unwrap()
+            .len(),
+        1,
+        "shown as this side's own message"
+    );
     let received = workers_page
         .find(Locator::Css("#messages .message.received"))
         .await
@@ -138,44 +163,57 @@ async fn scenario(consumers_page: &Client, workers_page: &Client, consumers: &st
         0,
         "no HTML injected"
     );
-    // And the reply comes back the other way.
+    // And the reply comes back the other way, to both Consumers tabs.
     let input = workers_page.find(Locator::Id("body")).await.unwrap();
     input.send_keys("got it\n").await.unwrap();
-    wait_until(
-        Duration::from_secs(20),
-        "reply shown on the Consumers page",
-        || async {
-            let shown = messages(consumers_page).await;
-            if shown == [text, "got it"] {
-                Ok(())
-            } else {
-                Err(format!("{shown:?}"))
-            }
-        },
-    )
-    .await;
+    for page in [consumers_page, second_consumers_page] {
+        wait_until(
+            Duration::from_secs(20),
+            "reply shown on the Consumers tabs",
+            || async {
+                let shown = messages(page).await;
+                if shown == [text, "got it"] {
+                    Ok(())
+                } else {
+                    Err(format!("{shown:?}"))
+                }
+            },
+        )
+        .await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_message_typed_on_the_consumers_page_appears_on_the_workers_page() {
+async fn a_message_typed_on_a_consumers_tab_appears_on_the_workers_tab_and_the_other_consumers_tab()
+{
     let stack = Stack::start(shared_postgres()).await;
     let consumers = stack.service(Side::Consumers, &[]).await;
+    let second_consumers = stack
+        .service_process_standby(Side::Consumers, "consumers-2", &[])
+        .await;
     let workers = stack.service(Side::Workers, &[]).await;
     let (_driver, webdriver) = chromedriver().await;
     let consumers_page = browser(&webdriver).await;
+    let second_consumers_page = browser(&webdriver).await;
     let workers_page = browser(&webdriver).await;
     // Run the scenario, then always end both browser sessions (they are chromedriver's
     // children), then report.
     let outcome = tokio::spawn({
-        let (c, w) = (consumers_page.clone(), workers_page.clone());
-        let (ca, wa) = (
+        let (c, c2, w) = (
+            consumers_page.clone(),
+            second_consumers_page.clone(),
+            workers_page.clone(),
+        );
+        let (ca, c2a, wa) = (
             format!("http://{}", consumers.addr),
+            format!("http://{}", second_consumers.addr),
             format!("http://{}", workers.addr),
         );
-        async move { scenario(&c, &w, &ca, &wa).await }
+        async move { scenario(&c, &c2, &w, [&ca, &c2a, &wa]).await }
     })
     .await;
     let _ = consumers_page.close().await;
+    let _ = second_consumers_page.close().await;
     let _ = workers_page.close().await;
     if let Err(panic) = outcome {
         std::panic::resume_unwind(panic.into_panic());

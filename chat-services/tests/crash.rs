@@ -20,7 +20,12 @@ async fn killed_after_inbox_commit_before_xack_the_message_is_redelivered_skippe
         .service_process(
             Side::Workers,
             "workers-1",
-            &["--crash-after-inbox-commit", "2"],
+            &[
+                "--consumer-name",
+                "workers",
+                "--crash-after-inbox-commit",
+                "2",
+            ],
         )
         .await;
     let mut client = SseClient::connect(workers.addr, "/chats/21/events", None)
@@ -53,7 +58,9 @@ async fn killed_after_inbox_commit_before_xack_the_message_is_redelivered_skippe
     assert_eq!(recorded, 1, "recorded before the crash");
 
     // ... and restarts under the same consumer name
-    let workers = stack.service_process(Side::Workers, "workers-2", &[]).await;
+    let workers = stack
+        .service_process(Side::Workers, "workers-2", &["--consumer-name", "workers"])
+        .await;
     // THEN the entry was redelivered and skipped as a duplicate, and acknowledged
     testkit::wait_until(
         Duration::from_secs(10),

@@ -24,7 +24,7 @@ async fn a_message_sent_on_one_side_is_shown_live_on_the_other() {
     assert_eq!(shown["id"], sent["id"]);
     assert_eq!(shown["body"], "hello workers");
     assert_eq!(shown["side"], "consumers");
-    assert_eq!(shown["seq"].to_string(), id);
+    assert_eq!(format!("p{}", shown["pos"]), id);
 
     // Workers → Consumers
     let mut on_consumers = SseClient::connect(consumers.addr, "/chats/7/events", None)

@@ -10,7 +10,7 @@ use std::time::Duration;
 use chat_services::model::Message;
 use chat_services::store::{Received, Store, StoreError};
 use chat_services::Side;
-use common::{send, Stack};
+use common::{send, Stack, Viewer};
 use testkit::{shared_postgres, wait_until, Signal};
 
 fn message(chat_id: i64, body: &str) -> Received {
@@ -117,6 +117,14 @@ async fn holders_paused_past_their_lease_keep_each_message_once_and_in_order() {
     let b = stack
         .service_process_standby(Side::Workers, "workers-b", &flags)
         .await;
+    let tabs = [
+        (Side::Workers, Viewer::start("workers-a tab", a.addr, 9)),
+        (Side::Workers, Viewer::start("workers-b tab", b.addr, 9)),
+        (
+            Side::Consumers,
+            Viewer::start("consumers tab", consumers.addr, 9),
+        ),
+    ];
     let sender = {
         let addr = consumers.addr;
         tokio::spawn(async move {
@@ -173,7 +181,7 @@ async fn holders_paused_past_their_lease_keep_each_message_once_and_in_order() {
     let db = stack.db.connect().await.unwrap();
     let recorded: Vec<String> = db
         .query(
-            "SELECT message_id::text FROM workers.inbox WHERE chat_id = 9 ORDER BY seq",
+            "SELECT message_id::text FROM workers.inbox WHERE chat_id = 9 ORDER BY pos",
             &[],
         )
         .await
@@ -182,6 +190,10 @@ async fn holders_paused_past_their_lease_keep_each_message_once_and_in_order() {
         .map(|r| r.get(0))
         .collect();
     assert_eq!(recorded, sent, "inbox order differs from the send order");
+    // AND every tab, on the paused instances too, shows each message once, in order
+    for (side, tab) in &tabs {
+        tab.assert_shows_feed(&stack.db, *side, 9).await;
+    }
     consumers.stop().await;
     stack.stop().await;
 }

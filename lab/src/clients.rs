@@ -91,7 +91,7 @@ impl Watcher {
                                 let seq = event
                                     .id
                                     .as_deref()
-                                    .and_then(|id| id.parse().ok())
+                                    .and_then(|id| id.strip_prefix('p')?.parse().ok())
                                     .unwrap_or(0);
                                 last = event.id.clone();
                                 shown.lock().unwrap().push(Shown { seq, message });

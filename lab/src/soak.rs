@@ -285,8 +285,8 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
         let lagging = {
             let mut lagging = 0;
             for (side, chat, watcher) in &watchers {
-                let inbox = inbox_order(&db, *side, *chat).await?;
-                if watcher.shown().len() < inbox.len() {
+                let feed = feed_order(&db, *side, *chat).await?;
+                if watcher.shown().len() < feed.len() {
                     lagging += 1;
                 }
             }
@@ -357,7 +357,7 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
     }
     for (side, chat, watcher) in watchers {
         let shown = watcher.stop().await;
-        let inbox = inbox_order(&db, side, chat).await?;
+        let feed = feed_order(&db, side, chat).await?;
         let ids: Vec<String> = shown
             .iter()
             .map(|s| s.message["id"].as_str().unwrap_or_default().to_string())
@@ -371,17 +371,17 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
         rolled.record(!any_rolled_back, || {
             format!("a {side} client was shown a rolled-back message")
         });
-        shown_once.record(ids == inbox, || {
+        shown_once.record(ids == feed, || {
             let mut counts: HashMap<&String, usize> = HashMap::new();
             for id in &ids {
                 *counts.entry(id).or_default() += 1;
             }
             let twice = counts.values().filter(|n| **n > 1).count();
-            let missing = inbox.iter().filter(|id| !counts.contains_key(id)).count();
+            let missing = feed.iter().filter(|id| !counts.contains_key(id)).count();
             format!(
-                "{side} chat {chat}: shown {} for {} recorded ({twice} twice, {missing} never)",
+                "{side} chat {chat}: shown {} for {} in the feed ({twice} twice, {missing} never, or out of order)",
                 ids.len(),
-                inbox.len()
+                feed.len()
             )
         });
     }
@@ -577,6 +577,29 @@ async fn missing_in_inbox(db: &tokio_postgres::Client, side: Side) -> anyhow::Re
 }
 
 /// Message ids recorded in `side`'s inbox for `chat`, in inbox order.
+/// The chat's feed on `side` (sent and received), in the order its clients must show it.
+async fn feed_order(
+    db: &tokio_postgres::Client,
+    side: Side,
+    chat: i64,
+) -> anyhow::Result<Vec<String>> {
+    Ok(db
+        .query(
+            &format!(
+                "SELECT id::text FROM (
+                   SELECT id, pos FROM {side}.messages WHERE chat_id = $1
+                   UNION ALL
+                   SELECT message_id, pos FROM {side}.inbox WHERE chat_id = $1) f
+                 ORDER BY pos"
+            ),
+            &[&chat],
+        )
+        .await?
+        .iter()
+        .map(|r| r.get(0))
+        .collect())
+}
+
 async fn inbox_order(
     db: &tokio_postgres::Client,
     side: Side,
@@ -584,7 +607,7 @@ async fn inbox_order(
 ) -> anyhow::Result<Vec<String>> {
     Ok(db
         .query(
-            &format!("SELECT message_id::text FROM {side}.inbox WHERE chat_id = $1 ORDER BY seq"),
+            &format!("SELECT message_id::text FROM {side}.inbox WHERE chat_id = $1 ORDER BY pos"),
             &[&chat],
         )
         .await?

@@ -29,10 +29,12 @@ async fn postgres_starts_logical_and_migrated() {
     assert_eq!(
         tables,
         [
+            "consumers.chats",
             "consumers.inbox",
             "consumers.inbox_writer",
             "consumers.messages",
             "consumers.outbox",
+            "workers.chats",
             "workers.inbox",
             "workers.inbox_writer",
             "workers.messages",

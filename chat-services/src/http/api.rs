@@ -168,9 +168,11 @@ pub async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Response<
         .send(chat_id, &body, idempotency_key.as_deref())
         .await
     {
-        Ok((message, replayed)) => {
-            let mut resp = reply::json(StatusCode::CREATED, &message);
-            if replayed {
+        Ok(sent) => {
+            // Committed: show it on this side's other tabs and devices, on every instance.
+            app.announcer.announce(&sent.item);
+            let mut resp = reply::json(StatusCode::CREATED, &sent.item);
+            if sent.replayed {
                 resp.headers_mut()
                     .insert("idempotency-replayed", HeaderValue::from_static("true"));
             } else {
@@ -230,18 +232,17 @@ pub fn events(app: Arc<App>, chat_id: &str, req: &Request<Incoming>) -> Response
         Ok(id) => id,
         Err(e) => return input_error(e),
     };
-    let position = |raw: &str| raw.trim().parse::<i64>().ok().filter(|n| *n >= 0);
     let bad_position = |name: &str, raw: &str| {
         reply::error(
             StatusCode::BAD_REQUEST,
-            format!("{name} must be an inbox position (a non-negative integer), got '{raw}'"),
+            format!("{name} must be an event id like p42 (a feed position), got '{raw}'"),
         )
     };
     // Last-Event-ID (sent by a reconnecting EventSource) wins over the URL's ?after=.
     let after = if let Some(header) = req.headers().get("last-event-id") {
         let raw = header.to_str().unwrap_or_default();
-        match position(raw) {
-            Some(n) => Some(n),
+        match sse::Cursor::parse(raw) {
+            Some(cursor) => Some(cursor),
             None => return bad_position("Last-Event-ID", raw),
         }
     } else {
@@ -253,8 +254,8 @@ pub fn events(app: Arc<App>, chat_id: &str, req: &Request<Incoming>) -> Response
                     format!("unknown query parameter '{key}'; use after"),
                 );
             }
-            match position(&value) {
-                Some(n) => after = Some(n),
+            match sse::Cursor::parse(&value) {
+                Some(cursor) => after = Some(cursor),
                 None => return bad_position("after", &value),
             }
         }

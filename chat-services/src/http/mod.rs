@@ -33,6 +33,8 @@ pub struct App {
     pub side: Side,
     pub store: Store,
     pub hub: Arc<Hub>,
+    /// Shows committed sends on every instance of this side.
+    pub announcer: crate::notify::Announcer,
     pub metrics: Arc<Metrics>,
     pub consumer: watch::Receiver<ConsumerStatus>,
     /// Cancelled at shutdown: open event streams end so connections can close.

@@ -1,10 +1,13 @@
-//! `GET /chats/{chat_id}/events`: received messages as Server-Sent Events.
+//! `GET /chats/{chat_id}/events`: the chat's feed (sent and received messages, in the order
+//! history shows them) as Server-Sent Events.
 //!
-//! The stream subscribes to the live hub first, then replays from the inbox everything after
-//! the client's position (`Last-Event-ID` or `?after=`), then forwards live messages,
-//! skipping any position it already sent: no gap and no duplicate at the seam. Each client
-//! has its own bounded queue; one that falls behind is caught up from the inbox rather than
-//! slowing anyone else.
+//! The stream subscribes to the live hub first, then replays from the database everything
+//! after the client's position (`Last-Event-ID` or `?after=`), then forwards live messages.
+//! Positions are consecutive, so the stream sends a live message only if it is the next
+//! one; anything further on (or a tip beyond, a resync, a lag) makes it read the gap from
+//! the database first. A message can never be skipped, and none is sent twice. Each client
+//! has its own bounded queue; one that falls behind is caught up from the database rather
+//! than slowing anyone else.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -24,13 +27,39 @@ use super::App;
 use crate::hub::{frame, Live, Subscription};
 use crate::store::StoreError;
 
-/// Messages replayed from the inbox per query.
+/// Where a client resumes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Cursor {
+    /// After this feed position (event ids `p<pos>`).
+    Pos(i64),
+    /// After this side-wide inbox position: an event id from before migration V7 (a
+    /// browser reconnecting across the upgrade).
+    InboxSeq(i64),
+}
+
+impl Cursor {
+    /// `p<n>`, or a bare `<n>` of the previous scheme; `None` if neither.
+    pub fn parse(raw: &str) -> Option<Self> {
+        let raw = raw.trim();
+        let number = |s: &str| {
+            (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| s.parse::<i64>().ok())
+                .flatten()
+        };
+        match raw.strip_prefix('p') {
+            Some(pos) => number(pos).map(Cursor::Pos),
+            None => number(raw).map(Cursor::InboxSeq),
+        }
+    }
+}
+
+/// Messages replayed from the database per query.
 const REPLAY_PAGE: i64 = 500;
 /// Frames queued for one client before its stream waits (and its live feed may lag).
 const CLIENT_QUEUE: usize = 64;
 
-/// Start streaming chat `chat_id` from position `after` (`None`: from now on).
-pub fn respond(app: Arc<App>, chat_id: i64, after: Option<i64>) -> Response<Body> {
+/// Start streaming chat `chat_id` after `after` (`None`: from now on).
+pub fn respond(app: Arc<App>, chat_id: i64, after: Option<Cursor>) -> Response<Body> {
     let Ok(permit) = app.limits.event_streams.clone().try_acquire_owned() else {
         app.metrics.event_streams_refused_total.inc();
         let mut resp = super::reply::error(
@@ -73,20 +102,24 @@ enum StreamEnd {
 async fn stream_events(
     app: &App,
     chat_id: i64,
-    after: Option<i64>,
+    after: Option<Cursor>,
     mut live: Subscription,
     tx: &mpsc::Sender<Bytes>,
 ) -> Result<(), StreamEnd> {
     let send = |bytes: Bytes| async move { send_or_give_up(app, tx, bytes).await };
     send(Bytes::from_static(b"retry: 1000\n\n")).await?;
+    // `last`: the position of the last message sent; every one before it was sent too.
     let mut last = match after {
-        Some(after) => {
-            let mut last = after;
-            catch_up(app, chat_id, &mut last, tx).await?;
-            last
+        Some(Cursor::Pos(pos)) => pos,
+        Some(Cursor::InboxSeq(seq)) => app.store.position_of_inbox_seq(chat_id, seq).await?,
+        None => {
+            let tips = app.store.tips(&[chat_id]).await?;
+            tips.first().map_or(0, |(_, pos)| *pos)
         }
-        None => app.store.last_seq().await?,
     };
+    if after.is_some() {
+        catch_up(app, chat_id, &mut last, tx).await?;
+    }
     let mut heartbeat = tokio::time::interval_at(
         tokio::time::Instant::now() + app.sse_heartbeat,
         app.sse_heartbeat,
@@ -96,10 +129,20 @@ async fn stream_events(
             _ = app.shutdown.cancelled() => return Ok(()),
             _ = tx.closed() => return Err(StreamEnd::ClientGone),
             received = live.recv() => match received {
-                Ok(Live::Message { seq, frame }) => {
-                    if seq > last {
+                Ok(Live::Message { pos, frame }) => {
+                    if pos == last + 1 {
                         send(frame).await?;
-                        last = seq;
+                        last = pos;
+                    } else if pos > last {
+                        // A message between was announced elsewhere, late, or never.
+                        app.metrics.sse_gaps_filled_total.inc();
+                        catch_up(app, chat_id, &mut last, tx).await?;
+                    }
+                }
+                Ok(Live::Tip(pos)) => {
+                    if pos > last {
+                        app.metrics.sse_gaps_filled_total.inc();
+                        catch_up(app, chat_id, &mut last, tx).await?;
                     }
                 }
                 Ok(Live::Resync) | Err(broadcast::error::RecvError::Lagged(_)) => {
@@ -125,7 +168,7 @@ async fn send_or_give_up(
     }
 }
 
-/// Send everything recorded for the chat after `last`, advancing it.
+/// Send the chat's feed after `last`, advancing it.
 async fn catch_up(
     app: &App,
     chat_id: i64,
@@ -133,11 +176,11 @@ async fn catch_up(
     tx: &mpsc::Sender<Bytes>,
 ) -> Result<(), StreamEnd> {
     loop {
-        let page = app.store.replay(chat_id, *last, REPLAY_PAGE).await?;
+        let page = app.store.feed(chat_id, *last, REPLAY_PAGE).await?;
         let n = page.len() as i64;
         for item in &page {
             send_or_give_up(app, tx, frame(item)).await?;
-            *last = item.seq.unwrap_or(*last);
+            *last = item.pos;
         }
         if n < REPLAY_PAGE {
             return Ok(());

@@ -230,7 +230,12 @@ impl<'a> Stack<'a> {
         let port = testkit::http::free_port();
         let listen = format!("127.0.0.1:{port}");
         let admin = format!("127.0.0.1:{}", testkit::http::free_port());
-        let mut args = self.service_args(side, extra);
+        // Each process its own consumer (lease holder) name unless `extra` names one.
+        let named: Vec<&str> = ["--consumer-name", name]
+            .into_iter()
+            .chain(extra.iter().copied())
+            .collect();
+        let mut args = self.service_args(side, &named);
         let i = args.iter().position(|a| a == "127.0.0.1:0").unwrap();
         args[i] = listen.clone();
         let a = args.iter().position(|a| a == "--admin-addr").unwrap() + 1;
@@ -351,4 +356,119 @@ pub async fn append_after_top(
         cmd.arg(*k).arg(*v);
     }
     cmd.query_async::<String>(&mut conn).await.unwrap()
+}
+
+/// A browser tab on one chat: an SSE stream from the start of the feed that reconnects
+/// with its Last-Event-ID whenever the stream ends (like EventSource), recording the id of
+/// every message it was shown, in order.
+pub struct Viewer {
+    pub name: String,
+    shown: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Viewer {
+    pub fn start(name: &str, addr: SocketAddr, chat_id: i64) -> Self {
+        let shown = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let task = tokio::spawn({
+            let shown = shown.clone();
+            async move {
+                let path = format!("/chats/{chat_id}/events?after=p0");
+                let mut last: Option<String> = None;
+                loop {
+                    let Ok(mut client) =
+                        testkit::http::SseClient::connect(addr, &path, last.as_deref()).await
+                    else {
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        continue;
+                    };
+                    loop {
+                        match client.next(Duration::from_millis(500)).await {
+                            Some(event) => {
+                                let message: serde_json::Value =
+                                    serde_json::from_str(&event.data).expect("JSON data");
+                                shown
+                                    .lock()
+                                    .unwrap()
+                                    .push(message["id"].as_str().unwrap().to_string());
+                                last = event.id;
+                            }
+                            None if client.is_closed() => break,
+                            None => {}
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(100)).await;
+                }
+            }
+        });
+        Self {
+            name: name.to_string(),
+            shown,
+            task,
+        }
+    }
+
+    pub fn shown(&self) -> Vec<String> {
+        self.shown.lock().unwrap().clone()
+    }
+
+    /// Wait until the tab shows as many messages as `side`'s feed of the chat holds, then
+    /// assert it shows exactly that feed: every message once, in feed order.
+    pub async fn assert_shows_feed(&self, db: &TestDb, side: Side, chat_id: i64) {
+        let feed = feed(db, side, chat_id).await;
+        testkit::wait_until(
+            Duration::from_secs(30),
+            &format!(
+                "{} showing the {} messages of the feed",
+                self.name,
+                feed.len()
+            ),
+            || async {
+                let n = self.shown().len();
+                if n >= feed.len() {
+                    Ok(())
+                } else {
+                    Err(format!("{n} shown"))
+                }
+            },
+        )
+        .await;
+        let shown = self.shown();
+        let missing: Vec<_> = feed.iter().filter(|id| !shown.contains(id)).collect();
+        assert_eq!(
+            shown,
+            feed,
+            "{}: must show the feed once, in order ({} missing)",
+            self.name,
+            missing.len()
+        );
+    }
+}
+
+impl Drop for Viewer {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Chat `chat_id` as `side` shows it: message ids of sent and received, in feed order.
+pub async fn feed(db: &TestDb, side: Side, chat_id: i64) -> Vec<String> {
+    db.connect()
+        .await
+        .unwrap()
+        .query(
+            &format!(
+                "SELECT id::text FROM (
+                   SELECT id, pos FROM {side}.messages WHERE chat_id = $1
+                   UNION ALL
+                   SELECT message_id, pos FROM {side}.inbox WHERE chat_id = $1) f
+                 ORDER BY pos"
+            ),
+            &[&chat_id],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
 }

@@ -1,0 +1,296 @@
+//! Recorded means shown, with several instances per side: every tab on every instance shows
+//! every message of its chat's feed (both sides' messages) once, in feed order, whatever
+//! happens between a commit and its live hint. `--feed-check-interval` is set far out where
+//! a test is about another mechanism, so the safety net cannot hide that mechanism failing.
+
+mod common;
+
+use std::time::Duration;
+
+use chat_services::Side;
+use common::{send, Stack, Viewer};
+use testkit::proxy::Proxy;
+use testkit::shared_postgres;
+
+const NO_TIP_CHECK: [&str; 2] = ["--feed-check-interval", "1h"];
+
+async fn wait_recorded(stack: &Stack<'_>, side: Side, chat_id: i64, n: i64) {
+    testkit::wait_until(
+        Duration::from_secs(60),
+        &format!("{n} messages in {side}' inbox"),
+        || async {
+            let got = stack
+                .count(&format!(
+                    "SELECT count(*) FROM {side}.inbox WHERE chat_id = {chat_id}"
+                ))
+                .await;
+            if got >= n {
+                Ok(())
+            } else {
+                Err(format!("{got}"))
+            }
+        },
+    )
+    .await;
+}
+
+async fn wait_metric_at_least(admin: std::net::SocketAddr, name: &str, at_least: f64) {
+    testkit::wait_until(Duration::from_secs(20), name, || async {
+        let (_, text) = testkit::http::get(admin, "/metrics")
+            .await
+            .map_err(|e| e.to_string())?;
+        match testkit::http::metric_value(&text, name) {
+            Some(v) if v >= at_least => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+}
+
+async fn acl(stack: &Stack<'_>, rule: &str) {
+    let mut redis = stack.redis.connect().await.unwrap();
+    let () = redis::cmd("ACL")
+        .arg("SETUSER")
+        .arg("default")
+        .arg(rule)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publish_refused_for_a_while_hides_nothing_on_any_instance_of_either_side() {
+    // GIVEN two instances per side, a tab on each, all on chat 31
+    let stack = Stack::start(shared_postgres()).await;
+    let c1 = stack
+        .service_process(Side::Consumers, "consumers-1", &NO_TIP_CHECK)
+        .await;
+    let c2 = stack
+        .service_process_standby(Side::Consumers, "consumers-2", &NO_TIP_CHECK)
+        .await;
+    let w1 = stack
+        .service_process(Side::Workers, "workers-1", &NO_TIP_CHECK)
+        .await;
+    let w2 = stack
+        .service_process_standby(Side::Workers, "workers-2", &NO_TIP_CHECK)
+        .await;
+    let tabs = [
+        (
+            Side::Consumers,
+            Viewer::start("consumers-1 tab", c1.addr, 31),
+        ),
+        (
+            Side::Consumers,
+            Viewer::start("consumers-2 tab", c2.addr, 31),
+        ),
+        (Side::Workers, Viewer::start("workers-1 tab", w1.addr, 31)),
+        (Side::Workers, Viewer::start("workers-2 tab", w2.addr, 31)),
+    ];
+    let mut n = 0;
+    let mut burst = |count: usize| {
+        let range = n..n + count;
+        n += count;
+        let (c1, w2) = (c1.addr, w2.addr);
+        async move {
+            for i in range {
+                send(c1, 31, &format!("c{i}")).await;
+                if i % 4 == 0 {
+                    send(w2, 31, &format!("w{i}")).await;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    burst(10).await;
+
+    // WHEN Redis refuses PUBLISH (an ACL change) while one message is sent and recorded,
+    // then takes it again
+    acl(&stack, "-publish").await;
+    send(c1.addr, 31, "while refused").await;
+    wait_recorded(&stack, Side::Workers, 31, 11).await;
+    for instance in [c1.admin, w1.admin] {
+        wait_metric_at_least(instance, "chat_live_hints_unpublished_total", 1.0).await;
+    }
+    acl(&stack, "+publish").await;
+
+    // THEN every tab shows its side's whole feed, once, in order, though nothing sent
+    // after the refusal reveals a gap
+    for (side, tab) in &tabs {
+        tab.assert_shows_feed(&stack.db, *side, 31).await;
+    }
+
+    // AND so through a longer refusal with traffic on both sides, and what follows
+    acl(&stack, "-publish").await;
+    burst(20).await;
+    acl(&stack, "+publish").await;
+    burst(10).await;
+    wait_recorded(&stack, Side::Workers, 31, 41).await;
+    wait_recorded(&stack, Side::Consumers, 31, 10).await;
+    for (side, tab) in &tabs {
+        tab.assert_shows_feed(&stack.db, *side, 31).await;
+    }
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_holder_killed_between_inbox_commit_and_hint_hides_nothing() {
+    // GIVEN three Workers instances; the lease holder SIGKILLs itself right after its
+    // fifth inbox commit, before any hint or XACK
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let flags = [
+        "--lease-ttl",
+        "1s",
+        "--claim-idle",
+        "500ms",
+        NO_TIP_CHECK[0],
+        NO_TIP_CHECK[1],
+    ];
+    let mut crashing = flags.to_vec();
+    crashing.extend(["--crash-after-inbox-commit", "5"]);
+    let w1 = stack
+        .service_process(Side::Workers, "workers-1", &crashing)
+        .await;
+    let w2 = stack
+        .service_process_standby(Side::Workers, "workers-2", &flags)
+        .await;
+    let w3 = stack
+        .service_process_standby(Side::Workers, "workers-3", &flags)
+        .await;
+    let tabs = [
+        Viewer::start("workers-2 tab", w2.addr, 32),
+        Viewer::start("workers-3 tab", w3.addr, 32),
+    ];
+
+    // WHEN 20 messages arrive, one by one
+    for i in 0..20 {
+        send(consumers.addr, 32, &format!("m{i}")).await;
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let status = w1.child.wait_exit(Duration::from_secs(20)).unwrap();
+    assert_eq!(
+        std::os::unix::process::ExitStatusExt::signal(&status),
+        Some(9),
+        "the holder died by its failpoint"
+    );
+
+    // THEN the tabs on the survivors show all 20, once, in order
+    wait_recorded(&stack, Side::Workers, 32, 20).await;
+    for tab in &tabs {
+        tab.assert_shows_feed(&stack.db, Side::Workers, 32).await;
+    }
+    consumers.stop().await;
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inbox_connection_cut_after_commit_hides_nothing() {
+    // GIVEN Workers reaching Postgres through a proxy that can cut a connection right
+    // after the server answered, and a tab on each of two Workers instances
+    let pg = shared_postgres();
+    let stack = Stack::start(pg).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let proxy = Proxy::to_unix(pg.socket_dir().join(".s.PGSQL.5432"))
+        .await
+        .unwrap();
+    let mut args = stack.service_args(Side::Workers, &NO_TIP_CHECK);
+    let url = args.iter().position(|a| a == "--database-url").unwrap() + 1;
+    args[url] = format!(
+        "postgres://workers@{}/{}?sslmode=disable",
+        proxy.addr(),
+        stack.db.name
+    );
+    let holder = stack.service_with(args).await;
+    let other = stack
+        .service_process_standby(Side::Workers, "workers-2", &NO_TIP_CHECK)
+        .await;
+    let tabs = [
+        Viewer::start("holder tab", holder.addr, 33),
+        Viewer::start("other tab", other.addr, 33),
+    ];
+    send(consumers.addr, 33, "first").await;
+    wait_recorded(&stack, Side::Workers, 33, 1).await;
+
+    // WHEN the connection carrying the inbox insert of a message is cut right after
+    // Postgres committed it (the write is retried and finds the message there)
+    proxy.cut_reply_after(b"cut after commit");
+    send(consumers.addr, 33, "cut after commit").await;
+    wait_recorded(&stack, Side::Workers, 33, 2).await;
+
+    // THEN both tabs show it, though nothing comes after it to reveal a gap
+    assert!(proxy.cut_done(), "the proxy never cut the connection");
+    for tab in &tabs {
+        tab.assert_shows_feed(&stack.db, Side::Workers, 33).await;
+    }
+    // AND what follows, once, in order
+    for i in 0..5 {
+        send(consumers.addr, 33, &format!("after {i}")).await;
+    }
+    wait_recorded(&stack, Side::Workers, 33, 7).await;
+    for tab in &tabs {
+        tab.assert_shows_feed(&stack.db, Side::Workers, 33).await;
+    }
+    holder.stop().await;
+    consumers.stop().await;
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_committed_without_any_hint_is_shown_within_the_check_interval() {
+    // GIVEN a tab on each of two Consumers instances checking tips every 200 ms
+    let stack = Stack::start(shared_postgres()).await;
+    let flags = ["--feed-check-interval", "200ms"];
+    let c1 = stack
+        .service_process(Side::Consumers, "consumers-1", &flags)
+        .await;
+    let c2 = stack
+        .service_process_standby(Side::Consumers, "consumers-2", &flags)
+        .await;
+    let tabs = [
+        Viewer::start("consumers-1 tab", c1.addr, 34),
+        Viewer::start("consumers-2 tab", c2.addr, 34),
+    ];
+    send(c1.addr, 34, "with a hint").await;
+
+    // WHEN a message is committed by a writer that never hints (an older binary, a process
+    // killed right after its commit)
+    let db = stack.db.connect().await.unwrap();
+    db.execute(
+        "INSERT INTO consumers.messages (id, chat_id, body) VALUES (gen_random_uuid(), 34, 'no hint')",
+        &[],
+    )
+    .await
+    .unwrap();
+
+    // THEN both tabs show it, after the first, and nothing twice
+    for tab in &tabs {
+        tab.assert_shows_feed(&stack.db, Side::Consumers, 34).await;
+    }
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hint_past_a_gap_makes_the_stream_read_the_gap_first() {
+    // GIVEN a tab on Consumers, with no tip check to fall back on
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &NO_TIP_CHECK).await;
+    let tab = Viewer::start("tab", consumers.addr, 35);
+    send(consumers.addr, 35, "first").await;
+    tab.assert_shows_feed(&stack.db, Side::Consumers, 35).await;
+
+    // WHEN a message is committed with no hint, and the next one comes with its hint
+    let db = stack.db.connect().await.unwrap();
+    db.execute(
+        "INSERT INTO consumers.messages (id, chat_id, body) VALUES (gen_random_uuid(), 35, 'no hint')",
+        &[],
+    )
+    .await
+    .unwrap();
+    send(consumers.addr, 35, "hinted").await;
+
+    // THEN the tab shows all three in order: the hint's position revealed the gap
+    tab.assert_shows_feed(&stack.db, Side::Consumers, 35).await;
+    assert_eq!(tab.shown().len(), 3);
+    consumers.stop().await;
+    stack.stop().await;
+}
