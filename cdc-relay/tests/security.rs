@@ -509,6 +509,14 @@ async fn redis_acl_users_have_least_privilege() {
         ("consumers", "XLEN deadletter:consumers", true),
         ("consumers", "SET inbox-lease:consumers me PX 1000", true),
         ("consumers", "PUBLISH inbox:consumers hello", true),
+        ("consumers", "PUBLISH feed:consumers hello", true),
+        ("consumers", "XRANGE deadletter:consumers - +", true),
+        ("consumers", "XDEL deadletter:consumers 1-1", true),
+        (
+            "consumers",
+            "XADD deadletter:consumers:audit * action drop",
+            true,
+        ),
         ("consumers", "XADD outbox:workers * k v", false),
         ("consumers", "XADD outbox:consumers * k v", false),
         ("consumers", "XTRIM outbox:workers MAXLEN 0", false),
@@ -527,6 +535,8 @@ async fn redis_acl_users_have_least_privilege() {
         ),
         ("consumers", "XADD deadletter:workers * k v", false),
         ("consumers", "PUBLISH inbox:workers hello", false),
+        ("consumers", "PUBLISH feed:workers hello", false),
+        ("consumers", "XDEL deadletter:workers 1-1", false),
         ("consumers", "FLUSHALL", false),
     ];
     let mut connections = std::collections::HashMap::new();

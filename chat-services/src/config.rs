@@ -13,6 +13,9 @@ use crate::side::Side;
 #[derive(Debug, Clone, Parser)]
 #[command(name = "chat-service", version)]
 pub struct Cli {
+    /// Without a command: run the service.
+    #[command(subcommand)]
+    pub command: Option<Command>,
     /// Which service this is.
     #[arg(long, env = "CHAT_SIDE", value_enum)]
     pub side: Side,
@@ -43,6 +46,10 @@ pub struct Cli {
     /// Where entries that cannot be recorded go, with the reason (default: deadletter:<side>).
     #[arg(long, env = "CHAT_DEAD_LETTER_STREAM")]
     pub dead_letter_stream: Option<String>,
+    /// Dead letters kept at most; beyond it the oldest are trimmed (counted in
+    /// chat_dead_letters_trimmed_total and logged): a flood of poison cannot fill Redis.
+    #[arg(long, env = "CHAT_DEAD_LETTER_MAX_LEN", default_value_t = 100_000)]
+    pub dead_letter_max_len: u64,
     /// Pending entries idle this long are claimed from the consumer holding them.
     #[arg(long, env = "CHAT_CLAIM_IDLE", value_parser = humantime::parse_duration, default_value = "30s")]
     pub claim_idle: Duration,
@@ -91,6 +98,14 @@ pub struct Cli {
     pub crash_after_inbox_commit: Option<u64>,
 }
 
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum Command {
+    /// Act on this side's dead letters (with the service's configuration), e.g.
+    /// `chat-service dead-letters list`.
+    #[command(subcommand)]
+    DeadLetters(crate::dead_letters::DeadLetterCommand),
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
 pub enum LogFormat {
     Text,
@@ -108,6 +123,7 @@ pub struct ServiceConfig {
     pub consumer_name: String,
     pub inbound_stream: String,
     pub dead_letter_stream: String,
+    pub dead_letter_max_len: u64,
     pub claim_idle: Duration,
     pub max_deliveries: u64,
     pub lease_ttl: Duration,
@@ -180,6 +196,9 @@ impl Cli {
                 "--consumer-name '{consumer_name}' must be non-empty, without '/' or whitespace"
             ));
         }
+        if self.dead_letter_max_len == 0 {
+            return Err("--dead-letter-max-len must be at least 1".into());
+        }
         if self.max_deliveries == 0 {
             return Err("--max-deliveries must be at least 1".into());
         }
@@ -221,6 +240,7 @@ impl Cli {
                 .dead_letter_stream
                 .clone()
                 .unwrap_or_else(|| format!("deadletter:{}", self.side)),
+            dead_letter_max_len: self.dead_letter_max_len,
             claim_idle: self.claim_idle,
             max_deliveries: self.max_deliveries,
             lease_ttl: self.lease_ttl,

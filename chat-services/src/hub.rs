@@ -96,6 +96,11 @@ impl Hub {
         self.chats.lock().unwrap().keys().copied().collect()
     }
 
+    /// Tell the chat's subscribers to re-read its feed.
+    pub fn resync_chat(&self, chat_id: i64) {
+        self.send(chat_id, Live::Resync);
+    }
+
     /// Tell every subscriber to re-read the inbox.
     pub fn resync_all(&self) {
         let mut chats = self.chats.lock().unwrap();

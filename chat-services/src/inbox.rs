@@ -50,6 +50,8 @@ pub struct InboxConfig {
     /// This instance's stable consumer name.
     pub consumer: String,
     pub dead_letter_stream: String,
+    /// Dead letters kept at most (the oldest are trimmed beyond it).
+    pub dead_letter_max_len: u64,
     /// Pending entries idle this long are claimed (from a consumer that died).
     pub claim_idle: Duration,
     /// Deliveries without acknowledgement after which an entry is dead-lettered.
@@ -727,6 +729,11 @@ impl Active<'_> {
     }
 
     async fn ack(&mut self, ids: &[String]) -> Result<(), ConsumeError> {
+        // (A batch whose every entry was refused leaves nothing to acknowledge here; XACK
+        // without ids is an error that would restart the session and count a delivery.)
+        if ids.is_empty() {
+            return Ok(());
+        }
         let _: i64 = redis::cmd("XACK")
             .arg(&self.cfg().stream)
             .arg(&self.cfg().group)
@@ -737,9 +744,14 @@ impl Active<'_> {
     }
 
     /// Move an entry to the dead-letter stream with its reason, atomically with its XACK.
+    /// The stream is capped: what the cap trims is counted and logged.
     async fn dead_letter(&mut self, entry: &Entry, reason: &str) -> Result<(), ConsumeError> {
+        let max_len = self.cfg().dead_letter_max_len;
         let mut xadd = redis::cmd("XADD");
         xadd.arg(&self.cfg().dead_letter_stream)
+            .arg("MAXLEN")
+            .arg("=")
+            .arg(max_len)
             .arg("*")
             .arg("stream")
             .arg(&self.cfg().stream)
@@ -756,6 +768,8 @@ impl Active<'_> {
         }
         let mut pipe = redis::pipe();
         pipe.atomic()
+            .cmd("XLEN")
+            .arg(&self.cfg().dead_letter_stream)
             .add_command(xadd)
             .ignore()
             .cmd("XACK")
@@ -763,8 +777,16 @@ impl Active<'_> {
             .arg(&self.cfg().group)
             .arg(&entry.id)
             .ignore();
-        let () = pipe.query_async(&mut self.conn).await?;
+        let (before,): (u64,) = pipe.query_async(&mut self.conn).await?;
         self.inbox.metrics.dead_lettered_total.inc();
+        let trimmed = (before + 1).saturating_sub(max_len);
+        if trimmed > 0 {
+            self.inbox
+                .metrics
+                .dead_letters_trimmed_total
+                .inc_by(trimmed);
+            error!(trimmed, max_len, dead_letter_stream = %self.cfg().dead_letter_stream, "dead-letter stream full: its oldest entries were trimmed and can no longer be replayed; act on the dead letters (chat-service dead-letters) or raise --dead-letter-max-len");
+        }
         self.count_dead_letters().await?;
         warn!(stream_id = %entry.id, %reason, dead_letter_stream = %self.cfg().dead_letter_stream, "entry dead-lettered");
         Ok(())

@@ -5,6 +5,7 @@
 //! the database.
 
 pub mod config;
+pub mod dead_letters;
 pub mod http;
 pub mod hub;
 pub mod inbox;
@@ -109,6 +110,7 @@ impl Service {
                 group: cfg.side.as_str().to_string(),
                 consumer: cfg.consumer_name.clone(),
                 dead_letter_stream: cfg.dead_letter_stream.clone(),
+                dead_letter_max_len: cfg.dead_letter_max_len,
                 claim_idle: cfg.claim_idle,
                 max_deliveries: cfg.max_deliveries,
                 lease_ttl: cfg.lease_ttl,

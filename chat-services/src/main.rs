@@ -2,7 +2,8 @@
 
 use std::process::ExitCode;
 
-use chat_services::config::LogFormat;
+use chat_services::config::{Command, LogFormat};
+use chat_services::dead_letters;
 use chat_services::{Cli, Service};
 use clap::Parser;
 use tokio_util::sync::CancellationToken;
@@ -34,6 +35,22 @@ async fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some(Command::DeadLetters(command)) = cli.command {
+        return match dead_letters::run(&config, command, &mut std::io::stdout()).await {
+            Ok(outcome) if outcome.left == 0 => ExitCode::SUCCESS,
+            Ok(outcome) => {
+                eprintln!(
+                    "chat-service: {} left as dead letters (see not_replayed above)",
+                    outcome.left
+                );
+                ExitCode::FAILURE
+            }
+            Err(e) => {
+                eprintln!("chat-service: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     let shutdown = CancellationToken::new();
     let service = match Service::bind(config, shutdown.clone()).await {
         Ok(service) => service,

@@ -19,6 +19,7 @@ pub struct Metrics {
     pub delivery_seconds: Histogram,
     pub outbox_deleted_total: IntCounter,
     pub dead_letter_entries: IntGauge,
+    pub dead_letters_trimmed_total: IntCounter,
     pub inbox_write_retries_total: IntCounterVec,
     pub accept_errors_total: IntCounter,
     pub connections_refused_total: IntCounter,
@@ -126,6 +127,10 @@ impl Metrics {
             outbox_deleted_total: counter(
                 "chat_outbox_deleted_total",
                 "Outbox rows deleted by retention",
+            ),
+            dead_letters_trimmed_total: counter(
+                "chat_dead_letters_trimmed_total",
+                "Oldest dead letters trimmed because the stream reached --dead-letter-max-len (lost for replay)",
             ),
             dead_letter_entries: gauge(
                 "chat_dead_letter_entries",

@@ -19,6 +19,7 @@ use cdc_relay::backoff::Backoff;
 use futures::StreamExt;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::sync::mpsc;
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
@@ -39,10 +40,44 @@ fn instance_id() -> &'static str {
     ID.get_or_init(|| uuid::Uuid::new_v4().simple().to_string())
 }
 
-/// The side's hint channel. Named after the feed (ids `p<pos>`): instances of a version
-/// that sent side-wide inbox positions use another channel, so neither misreads the other.
+/// The side's hint channel. Named after the feed (ids `p<pos>`): instances of the previous
+/// version, which sent side-wide inbox positions, use [`legacy_channel`], so neither
+/// misreads the other's positions.
 fn channel(side: Side) -> String {
     format!("feed:{side}")
+}
+
+/// The previous version's channel. During a rolling deploy the two versions tell each
+/// other only "re-read": a resync (at most every [`LEGACY_EVERY`], after hints) from this
+/// version, and from theirs a hint read here as "that chat changed".
+fn legacy_channel(side: Side) -> String {
+    format!("inbox:{side}")
+}
+
+/// How often at most instances of the previous version are told to re-read.
+const LEGACY_EVERY: Duration = Duration::from_secs(1);
+
+/// A notification as the previous version sends and reads it.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct LegacyNotification {
+    from: String,
+    chat_id: i64,
+    seq: i64,
+    frame: String,
+    #[serde(default)]
+    resync: bool,
+}
+
+impl LegacyNotification {
+    fn resync() -> Self {
+        Self {
+            from: instance_id().to_string(),
+            chat_id: 0,
+            seq: 0,
+            frame: String::new(),
+            resync: true,
+        }
+    }
 }
 
 #[derive(serde::Serialize, serde::Deserialize)]
@@ -133,6 +168,19 @@ fn resync_note() -> Notification {
     }
 }
 
+/// Tell every instance of `side` to re-read its chats' feeds (from outside a service: an
+/// operator's command that wrote to the feed).
+pub async fn publish_resync(client: &redis::Client, side: Side) -> redis::RedisResult<()> {
+    let mut conn = client.get_multiplexed_async_connection().await?;
+    let payload = serde_json::to_string(&resync_note()).expect("notification serializes");
+    let _: i64 = redis::cmd("PUBLISH")
+        .arg(channel(side))
+        .arg(payload)
+        .query_async(&mut conn)
+        .await?;
+    Ok(())
+}
+
 /// Publishes an [`Announcer`]'s hints to Redis, in order, until shutdown.
 pub struct Publisher {
     client: redis::Client,
@@ -146,6 +194,9 @@ impl Publisher {
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
         let mut conn: Option<ConnectionManager> = None;
+        // When instances of the previous version are owed a resync (see LEGACY_EVERY).
+        let mut legacy_due: Option<Instant> = None;
+        let mut legacy_sent = Instant::now() - LEGACY_EVERY;
         loop {
             // A resync owed goes out before anything else; until it does, single hints
             // are moot (the resync covers them) and are dropped.
@@ -154,21 +205,34 @@ impl Publisher {
                 self.owed.store(false, Ordering::SeqCst);
                 resync_note()
             } else {
+                let legacy_at = legacy_due.unwrap_or_else(Instant::now);
                 tokio::select! {
                     _ = shutdown.cancelled() => return,
                     note = self.rx.recv() => match note {
                         Some(note) => note,
                         None => return,
                     },
+                    _ = tokio::time::sleep_until(legacy_at), if legacy_due.is_some() => {
+                        let payload = serde_json::to_string(&LegacyNotification::resync())
+                            .expect("notification serializes");
+                        match self.publish(&mut conn, &legacy_channel(self.side), &payload).await {
+                            Ok(()) => legacy_due = None,
+                            Err(_) => legacy_due = Some(Instant::now() + LEGACY_EVERY),
+                        }
+                        legacy_sent = Instant::now();
+                        continue;
+                    }
                 }
             };
             let resync = note.resync;
-            match self.publish(&mut conn, &note).await {
+            let payload = serde_json::to_string(&note).expect("notification serializes");
+            match self.publish(&mut conn, &channel(self.side), &payload).await {
                 Ok(()) => {
                     if resync {
                         debug!("resync published");
                     }
                     backoff.reset();
+                    legacy_due.get_or_insert(legacy_sent + LEGACY_EVERY);
                 }
                 Err(e) => {
                     self.metrics.live_hints_unpublished_total.inc();
@@ -187,7 +251,8 @@ impl Publisher {
     async fn publish(
         &self,
         conn: &mut Option<ConnectionManager>,
-        note: &Notification,
+        channel: &str,
+        payload: &str,
     ) -> redis::RedisResult<()> {
         if conn.is_none() {
             let config = ConnectionManagerConfig::new()
@@ -197,9 +262,8 @@ impl Publisher {
             *conn = Some(ConnectionManager::new_with_config(self.client.clone(), config).await?);
         }
         let conn = conn.as_mut().expect("connected above");
-        let payload = serde_json::to_string(note).expect("notification serializes");
         let _: i64 = redis::cmd("PUBLISH")
-            .arg(channel(self.side))
+            .arg(channel)
             .arg(payload)
             .query_async(conn)
             .await?;
@@ -214,14 +278,25 @@ pub async fn follow(client: redis::Client, side: Side, hub: Arc<Hub>, shutdown: 
         let session = async {
             let mut pubsub = client.get_async_pubsub().await?;
             pubsub.subscribe(channel(side)).await?;
+            pubsub.subscribe(legacy_channel(side)).await?;
             // Anything published while we were not subscribed is in the database.
             hub.resync_all();
             backoff.reset();
+            let legacy = legacy_channel(side);
             let mut messages = pubsub.on_message();
             while let Some(msg) = messages.next().await {
                 let Ok(payload) = msg.get_payload::<String>() else {
                     continue;
                 };
+                if msg.get_channel_name() == legacy {
+                    match serde_json::from_str::<LegacyNotification>(&payload) {
+                        Ok(note) if note.from == instance_id() => {}
+                        Ok(note) if note.resync => hub.resync_all(),
+                        Ok(note) => hub.resync_chat(note.chat_id),
+                        Err(_) => {}
+                    }
+                    continue;
+                }
                 let Ok(note) = serde_json::from_str::<Notification>(&payload) else {
                     continue;
                 };

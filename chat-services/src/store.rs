@@ -465,20 +465,25 @@ impl Store {
     }
 
     /// The feed position a cursor of the previous event-id scheme (a side-wide inbox `seq`,
-    /// before migration V7) stands for: that of the last received message at or before it.
+    /// before migration V7) stands for: just before the first received message after it
+    /// (V7 numbered old rows by their sender's timestamp, which may differ from `seq`
+    /// order), or the chat's tip if none came after it. What a client is sent again it
+    /// already has, and pages drop by message id.
     pub async fn position_of_inbox_seq(&self, chat_id: i64, seq: i64) -> Result<i64, StoreError> {
         let s = self.side.schema();
         let client = self.pool.get().await?;
         let row = client
-            .query_opt(
+            .query_one(
                 &format!(
-                    "SELECT pos FROM {s}.inbox WHERE chat_id = $1 AND seq <= $2
-                      ORDER BY seq DESC LIMIT 1"
+                    "SELECT coalesce(
+                       (SELECT min(pos) - 1 FROM {s}.inbox WHERE chat_id = $1 AND seq > $2),
+                       (SELECT last_pos FROM {s}.chats WHERE chat_id = $1),
+                       0)"
                 ),
                 &[&chat_id, &seq],
             )
             .await?;
-        Ok(row.map(|r| r.get(0)).unwrap_or(0))
+        Ok(row.get(0))
     }
 
     /// Become the inbox's writer (after taking the consumer lease): bump the fencing epoch.
@@ -493,6 +498,16 @@ impl Store {
                 ),
                 &[&holder],
             )
+            .await?;
+        Ok(row.get(0))
+    }
+
+    /// The inbox writer's current epoch (for a write beside the writer: an operator's replay).
+    pub async fn inbox_writer_epoch(&self) -> Result<i64, StoreError> {
+        let s = self.side.schema();
+        let client = self.pool.get().await?;
+        let row = client
+            .query_one(&format!("SELECT epoch FROM {s}.inbox_writer"), &[])
             .await?;
         Ok(row.get(0))
     }

@@ -294,3 +294,94 @@ async fn a_hint_past_a_gap_makes_the_stream_read_the_gap_first() {
     consumers.stop().await;
     stack.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn during_a_rolling_deploy_the_two_versions_tell_each_other_to_re_read() {
+    // GIVEN a Consumers instance of this version with a tab, no tip check to fall back on,
+    // and a listener standing for an instance of the previous version
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &NO_TIP_CHECK).await;
+    let tab = Viewer::start("tab", consumers.addr, 36);
+    let mut previous = redis::Client::open(stack.redis.url())
+        .unwrap()
+        .get_async_pubsub()
+        .await
+        .unwrap();
+    previous.subscribe("inbox:consumers").await.unwrap();
+    send(consumers.addr, 36, "first").await;
+
+    // THEN the previous version is told to re-read, in its own format
+    let note = tokio::time::timeout(Duration::from_secs(5), async {
+        use futures::StreamExt;
+        previous.on_message().next().await.unwrap()
+    })
+    .await
+    .expect("a resync for the previous version");
+    let note: serde_json::Value =
+        serde_json::from_str(&note.get_payload::<String>().unwrap()).unwrap();
+    assert_eq!(note["resync"], true);
+    assert_eq!(note["seq"], 0);
+
+    // WHEN the previous version records a message and hints it its way
+    let db = stack.db.connect().await.unwrap();
+    db.execute(
+        "INSERT INTO consumers.inbox (message_id, chat_id, body, sent_at, stream_id)
+         VALUES (gen_random_uuid(), 36, 'recorded by the previous version', now(), '1-0')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let mut redis = stack.redis.connect().await.unwrap();
+    let hint = serde_json::json!({"from": "old", "chat_id": 36, "seq": 99, "frame": "id: 99\n\n"});
+    let _: i64 = redis::cmd("PUBLISH")
+        .arg("inbox:consumers")
+        .arg(hint.to_string())
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+
+    // THEN this version's tab re-reads and shows it
+    tab.assert_shows_feed(&stack.db, Side::Consumers, 36).await;
+    assert_eq!(tab.shown().len(), 2);
+    consumers.stop().await;
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_last_event_id_of_the_previous_version_resumes_without_a_loss() {
+    // GIVEN three received messages (inbox seq 1, 2, 3) and a browser that saw the first
+    // under the previous version's ids (the bare inbox seq)
+    let stack = Stack::start(shared_postgres()).await;
+    let workers = stack.service(Side::Workers, &NO_TIP_CHECK).await;
+    let db = stack.db.connect().await.unwrap();
+    for body in ["a", "b", "c"] {
+        db.execute(
+            "INSERT INTO workers.inbox (message_id, chat_id, body, sent_at, stream_id)
+             VALUES (gen_random_uuid(), 37, $1, now(), '1-0')",
+            &[&body],
+        )
+        .await
+        .unwrap();
+    }
+
+    // WHEN it reconnects with Last-Event-ID 1
+    let mut client = testkit::http::SseClient::connect(workers.addr, "/chats/37/events", Some("1"))
+        .await
+        .unwrap();
+
+    // THEN it gets the two after it, with ids of this version
+    let mut shown = Vec::new();
+    for _ in 0..2 {
+        let (id, message) = common::next_message(&mut client, Duration::from_secs(10)).await;
+        shown.push((id, message["body"].as_str().unwrap().to_string()));
+    }
+    assert_eq!(
+        shown,
+        [
+            ("p2".to_string(), "b".to_string()),
+            ("p3".into(), "c".into())
+        ]
+    );
+    workers.stop().await;
+    stack.stop().await;
+}

@@ -5,9 +5,15 @@
 -- transaction. The counter row stays locked until that transaction ends, so positions of a
 -- chat become visible in order: once position n is visible, every position below it is
 -- final (committed or never to be). A reader that sees a jump reads the gap from these
--- tables and misses nothing. Any writer gets a position, including a binary older than
--- this migration (rolling deploys). Existing rows are numbered by their sender's timestamp,
--- the order history used before.
+-- tables and misses nothing. Positions are consecutive but for one case: the same
+-- idempotency key sent to two chats at the same moment (a client error, answered 422) can
+-- leave a hole in the second chat, which readers step over. Any writer gets a position,
+-- including a binary older than this migration (rolling deploys). Existing rows are
+-- numbered by their sender's timestamp, the order history used before.
+
+-- Renumbering holds the tables; give up rather than queue sends behind a long wait.
+SET LOCAL lock_timeout = '10s';
+
 -- Consumers.
 LOCK TABLE consumers.messages, consumers.inbox IN SHARE ROW EXCLUSIVE MODE;
 
@@ -38,8 +44,13 @@ CREATE UNIQUE INDEX inbox_chat_pos    ON consumers.inbox (chat_id, pos);
 CREATE FUNCTION consumers.assign_feed_position() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-  -- A duplicate is skipped here, before a position is taken for it (ON CONFLICT would
-  -- skip it only after), so a rerun send or a redelivered entry leaves no hole.
+  -- The chat's counter row first, locked to the end of the transaction: a concurrent
+  -- insert of the same message into this chat (a send rerun while the first attempt still
+  -- runs) waits here, then sees that row in the check below (each statement of a function
+  -- takes a new snapshot) and is skipped before taking a position, so it leaves no hole.
+  INSERT INTO consumers.chats (chat_id, last_pos) VALUES (NEW.chat_id, 0)
+    ON CONFLICT (chat_id) DO NOTHING;
+  PERFORM 1 FROM consumers.chats WHERE chat_id = NEW.chat_id FOR UPDATE;
   IF TG_TABLE_NAME = 'messages' THEN
     IF EXISTS (SELECT 1 FROM consumers.messages
                 WHERE id = NEW.id OR idempotency_key = NEW.idempotency_key) THEN
@@ -48,8 +59,7 @@ BEGIN
   ELSIF EXISTS (SELECT 1 FROM consumers.inbox WHERE message_id = NEW.message_id) THEN
     RETURN NULL;
   END IF;
-  INSERT INTO consumers.chats AS c (chat_id, last_pos) VALUES (NEW.chat_id, 1)
-    ON CONFLICT (chat_id) DO UPDATE SET last_pos = c.last_pos + 1
+  UPDATE consumers.chats SET last_pos = last_pos + 1 WHERE chat_id = NEW.chat_id
     RETURNING last_pos INTO NEW.pos;
   RETURN NEW;
 END $$;
@@ -89,8 +99,13 @@ CREATE UNIQUE INDEX inbox_chat_pos    ON workers.inbox (chat_id, pos);
 CREATE FUNCTION workers.assign_feed_position() RETURNS trigger
 LANGUAGE plpgsql AS $$
 BEGIN
-  -- A duplicate is skipped here, before a position is taken for it (ON CONFLICT would
-  -- skip it only after), so a rerun send or a redelivered entry leaves no hole.
+  -- The chat's counter row first, locked to the end of the transaction: a concurrent
+  -- insert of the same message into this chat (a send rerun while the first attempt still
+  -- runs) waits here, then sees that row in the check below (each statement of a function
+  -- takes a new snapshot) and is skipped before taking a position, so it leaves no hole.
+  INSERT INTO workers.chats (chat_id, last_pos) VALUES (NEW.chat_id, 0)
+    ON CONFLICT (chat_id) DO NOTHING;
+  PERFORM 1 FROM workers.chats WHERE chat_id = NEW.chat_id FOR UPDATE;
   IF TG_TABLE_NAME = 'messages' THEN
     IF EXISTS (SELECT 1 FROM workers.messages
                 WHERE id = NEW.id OR idempotency_key = NEW.idempotency_key) THEN
@@ -99,8 +114,7 @@ BEGIN
   ELSIF EXISTS (SELECT 1 FROM workers.inbox WHERE message_id = NEW.message_id) THEN
     RETURN NULL;
   END IF;
-  INSERT INTO workers.chats AS c (chat_id, last_pos) VALUES (NEW.chat_id, 1)
-    ON CONFLICT (chat_id) DO UPDATE SET last_pos = c.last_pos + 1
+  UPDATE workers.chats SET last_pos = last_pos + 1 WHERE chat_id = NEW.chat_id
     RETURNING last_pos INTO NEW.pos;
   RETURN NEW;
 END $$;

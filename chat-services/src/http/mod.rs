@@ -48,6 +48,8 @@ pub struct App {
 pub struct Limits {
     pub connections: Arc<Semaphore>,
     pub event_streams: Arc<Semaphore>,
+    /// Event streams reading the database at once (half the pool).
+    pub feed_reads: Semaphore,
     pub header_read_timeout: Duration,
 }
 
@@ -56,6 +58,7 @@ impl Limits {
         Self {
             connections: Arc::new(Semaphore::new(config.max_connections)),
             event_streams: Arc::new(Semaphore::new(config.max_event_streams)),
+            feed_reads: Semaphore::new((config.db_pool_size / 2).max(1)),
             header_read_timeout: config.header_read_timeout,
         }
     }

@@ -143,6 +143,9 @@ async fn stream_events(
                     if pos > last {
                         app.metrics.sse_gaps_filled_total.inc();
                         catch_up(app, chat_id, &mut last, tx).await?;
+                        // Everything up to a tip is final and was just read: what is not
+                        // there is a hole (see migration V7), not a message to wait for.
+                        last = last.max(pos);
                     }
                 }
                 Ok(Live::Resync) | Err(broadcast::error::RecvError::Lagged(_)) => {
@@ -176,7 +179,12 @@ async fn catch_up(
     tx: &mpsc::Sender<Bytes>,
 ) -> Result<(), StreamEnd> {
     loop {
-        let page = app.store.feed(chat_id, *last, REPLAY_PAGE).await?;
+        // Bounded: a resync makes every stream of the instance catch up at once, and
+        // sends need connections of the same pool.
+        let page = {
+            let _permit = app.limits.feed_reads.acquire().await.expect("never closed");
+            app.store.feed(chat_id, *last, REPLAY_PAGE).await?
+        };
         let n = page.len() as i64;
         for item in &page {
             send_or_give_up(app, tx, frame(item)).await?;

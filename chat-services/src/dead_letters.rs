@@ -1,0 +1,340 @@
+//! `chat-service dead-letters`: what an operator does with the entries the inbox consumer
+//! could not record. `list` shows them with their reasons; `replay` records them in the
+//! inbox once the cause is fixed (in their original stream order, each message once, shown
+//! live like any other) and removes them; `drop` removes them. Every replay and drop is
+//! written to `<dead-letter stream>:audit` with who did it.
+//!
+//! Runs as the service's own Postgres role and Redis user, with the service's configuration
+//! (the same environment), beside running instances.
+
+use std::collections::HashMap;
+use std::io::Write;
+
+use clap::{Args, Subcommand};
+use redis::aio::MultiplexedConnection;
+use serde_json::json;
+
+use crate::config::ServiceConfig;
+use crate::model::{self, Message, PoisonError};
+use crate::store::{Received, Store, StoreError};
+
+#[derive(Debug, Clone, Subcommand)]
+pub enum DeadLetterCommand {
+    /// Print the dead letters, oldest first, one JSON object per line.
+    List {
+        /// Print at most this many.
+        #[arg(long, default_value_t = 100)]
+        count: usize,
+    },
+    /// Record dead letters in the inbox (after fixing their cause) and remove them.
+    Replay(Selection),
+    /// Remove dead letters without recording them.
+    Drop(Selection),
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct Selection {
+    /// Dead-letter entry ids, as `list` prints them.
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    pub ids: Vec<String>,
+    /// Every dead letter.
+    #[arg(long)]
+    pub all: bool,
+    /// Who does it, for the audit log.
+    #[arg(long, env = "CHAT_OPERATOR")]
+    pub by: String,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum DeadLetterError {
+    #[error("redis: {0}")]
+    Redis(#[from] redis::RedisError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("no dead letter with id {0} (see `dead-letters list`)")]
+    Unknown(String),
+    #[error("{0}")]
+    Config(String),
+    #[error("writing the output: {0}")]
+    Output(#[from] std::io::Error),
+}
+
+/// What a command did, for its exit status.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Outcome {
+    pub done: usize,
+    /// Selected entries left in place (a replay the inbox still refuses).
+    pub left: usize,
+}
+
+/// One dead letter: its id in the dead-letter stream and the fields the consumer wrote
+/// (`stream`, `id`, `reason`, `deliveries`, `entry.<field>` of the original entry).
+struct DeadLetter {
+    id: String,
+    fields: HashMap<String, String>,
+}
+
+impl DeadLetter {
+    fn field(&self, name: &str) -> &str {
+        self.fields.get(name).map_or("", String::as_str)
+    }
+
+    /// The original entry's stream id as numbers, for ordering (unparsable ones last).
+    fn stream_order(&self) -> (u64, u64) {
+        self.field("id")
+            .split_once('-')
+            .and_then(|(ms, seq)| Some((ms.parse().ok()?, seq.parse().ok()?)))
+            .unwrap_or((u64::MAX, u64::MAX))
+    }
+
+    /// The message it carries, parsed as the consumer would.
+    fn message(&self, from: crate::side::Side) -> Result<Message, PoisonError> {
+        match (
+            self.fields.get("entry.event"),
+            self.fields.get("entry.payload"),
+        ) {
+            (Some(event), Some(payload)) => model::parse_event(event, payload, from),
+            (None, _) => Err(PoisonError::MissingField("event")),
+            (_, None) => Err(PoisonError::MissingField("payload")),
+        }
+    }
+
+    fn summary(&self) -> serde_json::Value {
+        let body: String = serde_json::from_str::<serde_json::Value>(self.field("entry.payload"))
+            .ok()
+            .and_then(|p| p["body"].as_str().map(|b| b.chars().take(80).collect()))
+            .unwrap_or_default();
+        json!({
+            "dead_letter_id": self.id,
+            "stream": self.field("stream"),
+            "stream_id": self.field("id"),
+            "reason": self.field("reason"),
+            "deliveries": self.field("deliveries"),
+            "event": self.field("entry.event"),
+            "body": body,
+        })
+    }
+}
+
+/// Run `command` against the configured side, writing its report to `out`.
+pub async fn run(
+    config: &ServiceConfig,
+    command: DeadLetterCommand,
+    out: &mut impl Write,
+) -> Result<Outcome, DeadLetterError> {
+    let mut conn = config.redis.get_multiplexed_async_connection().await?;
+    let stream = &config.dead_letter_stream;
+    match command {
+        DeadLetterCommand::List { count } => {
+            let letters = range(&mut conn, stream, "-", "+", count).await?;
+            for letter in &letters {
+                writeln!(out, "{}", letter.summary())?;
+            }
+            Ok(Outcome {
+                done: letters.len(),
+                left: 0,
+            })
+        }
+        DeadLetterCommand::Drop(selection) => {
+            let letters = select(&mut conn, stream, &selection).await?;
+            for letter in &letters {
+                remove(&mut conn, stream, letter, &selection.by, "drop", &[]).await?;
+                writeln!(out, "{}", json!({"dropped": letter.id}))?;
+            }
+            Ok(Outcome {
+                done: letters.len(),
+                left: 0,
+            })
+        }
+        DeadLetterCommand::Replay(selection) => {
+            let letters = select(&mut conn, stream, &selection).await?;
+            let store =
+                Store::new(&config.postgres, config.side, 2).map_err(DeadLetterError::Config)?;
+            let mut outcome = Outcome::default();
+            let mut replayed = false;
+            for letter in &letters {
+                let recorded = match letter.message(config.side.other()) {
+                    Ok(message) => record(&store, letter, message).await?,
+                    Err(e) => Err(e.to_string()),
+                };
+                match recorded {
+                    Ok((message, pos, new)) => {
+                        let details = [
+                            ("message_id", message.id.to_string()),
+                            ("chat_id", message.chat_id.to_string()),
+                            ("pos", pos.to_string()),
+                            ("already_in_inbox", (!new).to_string()),
+                        ];
+                        remove(&mut conn, stream, letter, &selection.by, "replay", &details)
+                            .await?;
+                        writeln!(
+                            out,
+                            "{}",
+                            json!({"replayed": letter.id, "message_id": message.id, "chat_id": message.chat_id, "pos": pos, "already_in_inbox": !new})
+                        )?;
+                        outcome.done += 1;
+                        replayed = true;
+                    }
+                    Err(reason) => {
+                        writeln!(
+                            out,
+                            "{}",
+                            json!({"not_replayed": letter.id, "reason": reason})
+                        )?;
+                        outcome.left += 1;
+                    }
+                }
+            }
+            if replayed {
+                // Streams show the replayed messages now (else within --feed-check-interval).
+                if let Err(e) = crate::notify::publish_resync(&config.redis, config.side).await {
+                    tracing::warn!(error = %e, "could not hint the instances; they show the replayed messages within --feed-check-interval");
+                }
+            }
+            Ok(outcome)
+        }
+    }
+}
+
+/// Record one dead letter's message beside the inbox writer: `Ok((message, pos, new))`, or
+/// `Err(reason)` when Postgres refuses the row itself (it stays a dead letter).
+async fn record(
+    store: &Store,
+    letter: &DeadLetter,
+    message: Message,
+) -> Result<Result<(Message, i64, bool), String>, DeadLetterError> {
+    let batch = [Received {
+        stream_id: letter.field("id").to_string(),
+        message,
+    }];
+    // The writer's epoch can move on between reading and writing it (a takeover); then read
+    // it again. The replay's rows are ordinary inbox rows: positions come from the trigger.
+    let mut attempts = 0;
+    loop {
+        let epoch = store.inbox_writer_epoch().await?;
+        match store.record_inbox(&batch, epoch).await {
+            Ok(positions) => {
+                let [Received { message, .. }] = batch;
+                let position = positions.get(&message.id).copied().ok_or_else(|| {
+                    DeadLetterError::Config("recorded message has no position".into())
+                })?;
+                return Ok(Ok((message, position.pos, position.new)));
+            }
+            Err(StoreError::Fenced { .. }) if attempts < 5 => attempts += 1,
+            Err(e) if e.is_row_refused() => return Ok(Err(format!("postgres refused it: {e}"))),
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+/// The selected dead letters in their original stream order; every id must exist.
+async fn select(
+    conn: &mut MultiplexedConnection,
+    stream: &str,
+    selection: &Selection,
+) -> Result<Vec<DeadLetter>, DeadLetterError> {
+    let mut letters = if selection.all {
+        range(conn, stream, "-", "+", usize::MAX).await?
+    } else {
+        let mut letters = Vec::new();
+        for id in &selection.ids {
+            let mut found = range(conn, stream, id, id, 1).await?;
+            match found.pop() {
+                Some(letter) if letter.id == *id => letters.push(letter),
+                _ => return Err(DeadLetterError::Unknown(id.clone())),
+            }
+        }
+        letters
+    };
+    letters.sort_by_key(DeadLetter::stream_order);
+    Ok(letters)
+}
+
+/// XRANGE `start`..`end` of the dead-letter stream, at most `count`, paging as it goes.
+async fn range(
+    conn: &mut MultiplexedConnection,
+    stream: &str,
+    start: &str,
+    end: &str,
+    count: usize,
+) -> Result<Vec<DeadLetter>, DeadLetterError> {
+    const PAGE: usize = 1000;
+    let mut letters = Vec::new();
+    let mut from = start.to_string();
+    while letters.len() < count {
+        let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(stream)
+            .arg(&from)
+            .arg(end)
+            .arg("COUNT")
+            .arg(PAGE.min(count - letters.len()))
+            .query_async(conn)
+            .await?;
+        let n = reply.ids.len();
+        for entry in reply.ids {
+            let fields = entry
+                .map
+                .iter()
+                .filter_map(|(k, v)| {
+                    redis::from_redis_value_ref::<String>(v)
+                        .ok()
+                        .map(|v| (k.clone(), v))
+                })
+                .collect();
+            from = format!("({}", entry.id);
+            letters.push(DeadLetter {
+                id: entry.id,
+                fields,
+            });
+        }
+        if n < PAGE {
+            break;
+        }
+    }
+    Ok(letters)
+}
+
+/// Log the action to `<stream>:audit` and delete the dead letter, atomically.
+async fn remove(
+    conn: &mut MultiplexedConnection,
+    stream: &str,
+    letter: &DeadLetter,
+    by: &str,
+    action: &str,
+    details: &[(&str, String)],
+) -> Result<(), DeadLetterError> {
+    let mut audit = redis::cmd("XADD");
+    audit
+        .arg(format!("{stream}:audit"))
+        .arg("*")
+        .arg("action")
+        .arg(action)
+        .arg("by")
+        .arg(by)
+        .arg("dead_letter_id")
+        .arg(&letter.id)
+        .arg("stream_id")
+        .arg(letter.field("id"))
+        .arg("reason")
+        .arg(letter.field("reason"))
+        .arg("at")
+        .arg(
+            time::OffsetDateTime::now_utc()
+                .format(&time::format_description::well_known::Rfc3339)
+                .expect("formats"),
+        );
+    for (k, v) in details {
+        audit.arg(*k).arg(v);
+    }
+    let mut pipe = redis::pipe();
+    pipe.atomic()
+        .add_command(audit)
+        .ignore()
+        .cmd("XDEL")
+        .arg(stream)
+        .arg(&letter.id)
+        .ignore();
+    let () = pipe.query_async(conn).await?;
+    tracing::info!(action, by, dead_letter_id = %letter.id, stream_id = %letter.field("id"), "dead letter removed");
+    Ok(())
+}

@@ -1,0 +1,215 @@
+//! Dead letters an operator can act on: `chat-service dead-letters list|replay|drop`, run as
+//! a process with the service's configuration beside a running service, and the cap on the
+//! dead-letter stream.
+
+mod common;
+
+use std::process::Command;
+use std::time::Duration;
+
+use chat_services::Side;
+use common::{send, Stack, Viewer};
+use testkit::shared_postgres;
+
+/// Run `chat-service <service flags> dead-letters <args>`: (exit success, stdout lines).
+fn dead_letters(stack: &Stack<'_>, args: &[&str]) -> (bool, Vec<serde_json::Value>) {
+    let output = Command::new(env!("CARGO_BIN_EXE_chat-service"))
+        .args(stack.service_args(Side::Workers, &[]))
+        .arg("dead-letters")
+        .args(args)
+        .output()
+        .expect("run chat-service dead-letters");
+    let stdout = String::from_utf8(output.stdout).unwrap();
+    let lines = stdout
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{l}: {e}")))
+        .collect();
+    (output.status.success(), lines)
+}
+
+async fn dead_letter_count(stack: &Stack<'_>) -> usize {
+    let mut redis = stack.redis.connect().await.unwrap();
+    redis::cmd("XLEN")
+        .arg("deadletter:workers")
+        .query_async(&mut redis)
+        .await
+        .unwrap()
+}
+
+async fn wait_dead_letters(stack: &Stack<'_>, n: usize) {
+    testkit::wait_until(Duration::from_secs(20), "dead letters", || async {
+        match dead_letter_count(stack).await {
+            got if got >= n => Ok(()),
+            got => Err(format!("{got}")),
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dead_letters_are_listed_replayed_in_order_after_the_fix_and_dropped_with_an_audit() {
+    // GIVEN Workers whose inbox refuses two messages (a constraint, standing for any cause
+    // an operator can fix) and a poison entry, with a tab on the chat
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let workers = stack.service(Side::Workers, &[]).await;
+    let tab = Viewer::start("workers tab", workers.addr, 41);
+    let admin = stack.db.connect().await.unwrap();
+    admin
+        .batch_execute(
+            "ALTER TABLE workers.inbox ADD CONSTRAINT no_refused CHECK (body NOT LIKE 'refused%')",
+        )
+        .await
+        .unwrap();
+    send(consumers.addr, 41, "before").await;
+    let first = send(consumers.addr, 41, "refused one").await;
+    let second = send(consumers.addr, 41, "refused two").await;
+    wait_dead_letters(&stack, 2).await;
+    common::append_after_top(
+        &stack.redis,
+        "outbox:consumers",
+        &[("event", "message.created"), ("payload", "{not json")],
+    )
+    .await;
+    send(consumers.addr, 41, "after").await;
+    wait_dead_letters(&stack, 3).await;
+
+    // WHEN the operator lists them
+    let (ok, listed) = dead_letters(&stack, &["list"]);
+    assert!(ok);
+    let reasons: Vec<&str> = listed
+        .iter()
+        .map(|l| l["reason"].as_str().unwrap())
+        .collect();
+    assert_eq!(listed.len(), 3, "{listed:?}");
+    assert!(reasons[0].contains("no_refused"), "{reasons:?}");
+    assert!(
+        reasons[2].starts_with("payload is not a valid message"),
+        "{reasons:?}"
+    );
+    assert_eq!(listed[0]["body"], "refused one");
+
+    // ... replays everything before fixing the cause: nothing moves
+    let (ok, report) = dead_letters(&stack, &["replay", "--all", "--by", "alice"]);
+    assert!(!ok, "a replay that leaves dead letters fails");
+    assert!(
+        report.iter().all(|r| r.get("not_replayed").is_some()),
+        "{report:?}"
+    );
+    assert_eq!(dead_letter_count(&stack).await, 3);
+
+    // ... fixes it and replays everything
+    admin
+        .batch_execute("ALTER TABLE workers.inbox DROP CONSTRAINT no_refused")
+        .await
+        .unwrap();
+    let (ok, report) = dead_letters(&stack, &["replay", "--all", "--by", "alice"]);
+
+    // THEN the two messages are recorded, in their original order, and shown on the tab;
+    // the poison entry stays, and the command says so
+    assert!(!ok, "the poison entry is left");
+    let replayed: Vec<&str> = report
+        .iter()
+        .filter_map(|r| r["message_id"].as_str())
+        .collect();
+    assert_eq!(
+        replayed,
+        [
+            first["id"].as_str().unwrap(),
+            second["id"].as_str().unwrap()
+        ]
+    );
+    assert_eq!(dead_letter_count(&stack).await, 1);
+    tab.assert_shows_feed(&stack.db, Side::Workers, 41).await;
+    let shown = tab.shown();
+    assert_eq!(shown.len(), 4);
+    assert_eq!(
+        &shown[2..],
+        replayed.as_slice(),
+        "replayed after what was shown, in order"
+    );
+
+    // AND replaying them again records nothing twice (they are gone from the stream)
+    let id = listed[0]["dead_letter_id"].as_str().unwrap();
+    let (ok, _) = dead_letters(&stack, &["replay", id, "--by", "alice"]);
+    assert!(!ok, "an id no longer there is refused");
+
+    // AND the poison entry is dropped; every action is in the audit log with its operator
+    let (ok, report) = dead_letters(&stack, &["drop", "--all", "--by", "bob"]);
+    assert!(ok);
+    assert_eq!(report.len(), 1);
+    assert_eq!(dead_letter_count(&stack).await, 0);
+    let mut redis = stack.redis.connect().await.unwrap();
+    let audit: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg("deadletter:workers:audit")
+        .arg("-")
+        .arg("+")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let field = |i: usize, name: &str| {
+        redis::from_redis_value_ref::<String>(&audit.ids[i].map[name]).unwrap()
+    };
+    assert_eq!(audit.ids.len(), 3);
+    assert_eq!(
+        (field(0, "action"), field(0, "by")),
+        ("replay".into(), "alice".into())
+    );
+    assert_eq!(field(0, "message_id"), first["id"].as_str().unwrap());
+    assert_eq!(
+        (field(2, "action"), field(2, "by")),
+        ("drop".into(), "bob".into())
+    );
+    assert_eq!(
+        stack
+            .count("SELECT count(*) FROM workers.inbox WHERE chat_id = 41")
+            .await,
+        4
+    );
+    workers.stop().await;
+    consumers.stop().await;
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dead_letter_stream_is_capped_and_what_it_trims_is_counted() {
+    // GIVEN Workers keeping at most two dead letters
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let workers = stack
+        .service(Side::Workers, &["--dead-letter-max-len", "2"])
+        .await;
+    send(consumers.addr, 42, "creates the stream").await;
+
+    // WHEN three poison entries arrive
+    for _ in 0..3 {
+        common::append_after_top(
+            &stack.redis,
+            "outbox:consumers",
+            &[("event", "message.created"), ("payload", "{not json")],
+        )
+        .await;
+    }
+    send(consumers.addr, 42, "after").await;
+    testkit::wait_until(Duration::from_secs(20), "after recorded", || async {
+        match stack
+            .count("SELECT count(*) FROM workers.inbox WHERE chat_id = 42")
+            .await
+        {
+            2 => Ok(()),
+            n => Err(format!("{n}")),
+        }
+    })
+    .await;
+
+    // THEN two are kept and the trimmed one is counted
+    assert_eq!(dead_letter_count(&stack).await, 2);
+    let (_, metrics) = testkit::http::get(workers.admin, "/metrics").await.unwrap();
+    assert_eq!(
+        testkit::http::metric_value(&metrics, "chat_dead_letters_trimmed_total"),
+        Some(1.0)
+    );
+    workers.stop().await;
+    consumers.stop().await;
+    stack.stop().await;
+}
