@@ -510,6 +510,9 @@ async fn redis_acl_users_have_least_privilege() {
         ("consumers", "SET inbox-lease:consumers me PX 1000", true),
         ("consumers", "PUBLISH inbox:consumers hello", true),
         ("consumers", "PUBLISH feed:consumers hello", true),
+        ("consumers", "HSET inbox-attempts:consumers 1-1 x", true),
+        ("consumers", "HMGET inbox-attempts:consumers 1-1", true),
+        ("consumers", "HDEL inbox-attempts:consumers 1-1", true),
         ("consumers", "XRANGE deadletter:consumers - +", true),
         ("consumers", "XDEL deadletter:consumers 1-1", true),
         (
@@ -536,6 +539,7 @@ async fn redis_acl_users_have_least_privilege() {
         ("consumers", "XADD deadletter:workers * k v", false),
         ("consumers", "PUBLISH inbox:workers hello", false),
         ("consumers", "PUBLISH feed:workers hello", false),
+        ("consumers", "HSET inbox-attempts:workers 1-1 x", false),
         ("consumers", "XDEL deadletter:workers 1-1", false),
         ("consumers", "FLUSHALL", false),
     ];

@@ -96,6 +96,11 @@ pub struct Cli {
     #[cfg(feature = "failpoints")]
     #[arg(long, env = "CHAT_CRASH_AFTER_INBOX_COMMIT", hide = true)]
     pub crash_after_inbox_commit: Option<u64>,
+    /// Fault injection: SIGKILL the process when about to record a received message with
+    /// exactly this body (a message that crashes its consumer). Only with `failpoints`.
+    #[cfg(feature = "failpoints")]
+    #[arg(long, env = "CHAT_CRASH_ON_BODY", hide = true)]
+    pub crash_on_body: Option<String>,
 }
 
 #[derive(Debug, Clone, clap::Subcommand)]
@@ -136,6 +141,7 @@ pub struct ServiceConfig {
     pub outbox_retention: Duration,
     pub outbox_retention_interval: Duration,
     pub crash_after_inbox_commit: Option<u64>,
+    pub crash_on_body: Option<String>,
 }
 
 impl std::fmt::Debug for ServiceConfig {
@@ -256,6 +262,10 @@ impl Cli {
             crash_after_inbox_commit: self.crash_after_inbox_commit,
             #[cfg(not(feature = "failpoints"))]
             crash_after_inbox_commit: None,
+            #[cfg(feature = "failpoints")]
+            crash_on_body: self.crash_on_body.clone(),
+            #[cfg(not(feature = "failpoints"))]
+            crash_on_body: None,
         })
     }
 }

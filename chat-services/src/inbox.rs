@@ -60,6 +60,8 @@ pub struct InboxConfig {
     /// Test hook: SIGKILL this process right after the n-th recorded message was committed
     /// to the inbox and before it is acknowledged.
     pub crash_after_inbox_commit: Option<u64>,
+    /// Test hook: SIGKILL this process when about to record a message with this body.
+    pub crash_on_body: Option<String>,
 }
 
 /// What the consumer is doing, for /readyz and tests.
@@ -124,6 +126,9 @@ pub struct Inbox {
     announcer: Announcer,
     metrics: Arc<Metrics>,
     status: watch::Sender<ConsumerStatus>,
+    /// This process's run, in attempt records: a record of another run means that run ended
+    /// (crashed) while processing the entry.
+    run_id: String,
     /// Messages recorded so far (for the `failpoints` crash hook).
     #[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
     recorded: AtomicU64,
@@ -145,6 +150,7 @@ impl Inbox {
             announcer,
             metrics,
             status,
+            run_id: uuid::Uuid::new_v4().simple().to_string(),
             recorded: AtomicU64::new(0),
         }
     }
@@ -256,8 +262,10 @@ impl Inbox {
             blocking,
             renew_at: Instant::now() + lease.ttl() / 3,
             epoch,
+            in_flight: Vec::new(),
         };
         let result = active.consume(shutdown).await;
+        active.release_in_flight().await;
         if let Err(e) = active.inbox.release(lease, &mut active.conn).await {
             debug!(error = %e, "could not release the lease");
         }
@@ -283,6 +291,8 @@ struct Active<'a> {
     renew_at: Instant,
     /// This holder's inbox-writer epoch; writes with an older one are refused.
     epoch: i64,
+    /// Entries being processed, with their attempt numbers (see [`Active::attempts`]).
+    in_flight: Vec<(String, u64)>,
 }
 
 impl Active<'_> {
@@ -531,16 +541,23 @@ impl Active<'_> {
         let mut received = Vec::new();
         let mut dead = Vec::new();
         let mut gone = Vec::new();
+        let attempts = self.attempts(&entries).await?;
+        self.in_flight = entries
+            .iter()
+            .map(|e| (e.id.clone(), attempts.get(&e.id).copied().unwrap_or(1)))
+            .collect();
         for entry in entries {
             let Some(fields) = &entry.fields else {
                 gone.push(entry.id);
                 continue;
             };
-            if entry.deliveries > self.cfg().max_deliveries {
+            let attempt = attempts.get(&entry.id).copied().unwrap_or(1);
+            if attempt > self.cfg().max_deliveries {
                 let reason = format!(
-                    "delivered {} times without being acknowledged (limit {})",
-                    entry.deliveries,
-                    self.cfg().max_deliveries
+                    "its processing ended with the consumer process {} times (limit {}; delivered {} times)",
+                    attempt - 1,
+                    self.cfg().max_deliveries,
+                    entry.deliveries
                 );
                 dead.push((entry, reason));
                 continue;
@@ -567,6 +584,16 @@ impl Active<'_> {
                 .entries_lost_total
                 .inc_by(gone.len() as u64);
             self.ack(&gone).await?;
+        }
+        #[cfg(feature = "failpoints")]
+        if let Some(body) = &self.cfg().crash_on_body {
+            if received.iter().any(|(_, m)| &m.body == body) {
+                error!("failpoint: crashing on a received message before recording it");
+                // SAFETY: signalling our own process.
+                unsafe {
+                    libc::kill(libc::getpid(), libc::SIGKILL);
+                }
+            }
         }
         if !received.is_empty() {
             let batch: Vec<Received> = received
@@ -610,7 +637,89 @@ impl Active<'_> {
         for (entry, reason) in dead {
             self.dead_letter(&entry, &reason).await?;
         }
+        self.in_flight.clear();
         Ok(Flow::Continue)
+    }
+
+    /// Each redelivered entry's attempt number: how many times processing it started and
+    /// ended with the process that ran it (a crash), plus one. Redis's delivery count is not
+    /// it: every session restart, handover and claim raises that, through no fault of the
+    /// entry. A record `<run> <n>` per entry (in `inbox-attempts:<side>`) names the run
+    /// processing it; a session that ends without finishing marks its entries released
+    /// (`- <n>`). A record of another run (or none: first deliveries are attempt 1 and cost
+    /// no record) that stays so for a lease TTL (a live holder notices a lost lease and
+    /// releases well within that) was left by a run that ended while processing: that
+    /// counts.
+    async fn attempts(&mut self, entries: &[Entry]) -> Result<HashMap<String, u64>, ConsumeError> {
+        let redelivered: Vec<&str> = entries
+            .iter()
+            .filter(|e| e.deliveries > 1)
+            .map(|e| e.id.as_str())
+            .collect();
+        let mut attempts = HashMap::new();
+        if redelivered.is_empty() {
+            return Ok(attempts);
+        }
+        let key = attempts_key(self.cfg().side);
+        let deadline = Instant::now() + self.lease.ttl();
+        let records = loop {
+            let records: Vec<Option<(String, u64)>> = redis::cmd("HMGET")
+                .arg(&key)
+                .arg(&redelivered)
+                .query_async::<Vec<Option<String>>>(&mut self.conn)
+                .await?
+                .into_iter()
+                .map(|r| {
+                    let r = r?;
+                    let (run, n) = r.split_once(' ')?;
+                    Some((run.to_string(), n.parse::<u64>().ok()?))
+                })
+                .collect();
+            // No record: processed by another run on its first delivery (which keeps no
+            // record), like a record of another run: it ended, or has not released yet.
+            let held_elsewhere = records.iter().any(|record| match record {
+                None => true,
+                Some((run, _)) => run != "-" && *run != self.inbox.run_id,
+            });
+            if !held_elsewhere || Instant::now() >= deadline {
+                break records;
+            }
+            // A previous holder may still be noticing that it lost the lease.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            self.renew_if_due().await?;
+        };
+        let mut hset = redis::cmd("HSET");
+        hset.arg(&key);
+        for (id, record) in redelivered.iter().zip(records) {
+            let n = match record {
+                // Its first processing left no record and never finished: the process
+                // ended during it.
+                None => 2,
+                Some((run, n)) if run == "-" || run == self.inbox.run_id => n,
+                Some((_, n)) => n + 1,
+            };
+            hset.arg(*id).arg(format!("{} {n}", self.inbox.run_id));
+            attempts.insert(id.to_string(), n);
+        }
+        let _: i64 = hset.query_async(&mut self.conn).await?;
+        Ok(attempts)
+    }
+
+    /// Mark the entries this session was processing as released: their next processing is
+    /// not a new attempt (best effort; if Redis cannot take it, the next one counts).
+    async fn release_in_flight(&mut self) {
+        if self.in_flight.is_empty() {
+            return;
+        }
+        let mut hset = redis::cmd("HSET");
+        hset.arg(attempts_key(self.cfg().side));
+        for (id, n) in std::mem::take(&mut self.in_flight) {
+            hset.arg(id).arg(format!("- {n}"));
+        }
+        let released: redis::RedisResult<i64> = hset.query_async(&mut self.conn).await;
+        if let Err(e) = released {
+            debug!(error = %e, "could not mark entries in flight as released");
+        }
     }
 
     /// Insert into the inbox, retrying in place (keeping the lease, never counting a
@@ -734,10 +843,16 @@ impl Active<'_> {
         if ids.is_empty() {
             return Ok(());
         }
-        let _: i64 = redis::cmd("XACK")
+        let () = redis::pipe()
+            .cmd("XACK")
             .arg(&self.cfg().stream)
             .arg(&self.cfg().group)
             .arg(ids)
+            .ignore()
+            .cmd("HDEL")
+            .arg(attempts_key(self.cfg().side))
+            .arg(ids)
+            .ignore()
             .query_async(&mut self.conn)
             .await?;
         Ok(())
@@ -776,6 +891,10 @@ impl Active<'_> {
             .arg(&self.cfg().stream)
             .arg(&self.cfg().group)
             .arg(&entry.id)
+            .ignore()
+            .cmd("HDEL")
+            .arg(attempts_key(self.cfg().side))
+            .arg(&entry.id)
             .ignore();
         let (before,): (u64,) = pipe.query_async(&mut self.conn).await?;
         self.inbox.metrics.dead_lettered_total.inc();
@@ -791,6 +910,11 @@ impl Active<'_> {
         warn!(stream_id = %entry.id, %reason, dead_letter_stream = %self.cfg().dead_letter_stream, "entry dead-lettered");
         Ok(())
     }
+}
+
+/// The hash of attempt records (see [`Active::attempts`]).
+fn attempts_key(side: Side) -> String {
+    format!("inbox-attempts:{side}")
 }
 
 enum Recorded {

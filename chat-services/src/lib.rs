@@ -115,6 +115,7 @@ impl Service {
                 max_deliveries: cfg.max_deliveries,
                 lease_ttl: cfg.lease_ttl,
                 crash_after_inbox_commit: cfg.crash_after_inbox_commit,
+                crash_on_body: cfg.crash_on_body.clone(),
             },
             cfg.redis.clone(),
             self.app.store.clone(),

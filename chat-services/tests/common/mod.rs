@@ -220,7 +220,8 @@ impl<'a> Stack<'a> {
         process
     }
 
-    fn spawn_service(
+    /// Start a service process and return at once (it may die before it is ready).
+    pub fn spawn_service(
         &self,
         side: Side,
         name: &str,

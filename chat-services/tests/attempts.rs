@@ -1,0 +1,178 @@
+//! What counts toward dead-lettering an entry: only processing that ended with its process
+//! (a crash on the entry), never a session restart, a lease handover or a claim, which raise
+//! Redis's delivery count through no fault of the entry.
+
+mod common;
+
+use std::time::Duration;
+
+use chat_services::Side;
+use common::{send, ServiceProcess, Stack};
+use testkit::{shared_postgres, wait_until, PgServer};
+
+/// A metric summed over its labels.
+async fn metric(service: &ServiceProcess, name: &str) -> f64 {
+    let (_, text) = testkit::http::get(service.admin, "/metrics").await.unwrap();
+    testkit::http::metric_samples(&text)
+        .iter()
+        .filter(|(k, _)| k.starts_with(name))
+        .map(|(_, v)| v)
+        .sum()
+}
+
+async fn dead_letters(stack: &Stack<'_>) -> usize {
+    let mut redis = stack.redis.connect().await.unwrap();
+    redis::cmd("XLEN")
+        .arg("deadletter:workers")
+        .query_async(&mut redis)
+        .await
+        .unwrap()
+}
+
+async fn wait_retrying(service: &ServiceProcess, more_than: f64) {
+    wait_until(Duration::from_secs(30), "inbox write retried", || async {
+        match metric(service, "chat_inbox_write_retries_total").await {
+            n if n > more_than => Ok(()),
+            n => Err(format!("{n}")),
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lease_handovers_while_an_entry_waits_on_the_database_do_not_count_as_deliveries() {
+    // GIVEN two Workers instances allowing a single delivery, and an inbox the receiver may
+    // not write (retried in place) while a message arrives
+    let pg = PgServer::start().unwrap();
+    let stack = Stack::start(&pg).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let flags = [
+        "--max-deliveries",
+        "1",
+        "--lease-ttl",
+        "2s",
+        "--claim-idle",
+        "500ms",
+    ];
+    let a = stack
+        .service_process(Side::Workers, "workers-a", &flags)
+        .await;
+    let b = stack
+        .service_process_standby(Side::Workers, "workers-b", &flags)
+        .await;
+    let admin = stack.db.connect().await.unwrap();
+    admin
+        .batch_execute("REVOKE INSERT ON workers.inbox FROM workers")
+        .await
+        .unwrap();
+    let m = send(consumers.addr, 51, "waits").await;
+    wait_retrying(&a, 0.0).await;
+
+    // WHEN the lease moves to the other instance and back, three times, each new holder
+    // claiming the entry and retrying it
+    let mut redis = stack.redis.connect().await.unwrap();
+    for round in 0..3 {
+        let (to, name) = if round % 2 == 0 {
+            (&b, "workers-b")
+        } else {
+            (&a, "workers-a")
+        };
+        let before = metric(to, "chat_inbox_write_retries_total").await;
+        let () = redis::cmd("SET")
+            .arg("inbox-lease:workers")
+            .arg(format!("{name}/handed-over"))
+            .arg("PX")
+            .arg(5000)
+            .query_async(&mut redis)
+            .await
+            .unwrap();
+        to.wait_consuming().await;
+        wait_retrying(to, before).await;
+    }
+
+    // THEN once the database takes it, the message is recorded, not dead-lettered
+    admin
+        .batch_execute("GRANT INSERT ON workers.inbox TO workers")
+        .await
+        .unwrap();
+    wait_until(Duration::from_secs(30), "message recorded", || async {
+        let n = stack
+            .count(&format!(
+                "SELECT count(*) FROM workers.inbox WHERE message_id = '{}'",
+                m["id"].as_str().unwrap()
+            ))
+            .await;
+        if n == 1 {
+            Ok(())
+        } else {
+            Err(format!("{n}; dead letters {}", dead_letters(&stack).await))
+        }
+    })
+    .await;
+    assert_eq!(dead_letters(&stack).await, 0);
+    consumers.stop().await;
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries() {
+    // GIVEN Workers that die on a message "boom" (allowing two deliveries)
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let flags = [
+        "--consumer-name",
+        "workers",
+        "--max-deliveries",
+        "2",
+        "--crash-on-body",
+        "boom",
+    ];
+    let mut workers = stack
+        .service_process(Side::Workers, "workers-1", &flags)
+        .await;
+
+    // WHEN it arrives, and the process is restarted each time it dies
+    send(consumers.addr, 52, "boom").await;
+    workers.child.wait_exit(Duration::from_secs(20)).unwrap();
+    let second = stack.spawn_service(Side::Workers, "workers-2", &flags, &[]);
+    second.child.wait_exit(Duration::from_secs(20)).unwrap();
+    workers = stack
+        .service_process(Side::Workers, "workers-3", &flags)
+        .await;
+
+    // THEN the third run dead-letters it instead of dying, saying why, and goes on
+    wait_until(Duration::from_secs(20), "dead-lettered", || async {
+        match dead_letters(&stack).await {
+            1 => Ok(()),
+            n => Err(format!("{n}")),
+        }
+    })
+    .await;
+    let mut redis = stack.redis.connect().await.unwrap();
+    let dead: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg("deadletter:workers")
+        .arg("-")
+        .arg("+")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let reason = redis::from_redis_value_ref::<String>(&dead.ids[0].map["reason"]).unwrap();
+    assert!(
+        reason.contains("ended with the consumer process 2 times"),
+        "{reason}"
+    );
+    send(consumers.addr, 52, "after").await;
+    wait_until(Duration::from_secs(20), "the next one recorded", || async {
+        match stack
+            .count("SELECT count(*) FROM workers.inbox WHERE chat_id = 52")
+            .await
+        {
+            1 => Ok(()),
+            n => Err(format!("{n}")),
+        }
+    })
+    .await;
+    assert_eq!(workers.child.try_status(), None, "still running");
+    consumers.stop().await;
+    stack.stop().await;
+}
