@@ -46,6 +46,10 @@ pub struct Args {
     /// Postgres with fsync off (faster; the faults kill processes, not the machine).
     #[arg(long)]
     pub no_fsync: bool,
+    /// Instances of each service (1 or 2): sends alternate between them, every chat is
+    /// watched on each, and service faults hit either.
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
+    pub instances: u8,
 }
 
 /// One verified property: how many cases held, and the first few that did not.
@@ -101,8 +105,10 @@ const ROLLED_BACK: &str = "rolled-back";
 
 #[derive(Debug, Clone, Copy)]
 enum Fault {
-    KillService(Side),
-    DeployService(Side),
+    /// SIGKILL instance `.1` of a side's service, then start it again.
+    KillService(Side, usize),
+    /// SIGTERM and start again (a deploy).
+    DeployService(Side, usize),
     KillRelay(Side),
     RelayHandover(Side),
     KillRedis,
@@ -117,11 +123,21 @@ enum Fault {
 impl Fault {
     /// Every kind once, in random order and on random sides: drawn first, so even a short
     /// soak meets each fault.
-    fn deck(rng: &mut StdRng) -> Vec<Fault> {
+    fn deck(rng: &mut StdRng, instances: usize) -> Vec<Fault> {
+        let (kill, deploy) = (
+            (
+                SIDES[rng.random_range(0..2)],
+                rng.random_range(0..instances),
+            ),
+            (
+                SIDES[rng.random_range(0..2)],
+                rng.random_range(0..instances),
+            ),
+        );
         let mut side = || SIDES[rng.random_range(0..2)];
         let mut deck = vec![
-            Fault::KillService(side()),
-            Fault::DeployService(side()),
+            Fault::KillService(kill.0, kill.1),
+            Fault::DeployService(deploy.0, deploy.1),
             Fault::KillRelay(side()),
             Fault::RelayHandover(side()),
             Fault::KillRedis,
@@ -133,13 +149,14 @@ impl Fault {
         deck
     }
 
-    fn pick(rng: &mut StdRng) -> Fault {
+    fn pick(rng: &mut StdRng, instances: usize) -> Fault {
         let side = SIDES[rng.random_range(0..2)];
+        let instance = rng.random_range(0..instances);
         // Redis losing everything is rarer than the rest: each one republishes the whole
         // retained outbox.
         match rng.random_range(0..15) {
-            0 | 1 => Fault::KillService(side),
-            2 | 3 => Fault::DeployService(side),
+            0 | 1 => Fault::KillService(side, instance),
+            2 | 3 => Fault::DeployService(side, instance),
             4 | 5 => Fault::KillRelay(side),
             6 | 7 => Fault::RelayHandover(side),
             8 | 9 => Fault::KillRedis,
@@ -178,16 +195,29 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
         system.wait_relay(&name, Duration::from_secs(30)).await?;
         relays.active.insert(side, name);
     }
+    let instances = usize::from(args.instances);
     for side in SIDES {
         system.start(side.as_str(), Kind::Service(side), &[])?;
     }
     for side in SIDES {
         system.wait_service(side, Duration::from_secs(30)).await?;
     }
+    for side in SIDES.into_iter().filter(|_| instances > 1) {
+        system.start(&instance_name(side, 1), Kind::Replica(side), &[])?;
+        system
+            .wait_instance(side, 1, Duration::from_secs(30))
+            .await?;
+    }
     let mut watchers = Vec::new();
     for side in SIDES {
         for chat in 1..=args.chats {
-            watchers.push((side, chat, Watcher::start(system.service_addr(side), chat)));
+            for i in 0..instances {
+                watchers.push((
+                    side,
+                    chat,
+                    Watcher::start(system.instance_addr(side, i), chat),
+                ));
+            }
         }
     }
 
@@ -196,8 +226,10 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
     let started = Instant::now();
     let mut senders = Vec::new();
     for side in SIDES {
-        let (addr, stop, rate, chats) = (
-            system.service_addr(side),
+        let (addrs, stop, rate, chats): (Vec<_>, _, _, _) = (
+            (0..instances)
+                .map(|i| system.instance_addr(side, i))
+                .collect(),
             stop.clone(),
             args.rate,
             args.chats,
@@ -214,6 +246,7 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
                 n += 1;
                 let chat = 1 + n % chats;
                 let body = format!("{side}-{n}");
+                let addr = addrs[n as usize % addrs.len()];
                 pending.push(tokio::spawn(async move {
                     clients::send(addr, chat, &body, Duration::from_secs(90)).await
                 }));
@@ -245,7 +278,7 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
 
     // Faults.
     let mut faults = Vec::new();
-    let mut deck = Fault::deck(&mut rng);
+    let mut deck = Fault::deck(&mut rng, instances);
     let deadline = started + Duration::from_secs(args.seconds);
     loop {
         let pause = args.fault_every.mul_f64(rng.random_range(0.5..1.5));
@@ -253,7 +286,9 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
             break;
         }
         tokio::time::sleep(pause).await;
-        let fault = deck.pop().unwrap_or_else(|| Fault::pick(&mut rng));
+        let fault = deck
+            .pop()
+            .unwrap_or_else(|| Fault::pick(&mut rng, instances));
         let outage = Duration::from_millis(rng.random_range(200..1500));
         let line = inject(&system, &mut relays, fault, outage).await?;
         let line = format!("{:>6.1}s  {line}", started.elapsed().as_secs_f64());
@@ -302,7 +337,9 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
     let mut delivered = Check::new("every committed message in the other side's inbox, once");
     let mut order = Check::new("per chat, inbox order = sender's commit order");
     let mut rolled = Check::new("rolled-back messages never recorded or shown");
-    let mut shown_once = Check::new("each SSE client saw each message of its chat exactly once");
+    let mut shown_once = Check::new(
+        "each SSE client showed its chat's feed (both sides): each message once, in feed order",
+    );
     for side in SIDES {
         let receiver = side.other();
         let committed: Vec<String> = db
@@ -398,6 +435,21 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
     })
 }
 
+/// The process name of instance `i` of `side`'s service.
+fn instance_name(side: Side, i: usize) -> String {
+    match i {
+        0 => side.as_str().to_string(),
+        _ => format!("{side}-{}", i + 1),
+    }
+}
+
+fn instance_kind(side: Side, i: usize) -> Kind {
+    match i {
+        0 => Kind::Service(side),
+        _ => Kind::Replica(side),
+    }
+}
+
 fn witness(side: Side) -> String {
     format!("soak_witness_{side}")
 }
@@ -409,15 +461,17 @@ async fn inject(
     outage: Duration,
 ) -> anyhow::Result<String> {
     Ok(match fault {
-        Fault::KillService(side) => {
-            system.stop(side.as_str(), Signal::Kill)?;
-            system.start(side.as_str(), Kind::Service(side), &[])?;
-            format!("{side}: SIGKILL, restarted")
+        Fault::KillService(side, i) => {
+            let name = instance_name(side, i);
+            system.stop(&name, Signal::Kill)?;
+            system.start(&name, instance_kind(side, i), &[])?;
+            format!("{name}: SIGKILL, restarted")
         }
-        Fault::DeployService(side) => {
-            system.stop(side.as_str(), Signal::Term)?;
-            system.start(side.as_str(), Kind::Service(side), &[])?;
-            format!("{side}: deployed (SIGTERM, started)")
+        Fault::DeployService(side, i) => {
+            let name = instance_name(side, i);
+            system.stop(&name, Signal::Term)?;
+            system.start(&name, instance_kind(side, i), &[])?;
+            format!("{name}: deployed (SIGTERM, started)")
         }
         Fault::KillRelay(side) => {
             let name = relays.active[&side].clone();

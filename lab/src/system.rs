@@ -22,6 +22,8 @@ use crate::report;
 pub enum Kind {
     Relay(Side),
     Service(Side),
+    /// A second instance of the side's service (its own ports and consumer name).
+    Replica(Side),
     /// An earlier design's sending service, on the side's service address.
     BaselineSender(Side, SenderMode),
     /// The second design's polling/NOTIFY relay.
@@ -56,6 +58,8 @@ pub struct System {
     /// The real services' admin listeners (/readyz, /metrics); baselines answer on their
     /// service port.
     service_admin_ports: HashMap<Side, u16>,
+    replica_ports: HashMap<Side, u16>,
+    replica_admin_ports: HashMap<Side, u16>,
     logs: PathBuf,
     processes: Mutex<HashMap<String, ChildProcess>>,
     generations: Mutex<HashMap<String, u32>>,
@@ -78,6 +82,14 @@ impl System {
                 .map(|s| (s, testkit::http::free_port()))
                 .collect(),
             service_admin_ports: [Side::Consumers, Side::Workers]
+                .into_iter()
+                .map(|s| (s, testkit::http::free_port()))
+                .collect(),
+            replica_ports: [Side::Consumers, Side::Workers]
+                .into_iter()
+                .map(|s| (s, testkit::http::free_port()))
+                .collect(),
+            replica_admin_ports: [Side::Consumers, Side::Workers]
                 .into_iter()
                 .map(|s| (s, testkit::http::free_port()))
                 .collect(),
@@ -117,6 +129,42 @@ impl System {
 
     pub fn service_addr(&self, side: Side) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], self.service_ports[&side]))
+    }
+
+    /// Where instance `i` of `side` answers (0: the service, 1: its replica).
+    pub fn instance_addr(&self, side: Side, i: usize) -> SocketAddr {
+        match i {
+            0 => self.service_addr(side),
+            _ => SocketAddr::from(([127, 0, 0, 1], self.replica_ports[&side])),
+        }
+    }
+
+    /// The admin listener of instance `i` of `side`.
+    pub fn instance_admin(&self, side: Side, i: usize) -> SocketAddr {
+        match i {
+            0 => self.service_admin(side),
+            _ => SocketAddr::from(([127, 0, 0, 1], self.replica_admin_ports[&side])),
+        }
+    }
+
+    /// Wait until instance `i` of `side` answers /readyz (consuming or standing by).
+    pub async fn wait_instance(
+        &self,
+        side: Side,
+        i: usize,
+        timeout: Duration,
+    ) -> anyhow::Result<()> {
+        let deadline = tokio::time::Instant::now() + timeout;
+        loop {
+            if let Ok((200, _)) = testkit::http::get(self.instance_admin(side, i), "/readyz").await
+            {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                bail!("{} instance {i} not ready after {timeout:?}", side.as_str());
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// Where the real service of `side` answers /readyz and /metrics.
@@ -190,14 +238,18 @@ impl System {
                     .args(["--redis-url", &self.redis.url()]);
                 cmd
             }
-            Kind::Service(side) => {
+            Kind::Service(side) | Kind::Replica(side) => {
+                let (i, consumer) = match kind {
+                    Kind::Service(_) => (0, format!("{}-lab", side.as_str())),
+                    _ => (1, format!("{}-lab-2", side.as_str())),
+                };
                 let mut cmd = Command::new(&self.bins.service);
                 cmd.args(["--side", side.as_str()])
                     .args(["--database-url", &self.db.url(side.as_str())])
                     .args(["--redis-url", &self.redis.url()])
-                    .args(["--listen", &self.service_addr(side).to_string()])
-                    .args(["--admin-addr", &self.service_admin(side).to_string()])
-                    .args(["--consumer-name", &format!("{}-lab", side.as_str())])
+                    .args(["--listen", &self.instance_addr(side, i).to_string()])
+                    .args(["--admin-addr", &self.instance_admin(side, i).to_string()])
+                    .args(["--consumer-name", &consumer])
                     .args(["--lease-ttl", "3s", "--claim-idle", "5s"]);
                 cmd
             }

@@ -71,7 +71,7 @@ async fn chaos_timeline_both_designs_both_directions() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sixty_second_fault_soak_finds_no_violation() {
+async fn a_sixty_second_fault_soak_with_two_instances_per_side_finds_no_violation() {
     let args = soak::Args {
         seconds: 60,
         seed: None,
@@ -79,6 +79,7 @@ async fn a_sixty_second_fault_soak_finds_no_violation() {
         chats: 3,
         fault_every: Duration::from_secs(3),
         no_fsync: true,
+        instances: 2,
     };
     let report = soak::run_soak(bins(), &args).await.unwrap();
     soak::print(&report);
