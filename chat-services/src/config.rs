@@ -62,6 +62,10 @@ pub struct Cli {
     /// Interval of SSE heartbeat comments.
     #[arg(long, env = "CHAT_SSE_HEARTBEAT", value_parser = humantime::parse_duration, default_value = "15s")]
     pub sse_heartbeat: Duration,
+    /// Bytes queued for one event-stream client at most; a client that reads slower than
+    /// its chat fills it is dropped (it resumes with Last-Event-ID, missing nothing).
+    #[arg(long, env = "CHAT_SSE_CLIENT_BUFFER", default_value_t = 256 * 1024)]
+    pub sse_client_buffer: usize,
     /// How often each instance compares the newest position of every chat it streams with
     /// what its streams sent: the bound on how late a message whose live hint was lost (its
     /// writer killed between commit and hint) is shown. One small query per interval.
@@ -134,6 +138,7 @@ pub struct ServiceConfig {
     pub lease_ttl: Duration,
     pub sse_heartbeat: Duration,
     pub feed_check_interval: Duration,
+    pub sse_client_buffer: usize,
     pub db_pool_size: usize,
     pub max_connections: usize,
     pub max_event_streams: usize,
@@ -214,6 +219,9 @@ impl Cli {
         if self.sse_heartbeat.is_zero() || self.claim_idle.is_zero() {
             return Err("--sse-heartbeat and --claim-idle must be greater than zero".into());
         }
+        if self.sse_client_buffer < 16 * 1024 {
+            return Err("--sse-client-buffer must be at least 16384 bytes (a message's frame is up to ~16 KiB)".into());
+        }
         if self.feed_check_interval < Duration::from_millis(100) {
             return Err("--feed-check-interval must be at least 100ms".into());
         }
@@ -252,6 +260,7 @@ impl Cli {
             lease_ttl: self.lease_ttl,
             sse_heartbeat: self.sse_heartbeat,
             feed_check_interval: self.feed_check_interval,
+            sse_client_buffer: self.sse_client_buffer,
             db_pool_size: self.db_pool_size,
             max_connections: self.max_connections,
             max_event_streams: self.max_event_streams,

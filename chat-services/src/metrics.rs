@@ -15,6 +15,7 @@ pub struct Metrics {
     pub consumer_active: IntGauge,
     pub sse_clients: IntGauge,
     pub sse_gaps_filled_total: IntCounter,
+    pub sse_slow_clients_dropped_total: IntCounter,
     pub live_hints_unpublished_total: IntCounter,
     pub delivery_seconds: Histogram,
     pub outbox_deleted_total: IntCounter,
@@ -119,6 +120,10 @@ impl Metrics {
             live_hints_unpublished_total: counter(
                 "chat_live_hints_unpublished_total",
                 "Live hints that did not reach the other instances (Redis refused or the queue was full); each owes them a resync, sent once Redis takes it",
+            ),
+            sse_slow_clients_dropped_total: counter(
+                "chat_sse_slow_clients_dropped_total",
+                "Event streams ended because their client fell --sse-client-buffer bytes or two heartbeats behind (it resumes with Last-Event-ID)",
             ),
             sse_gaps_filled_total: counter(
                 "chat_sse_gaps_filled_total",

@@ -211,3 +211,62 @@ async fn running_out_of_file_descriptors_neither_spins_nor_floods_the_log() {
     .await;
     stack.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_dropped_at_its_byte_budget() {
+    // GIVEN an event-stream client that never reads (with a small receive window), and
+    // heartbeats far apart, so only the byte budget can drop it
+    let stack = Stack::start(shared_postgres()).await;
+    let workers = stack
+        .service_process(
+            Side::Workers,
+            "workers",
+            &["--sse-client-buffer", "65536", "--sse-heartbeat", "10m"],
+        )
+        .await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let mut stalled = socket.connect(workers.addr).await.unwrap();
+    stalled
+        .write_all(b"GET /chats/61/events HTTP/1.1\r\nhost: test\r\n\r\n")
+        .await
+        .unwrap();
+
+    // WHEN its chat gets far more than the budget (sends of this side are in its feed)
+    let body = "x".repeat(4000);
+    let mut sent = 0;
+    while metric(&workers, "chat_sse_slow_clients_dropped_total").await != Some(1.0) {
+        assert!(
+            sent < 5000,
+            "never dropped after {sent} messages of 4,000 bytes"
+        );
+        let batch: Vec<_> = (0..50)
+            .map(|_| {
+                let (addr, body) = (workers.addr, body.clone());
+                tokio::spawn(async move { common::send(addr, 61, &body).await })
+            })
+            .collect();
+        for send in batch {
+            send.await.unwrap();
+        }
+        sent += 50;
+    }
+
+    // THEN it was dropped (counted above), its stream slot freed, and the service answers
+    eprintln!("stalled client dropped after {sent} messages of 4,000 bytes");
+    wait_until(Duration::from_secs(10), "stream slot freed", || async {
+        match metric(&workers, "chat_sse_clients").await {
+            Some(0.0) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    assert_eq!(
+        testkit::http::get(workers.addr, "/healthz")
+            .await
+            .unwrap()
+            .0,
+        200
+    );
+    stack.stop().await;
+}

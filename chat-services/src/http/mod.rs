@@ -50,6 +50,8 @@ pub struct Limits {
     pub event_streams: Arc<Semaphore>,
     /// Event streams reading the database at once (half the pool).
     pub feed_reads: Semaphore,
+    /// Bytes queued for one event stream's client at most.
+    pub sse_client_buffer: usize,
     pub header_read_timeout: Duration,
 }
 
@@ -59,6 +61,7 @@ impl Limits {
             connections: Arc::new(Semaphore::new(config.max_connections)),
             event_streams: Arc::new(Semaphore::new(config.max_event_streams)),
             feed_reads: Semaphore::new((config.db_pool_size / 2).max(1)),
+            sse_client_buffer: config.sse_client_buffer,
             header_read_timeout: config.header_read_timeout,
         }
     }

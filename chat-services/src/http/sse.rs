@@ -9,6 +9,7 @@
 //! has its own bounded queue; one that falls behind is caught up from the database rather
 //! than slowing anyone else.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -71,17 +72,24 @@ pub fn respond(app: Arc<App>, chat_id: i64, after: Option<Cursor>) -> Response<B
         return resp;
     };
     let (tx, rx) = mpsc::channel::<Bytes>(CLIENT_QUEUE);
+    let queued = Arc::new(AtomicUsize::new(0));
+    let client = Client {
+        tx,
+        queued: queued.clone(),
+    };
     let live = app.hub.subscribe(chat_id);
     tokio::spawn(async move {
         app.metrics.sse_clients.inc();
-        if let Err(e) = stream_events(&app, chat_id, after, live, &tx).await {
+        if let Err(e) = stream_events(&app, chat_id, after, live, &client).await {
             debug!(chat_id, error = %e, "event stream ended");
         }
         app.metrics.sse_clients.dec();
         drop(permit);
     });
-    let body = stream::unfold(rx, |mut rx| async move {
-        rx.recv().await.map(|bytes| (Ok(Frame::data(bytes)), rx))
+    let body = stream::unfold((rx, queued), |(mut rx, queued)| async move {
+        let bytes = rx.recv().await?;
+        queued.fetch_sub(bytes.len(), Ordering::SeqCst);
+        Some((Ok(Frame::data(bytes)), (rx, queued)))
     });
     let mut resp = Response::new(StreamBody::new(body).boxed());
     let headers = resp.headers_mut();
@@ -91,10 +99,18 @@ pub fn respond(app: Arc<App>, chat_id: i64, after: Option<Cursor>) -> Response<B
     resp
 }
 
+/// One client's queue of frames, and the bytes in it not yet taken by the connection.
+struct Client {
+    tx: mpsc::Sender<Bytes>,
+    queued: Arc<AtomicUsize>,
+}
+
 #[derive(Debug, thiserror::Error)]
 enum StreamEnd {
     #[error("client gone")]
     ClientGone,
+    #[error("client too slow: its queue passed --sse-client-buffer")]
+    TooSlow,
     #[error(transparent)]
     Store(#[from] StoreError),
 }
@@ -104,9 +120,9 @@ async fn stream_events(
     chat_id: i64,
     after: Option<Cursor>,
     mut live: Subscription,
-    tx: &mpsc::Sender<Bytes>,
+    client: &Client,
 ) -> Result<(), StreamEnd> {
-    let send = |bytes: Bytes| async move { send_or_give_up(app, tx, bytes).await };
+    let send = |bytes: Bytes| async move { send_or_give_up(app, client, bytes).await };
     send(Bytes::from_static(b"retry: 1000\n\n")).await?;
     // `last`: the position of the last message sent; every one before it was sent too.
     let mut last = match after {
@@ -118,7 +134,7 @@ async fn stream_events(
         }
     };
     if after.is_some() {
-        catch_up(app, chat_id, &mut last, tx).await?;
+        catch_up(app, chat_id, &mut last, client).await?;
     }
     let mut heartbeat = tokio::time::interval_at(
         tokio::time::Instant::now() + app.sse_heartbeat,
@@ -127,7 +143,7 @@ async fn stream_events(
     loop {
         tokio::select! {
             _ = app.shutdown.cancelled() => return Ok(()),
-            _ = tx.closed() => return Err(StreamEnd::ClientGone),
+            _ = client.tx.closed() => return Err(StreamEnd::ClientGone),
             received = live.recv() => match received {
                 Ok(Live::Message { pos, frame }) => {
                     if pos == last + 1 {
@@ -136,20 +152,20 @@ async fn stream_events(
                     } else if pos > last {
                         // A message between was announced elsewhere, late, or never.
                         app.metrics.sse_gaps_filled_total.inc();
-                        catch_up(app, chat_id, &mut last, tx).await?;
+                        catch_up(app, chat_id, &mut last, client).await?;
                     }
                 }
                 Ok(Live::Tip(pos)) => {
                     if pos > last {
                         app.metrics.sse_gaps_filled_total.inc();
-                        catch_up(app, chat_id, &mut last, tx).await?;
+                        catch_up(app, chat_id, &mut last, client).await?;
                         // Everything up to a tip is final and was just read: what is not
                         // there is a hole (see migration V7), not a message to wait for.
                         last = last.max(pos);
                     }
                 }
                 Ok(Live::Resync) | Err(broadcast::error::RecvError::Lagged(_)) => {
-                    catch_up(app, chat_id, &mut last, tx).await?;
+                    catch_up(app, chat_id, &mut last, client).await?;
                 }
                 Err(broadcast::error::RecvError::Closed) => return Ok(()),
             },
@@ -158,16 +174,22 @@ async fn stream_events(
     }
 }
 
-/// Queue a frame for the client; a client that has not read for two heartbeats is dropped
-/// (it holds a stream slot and its connection; it resumes with Last-Event-ID).
-async fn send_or_give_up(
-    app: &App,
-    tx: &mpsc::Sender<Bytes>,
-    bytes: Bytes,
-) -> Result<(), StreamEnd> {
-    match tokio::time::timeout(app.sse_heartbeat * 2, tx.send(bytes)).await {
+/// Queue a frame for the client. A client whose queue holds more than its byte budget, or
+/// that has not read for two heartbeats, is dropped: it holds memory, a stream slot and its
+/// connection, and it resumes with Last-Event-ID, missing nothing.
+async fn send_or_give_up(app: &App, client: &Client, bytes: Bytes) -> Result<(), StreamEnd> {
+    let len = bytes.len();
+    if client.queued.fetch_add(len, Ordering::SeqCst) + len > app.limits.sse_client_buffer {
+        app.metrics.sse_slow_clients_dropped_total.inc();
+        return Err(StreamEnd::TooSlow);
+    }
+    match tokio::time::timeout(app.sse_heartbeat * 2, client.tx.send(bytes)).await {
         Ok(Ok(())) => Ok(()),
-        _ => Err(StreamEnd::ClientGone),
+        Ok(Err(_)) => Err(StreamEnd::ClientGone),
+        Err(_) => {
+            app.metrics.sse_slow_clients_dropped_total.inc();
+            Err(StreamEnd::TooSlow)
+        }
     }
 }
 
@@ -176,7 +198,7 @@ async fn catch_up(
     app: &App,
     chat_id: i64,
     last: &mut i64,
-    tx: &mpsc::Sender<Bytes>,
+    client: &Client,
 ) -> Result<(), StreamEnd> {
     loop {
         // Bounded: a resync makes every stream of the instance catch up at once, and
@@ -187,7 +209,7 @@ async fn catch_up(
         };
         let n = page.len() as i64;
         for item in &page {
-            send_or_give_up(app, tx, frame(item)).await?;
+            send_or_give_up(app, client, frame(item)).await?;
             *last = item.pos;
         }
         if n < REPLAY_PAGE {
