@@ -1,0 +1,398 @@
+//! The Redis side of the inbox consumer: the consumer-group protocol (create the group,
+//! read new entries and this consumer's pending ones, claim what others left, acknowledge),
+//! the dead-letter stream, and the attempt records that tell a crash on an entry from a
+//! session restart. The loop that uses them is in the parent module.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use redis::Value;
+use tokio::time::Instant;
+use tracing::{debug, error, info, warn};
+
+use super::{Active, ConsumeError, READ_BLOCK, READ_COUNT};
+use crate::side::Side;
+
+/// A stream entry read from the group.
+#[derive(Debug, Clone)]
+pub(super) struct Entry {
+    pub(super) id: String,
+    /// `None`: the entry was trimmed from the stream before it was acknowledged.
+    pub(super) fields: Option<HashMap<String, String>>,
+    pub(super) deliveries: u64,
+}
+
+impl Active<'_> {
+    /// Export the dead-letter stream's length (alerts fire while it is not empty).
+    pub(super) async fn count_dead_letters(&mut self) -> Result<(), ConsumeError> {
+        let n: i64 = redis::cmd("XLEN")
+            .arg(&self.cfg().dead_letter_stream)
+            .query_async(&mut self.conn)
+            .await?;
+        self.inbox.metrics.dead_letter_entries.set(n);
+        Ok(())
+    }
+
+    pub(super) async fn ensure_group(&mut self) -> Result<(), ConsumeError> {
+        // From id 0: a group created after the relay already published misses nothing.
+        let created: redis::RedisResult<()> = redis::cmd("XGROUP")
+            .arg("CREATE")
+            .arg(&self.cfg().stream)
+            .arg(&self.cfg().group)
+            .arg("0")
+            .arg("MKSTREAM")
+            .query_async(&mut self.conn)
+            .await;
+        match created {
+            Ok(()) => {
+                info!(stream = %self.cfg().stream, group = %self.cfg().group, "created consumer group");
+                Ok(())
+            }
+            Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Whether entries other than `batch` were pending in the group (now claimed by this
+    /// consumer): a paused previous holder's outstanding read can be served after this
+    /// holder took over, and those entries precede the batch in the stream.
+    pub(super) async fn took_older_entries(
+        &mut self,
+        batch: &[Entry],
+    ) -> Result<bool, ConsumeError> {
+        let claimed = self.claim_ids(Duration::ZERO).await?;
+        let ours: std::collections::HashSet<&str> = batch.iter().map(|e| e.id.as_str()).collect();
+        let others = claimed
+            .iter()
+            .filter(|id| !ours.contains(id.as_str()))
+            .count();
+        if others > 0 {
+            info!(
+                claimed = others,
+                "entries delivered to a previous holder claimed; recording them first"
+            );
+        }
+        Ok(others > 0)
+    }
+
+    /// XAUTOCLAIM every pending entry idle at least `min_idle` for this consumer (ids only:
+    /// the delivery count grows when they are read). Returns how many were claimed.
+    pub(super) async fn claim(&mut self, min_idle: Duration) -> Result<usize, ConsumeError> {
+        let claimed = self.claim_ids(min_idle).await?.len();
+        if claimed > 0 {
+            info!(claimed, min_idle = ?min_idle, "claimed pending entries");
+        }
+        Ok(claimed)
+    }
+
+    /// XAUTOCLAIM (JUSTID) every pending entry idle at least `min_idle`; the claimed ids.
+    pub(super) async fn claim_ids(
+        &mut self,
+        min_idle: Duration,
+    ) -> Result<Vec<String>, ConsumeError> {
+        let mut cursor = "0-0".to_string();
+        let mut claimed = Vec::new();
+        loop {
+            let reply: Value = redis::cmd("XAUTOCLAIM")
+                .arg(&self.cfg().stream)
+                .arg(&self.cfg().group)
+                .arg(&self.cfg().consumer)
+                .arg(min_idle.as_millis() as u64)
+                .arg(&cursor)
+                .arg("COUNT")
+                .arg(READ_COUNT)
+                .arg("JUSTID")
+                .query_async(&mut self.conn)
+                .await?;
+            let Value::Array(parts) = reply else {
+                return Err(ConsumeError::Reply(format!("XAUTOCLAIM: {reply:?}")));
+            };
+            // Redis 7: [next cursor, claimed ids, deleted ids].
+            let next: String = parts
+                .first()
+                .map(redis::from_redis_value_ref)
+                .transpose()
+                .map_err(|e| ConsumeError::Reply(e.to_string()))?
+                .unwrap_or_else(|| "0-0".into());
+            if let Some(Value::Array(ids)) = parts.get(1) {
+                for id in ids {
+                    claimed.push(
+                        redis::from_redis_value_ref::<String>(id)
+                            .map_err(|e| ConsumeError::Reply(e.to_string()))?,
+                    );
+                }
+            }
+            if let Some(Value::Array(deleted)) = parts.get(2) {
+                if !deleted.is_empty() {
+                    error!(count = deleted.len(), "pending entries were trimmed from the stream before being recorded; stream MAXLEN is too small for the consumer lag");
+                    self.inbox
+                        .metrics
+                        .entries_lost_total
+                        .inc_by(deleted.len() as u64);
+                }
+            }
+            if next == "0-0" {
+                break;
+            }
+            cursor = next;
+        }
+        Ok(claimed)
+    }
+
+    /// XREADGROUP from `id` (`>`: new entries, blocking briefly; otherwise own pending
+    /// entries after `id`, with their delivery counts).
+    pub(super) async fn read(&mut self, id: &str) -> Result<Vec<Entry>, ConsumeError> {
+        let mut cmd = redis::cmd("XREADGROUP");
+        cmd.arg("GROUP")
+            .arg(&self.cfg().group)
+            .arg(&self.cfg().consumer)
+            .arg("COUNT")
+            .arg(READ_COUNT);
+        if id == ">" {
+            cmd.arg("BLOCK").arg(READ_BLOCK.as_millis() as u64);
+        }
+        cmd.arg("STREAMS").arg(&self.cfg().stream).arg(id);
+        let reply: Value = cmd.query_async(&mut self.blocking).await?;
+        let mut entries = parse_read_reply(reply)?;
+        if id != ">" && !entries.is_empty() {
+            let counts = self.delivery_counts(&entries).await?;
+            for e in &mut entries {
+                e.deliveries = counts.get(&e.id).copied().unwrap_or(1);
+            }
+        }
+        Ok(entries)
+    }
+
+    pub(super) async fn delivery_counts(
+        &mut self,
+        entries: &[Entry],
+    ) -> Result<HashMap<String, u64>, ConsumeError> {
+        let reply: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
+            .arg(&self.cfg().stream)
+            .arg(&self.cfg().group)
+            .arg(&entries[0].id)
+            .arg(&entries[entries.len() - 1].id)
+            .arg(entries.len())
+            .arg(&self.cfg().consumer)
+            .query_async(&mut self.conn)
+            .await?;
+        Ok(reply
+            .ids
+            .into_iter()
+            .map(|p| (p.id, p.times_delivered as u64))
+            .collect())
+    }
+
+    /// Each redelivered entry's attempt number: how many times processing it started and
+    /// ended with the process that ran it (a crash), plus one. Redis's delivery count is not
+    /// it: every session restart, handover and claim raises that, through no fault of the
+    /// entry. A record `<run> <n>` per entry (in `inbox-attempts:<side>`) names the run
+    /// processing it; a session that ends without finishing marks its entries released
+    /// (`- <n>`). A record of another run (or none: first deliveries are attempt 1 and cost
+    /// no record) that stays so for a lease TTL (a live holder notices a lost lease and
+    /// releases well within that) was left by a run that ended while processing: that
+    /// counts.
+    pub(super) async fn attempts(
+        &mut self,
+        entries: &[Entry],
+    ) -> Result<HashMap<String, u64>, ConsumeError> {
+        let redelivered: Vec<&str> = entries
+            .iter()
+            .filter(|e| e.deliveries > 1)
+            .map(|e| e.id.as_str())
+            .collect();
+        let mut attempts = HashMap::new();
+        if redelivered.is_empty() {
+            return Ok(attempts);
+        }
+        let key = attempts_key(self.cfg().side);
+        let deadline = Instant::now() + self.lease.ttl();
+        let records = loop {
+            let records: Vec<Option<(String, u64)>> = redis::cmd("HMGET")
+                .arg(&key)
+                .arg(&redelivered)
+                .query_async::<Vec<Option<String>>>(&mut self.conn)
+                .await?
+                .into_iter()
+                .map(|r| {
+                    let r = r?;
+                    let (run, n) = r.split_once(' ')?;
+                    Some((run.to_string(), n.parse::<u64>().ok()?))
+                })
+                .collect();
+            // No record: processed by another run on its first delivery (which keeps no
+            // record), like a record of another run: it ended, or has not released yet.
+            let held_elsewhere = records.iter().any(|record| match record {
+                None => true,
+                Some((run, _)) => run != "-" && *run != self.inbox.run_id,
+            });
+            if !held_elsewhere || Instant::now() >= deadline {
+                break records;
+            }
+            // A previous holder may still be noticing that it lost the lease.
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            self.renew_if_due().await?;
+        };
+        let mut hset = redis::cmd("HSET");
+        hset.arg(&key);
+        for (id, record) in redelivered.iter().zip(records) {
+            let n = match record {
+                // Its first processing left no record and never finished: the process
+                // ended during it.
+                None => 2,
+                Some((run, n)) if run == "-" || run == self.inbox.run_id => n,
+                Some((_, n)) => n + 1,
+            };
+            hset.arg(*id).arg(format!("{} {n}", self.inbox.run_id));
+            attempts.insert(id.to_string(), n);
+        }
+        let _: i64 = hset.query_async(&mut self.conn).await?;
+        Ok(attempts)
+    }
+
+    /// Mark the entries this session was processing as released: their next processing is
+    /// not a new attempt (best effort; if Redis cannot take it, the next one counts).
+    pub(super) async fn release_in_flight(&mut self) {
+        if self.in_flight.is_empty() {
+            return;
+        }
+        let mut hset = redis::cmd("HSET");
+        hset.arg(attempts_key(self.cfg().side));
+        for (id, n) in std::mem::take(&mut self.in_flight) {
+            hset.arg(id).arg(format!("- {n}"));
+        }
+        let released: redis::RedisResult<i64> = hset.query_async(&mut self.conn).await;
+        if let Err(e) = released {
+            debug!(error = %e, "could not mark entries in flight as released");
+        }
+    }
+
+    pub(super) async fn ack(&mut self, ids: &[String]) -> Result<(), ConsumeError> {
+        // (A batch whose every entry was refused leaves nothing to acknowledge here; XACK
+        // without ids is an error that would restart the session and count a delivery.)
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let () = redis::pipe()
+            .cmd("XACK")
+            .arg(&self.cfg().stream)
+            .arg(&self.cfg().group)
+            .arg(ids)
+            .ignore()
+            .cmd("HDEL")
+            .arg(attempts_key(self.cfg().side))
+            .arg(ids)
+            .ignore()
+            .query_async(&mut self.conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Move an entry to the dead-letter stream with its reason, atomically with its XACK.
+    /// The stream is capped: what the cap trims is counted and logged.
+    pub(super) async fn dead_letter(
+        &mut self,
+        entry: &Entry,
+        reason: &str,
+    ) -> Result<(), ConsumeError> {
+        let max_len = self.cfg().dead_letter_max_len;
+        let mut xadd = redis::cmd("XADD");
+        xadd.arg(&self.cfg().dead_letter_stream)
+            .arg("MAXLEN")
+            .arg("=")
+            .arg(max_len)
+            .arg("*")
+            .arg("stream")
+            .arg(&self.cfg().stream)
+            .arg("id")
+            .arg(&entry.id)
+            .arg("reason")
+            .arg(reason)
+            .arg("deliveries")
+            .arg(entry.deliveries);
+        if let Some(fields) = &entry.fields {
+            for (k, v) in fields {
+                xadd.arg(format!("entry.{k}")).arg(v);
+            }
+        }
+        let mut pipe = redis::pipe();
+        pipe.atomic()
+            .cmd("XLEN")
+            .arg(&self.cfg().dead_letter_stream)
+            .add_command(xadd)
+            .ignore()
+            .cmd("XACK")
+            .arg(&self.cfg().stream)
+            .arg(&self.cfg().group)
+            .arg(&entry.id)
+            .ignore()
+            .cmd("HDEL")
+            .arg(attempts_key(self.cfg().side))
+            .arg(&entry.id)
+            .ignore();
+        let (before,): (u64,) = pipe.query_async(&mut self.conn).await?;
+        self.inbox.metrics.dead_lettered_total.inc();
+        let trimmed = (before + 1).saturating_sub(max_len);
+        if trimmed > 0 {
+            self.inbox
+                .metrics
+                .dead_letters_trimmed_total
+                .inc_by(trimmed);
+            error!(trimmed, max_len, dead_letter_stream = %self.cfg().dead_letter_stream, "dead-letter stream full: its oldest entries were trimmed and can no longer be replayed; act on the dead letters (chat-service dead-letters) or raise --dead-letter-max-len");
+        }
+        self.count_dead_letters().await?;
+        warn!(stream_id = %entry.id, %reason, dead_letter_stream = %self.cfg().dead_letter_stream, "entry dead-lettered");
+        Ok(())
+    }
+}
+
+/// The hash of attempt records (see [`Active::attempts`]).
+fn attempts_key(side: Side) -> String {
+    format!("inbox-attempts:{side}")
+}
+
+/// Entries of an XREADGROUP reply (RESP2 arrays or RESP3 maps; `Nil` when the block timed out).
+fn parse_read_reply(reply: Value) -> Result<Vec<Entry>, ConsumeError> {
+    let streams = match reply {
+        Value::Nil => return Ok(Vec::new()),
+        Value::Array(streams) => streams
+            .into_iter()
+            .filter_map(|s| match s {
+                Value::Array(mut kv) if kv.len() == 2 => kv.pop(),
+                _ => None,
+            })
+            .collect::<Vec<_>>(),
+        Value::Map(streams) => streams.into_iter().map(|(_, v)| v).collect(),
+        other => return Err(ConsumeError::Reply(format!("XREADGROUP: {other:?}"))),
+    };
+    let mut entries = Vec::new();
+    for stream in streams {
+        let Value::Array(items) = stream else {
+            continue;
+        };
+        for item in items {
+            let Value::Array(mut parts) = item else {
+                return Err(ConsumeError::Reply("entry is not an array".into()));
+            };
+            if parts.len() != 2 {
+                return Err(ConsumeError::Reply("entry is not [id, fields]".into()));
+            }
+            let fields = parts.pop().expect("two parts");
+            let id: String = redis::from_redis_value(parts.pop().expect("two parts"))
+                .map_err(|e| ConsumeError::Reply(e.to_string()))?;
+            let fields = match fields {
+                Value::Nil => None,
+                other => Some(
+                    redis::from_redis_value::<HashMap<String, String>>(other)
+                        .map_err(|e| ConsumeError::Reply(e.to_string()))?,
+                ),
+            };
+            entries.push(Entry {
+                id,
+                fields,
+                deliveries: 1,
+            });
+        }
+    }
+    Ok(entries)
+}
