@@ -512,6 +512,7 @@ async fn redis_acl_users_have_least_privilege() {
         ("consumers", "PUBLISH feed:consumers hello", true),
         ("consumers", "HSET inbox-attempts:consumers 1-1 x", true),
         ("consumers", "HMGET inbox-attempts:consumers 1-1", true),
+        ("consumers", "HGET inbox-attempts:consumers 1-1", true),
         ("consumers", "HDEL inbox-attempts:consumers 1-1", true),
         ("consumers", "XRANGE deadletter:consumers - +", true),
         ("consumers", "XDEL deadletter:consumers 1-1", true),

@@ -219,8 +219,8 @@ impl Cli {
         if self.sse_heartbeat.is_zero() || self.claim_idle.is_zero() {
             return Err("--sse-heartbeat and --claim-idle must be greater than zero".into());
         }
-        if self.sse_client_buffer < 16 * 1024 {
-            return Err("--sse-client-buffer must be at least 16384 bytes (a message's frame is up to ~16 KiB)".into());
+        if self.sse_client_buffer < 64 * 1024 {
+            return Err("--sse-client-buffer must be at least 65536 bytes (one message's frame can reach ~24 KiB)".into());
         }
         if self.feed_check_interval < Duration::from_millis(100) {
             return Err("--feed-check-interval must be at least 100ms".into());

@@ -136,52 +136,71 @@ pub async fn run(
             })
         }
         DeadLetterCommand::Drop(selection) => {
-            let letters = select(&mut conn, stream, &selection).await?;
-            for letter in &letters {
-                remove(&mut conn, stream, letter, &selection.by, "drop", &[]).await?;
-                writeln!(out, "{}", json!({"dropped": letter.id}))?;
+            let mut outcome = Outcome::default();
+            let mut from = None;
+            while let Some(letters) = next_page(&mut conn, stream, &selection, &mut from).await? {
+                for letter in &letters {
+                    if remove(&mut conn, stream, letter, &selection.by, "drop", &[]).await? {
+                        writeln!(out, "{}", json!({"dropped": letter.id}))?;
+                        outcome.done += 1;
+                    } else {
+                        writeln!(
+                            out,
+                            "{}",
+                            json!({"not_dropped": letter.id, "reason": "removed meanwhile by another command"})
+                        )?;
+                    }
+                }
             }
-            Ok(Outcome {
-                done: letters.len(),
-                left: 0,
-            })
+            Ok(outcome)
         }
         DeadLetterCommand::Replay(selection) => {
-            let letters = select(&mut conn, stream, &selection).await?;
             let store =
                 Store::new(&config.postgres, config.side, 2).map_err(DeadLetterError::Config)?;
             let mut outcome = Outcome::default();
             let mut replayed = false;
-            for letter in &letters {
-                let recorded = match letter.message(config.side.other()) {
-                    Ok(message) => record(&store, letter, message).await?,
-                    Err(e) => Err(e.to_string()),
-                };
-                match recorded {
-                    Ok((message, pos, new)) => {
-                        let details = [
-                            ("message_id", message.id.to_string()),
-                            ("chat_id", message.chat_id.to_string()),
-                            ("pos", pos.to_string()),
-                            ("already_in_inbox", (!new).to_string()),
-                        ];
-                        remove(&mut conn, stream, letter, &selection.by, "replay", &details)
+            let mut from = None;
+            while let Some(letters) = next_page(&mut conn, stream, &selection, &mut from).await? {
+                for letter in &letters {
+                    let recorded = match letter.message(config.side.other()) {
+                        Ok(message) => record(&store, letter, message).await?,
+                        Err(e) => Err(e.to_string()),
+                    };
+                    match recorded {
+                        Ok((message, pos, new)) => {
+                            let details = [
+                                ("message_id", message.id.to_string()),
+                                ("chat_id", message.chat_id.to_string()),
+                                ("pos", pos.to_string()),
+                                ("already_in_inbox", (!new).to_string()),
+                            ];
+                            // Recorded either way; if another command removed the letter
+                            // meanwhile, its audit entry is the one that stands.
+                            let removed = remove(
+                                &mut conn,
+                                stream,
+                                letter,
+                                &selection.by,
+                                "replay",
+                                &details,
+                            )
                             .await?;
-                        writeln!(
-                            out,
-                            "{}",
-                            json!({"replayed": letter.id, "message_id": message.id, "chat_id": message.chat_id, "pos": pos, "already_in_inbox": !new})
-                        )?;
-                        outcome.done += 1;
-                        replayed = true;
-                    }
-                    Err(reason) => {
-                        writeln!(
-                            out,
-                            "{}",
-                            json!({"not_replayed": letter.id, "reason": reason})
-                        )?;
-                        outcome.left += 1;
+                            writeln!(
+                                out,
+                                "{}",
+                                json!({"replayed": letter.id, "message_id": message.id, "chat_id": message.chat_id, "pos": pos, "already_in_inbox": !new, "removed_by_another_command": !removed})
+                            )?;
+                            outcome.done += 1;
+                            replayed = true;
+                        }
+                        Err(reason) => {
+                            writeln!(
+                                out,
+                                "{}",
+                                json!({"not_replayed": letter.id, "reason": reason})
+                            )?;
+                            outcome.left += 1;
+                        }
                     }
                 }
             }
@@ -194,6 +213,43 @@ pub async fn run(
             Ok(outcome)
         }
     }
+}
+
+/// The next page of the selection, in original stream order; `None` when done. Named ids
+/// come as one page (every one must exist); `--all` pages through the stream, so a large
+/// one is never held in memory at once.
+async fn next_page(
+    conn: &mut MultiplexedConnection,
+    stream: &str,
+    selection: &Selection,
+    from: &mut Option<String>,
+) -> Result<Option<Vec<DeadLetter>>, DeadLetterError> {
+    const PAGE: usize = 500;
+    let mut letters = if selection.all {
+        let start = from.clone().unwrap_or_else(|| "-".into());
+        let letters = range(conn, stream, &start, "+", PAGE).await?;
+        match letters.last() {
+            Some(last) => *from = Some(format!("({}", last.id)),
+            None => return Ok(None),
+        }
+        letters
+    } else {
+        if from.is_some() {
+            return Ok(None);
+        }
+        *from = Some(String::new());
+        let mut letters = Vec::new();
+        for id in &selection.ids {
+            let mut found = range(conn, stream, id, id, 1).await?;
+            match found.pop() {
+                Some(letter) if letter.id == *id => letters.push(letter),
+                _ => return Err(DeadLetterError::Unknown(id.clone())),
+            }
+        }
+        letters
+    };
+    letters.sort_by_key(DeadLetter::stream_order);
+    Ok(Some(letters))
 }
 
 /// Record one dead letter's message beside the inbox writer: `Ok((message, pos, new))`, or
@@ -225,29 +281,6 @@ async fn record(
             Err(e) => return Err(e.into()),
         }
     }
-}
-
-/// The selected dead letters in their original stream order; every id must exist.
-async fn select(
-    conn: &mut MultiplexedConnection,
-    stream: &str,
-    selection: &Selection,
-) -> Result<Vec<DeadLetter>, DeadLetterError> {
-    let mut letters = if selection.all {
-        range(conn, stream, "-", "+", usize::MAX).await?
-    } else {
-        let mut letters = Vec::new();
-        for id in &selection.ids {
-            let mut found = range(conn, stream, id, id, 1).await?;
-            match found.pop() {
-                Some(letter) if letter.id == *id => letters.push(letter),
-                _ => return Err(DeadLetterError::Unknown(id.clone())),
-            }
-        }
-        letters
-    };
-    letters.sort_by_key(DeadLetter::stream_order);
-    Ok(letters)
 }
 
 /// XRANGE `start`..`end` of the dead-letter stream, at most `count`, paging as it goes.
@@ -294,7 +327,8 @@ async fn range(
     Ok(letters)
 }
 
-/// Log the action to `<stream>:audit` and delete the dead letter, atomically.
+/// Delete the dead letter and log the action to `<stream>:audit`, atomically, if it was
+/// still there (`false`: another command removed it meanwhile; nothing is logged).
 async fn remove(
     conn: &mut MultiplexedConnection,
     stream: &str,
@@ -302,11 +336,23 @@ async fn remove(
     by: &str,
     action: &str,
     details: &[(&str, String)],
-) -> Result<(), DeadLetterError> {
-    let mut audit = redis::cmd("XADD");
-    audit
-        .arg(format!("{stream}:audit"))
-        .arg("*")
+) -> Result<bool, DeadLetterError> {
+    static REMOVE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+        redis::Script::new(
+            r#"
+if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+return 1
+"#,
+        )
+    });
+    let at = time::OffsetDateTime::now_utc()
+        .format(&time::format_description::well_known::Rfc3339)
+        .expect("formats");
+    let mut invocation = REMOVE.key(stream);
+    invocation
+        .key(format!("{stream}:audit"))
+        .arg(&letter.id)
         .arg("action")
         .arg(action)
         .arg("by")
@@ -318,23 +364,13 @@ async fn remove(
         .arg("reason")
         .arg(letter.field("reason"))
         .arg("at")
-        .arg(
-            time::OffsetDateTime::now_utc()
-                .format(&time::format_description::well_known::Rfc3339)
-                .expect("formats"),
-        );
+        .arg(at);
     for (k, v) in details {
-        audit.arg(*k).arg(v);
+        invocation.arg(*k).arg(v);
     }
-    let mut pipe = redis::pipe();
-    pipe.atomic()
-        .add_command(audit)
-        .ignore()
-        .cmd("XDEL")
-        .arg(stream)
-        .arg(&letter.id)
-        .ignore();
-    let () = pipe.query_async(conn).await?;
-    tracing::info!(action, by, dead_letter_id = %letter.id, stream_id = %letter.field("id"), "dead letter removed");
-    Ok(())
+    let removed: i64 = invocation.invoke_async(conn).await?;
+    if removed == 1 {
+        tracing::info!(action, by, dead_letter_id = %letter.id, stream_id = %letter.field("id"), "dead letter removed");
+    }
+    Ok(removed == 1)
 }

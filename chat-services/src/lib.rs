@@ -24,7 +24,7 @@ use std::time::Duration;
 use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 pub use config::{Cli, ServiceConfig};
 pub use side::Side;
@@ -125,7 +125,18 @@ impl Service {
         );
         let consumer = {
             let shutdown = shutdown.clone();
-            tokio::spawn(async move { inbox.run(shutdown).await })
+            tokio::spawn(async move {
+                // A panic in the consumer is a crash: end the process, so the entry that
+                // caused it is redelivered and counted (and dead-lettered if it does it
+                // again), instead of a process that serves but no longer consumes.
+                let run = tokio::spawn(async move { inbox.run(shutdown).await });
+                if let Err(e) = run.await {
+                    if e.is_panic() {
+                        error!(error = %e, "inbox consumer panicked; aborting the process");
+                        std::process::abort();
+                    }
+                }
+            })
         };
         let follower = tokio::spawn(notify::follow(
             cfg.redis.clone(),

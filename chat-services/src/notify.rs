@@ -66,6 +66,11 @@ struct LegacyNotification {
     frame: String,
     #[serde(default)]
     resync: bool,
+    /// Set by this version (the previous one ignores unknown fields): this version's
+    /// instances skip such notes, which are meant for the previous version only and would
+    /// otherwise make every instance re-read every stream every second, for good.
+    #[serde(default)]
+    feed: bool,
 }
 
 impl LegacyNotification {
@@ -76,6 +81,7 @@ impl LegacyNotification {
             seq: 0,
             frame: String::new(),
             resync: true,
+            feed: true,
         }
     }
 }
@@ -173,9 +179,17 @@ fn resync_note() -> Notification {
 pub async fn publish_resync(client: &redis::Client, side: Side) -> redis::RedisResult<()> {
     let mut conn = client.get_multiplexed_async_connection().await?;
     let payload = serde_json::to_string(&resync_note()).expect("notification serializes");
-    let _: i64 = redis::cmd("PUBLISH")
+    let legacy =
+        serde_json::to_string(&LegacyNotification::resync()).expect("notification serializes");
+    let () = redis::pipe()
+        .cmd("PUBLISH")
         .arg(channel(side))
         .arg(payload)
+        .ignore()
+        .cmd("PUBLISH")
+        .arg(legacy_channel(side))
+        .arg(legacy)
+        .ignore()
         .query_async(&mut conn)
         .await?;
     Ok(())
@@ -290,7 +304,7 @@ pub async fn follow(client: redis::Client, side: Side, hub: Arc<Hub>, shutdown: 
                 };
                 if msg.get_channel_name() == legacy {
                     match serde_json::from_str::<LegacyNotification>(&payload) {
-                        Ok(note) if note.from == instance_id() => {}
+                        Ok(note) if note.feed || note.from == instance_id() => {}
                         Ok(note) if note.resync => hub.resync_all(),
                         Ok(note) => hub.resync_chat(note.chat_id),
                         Err(_) => {}

@@ -131,8 +131,13 @@ async fn a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries
         .service_process(Side::Workers, "workers-1", &flags)
         .await;
 
-    // WHEN it arrives, and the process is restarted each time it dies
-    send(consumers.addr, 52, "boom").await;
+    // WHEN it arrives, with others likely in the same batch, and the process is restarted
+    // each time it dies
+    tokio::join!(
+        send(consumers.addr, 52, "beside one"),
+        send(consumers.addr, 52, "boom"),
+        send(consumers.addr, 52, "beside two"),
+    );
     workers.child.wait_exit(Duration::from_secs(20)).unwrap();
     let second = stack.spawn_service(Side::Workers, "workers-2", &flags, &[]);
     second.child.wait_exit(Duration::from_secs(20)).unwrap();
@@ -140,7 +145,7 @@ async fn a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries
         .service_process(Side::Workers, "workers-3", &flags)
         .await;
 
-    // THEN the third run dead-letters it instead of dying, saying why, and goes on
+    // THEN the third run dead-letters it alone instead of dying, saying why, and goes on
     wait_until(Duration::from_secs(20), "dead-lettered", || async {
         match dead_letters(&stack).await {
             1 => Ok(()),
@@ -167,12 +172,13 @@ async fn a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries
             .count("SELECT count(*) FROM workers.inbox WHERE chat_id = 52")
             .await
         {
-            1 => Ok(()),
+            3 => Ok(()),
             n => Err(format!("{n}")),
         }
     })
     .await;
     assert_eq!(workers.child.try_status(), None, "still running");
+    assert_eq!(dead_letters(&stack).await, 1, "only the message that kills");
     consumers.stop().await;
     stack.stop().await;
 }

@@ -321,6 +321,10 @@ async fn during_a_rolling_deploy_the_two_versions_tell_each_other_to_re_read() {
         serde_json::from_str(&note.get_payload::<String>().unwrap()).unwrap();
     assert_eq!(note["resync"], true);
     assert_eq!(note["seq"], 0);
+    assert_eq!(
+        note["feed"], true,
+        "marked, so instances of this version skip it"
+    );
 
     // WHEN the previous version records a message and hints it its way
     let db = stack.db.connect().await.unwrap();

@@ -293,7 +293,7 @@ pub async fn run_once(
     );
     let duplicates_skipped = system
         .logs(receiver_name)
-        .matches("duplicate skipped")
+        .matches("redelivery of a message already in the inbox")
         .count();
     let unpublished = unpublished(&system, variant, sender, &saved, &received).await?;
     system.shutdown();

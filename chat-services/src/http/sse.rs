@@ -179,7 +179,9 @@ async fn stream_events(
 /// connection, and it resumes with Last-Event-ID, missing nothing.
 async fn send_or_give_up(app: &App, client: &Client, bytes: Bytes) -> Result<(), StreamEnd> {
     let len = bytes.len();
-    if client.queued.fetch_add(len, Ordering::SeqCst) + len > app.limits.sse_client_buffer {
+    // A frame always fits an empty queue, however large: only a backlog is over budget.
+    let before = client.queued.fetch_add(len, Ordering::SeqCst);
+    if before > 0 && before + len > app.limits.sse_client_buffer {
         app.metrics.sse_slow_clients_dropped_total.inc();
         return Err(StreamEnd::TooSlow);
     }

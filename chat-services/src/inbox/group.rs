@@ -124,6 +124,15 @@ impl Active<'_> {
             }
             if let Some(Value::Array(deleted)) = parts.get(2) {
                 if !deleted.is_empty() {
+                    let ids: Vec<String> = deleted
+                        .iter()
+                        .filter_map(|id| redis::from_redis_value_ref::<String>(id).ok())
+                        .collect();
+                    let _: redis::RedisResult<i64> = redis::cmd("HDEL")
+                        .arg(attempts_key(self.cfg().side))
+                        .arg(&ids)
+                        .query_async(&mut self.conn)
+                        .await;
                     error!(count = deleted.len(), "pending entries were trimmed from the stream before being recorded; stream MAXLEN is too small for the consumer lag");
                     self.inbox
                         .metrics
@@ -154,6 +163,14 @@ impl Active<'_> {
         cmd.arg("STREAMS").arg(&self.cfg().stream).arg(id);
         let reply: Value = cmd.query_async(&mut self.blocking).await?;
         let mut entries = parse_read_reply(reply)?;
+        if id == ">" {
+            // First deliveries, to this run: if it reads them again (a session restart, a
+            // claim of its own late read), they are its own, not a crashed run's.
+            let mut delivered = self.inbox.delivered.lock().unwrap();
+            for e in &entries {
+                delivered.entry(e.id.clone()).or_insert(1);
+            }
+        }
         if id != ">" && !entries.is_empty() {
             let counts = self.delivery_counts(&entries).await?;
             for e in &mut entries {
@@ -186,12 +203,12 @@ impl Active<'_> {
     /// Each redelivered entry's attempt number: how many times processing it started and
     /// ended with the process that ran it (a crash), plus one. Redis's delivery count is not
     /// it: every session restart, handover and claim raises that, through no fault of the
-    /// entry. A record `<run> <n>` per entry (in `inbox-attempts:<side>`) names the run
-    /// processing it; a session that ends without finishing marks its entries released
-    /// (`- <n>`). A record of another run (or none: first deliveries are attempt 1 and cost
-    /// no record) that stays so for a lease TTL (a live holder notices a lost lease and
-    /// releases well within that) was left by a run that ended while processing: that
-    /// counts.
+    /// entry. A record `<run> <n>` per redelivered entry (in `inbox-attempts:<side>`) names
+    /// the run processing it; a run whose session ends marks what it was handed released
+    /// (`- <n>`). What this run was handed itself is its own (see `Inbox::delivered`). A
+    /// record of another run, or none (first deliveries cost no record), that stays so for a
+    /// lease TTL (a live holder notices a lost lease and releases well within that) was left
+    /// by a run that ended while processing: that counts.
     pub(super) async fn attempts(
         &mut self,
         entries: &[Entry],
@@ -206,6 +223,7 @@ impl Active<'_> {
             return Ok(attempts);
         }
         let key = attempts_key(self.cfg().side);
+        let ours = self.inbox.delivered.lock().unwrap().clone();
         let deadline = Instant::now() + self.lease.ttl();
         let records = loop {
             let records: Vec<Option<(String, u64)>> = redis::cmd("HMGET")
@@ -220,11 +238,13 @@ impl Active<'_> {
                     Some((run.to_string(), n.parse::<u64>().ok()?))
                 })
                 .collect();
-            // No record: processed by another run on its first delivery (which keeps no
-            // record), like a record of another run: it ended, or has not released yet.
-            let held_elsewhere = records.iter().any(|record| match record {
-                None => true,
-                Some((run, _)) => run != "-" && *run != self.inbox.run_id,
+            // (Inherited entries are decided at once: their process is gone.)
+            let held_elsewhere = redelivered.iter().zip(&records).any(|(id, record)| {
+                !self.inherited.contains(*id)
+                    && match record {
+                        None => !ours.contains_key(*id),
+                        Some((run, _)) => run != "-" && *run != self.inbox.run_id,
+                    }
             });
             if !held_elsewhere || Instant::now() >= deadline {
                 break records;
@@ -237,9 +257,12 @@ impl Active<'_> {
         hset.arg(&key);
         for (id, record) in redelivered.iter().zip(records) {
             let n = match record {
-                // Its first processing left no record and never finished: the process
-                // ended during it.
-                None => 2,
+                None => match ours.get(*id) {
+                    Some(n) => *n,
+                    // Another run's first processing left no record and never finished:
+                    // that run ended during it.
+                    None => 2,
+                },
                 Some((run, n)) if run == "-" || run == self.inbox.run_id => n,
                 Some((_, n)) => n + 1,
             };
@@ -250,18 +273,44 @@ impl Active<'_> {
         Ok(attempts)
     }
 
-    /// Mark the entries this session was processing as released: their next processing is
-    /// not a new attempt (best effort; if Redis cannot take it, the next one counts).
-    pub(super) async fn release_in_flight(&mut self) {
-        if self.in_flight.is_empty() {
+    /// Entries pending under this consumer's name that this run was not handed (see
+    /// `Active::inherited`).
+    pub(super) async fn inherited_entries(
+        &mut self,
+    ) -> Result<std::collections::HashSet<String>, ConsumeError> {
+        let reply: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
+            .arg(&self.cfg().stream)
+            .arg(&self.cfg().group)
+            .arg("-")
+            .arg("+")
+            .arg(10_000)
+            .arg(&self.cfg().consumer)
+            .query_async(&mut self.conn)
+            .await?;
+        let ours = self.inbox.delivered.lock().unwrap();
+        Ok(reply
+            .ids
+            .into_iter()
+            .map(|p| p.id)
+            .filter(|id| !ours.contains_key(id))
+            .collect())
+    }
+
+    /// Mark everything this run was handed and has not finished as released: its next
+    /// processing is not a new attempt. Only where the record is still this run's (or
+    /// absent): a newer holder's record stays. Best effort: if Redis cannot take it, the
+    /// next holder counts one attempt too many.
+    pub(super) async fn release_delivered(&mut self) {
+        let delivered = std::mem::take(&mut *self.inbox.delivered.lock().unwrap());
+        if delivered.is_empty() {
             return;
         }
-        let mut hset = redis::cmd("HSET");
-        hset.arg(attempts_key(self.cfg().side));
-        for (id, n) in std::mem::take(&mut self.in_flight) {
-            hset.arg(id).arg(format!("- {n}"));
+        let mut invocation = RELEASE.key(attempts_key(self.cfg().side));
+        invocation.arg(&self.inbox.run_id);
+        for (id, n) in &delivered {
+            invocation.arg(id).arg(n);
         }
-        let released: redis::RedisResult<i64> = hset.query_async(&mut self.conn).await;
+        let released: redis::RedisResult<i64> = invocation.invoke_async(&mut self.conn).await;
         if let Err(e) = released {
             debug!(error = %e, "could not mark entries in flight as released");
         }
@@ -285,6 +334,10 @@ impl Active<'_> {
             .ignore()
             .query_async(&mut self.conn)
             .await?;
+        let mut delivered = self.inbox.delivered.lock().unwrap();
+        for id in ids {
+            delivered.remove(id);
+        }
         Ok(())
     }
 
@@ -331,6 +384,7 @@ impl Active<'_> {
             .arg(&entry.id)
             .ignore();
         let (before,): (u64,) = pipe.query_async(&mut self.conn).await?;
+        self.inbox.delivered.lock().unwrap().remove(&entry.id);
         self.inbox.metrics.dead_lettered_total.inc();
         let trimmed = (before + 1).saturating_sub(max_len);
         if trimmed > 0 {
@@ -345,6 +399,23 @@ impl Active<'_> {
         Ok(())
     }
 }
+
+/// Release attempt records still naming the run `ARGV[1]` (or absent): pairs of entry id
+/// and attempt number follow.
+static RELEASE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
+    redis::Script::new(
+        r#"
+local run = ARGV[1]
+for i = 2, #ARGV, 2 do
+  local v = redis.call('HGET', KEYS[1], ARGV[i])
+  if (not v) or v == run .. ' ' .. ARGV[i + 1] then
+    redis.call('HSET', KEYS[1], ARGV[i], '- ' .. ARGV[i + 1])
+  end
+end
+return 1
+"#,
+    )
+});
 
 /// The hash of attempt records (see [`Active::attempts`]).
 fn attempts_key(side: Side) -> String {

@@ -127,6 +127,10 @@ pub struct Inbox {
     /// This process's run, in attempt records: a record of another run means that run ended
     /// (crashed) while processing the entry.
     run_id: String,
+    /// Entries this run was handed (new ones as they are read, others once processing
+    /// starts) and has not finished, with their attempt numbers: whatever this run
+    /// re-reads from this map is its own, never a sign of a crash.
+    delivered: std::sync::Mutex<HashMap<String, u64>>,
     /// Messages recorded so far (for the `failpoints` crash hook).
     #[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
     recorded: AtomicU64,
@@ -149,6 +153,7 @@ impl Inbox {
             metrics,
             status,
             run_id: uuid::Uuid::new_v4().simple().to_string(),
+            delivered: std::sync::Mutex::new(HashMap::new()),
             recorded: AtomicU64::new(0),
         }
     }
@@ -260,10 +265,10 @@ impl Inbox {
             blocking,
             renew_at: Instant::now() + lease.ttl() / 3,
             epoch,
-            in_flight: Vec::new(),
+            inherited: Default::default(),
         };
         let result = active.consume(shutdown).await;
-        active.release_in_flight().await;
+        active.release_delivered().await;
         if let Err(e) = active.inbox.release(lease, &mut active.conn).await {
             debug!(error = %e, "could not release the lease");
         }
@@ -289,8 +294,9 @@ struct Active<'a> {
     renew_at: Instant,
     /// This holder's inbox-writer epoch; writes with an older one are refused.
     epoch: i64,
-    /// Entries being processed, with their attempt numbers (see [`Active::attempts`]).
-    in_flight: Vec<(String, u64)>,
+    /// Entries pending under this consumer's name that this run was not handed: a previous
+    /// process of the same name (two live ones never share a name) left them, so it ended.
+    inherited: std::collections::HashSet<String>,
 }
 
 impl Active<'_> {
@@ -301,6 +307,7 @@ impl Active<'_> {
     async fn consume(&mut self, shutdown: &CancellationToken) -> Result<Flow, ConsumeError> {
         self.ensure_group().await?;
         self.count_dead_letters().await?;
+        self.inherited = self.inherited_entries().await?;
         // Holding the lease, nobody else consumes: everything pending in the group is ours
         // to finish, in id order, before anything new.
         self.claim(Duration::ZERO).await?;
@@ -377,19 +384,42 @@ impl Active<'_> {
         }
     }
 
+    /// Process a batch read from the group. Once an entry of it has been attempted before
+    /// (its processing ended with a process), the batch goes one entry at a time, so a
+    /// message that kills its consumer is dead-lettered alone, not with its batch.
     async fn process(
         &mut self,
         entries: Vec<Entry>,
         shutdown: &CancellationToken,
     ) -> Result<Flow, ConsumeError> {
+        let attempts = self.attempts(&entries).await?;
+        {
+            let mut delivered = self.inbox.delivered.lock().unwrap();
+            for e in &entries {
+                delivered.insert(e.id.clone(), attempts.get(&e.id).copied().unwrap_or(1));
+            }
+        }
+        if entries.len() > 1 && attempts.values().any(|n| *n >= 2) {
+            for entry in entries {
+                if let Flow::Shutdown = self.process_batch(vec![entry], &attempts, shutdown).await?
+                {
+                    return Ok(Flow::Shutdown);
+                }
+            }
+            return Ok(Flow::Continue);
+        }
+        self.process_batch(entries, &attempts, shutdown).await
+    }
+
+    async fn process_batch(
+        &mut self,
+        entries: Vec<Entry>,
+        attempts: &HashMap<String, u64>,
+        shutdown: &CancellationToken,
+    ) -> Result<Flow, ConsumeError> {
         let mut received = Vec::new();
         let mut dead = Vec::new();
         let mut gone = Vec::new();
-        let attempts = self.attempts(&entries).await?;
-        self.in_flight = entries
-            .iter()
-            .map(|e| (e.id.clone(), attempts.get(&e.id).copied().unwrap_or(1)))
-            .collect();
         for entry in entries {
             let Some(fields) = &entry.fields else {
                 gone.push(entry.id);
@@ -481,7 +511,6 @@ impl Active<'_> {
         for (entry, reason) in dead {
             self.dead_letter(&entry, &reason).await?;
         }
-        self.in_flight.clear();
         Ok(Flow::Continue)
     }
 
