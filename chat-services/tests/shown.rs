@@ -160,6 +160,8 @@ async fn the_holder_killed_between_inbox_commit_and_hint_hides_nothing() {
     let tabs = [
         Viewer::start("workers-2 tab", w2.addr, 32),
         Viewer::start("workers-3 tab", w3.addr, 32),
+        // On the instance that dies, then reconnecting (through a balancer) to the others.
+        Viewer::start_balanced("workers-1 tab", &[w1.addr, w2.addr, w3.addr], 32),
     ];
 
     // WHEN 20 messages arrive, one by one
@@ -174,7 +176,8 @@ async fn the_holder_killed_between_inbox_commit_and_hint_hides_nothing() {
         "the holder died by its failpoint"
     );
 
-    // THEN the tabs on the survivors show all 20, once, in order
+    // THEN every tab shows all 20, once, in order: those on the survivors, and the one on
+    // the dead instance across its reconnect
     wait_recorded(&stack, Side::Workers, 32, 20).await;
     for tab in &tabs {
         tab.assert_shows_feed(&stack.db, Side::Workers, 32).await;

@@ -370,15 +370,21 @@ pub struct Viewer {
 
 impl Viewer {
     pub fn start(name: &str, addr: SocketAddr, chat_id: i64) -> Self {
+        Self::start_balanced(name, &[addr], chat_id)
+    }
+
+    /// A tab behind a load balancer: each reconnect goes to the next of `addrs`.
+    pub fn start_balanced(name: &str, addrs: &[SocketAddr], chat_id: i64) -> Self {
         let shown = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let addrs = addrs.to_vec();
         let task = tokio::spawn({
             let shown = shown.clone();
             async move {
                 let path = format!("/chats/{chat_id}/events?after=p0");
                 let mut last: Option<String> = None;
-                loop {
+                for addr in addrs.iter().cycle() {
                     let Ok(mut client) =
-                        testkit::http::SseClient::connect(addr, &path, last.as_deref()).await
+                        testkit::http::SseClient::connect(*addr, &path, last.as_deref()).await
                     else {
                         tokio::time::sleep(Duration::from_millis(100)).await;
                         continue;
