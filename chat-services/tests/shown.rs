@@ -389,6 +389,27 @@ async fn a_last_event_id_of_the_previous_version_resumes_without_a_loss() {
             ("p3".into(), "c".into())
         ]
     );
+
+    // AND `after=0` (the beginning, then as now) starts before a chat's first message, even
+    // when that one was sent, not received
+    db.batch_execute(
+        "INSERT INTO workers.messages (id, chat_id, body) VALUES (gen_random_uuid(), 38, 'sent');
+         INSERT INTO workers.inbox (message_id, chat_id, body, sent_at, stream_id)
+         VALUES (gen_random_uuid(), 38, 'received', now(), '1-0');",
+    )
+    .await
+    .unwrap();
+    let mut client =
+        testkit::http::SseClient::connect(workers.addr, "/chats/38/events?after=0", None)
+            .await
+            .unwrap();
+    for (id, body) in [("p1", "sent"), ("p2", "received")] {
+        let (got, message) = common::next_message(&mut client, Duration::from_secs(10)).await;
+        assert_eq!(
+            (got.as_str(), message["body"].as_str().unwrap()),
+            (id, body)
+        );
+    }
     workers.stop().await;
     stack.stop().await;
 }

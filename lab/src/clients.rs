@@ -58,7 +58,7 @@ pub struct Watcher {
 }
 
 impl Watcher {
-    /// Watch `chat_id` on `addr` from the beginning (`after=0`).
+    /// Watch `chat_id` on `addr` from the beginning (`after=p0`).
     pub fn start(addr: SocketAddr, chat_id: i64) -> Self {
         let shown = Arc::new(Mutex::new(Vec::new()));
         let stop = CancellationToken::new();
@@ -67,7 +67,7 @@ impl Watcher {
             tokio::spawn(async move {
                 let mut last: Option<String> = None;
                 while !stop.is_cancelled() {
-                    let path = format!("/chats/{chat_id}/events?after=0");
+                    let path = format!("/chats/{chat_id}/events?after=p0");
                     let client = tokio::select! {
                         _ = stop.cancelled() => return,
                         c = SseClient::connect(addr, &path, last.as_deref()) => c,
