@@ -20,15 +20,6 @@ async fn metric(service: &ServiceProcess, name: &str) -> f64 {
         .sum()
 }
 
-async fn dead_letters(stack: &Stack<'_>) -> usize {
-    let mut redis = stack.redis.connect().await.unwrap();
-    redis::cmd("XLEN")
-        .arg("deadletter:workers")
-        .query_async(&mut redis)
-        .await
-        .unwrap()
-}
-
 async fn wait_retrying(service: &ServiceProcess, more_than: f64) {
     wait_until(Duration::from_secs(30), "inbox write retried", || async {
         match metric(service, "chat_inbox_write_retries_total").await {
@@ -105,11 +96,11 @@ async fn lease_handovers_while_an_entry_waits_on_the_database_do_not_count_as_de
         if n == 1 {
             Ok(())
         } else {
-            Err(format!("{n}; dead letters {}", dead_letters(&stack).await))
+            Err(format!("{n}; dead letters {}", stack.dead_letters().await))
         }
     })
     .await;
-    assert_eq!(dead_letters(&stack).await, 0);
+    assert_eq!(stack.dead_letters().await, 0);
     consumers.stop().await;
     stack.stop().await;
 }
@@ -147,7 +138,7 @@ async fn a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries
 
     // THEN the third run dead-letters it alone instead of dying, saying why, and goes on
     wait_until(Duration::from_secs(20), "dead-lettered", || async {
-        match dead_letters(&stack).await {
+        match stack.dead_letters().await {
             1 => Ok(()),
             n => Err(format!("{n}")),
         }
@@ -178,7 +169,7 @@ async fn a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries
     })
     .await;
     assert_eq!(workers.child.try_status(), None, "still running");
-    assert_eq!(dead_letters(&stack).await, 1, "only the message that kills");
+    assert_eq!(stack.dead_letters().await, 1, "only the message that kills");
     consumers.stop().await;
     stack.stop().await;
 }

@@ -11,15 +11,6 @@ use common::{next_message, send, Stack};
 use testkit::http::SseClient;
 use testkit::{wait_until, PgServer};
 
-async fn dead_letters(stack: &Stack<'_>) -> usize {
-    let mut redis = stack.redis.connect().await.unwrap();
-    redis::cmd("XLEN")
-        .arg("deadletter:workers")
-        .query_async(&mut redis)
-        .await
-        .unwrap()
-}
-
 async fn retries(addr: std::net::SocketAddr) -> f64 {
     let (_, body) = testkit::http::get(addr, "/metrics").await.unwrap();
     testkit::http::metric_samples(&body)
@@ -78,7 +69,7 @@ async fn a_revoked_insert_and_a_read_only_database_dead_letter_nothing() {
         sent.push(send(consumers.addr, 5, &format!("while revoked {i}")).await);
     }
     wait_retrying(workers.admin, 3.0).await;
-    assert_eq!(dead_letters(&stack).await, 0);
+    assert_eq!(stack.dead_letters().await, 0);
     // ... and after the grant comes back, they are all shown, once, in order
     admin
         .batch_execute("GRANT INSERT ON workers.inbox TO workers")
@@ -100,7 +91,7 @@ async fn a_revoked_insert_and_a_read_only_database_dead_letter_nothing() {
         sent.push(send(consumers.addr, 5, &format!("while read-only {i}")).await);
     }
     wait_retrying(workers.admin, 3.0).await;
-    assert_eq!(dead_letters(&stack).await, 0);
+    assert_eq!(stack.dead_letters().await, 0);
     admin
         .batch_execute("ALTER ROLE workers RESET default_transaction_read_only")
         .await
@@ -112,7 +103,7 @@ async fn a_revoked_insert_and_a_read_only_database_dead_letter_nothing() {
     }
 
     // THEN nothing was dead-lettered, and each message is in the inbox once
-    assert_eq!(dead_letters(&stack).await, 0);
+    assert_eq!(stack.dead_letters().await, 0);
     assert_eq!(
         stack
             .count("SELECT count(*) FROM workers.inbox WHERE chat_id = 5")

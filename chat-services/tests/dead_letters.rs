@@ -27,18 +27,9 @@ fn dead_letters(stack: &Stack<'_>, args: &[&str]) -> (bool, Vec<serde_json::Valu
     (output.status.success(), lines)
 }
 
-async fn dead_letter_count(stack: &Stack<'_>) -> usize {
-    let mut redis = stack.redis.connect().await.unwrap();
-    redis::cmd("XLEN")
-        .arg("deadletter:workers")
-        .query_async(&mut redis)
-        .await
-        .unwrap()
-}
-
 async fn wait_dead_letters(stack: &Stack<'_>, n: usize) {
     testkit::wait_until(Duration::from_secs(20), "dead letters", || async {
-        match dead_letter_count(stack).await {
+        match stack.dead_letters().await {
             got if got >= n => Ok(()),
             got => Err(format!("{got}")),
         }
@@ -96,7 +87,7 @@ async fn dead_letters_are_listed_replayed_in_order_after_the_fix_and_dropped_wit
         report.iter().all(|r| r.get("not_replayed").is_some()),
         "{report:?}"
     );
-    assert_eq!(dead_letter_count(&stack).await, 3);
+    assert_eq!(stack.dead_letters().await, 3);
 
     // ... fixes it and replays everything
     admin
@@ -119,7 +110,7 @@ async fn dead_letters_are_listed_replayed_in_order_after_the_fix_and_dropped_wit
             second["id"].as_str().unwrap()
         ]
     );
-    assert_eq!(dead_letter_count(&stack).await, 1);
+    assert_eq!(stack.dead_letters().await, 1);
     tab.assert_shows_feed(&stack.db, Side::Workers, 41).await;
     let shown = tab.shown();
     assert_eq!(shown.len(), 4);
@@ -138,7 +129,7 @@ async fn dead_letters_are_listed_replayed_in_order_after_the_fix_and_dropped_wit
     let (ok, report) = dead_letters(&stack, &["drop", "--all", "--by", "bob"]);
     assert!(ok);
     assert_eq!(report.len(), 1);
-    assert_eq!(dead_letter_count(&stack).await, 0);
+    assert_eq!(stack.dead_letters().await, 0);
     let mut redis = stack.redis.connect().await.unwrap();
     let audit: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
         .arg("deadletter:workers:audit")
@@ -203,7 +194,7 @@ async fn the_dead_letter_stream_is_capped_and_what_it_trims_is_counted() {
     .await;
 
     // THEN two are kept and the trimmed one is counted
-    assert_eq!(dead_letter_count(&stack).await, 2);
+    assert_eq!(stack.dead_letters().await, 2);
     let (_, metrics) = testkit::http::get(workers.admin, "/metrics").await.unwrap();
     assert_eq!(
         testkit::http::metric_value(&metrics, "chat_dead_letters_trimmed_total"),

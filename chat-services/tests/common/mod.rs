@@ -106,6 +106,16 @@ impl<'a> Stack<'a> {
         pending.count()
     }
 
+    /// Entries in Workers' dead-letter stream.
+    pub async fn dead_letters(&self) -> usize {
+        let mut redis = self.redis.connect().await.unwrap();
+        redis::cmd("XLEN")
+            .arg("deadletter:workers")
+            .query_async(&mut redis)
+            .await
+            .unwrap()
+    }
+
     /// The single `count(*)` a query returns.
     pub async fn count(&self, sql: &str) -> i64 {
         let db = self.db.connect().await.unwrap();
