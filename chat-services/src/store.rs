@@ -465,20 +465,22 @@ impl Store {
     }
 
     /// The feed position a cursor of the previous event-id scheme (a side-wide inbox `seq`,
-    /// before migration V7) stands for: just before the first received message after it
-    /// (V7 numbered old rows by their sender's timestamp, which may differ from `seq`
-    /// order), or the chat's tip if none came after it. What a client is sent again it
-    /// already has, and pages drop by message id.
+    /// before migration V7) stands for: the position of the last received message at or
+    /// before it, or just before the first received after it if V7 (which numbered old rows
+    /// by their sender's timestamp, not `seq` order) put that one lower; 0 if the client had
+    /// seen nothing. Messages sent after it are sent again; what a client already has, pages
+    /// drop by message id.
     pub async fn position_of_inbox_seq(&self, chat_id: i64, seq: i64) -> Result<i64, StoreError> {
         let s = self.side.schema();
         let client = self.pool.get().await?;
         let row = client
             .query_one(
                 &format!(
-                    "SELECT coalesce(
-                       (SELECT min(pos) - 1 FROM {s}.inbox WHERE chat_id = $1 AND seq > $2),
-                       (SELECT last_pos FROM {s}.chats WHERE chat_id = $1),
-                       0)"
+                    "SELECT least(
+                       coalesce((SELECT pos FROM {s}.inbox WHERE chat_id = $1 AND seq <= $2
+                                  ORDER BY seq DESC LIMIT 1), 0),
+                       coalesce((SELECT min(pos) - 1 FROM {s}.inbox
+                                  WHERE chat_id = $1 AND seq > $2), 9223372036854775807))"
                 ),
                 &[&chat_id, &seq],
             )

@@ -118,25 +118,36 @@ async fn a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries
         "--crash-on-body",
         "boom",
     ];
-    let mut workers = stack
-        .service_process(Side::Workers, "workers-1", &flags)
-        .await;
 
-    // WHEN it arrives, with others likely in the same batch, and the process is restarted
-    // each time it dies
-    tokio::join!(
-        send(consumers.addr, 52, "beside one"),
-        send(consumers.addr, 52, "boom"),
-        send(consumers.addr, 52, "beside two"),
-    );
-    workers.child.wait_exit(Duration::from_secs(20)).unwrap();
+    // WHEN it is in one batch between two others (all in the stream before Workers starts,
+    // so its first read takes the three), and the process is restarted each time it dies
+    for body in ["beside one", "boom", "beside two"] {
+        send(consumers.addr, 52, body).await;
+    }
+    wait_until(Duration::from_secs(20), "all three published", || async {
+        let mut redis = stack.redis.connect().await.unwrap();
+        match redis::cmd("XLEN")
+            .arg("outbox:consumers")
+            .query_async::<usize>(&mut redis)
+            .await
+            .unwrap()
+        {
+            3 => Ok(()),
+            n => Err(format!("{n}")),
+        }
+    })
+    .await;
+    let first = stack.spawn_service(Side::Workers, "workers-1", &flags, &[]);
+    first.child.wait_exit(Duration::from_secs(20)).unwrap();
     let second = stack.spawn_service(Side::Workers, "workers-2", &flags, &[]);
     second.child.wait_exit(Duration::from_secs(20)).unwrap();
-    workers = stack
+    let workers = stack
         .service_process(Side::Workers, "workers-3", &flags)
         .await;
 
-    // THEN the third run dead-letters it alone instead of dying, saying why, and goes on
+    // THEN the third run dead-letters it alone (the second, going one entry at a time,
+    // recorded the first and died on it before starting the last) instead of dying, says
+    // why, and goes on
     wait_until(Duration::from_secs(20), "dead-lettered", || async {
         match stack.dead_letters().await {
             1 => Ok(()),

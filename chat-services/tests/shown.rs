@@ -390,6 +390,22 @@ async fn a_last_event_id_of_the_previous_version_resumes_without_a_loss() {
         ]
     );
 
+    // AND one that saw the last received message resumes before a message sent after it
+    db.execute(
+        "INSERT INTO workers.messages (id, chat_id, body) VALUES (gen_random_uuid(), 37, 'd')",
+        &[],
+    )
+    .await
+    .unwrap();
+    let mut client = testkit::http::SseClient::connect(workers.addr, "/chats/37/events", Some("3"))
+        .await
+        .unwrap();
+    let (id, message) = common::next_message(&mut client, Duration::from_secs(10)).await;
+    assert_eq!(
+        (id.as_str(), message["body"].as_str().unwrap()),
+        ("p4", "d")
+    );
+
     // AND `after=0` (the beginning, then as now) starts before a chat's first message, even
     // when that one was sent, not received
     db.batch_execute(

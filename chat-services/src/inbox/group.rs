@@ -209,10 +209,14 @@ impl Active<'_> {
     /// record of another run, or none (first deliveries cost no record), that stays so for a
     /// lease TTL (a live holder notices a lost lease and releases well within that) was left
     /// by a run that ended while processing: that counts.
+    /// Decides only; [`Active::begin_attempts`] records, entry by entry as each starts, so
+    /// a crash on one entry does not move the count of those queued behind it. `None`:
+    /// shutdown came during the wait.
     pub(super) async fn attempts(
         &mut self,
         entries: &[Entry],
-    ) -> Result<HashMap<String, u64>, ConsumeError> {
+        shutdown: &tokio_util::sync::CancellationToken,
+    ) -> Result<Option<HashMap<String, u64>>, ConsumeError> {
         let redelivered: Vec<&str> = entries
             .iter()
             .filter(|e| e.deliveries > 1)
@@ -220,7 +224,7 @@ impl Active<'_> {
             .collect();
         let mut attempts = HashMap::new();
         if redelivered.is_empty() {
-            return Ok(attempts);
+            return Ok(Some(attempts));
         }
         let key = attempts_key(self.cfg().side);
         let ours = self.inbox.delivered.lock().unwrap().clone();
@@ -250,11 +254,12 @@ impl Active<'_> {
                 break records;
             }
             // A previous holder may still be noticing that it lost the lease.
-            tokio::time::sleep(Duration::from_millis(200)).await;
+            tokio::select! {
+                _ = shutdown.cancelled() => return Ok(None),
+                _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            }
             self.renew_if_due().await?;
         };
-        let mut hset = redis::cmd("HSET");
-        hset.arg(&key);
         for (id, record) in redelivered.iter().zip(records) {
             let n = match record {
                 None => match ours.get(*id) {
@@ -266,11 +271,31 @@ impl Active<'_> {
                 Some((run, n)) if run == "-" || run == self.inbox.run_id => n,
                 Some((_, n)) => n + 1,
             };
-            hset.arg(*id).arg(format!("{} {n}", self.inbox.run_id));
             attempts.insert(id.to_string(), n);
         }
-        let _: i64 = hset.query_async(&mut self.conn).await?;
-        Ok(attempts)
+        Ok(Some(attempts))
+    }
+
+    /// Record that this run starts processing these entries (those with an attempt
+    /// number: redelivered ones), just before it does.
+    pub(super) async fn begin_attempts(
+        &mut self,
+        entries: &[Entry],
+        attempts: &HashMap<String, u64>,
+    ) -> Result<(), ConsumeError> {
+        let mut hset = redis::cmd("HSET");
+        hset.arg(attempts_key(self.cfg().side));
+        let mut any = false;
+        for e in entries {
+            if let Some(n) = attempts.get(&e.id) {
+                hset.arg(&e.id).arg(format!("{} {n}", self.inbox.run_id));
+                any = true;
+            }
+        }
+        if any {
+            let _: i64 = hset.query_async(&mut self.conn).await?;
+        }
+        Ok(())
     }
 
     /// Entries pending under this consumer's name that this run was not handed (see

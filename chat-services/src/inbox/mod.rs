@@ -392,7 +392,9 @@ impl Active<'_> {
         entries: Vec<Entry>,
         shutdown: &CancellationToken,
     ) -> Result<Flow, ConsumeError> {
-        let attempts = self.attempts(&entries).await?;
+        let Some(attempts) = self.attempts(&entries, shutdown).await? else {
+            return Ok(Flow::Shutdown);
+        };
         {
             let mut delivered = self.inbox.delivered.lock().unwrap();
             for e in &entries {
@@ -401,13 +403,15 @@ impl Active<'_> {
         }
         if entries.len() > 1 && attempts.values().any(|n| *n >= 2) {
             for entry in entries {
-                if let Flow::Shutdown = self.process_batch(vec![entry], &attempts, shutdown).await?
-                {
+                let single = vec![entry];
+                self.begin_attempts(&single, &attempts).await?;
+                if let Flow::Shutdown = self.process_batch(single, &attempts, shutdown).await? {
                     return Ok(Flow::Shutdown);
                 }
             }
             return Ok(Flow::Continue);
         }
+        self.begin_attempts(&entries, &attempts).await?;
         self.process_batch(entries, &attempts, shutdown).await
     }
 
