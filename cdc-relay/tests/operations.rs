@@ -175,14 +175,7 @@ async fn a_lost_slot_is_rebuilt_from_the_outbox_with_recover() {
         ids.values().all(|n| *n == 1),
         "none published twice: {ids:?}"
     );
-    // The counters move after the last entry is in: wait for them.
-    wait_metric(
-        &relay,
-        "cdc_relay_rebuilds_total{reason=\"lost_slot\"}",
-        "the rebuild counted",
-        |v| v >= 1.0,
-    )
-    .await;
+    common::wait_rebuild_counted(&relay, "lost_slot").await;
     let m = metrics(&relay).await;
     assert_eq!(m["cdc_relay_rebuilds_total{reason=\"lost_slot\"}"], 1.0);
     assert_eq!(m["cdc_relay_republished_events_total"], 20.0);
@@ -244,14 +237,7 @@ async fn redis_restarted_without_its_data_gets_every_message_again() {
     let committed = outbox_ids(&fx).await;
     wait_published(&fx, &committed, &relay).await;
     assert!(stream_ids(&fx).await.values().all(|n| *n == 1));
-    // The counters move after the last entry is in: wait for them.
-    wait_metric(
-        &relay,
-        "cdc_relay_rebuilds_total{reason=\"no_record\"}",
-        "the rebuild counted",
-        |v| v >= 1.0,
-    )
-    .await;
+    common::wait_rebuild_counted(&relay, "no_record").await;
     let m = metrics(&relay).await;
     // Redis lost everything, its record included.
     assert_eq!(m["cdc_relay_rebuilds_total{reason=\"no_record\"}"], 1.0);

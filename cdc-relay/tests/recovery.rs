@@ -12,8 +12,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{
-    insert_txn, metrics, outbox_ids, stream_ids, wait_metric, wait_published, write_noise, Fixture,
-    RelayProcess,
+    insert_txn, metrics, outbox_ids, stream_ids, wait_published, write_noise, Fixture, RelayProcess,
 };
 use testkit::{shared_postgres, wait_until, PgOptions, PgServer, RedisServer};
 
@@ -92,14 +91,7 @@ async fn redis_emptied_while_the_relay_is_quiet_gets_every_row_back() {
     // THEN all 25 rows are in the stream, once, and the rebuild says why
     assert_every_row_once(&fx, &relay).await;
     assert_eq!(stream_ids(&fx).await.len(), 25);
-    // The counters move after the last entry is in: wait for them.
-    wait_metric(
-        &relay,
-        "cdc_relay_rebuilds_total{reason=\"no_record\"}",
-        "the rebuild counted",
-        |v| v >= 1.0,
-    )
-    .await;
+    common::wait_rebuild_counted(&relay, "no_record").await;
     let m = metrics(&relay).await;
     assert_eq!(m["cdc_relay_rebuilds_total{reason=\"no_record\"}"], 1.0);
     relay.stop();
@@ -469,14 +461,7 @@ async fn failover_to_a_standby_behind_the_stream_loses_no_new_message() {
     for txn in 0..50 {
         assert!(payloads.contains_key(&(1, txn)), "old message {txn} lost");
     }
-    // The counters move after the last entry is in: wait for them.
-    wait_metric(
-        &relay,
-        "cdc_relay_rebuilds_total{reason=\"timeline\"}",
-        "the rebuild counted",
-        |v| v >= 1.0,
-    )
-    .await;
+    common::wait_rebuild_counted(&relay, "timeline").await;
     let m = metrics(&relay).await;
     assert_eq!(m["cdc_relay_rebuilds_total{reason=\"timeline\"}"], 1.0);
     assert!(relay
@@ -525,14 +510,7 @@ async fn a_point_in_time_restore_below_the_stream_loses_no_new_message() {
     // THEN every message committed after the restore is in the stream, once, above the
     // old top, and the rebuild says why
     let relay = restart_on_new_history(&fx, &db, "relay-restored", &top_before).await;
-    // The counters move after the last entry is in: wait for them.
-    wait_metric(
-        &relay,
-        "cdc_relay_rebuilds_total{reason=\"timeline\"}",
-        "the rebuild counted",
-        |v| v >= 1.0,
-    )
-    .await;
+    common::wait_rebuild_counted(&relay, "timeline").await;
     let m = metrics(&relay).await;
     assert_eq!(m["cdc_relay_rebuilds_total{reason=\"timeline\"}"], 1.0);
     relay.stop();
@@ -586,14 +564,7 @@ async fn a_rebuild_slowed_past_its_lock_ttl_keeps_the_lock() {
         "{}",
         common::tail(&second.child.log())
     );
-    // The counters move after the last entry is in: wait for them.
-    wait_metric(
-        &first,
-        "cdc_relay_rebuilds_total{reason=\"no_record\"}",
-        "the rebuild counted",
-        |v| v >= 1.0,
-    )
-    .await;
+    common::wait_rebuild_counted(&first, "no_record").await;
     let m = metrics(&first).await;
     assert_eq!(m["cdc_relay_rebuilds_total{reason=\"no_record\"}"], 1.0);
     first.stop();

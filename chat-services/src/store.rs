@@ -468,7 +468,7 @@ impl Store {
     /// before migration V7) stands for: the position of the last received message at or
     /// before it, or just before the first received after it if V7 (which numbered old rows
     /// by their sender's timestamp, not `seq` order) put that one lower; 0 if the client had
-    /// seen nothing. Messages sent after it are sent again; what a client already has, pages
+    /// seen nothing (`0` meant "from the beginning" then too). Messages sent after it are sent again; what a client already has, pages
     /// drop by message id.
     pub async fn position_of_inbox_seq(&self, chat_id: i64, seq: i64) -> Result<i64, StoreError> {
         let s = self.side.schema();

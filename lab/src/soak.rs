@@ -637,21 +637,18 @@ async fn feed_order(
     side: Side,
     chat: i64,
 ) -> anyhow::Result<Vec<String>> {
-    Ok(db
-        .query(
-            &format!(
-                "SELECT id::text FROM (
-                   SELECT id, pos FROM {side}.messages WHERE chat_id = $1
-                   UNION ALL
-                   SELECT message_id, pos FROM {side}.inbox WHERE chat_id = $1) f
-                 ORDER BY pos"
-            ),
-            &[&chat],
-        )
-        .await?
-        .iter()
-        .map(|r| r.get(0))
-        .collect())
+    ids(
+        db,
+        &format!(
+            "SELECT id::text FROM (
+               SELECT id, pos FROM {side}.messages WHERE chat_id = $1
+               UNION ALL
+               SELECT message_id, pos FROM {side}.inbox WHERE chat_id = $1) f
+             ORDER BY pos"
+        ),
+        chat,
+    )
+    .await
 }
 
 async fn inbox_order(
@@ -659,11 +656,18 @@ async fn inbox_order(
     side: Side,
     chat: i64,
 ) -> anyhow::Result<Vec<String>> {
+    ids(
+        db,
+        &format!("SELECT message_id::text FROM {side}.inbox WHERE chat_id = $1 ORDER BY pos"),
+        chat,
+    )
+    .await
+}
+
+/// The message ids a query of one chat returns, in its order.
+async fn ids(db: &tokio_postgres::Client, sql: &str, chat: i64) -> anyhow::Result<Vec<String>> {
     Ok(db
-        .query(
-            &format!("SELECT message_id::text FROM {side}.inbox WHERE chat_id = $1 ORDER BY pos"),
-            &[&chat],
-        )
+        .query(sql, &[&chat])
         .await?
         .iter()
         .map(|r| r.get(0))

@@ -513,6 +513,13 @@ pub async fn wait_metric(relay: &RelayProcess, series: &str, what: &str, ok: imp
     .await
 }
 
+/// Wait until the relay counted a rebuild for `reason`: the counters move after the last
+/// entry is in the stream, so a test that saw the stream complete must still wait for them.
+pub async fn wait_rebuild_counted(relay: &RelayProcess, reason: &str) {
+    let series = format!("cdc_relay_rebuilds_total{{reason=\"{reason}\"}}");
+    wait_metric(relay, &series, "the rebuild counted", |v| v >= 1.0).await
+}
+
 /// Bytes of WAL written into a table outside the publication.
 pub async fn write_noise(db: &tokio_postgres::Client, megabytes: usize) {
     db.batch_execute("CREATE TABLE IF NOT EXISTS public.noise (pad text)")

@@ -127,8 +127,6 @@ async fn stream_events(
     // `last`: the position of the last message sent; every one before it was sent too.
     let mut last = match after {
         Some(Cursor::Pos(pos)) => pos,
-        // 0 was "from the beginning" then too.
-        Some(Cursor::InboxSeq(0)) => 0,
         Some(Cursor::InboxSeq(seq)) => app.store.position_of_inbox_seq(chat_id, seq).await?,
         None => {
             let tips = app.store.tips(&[chat_id]).await?;
