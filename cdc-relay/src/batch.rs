@@ -47,6 +47,8 @@ impl std::str::FromStr for EntryId {
 #[derive(Debug, Clone)]
 pub struct StreamEntry {
     pub id: EntryId,
+    /// The shard whose stream gets this entry (see `shard`).
+    pub shard: u32,
     pub event: OutboxEvent,
 }
 
@@ -107,6 +109,13 @@ impl Batch {
     pub fn last_id(&self) -> Option<EntryId> {
         self.entries.last().map(|e| e.id)
     }
+
+    /// Move each shard's fence to the last id this batch writes there (ids increase).
+    pub fn advance_fences(&self, fences: &mut [Option<EntryId>]) {
+        for entry in &self.entries {
+            fences[entry.shard as usize] = Some(entry.id);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -120,11 +129,13 @@ mod tests {
                 commit_lsn: lsn,
                 seq,
             },
+            shard: 0,
             event: OutboxEvent {
                 outbox_id: Bytes::from_static(b"1"),
                 event: Bytes::from_static(b"e"),
                 payload: Bytes::from_static(b"{}"),
                 created_at: Bytes::from_static(b"t"),
+                partition_key: None,
             },
         }
     }

@@ -71,6 +71,9 @@ pub struct DatabaseArgs {
     /// Accepted so these commands take the same flags as `run`; not used.
     #[arg(long, env = "CDC_STREAM", hide = true)]
     pub stream: Option<String>,
+    /// Accepted so these commands take the same flags as `run`; not used.
+    #[arg(long, env = "CDC_STREAM_SHARDS", hide = true)]
+    pub stream_shards: Option<u32>,
 }
 
 #[derive(Debug, Clone, Args)]
@@ -195,6 +198,11 @@ pub struct RunArgs {
     /// Stream key the relay writes (only the relay writes it; never DEL it).
     #[arg(long, env = "CDC_STREAM")]
     pub stream: String,
+    /// Shards of the stream, fixed when it is set up: a row goes to the shard its
+    /// `partition_key` hashes to (one chat, one shard). 1 keeps the plain key; N > 1 writes
+    /// `<stream>:{0}` .. `<stream>:{N-1}`. Every binary of the side must say the same.
+    #[arg(long, env = "CDC_STREAM_SHARDS", default_value_t = 1)]
+    pub stream_shards: u32,
     #[command(flatten)]
     pub redis_secrets: RedisSecrets,
     #[command(flatten)]
@@ -213,6 +221,10 @@ pub struct SetupArgs {
     /// The stream `run` will write (see --redis-url).
     #[arg(long, env = "CDC_STREAM")]
     pub stream: Option<String>,
+    /// The stream's shard count (see `run --stream-shards`); written into every shard's
+    /// record.
+    #[arg(long, env = "CDC_STREAM_SHARDS", default_value_t = 1)]
+    pub stream_shards: u32,
     #[command(flatten)]
     pub redis_secrets: RedisSecrets,
 }
@@ -282,6 +294,7 @@ pub struct RelayConfig {
     pub postgres: PostgresConfig,
     pub redis: redis::Client,
     pub stream: String,
+    pub stream_shards: u32,
     pub admin_addr: Option<SocketAddr>,
     pub batch: BatchLimits,
     pub stream_max_len: u64,
@@ -302,6 +315,7 @@ impl std::fmt::Debug for RelayConfig {
         f.debug_struct("RelayConfig")
             .field("postgres", &self.postgres)
             .field("stream", &self.stream)
+            .field("stream_shards", &self.stream_shards)
             .field("admin_addr", &self.admin_addr)
             .field("batch", &self.batch)
             .field("stream_max_len", &self.stream_max_len)
@@ -352,6 +366,8 @@ impl RunArgs {
                 "--stream must be a non-empty key without whitespace, e.g. outbox:consumers".into(),
             ));
         }
+        let stream_shards = crate::shard::validate_count("--stream-shards", self.stream_shards)
+            .map_err(RelayError::Config)?;
         let t = &self.tuning;
         let admin_addr = if t.admin_addr.is_empty() {
             None
@@ -387,6 +403,7 @@ impl RunArgs {
             postgres,
             redis,
             stream: self.stream.clone(),
+            stream_shards,
             admin_addr,
             batch: BatchLimits {
                 max_entries: t.batch_max_entries,

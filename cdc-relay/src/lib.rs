@@ -28,6 +28,7 @@ pub mod redis_client;
 pub mod relay;
 mod session;
 pub mod setup;
+pub mod shard;
 pub mod shutdown;
 pub mod slots;
 pub mod status;

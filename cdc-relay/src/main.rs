@@ -37,7 +37,11 @@ async fn run_setup(args: &cdc_relay::config::SetupArgs) -> Result<(), cdc_relay:
     }
     if let (Some(url), Some(stream)) = (&args.redis_url, &args.stream) {
         let redis = args.redis_secrets.client(url)?;
-        match cdc_relay::setup::init_stream_record(&pg, &outcome, redis, stream, timeout).await? {
+        let shards = cdc_relay::shard::validate_count("--stream-shards", args.stream_shards)
+            .map_err(cdc_relay::RelayError::Config)?;
+        match cdc_relay::setup::init_stream_record(&pg, &outcome, redis, stream, shards, timeout)
+            .await?
+        {
             RecordOutcome::Written => println!("stream {stream} starts at the slot's position"),
             RecordOutcome::LeftAlone(why) => {
                 println!("stream {stream}: record left alone ({why}); `run` checks it")

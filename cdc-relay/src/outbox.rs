@@ -56,6 +56,9 @@ pub struct OutboxEvent {
     pub payload: Bytes,
     /// RFC 3339 in UTC (`2026-11-29T21:12:00.123456Z`).
     pub created_at: Bytes,
+    /// What decides the row's shard (`partition_key`, the chat id for chat messages);
+    /// `None` when the column is NULL or the table has none. Not written to the stream.
+    pub partition_key: Option<Bytes>,
 }
 
 impl OutboxEvent {
@@ -98,6 +101,7 @@ struct OutboxColumns {
     event: usize,
     payload: usize,
     created_at: usize,
+    partition_key: Option<usize>,
     count: usize,
 }
 
@@ -120,6 +124,8 @@ pub enum Row {
 #[derive(Debug)]
 pub struct RelationCache {
     outbox: OutboxTable,
+    /// A sharded stream needs every row's partition key.
+    require_partition_key: bool,
     relations: HashMap<u32, Known>,
 }
 
@@ -127,7 +133,16 @@ impl RelationCache {
     pub fn new(outbox: OutboxTable) -> Self {
         Self {
             outbox,
+            require_partition_key: false,
             relations: HashMap::new(),
+        }
+    }
+
+    /// A cache for a stream of `shards` shards (more than one needs `partition_key`).
+    pub fn sharded(outbox: OutboxTable, shards: u32) -> Self {
+        Self {
+            require_partition_key: shards > 1,
+            ..Self::new(outbox)
         }
     }
 
@@ -145,11 +160,20 @@ impl RelationCache {
                             column,
                         })
                 };
+                let partition_key = if self.require_partition_key {
+                    Some(find("partition_key")?)
+                } else {
+                    relation
+                        .columns
+                        .iter()
+                        .position(|c| c.name == "partition_key")
+                };
                 Known::Outbox(OutboxColumns {
                     id: find("id")?,
                     event: find("event")?,
                     payload: find("payload")?,
                     created_at: find("created_at")?,
+                    partition_key,
                     count: relation.columns.len(),
                 })
             } else {
@@ -178,6 +202,20 @@ impl RelationCache {
             });
         }
         let mut values = insert.values;
+        let partition_key = match columns.partition_key {
+            Some(index) => match std::mem::replace(&mut values[index], Value::Null) {
+                Value::Text(bytes) => Some(bytes),
+                // NULL means "no order to keep": shard 0, like a table without the column.
+                Value::Null => None,
+                Value::UnchangedToast | Value::Binary(_) => {
+                    return Err(OutboxError::BadValue {
+                        column: "partition_key",
+                        what: "not a text value",
+                    })
+                }
+            },
+            None => None,
+        };
         let mut take = |index: usize, column: &'static str| match std::mem::replace(
             &mut values[index],
             Value::Null,
@@ -201,6 +239,7 @@ impl RelationCache {
             event: take(columns.event, "event")?,
             payload: take(columns.payload, "payload")?,
             created_at: rfc3339_utc(take(columns.created_at, "created_at")?),
+            partition_key,
         }))
     }
 }
@@ -293,6 +332,7 @@ mod tests {
                 event: Bytes::from_static(b"message.created"),
                 payload: Bytes::from_static(b"{\"a\": 1}"),
                 created_at: Bytes::from_static(b"2026-11-29T21:12:00.5Z"),
+                partition_key: None,
             })
         );
     }

@@ -2,8 +2,9 @@
 //! come back confirmed strictly in the order they were sealed.
 //!
 //! Two full batches in flight keep Redis busy while the relay hands over the next one. Order holds
-//! because both travel on one connection and each batch carries a fence (the last id of
-//! the batch sealed before it): the script refuses a batch whose predecessor did not land.
+//! because both travel on one connection and each batch carries a fence per shard (the
+//! last id sealed before it in that shard): the script refuses a part whose predecessor did
+//! not land.
 //! On a transient failure of the oldest batch, every later batch is abandoned (whatever
 //! of it ran is idempotent) and all of them are sent again, one at a time, after a backoff.
 //! A fence refusal of the oldest batch, whose predecessors are all confirmed, means the
@@ -29,8 +30,8 @@ const MAX_IN_FLIGHT: usize = 2;
 /// A batch with its place in the sequence.
 pub(crate) struct SealedBatch {
     pub batch: Batch,
-    /// Last entry id of the batches sealed before this one in this session.
-    pub fence: Option<EntryId>,
+    /// Per shard, the last entry id of the batches sealed before this one in this session.
+    pub fences: Vec<Option<EntryId>>,
 }
 
 struct InFlight {
@@ -48,18 +49,19 @@ pub(crate) struct Pipeline {
     /// While set, nothing is sent before this instant (backoff after a failure).
     retry_at: Option<tokio::time::Instant>,
     backoff: Backoff,
-    last_sealed_id: Option<EntryId>,
+    /// Per shard, the last id sealed so far.
+    last_sealed: Vec<Option<EntryId>>,
 }
 
 impl Pipeline {
-    /// `fence`: the stream's top when the session decided to stream. The first batch is
-    /// refused (GAP) if Redis no longer holds it, e.g. after failing over to a stale replica
-    /// between the session's start and its first call.
+    /// `fences`: each shard's top when the session decided to stream. A shard's first part
+    /// is refused (GAP) if Redis no longer holds it, e.g. after failing over to a stale
+    /// replica between the session's start and its first call.
     pub fn new(
         publisher: Publisher,
         origin: Origin,
         ctx: SharedContext,
-        fence: Option<EntryId>,
+        fences: Vec<Option<EntryId>>,
     ) -> Self {
         let backoff = Backoff::new(Duration::from_millis(50), ctx.config.reconnect_max_backoff);
         Self {
@@ -70,7 +72,7 @@ impl Pipeline {
             resend: VecDeque::new(),
             retry_at: None,
             backoff,
-            last_sealed_id: fence,
+            last_sealed: fences,
         }
     }
 
@@ -91,11 +93,9 @@ impl Pipeline {
 
     /// Seal `batch` behind everything sealed before and send it.
     pub fn send(&mut self, batch: Batch) {
-        let fence = self.last_sealed_id;
-        if let Some(id) = batch.last_id() {
-            self.last_sealed_id = Some(id);
-        }
-        self.spawn(Arc::new(SealedBatch { batch, fence }));
+        let fences = self.last_sealed.clone();
+        batch.advance_fences(&mut self.last_sealed);
+        self.spawn(Arc::new(SealedBatch { batch, fences }));
     }
 
     fn spawn(&mut self, sealed: Arc<SealedBatch>) {
@@ -180,7 +180,7 @@ async fn publish_once(
 ) -> Result<PublishOutcome, RelayError> {
     let started = Instant::now();
     let outcome = publisher
-        .publish(&sealed.batch, &origin, sealed.fence)
+        .publish(&sealed.batch, &origin, &sealed.fences)
         .await?;
     ctx.metrics
         .publish_batch_duration_seconds

@@ -1,4 +1,12 @@
-//! Publishing batches into the Redis stream: one script call per batch, idempotent by id.
+//! Publishing batches into the Redis stream: one script call per batch and shard, idempotent
+//! by id.
+//!
+//! A stream of N shards (see `shard`) is N streams: a batch splits into one part per shard
+//! with entries (every shard gets a part when the batch carries an acknowledgement, so each
+//! shard's record knows what the slot was told), the parts are sent concurrently on one
+//! connection, and the batch is confirmed when every part is. Per shard, parts reach Redis
+//! in sealing order (one connection, tasks started in order) and each carries the shard's
+//! own fence.
 //!
 //! The script (`publish.lua`) writes a whole batch atomically, skips entries Redis already
 //! has (replays after a reconnect carry the same ids), refuses a stream without its record
@@ -12,9 +20,10 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{ErrorKind, ServerErrorKind, Value};
 
-use crate::batch::{Batch, EntryId};
+use crate::batch::{Batch, EntryId, StreamEntry};
 use crate::error::{script_codes, RelayError};
-use crate::record::{origin_key, Origin, Records};
+use crate::record::{origin_key, Origin, Records, StreamRecord};
+use crate::shard;
 
 const SCRIPT: &str = include_str!("publish.lua");
 
@@ -29,11 +38,27 @@ pub struct PublishOutcome {
     pub unread_trimmed: u64,
 }
 
+impl std::ops::AddAssign for PublishOutcome {
+    fn add_assign(&mut self, other: Self) {
+        self.published += other.published;
+        self.duplicates += other.duplicates;
+        self.unread_trimmed += other.unread_trimmed;
+    }
+}
+
+/// The keys of one shard.
+#[derive(Debug, Clone)]
+struct ShardKeys {
+    stream: String,
+    origin_key: String,
+}
+
 #[derive(Clone)]
 pub struct Publisher {
     conn: ConnectionManager,
-    stream: String,
-    origin_key: String,
+    /// The stream's configured name (shard keys derive from it).
+    base: String,
+    shards: Vec<ShardKeys>,
     max_len: u64,
     script_sha: String,
 }
@@ -43,6 +68,7 @@ impl Publisher {
     pub async fn connect(
         client: redis::Client,
         stream: &str,
+        shards: u32,
         max_len: u64,
         response_timeout: Duration,
     ) -> Result<Self, RelayError> {
@@ -53,17 +79,34 @@ impl Publisher {
             .set_max_delay(Duration::from_secs(2));
         let mut conn = ConnectionManager::new_with_config(client, config).await?;
         let script_sha = load_script(&mut conn).await?;
+        let shards = shard::shard_keys(stream, shards)
+            .into_iter()
+            .map(|stream| ShardKeys {
+                origin_key: origin_key(&stream),
+                stream,
+            })
+            .collect();
         Ok(Self {
             conn,
-            stream: stream.to_string(),
-            origin_key: origin_key(stream),
+            base: stream.to_string(),
+            shards,
             max_len,
             script_sha,
         })
     }
 
+    /// The stream's configured name (with one shard, its key).
     pub fn stream(&self) -> &str {
-        &self.stream
+        &self.base
+    }
+
+    pub fn shard_count(&self) -> u32 {
+        self.shards.len() as u32
+    }
+
+    /// The stream key of `shard`.
+    pub fn shard_stream(&self, shard: u32) -> &str {
+        &self.shards[shard as usize].stream
     }
 
     pub async fn ping(&mut self) -> Result<(), RelayError> {
@@ -71,9 +114,42 @@ impl Publisher {
         Ok(())
     }
 
-    /// The stream's record, with this publisher's connection.
-    pub fn records(&self) -> Records {
-        Records::new(self.conn.clone(), &self.stream)
+    /// The shard count of a record left by the other key layout (with one shard: a record
+    /// of shard 0 of a sharded stream; with more: the plain stream's record), if there is
+    /// one: the stream was set up with another count.
+    pub async fn other_layout(&mut self) -> Result<Option<u32>, RelayError> {
+        let key = if self.shards.len() == 1 {
+            origin_key(&shard::shard_key(&self.base, 0, 2))
+        } else {
+            origin_key(&self.base)
+        };
+        let (system_id, shards): (Option<String>, Option<String>) = redis::cmd("HMGET")
+            .arg(&key)
+            .arg("system_id")
+            .arg("shards")
+            .query_async(&mut self.conn)
+            .await?;
+        Ok(system_id.and_then(|_| shard::recorded_count(shards.as_deref())))
+    }
+
+    /// Refuse to write when the records say the stream has another shard count than this
+    /// relay's (`records`: every shard's, as read).
+    pub async fn check_layout(&mut self, records: &[StreamRecord]) -> Result<(), RelayError> {
+        let mut recorded: Vec<u32> = records
+            .iter()
+            .filter(|r| r.exists())
+            .map(|r| r.shards.unwrap_or(0))
+            .collect();
+        recorded.extend(self.other_layout().await?);
+        shard::check_recorded(&self.base, self.shard_count(), recorded).map_err(RelayError::Config)
+    }
+
+    /// The record of every shard, in shard order, with this publisher's connection.
+    pub fn records(&self) -> Vec<Records> {
+        self.shards
+            .iter()
+            .map(|s| Records::new(self.conn.clone(), &s.stream))
+            .collect()
     }
 
     /// The connection (for the rebuild lock).
@@ -81,41 +157,90 @@ impl Publisher {
         self.conn.clone()
     }
 
-    /// Publish `batch`'s entries (ids already offset). `fence`: the last id this session
-    /// published before.
+    /// Publish `batch`'s entries (ids already offset), each into its shard. `fences`: per
+    /// shard, the last id this session published there before.
     pub async fn publish(
         &mut self,
         batch: &Batch,
         origin: &Origin,
-        fence: Option<EntryId>,
+        fences: &[Option<EntryId>],
     ) -> Result<PublishOutcome, RelayError> {
         if batch.entries.is_empty() && batch.ack_lsn.is_none() {
             return Ok(PublishOutcome::default());
         }
-        let reply = self.eval(batch, origin, fence).await;
+        if self.shards.len() == 1 {
+            let entries: Vec<&StreamEntry> = batch.entries.iter().collect();
+            return self.publish_part(0, &entries, batch, origin, fences[0]).await;
+        }
+        let mut parts: Vec<Vec<&StreamEntry>> = vec![Vec::new(); self.shards.len()];
+        for entry in &batch.entries {
+            parts[entry.shard as usize].push(entry);
+        }
+        let calls = parts
+            .iter()
+            .enumerate()
+            .filter(|(_, entries)| !entries.is_empty() || batch.ack_lsn.is_some())
+            .map(|(k, entries)| {
+                let mut this = self.clone();
+                async move {
+                    this.publish_part(k, entries, batch, origin, fences[k])
+                        .await
+                }
+            });
+        let results = futures::future::join_all(calls).await;
+        let mut outcome = PublishOutcome::default();
+        let mut failure: Option<RelayError> = None;
+        for result in results {
+            match result {
+                Ok(part) => outcome += part,
+                // A part that cannot simply be sent again decides what happens next.
+                Err(e) => match &failure {
+                    Some(f) if !f.retry_in_place() => {}
+                    _ => failure = Some(e),
+                },
+            }
+        }
+        match failure {
+            Some(e) => Err(e),
+            None => Ok(outcome),
+        }
+    }
+
+    async fn publish_part(
+        &mut self,
+        shard: usize,
+        entries: &[&StreamEntry],
+        batch: &Batch,
+        origin: &Origin,
+        fence: Option<EntryId>,
+    ) -> Result<PublishOutcome, RelayError> {
+        let reply = self.eval(shard, entries, batch, origin, fence).await;
         let reply = match reply {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 // Redis restarted (scripts are not persisted): load it again and resend.
                 self.script_sha = load_script(&mut self.conn).await?;
-                self.eval(batch, origin, fence).await
+                self.eval(shard, entries, batch, origin, fence).await
             }
             other => other,
         };
-        let reply = reply.map_err(|e| self.script_error(e, origin))?;
+        let reply = reply.map_err(|e| self.script_error(shard, e, origin))?;
         parse_outcome(reply)
     }
 
     async fn eval(
         &mut self,
+        shard: usize,
+        entries: &[&StreamEntry],
         batch: &Batch,
         origin: &Origin,
         fence: Option<EntryId>,
     ) -> redis::RedisResult<Value> {
+        let keys = &self.shards[shard];
         let mut cmd = redis::cmd("EVALSHA");
         cmd.arg(&self.script_sha)
             .arg(2)
-            .arg(&self.stream)
-            .arg(&self.origin_key)
+            .arg(&keys.stream)
+            .arg(&keys.origin_key)
             .arg(&origin.system_id)
             .arg(origin.timeline)
             .arg(self.max_len)
@@ -127,7 +252,7 @@ impl Publisher {
                     .unwrap_or_default(),
             );
         let mut id_buf = String::with_capacity(40);
-        for entry in &batch.entries {
+        for entry in entries {
             use std::fmt::Write;
             id_buf.clear();
             let _ = write!(id_buf, "{}", entry.id);
@@ -140,27 +265,28 @@ impl Publisher {
         cmd.query_async(&mut self.conn).await
     }
 
-    fn script_error(&self, e: redis::RedisError, origin: &Origin) -> RelayError {
+    fn script_error(&self, shard: usize, e: redis::RedisError, origin: &Origin) -> RelayError {
         let detail = e.detail().unwrap_or_default().to_string();
+        let stream = &self.shards[shard].stream;
         match e.code() {
             Some(script_codes::ORIGIN) => RelayError::OriginMismatch {
-                stream: self.stream.clone(),
+                stream: stream.clone(),
                 stream_system: detail,
                 server_system: origin.system_id.clone(),
             },
             Some(script_codes::GAP) => RelayError::StreamBehind {
-                stream: self.stream.clone(),
+                stream: stream.clone(),
                 detail,
             },
             Some(script_codes::DIVERGED) => RelayError::StreamDiverged {
-                stream: self.stream.clone(),
+                stream: stream.clone(),
                 detail,
             },
             Some(script_codes::NORECORD) => RelayError::RecordMissing {
-                stream: self.stream.clone(),
+                stream: stream.clone(),
             },
             Some(script_codes::TIMELINE) => RelayError::TimelineMismatch {
-                stream: self.stream.clone(),
+                stream: stream.clone(),
                 detail,
             },
             _ => RelayError::Redis(e),

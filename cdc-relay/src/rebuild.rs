@@ -29,6 +29,10 @@
 //!    (acknowledged through the consistent point, the server's timeline history), and
 //!    start streaming on the same session (the lock is released once streaming started).
 //!
+//! A stream of shards is rebuilt as one (there is one slot): every shard is marked and
+//! compared, each missing row goes to its own shard above that shard's top, and every
+//! shard's record is replaced with the same id offset.
+//!
 //! Rows published again are acceptable duplicates: the receivers' inboxes absorb them.
 
 use pgwire_replication::{Lsn, ReplicationClient};
@@ -40,6 +44,7 @@ use crate::error::{replication_error, RelayError, ReplicationPhase};
 use crate::outbox::{rfc3339_utc, OutboxEvent};
 use crate::publisher::Publisher;
 use crate::record::{offset_above, NewRecord, Origin, RebuildLock, StreamRecord};
+use crate::shard::shard_of;
 
 /// Rows read and published per step.
 const CHUNK: usize = 1000;
@@ -86,26 +91,30 @@ impl Reason {
 }
 
 /// Rebuild on the gated replication session `client` (IDENTIFY_SYSTEM done, replication
-/// not started). `record` was read under `lock`. Returns the id offset to stream with and
-/// the stream's top after the rebuild.
+/// not started). `shard_records` (every shard's, in shard order) were read under `lock`.
+/// Returns the id offset to stream with and each shard's top after the rebuild.
 pub(crate) async fn rebuild(
     ctx: &Context,
     client: &mut ReplicationClient,
     publisher: &mut Publisher,
     origin: &Origin,
-    record: &StreamRecord,
+    shard_records: &[StreamRecord],
     lock: &mut RebuildLock,
     reason: Reason,
-) -> Result<(u64, EntryId), RelayError> {
+) -> Result<(u64, Vec<EntryId>), RelayError> {
     let cfg = &ctx.config;
     let pg = &cfg.postgres;
+    let shards = publisher.shard_count();
     let mut records = publisher.records();
     // A resumed rebuild keeps the reason it started with (it decides what is compared).
-    let marker = match (&record.rebuilding, reason) {
-        (Some(started), Reason::Resumed) => started.as_str(),
+    let started = shard_records.iter().find_map(|r| r.rebuilding.as_deref());
+    let marker = match (started, reason) {
+        (Some(started), Reason::Resumed) => started,
         _ => reason.as_str(),
     };
-    records.mark_rebuilding(lock, origin, marker).await?;
+    for r in records.iter_mut() {
+        r.mark_rebuilding(lock, origin, shards, marker).await?;
+    }
     let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
     lock.confirm().await?;
     let dropped = sql
@@ -118,8 +127,12 @@ pub(crate) async fn rebuild(
         if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) {
             // Nothing done yet: a marker of ours would make the holder rebuild for nothing
             // (but a new timeline written beside it is evidence to keep).
-            if record.exists() && record.rebuilding.is_none() && reason != Reason::Timeline {
-                records.clear_marker().await?;
+            if reason != Reason::Timeline {
+                for (r, record) in records.iter_mut().zip(shard_records) {
+                    if record.exists() && record.rebuilding.is_none() {
+                        r.clear_marker().await?;
+                    }
+                }
             }
             return Err(RelayError::SlotBusy {
                 slot: pg.slot.clone(),
@@ -177,28 +190,46 @@ pub(crate) async fn rebuild(
     // rows before the oldest entry were consumed. An empty stream lost its data, and a
     // missing record is Redis losing everything or an operator asking for everything:
     // then every retained row is compared.
-    let (top, len) = records.top_and_len().await?;
     let everything = reason == Reason::NoRecord
-        || record.rebuilding.as_deref() == Some(Reason::NoRecord.as_str());
-    let bound = if len > 0 && !everything {
-        records.oldest_created_at().await?
-    } else {
-        None
-    };
-    let mut after: Option<String> = None;
-    loop {
-        lock.check()?;
-        let (page, last) = records.outbox_ids_page(after.as_deref(), CHUNK).await?;
-        if page.0.is_empty() && last.is_none() {
-            break;
+        || shard_records
+            .iter()
+            .any(|r| r.rebuilding.as_deref() == Some(Reason::NoRecord.as_str()));
+    let mut tops = Vec::with_capacity(records.len());
+    let mut longest = 0u64;
+    let mut bound: Option<String> = None;
+    let mut bounded = !everything;
+    for (r, record) in records.iter_mut().zip(shard_records) {
+        let (top, len) = r.top_and_len().await?;
+        tops.push(top);
+        longest = longest.max(len);
+        if len > 0 {
+            if let Some(oldest) = r.oldest_created_at().await? {
+                // RFC 3339 UTC texts of one format compare as times.
+                if bound.as_ref().is_none_or(|b| oldest < *b) {
+                    bound = Some(oldest);
+                }
+            }
+        } else if !record.exists() || record.last_id.is_some() {
+            // Empty, and it held entries (or nobody knows): it lost them.
+            bounded = false;
         }
-        tx.execute(
-            "INSERT INTO cdc_relay_present SELECT * FROM unnest($1::bigint[], $2::text[]::timestamptz[])",
-            &[&page.0, &page.1],
-        )
-        .await?;
-        after = last;
+        let mut after: Option<String> = None;
+        loop {
+            lock.check()?;
+            let (page, last) = r.outbox_ids_page(after.as_deref(), CHUNK).await?;
+            if page.0.is_empty() && last.is_none() {
+                break;
+            }
+            tx.execute(
+                "INSERT INTO cdc_relay_present SELECT * FROM unnest($1::bigint[], $2::text[]::timestamptz[])",
+                &[&page.0, &page.1],
+            )
+            .await?;
+            after = last;
+        }
     }
+    // A shard that never held anything does not bound what the others may be missing.
+    let bound = if bounded { bound } else { None };
     tx.batch_execute("CREATE INDEX ON cdc_relay_present (id); ANALYZE cdc_relay_present")
         .await?;
     let table = format!(
@@ -219,27 +250,39 @@ pub(crate) async fn rebuild(
     // The cap would trim republished rows before anyone read them (and Redis is sized for
     // it): refuse, saying what to change, rather than lose them.
     let cap = cfg.stream_max_len;
-    if cap > 0 && len + total as u64 > cap {
+    if cap > 0 && longest + total as u64 > cap {
         return Err(RelayError::Config(format!(
-            "rebuilding {} needs {} entries ({len} in the stream, {total} outbox rows to republish) but --stream-max-len is {cap}: raise it (and Redis memory) to at least that, then restart the relay",
+            "rebuilding {} may need {} entries in one shard ({longest} in the longest, {total} outbox rows to republish) but --stream-max-len is {cap}: raise it (and Redis memory) to at least that, then restart the relay",
             publisher.stream(),
-            len + total as u64,
+            longest + total as u64,
         )));
     }
+    let partition_key = if shards > 1 {
+        "o.partition_key"
+    } else {
+        "NULL::text"
+    };
     let select = tx
         .prepare(&format!(
-            "SELECT o.id::text, o.event, o.payload::text, o.created_at::text {missing} ORDER BY o.id"
+            "SELECT o.id::text, o.event, o.payload::text, o.created_at::text, {partition_key} {missing} ORDER BY o.id"
         ))
         .await?;
     let portal = tx.bind(&select, &[&bound]).await?;
 
-    let mut next = EntryId {
-        commit_lsn: top.commit_lsn,
-        seq: top.seq + 1,
-    };
-    // The stream must still hold what it held when compared (a failover to a stale replica
-    // mid-rebuild is refused, and the next session starts over).
-    let mut fence = (top != EntryId::default()).then_some(top);
+    // Per shard, the next id and the fence: the shard must still hold what it held when
+    // compared (a failover to a stale replica mid-rebuild is refused, and the next session
+    // starts over).
+    let mut next: Vec<EntryId> = tops
+        .iter()
+        .map(|top| EntryId {
+            commit_lsn: top.commit_lsn,
+            seq: top.seq + 1,
+        })
+        .collect();
+    let mut fences: Vec<Option<EntryId>> = tops
+        .iter()
+        .map(|top| (*top != EntryId::default()).then_some(*top))
+        .collect();
     let mut published = 0u64;
     loop {
         let rows = tx.query_portal(&portal, CHUNK as i32).await?;
@@ -249,22 +292,29 @@ pub(crate) async fn rebuild(
         let mut batch = Batch::default();
         for row in rows {
             let text = |i: usize| bytes::Bytes::from(row.get::<_, String>(i));
+            let partition_key = row.get::<_, Option<String>>(4).map(bytes::Bytes::from);
+            let shard = shard_of(partition_key.as_deref(), shards);
+            let id = &mut next[shard as usize];
             batch.push(
                 StreamEntry {
-                    id: next,
+                    id: *id,
+                    shard,
                     event: OutboxEvent {
                         outbox_id: text(0),
                         event: text(1),
                         payload: text(2),
                         created_at: rfc3339_utc(text(3)),
+                        partition_key,
                     },
                 },
                 0,
             );
-            next.seq += 1;
+            id.seq += 1;
         }
+        // Sorted by id within each shard, as the publish script expects: ids of a shard
+        // only grow, and the split keeps the order.
         lock.check()?;
-        let outcome = publisher.publish(&batch, origin, fence).await?;
+        let outcome = publisher.publish(&batch, origin, &fences).await?;
         published += outcome.published;
         ctx.metrics
             .unread_entries_trimmed_total
@@ -275,24 +325,36 @@ pub(crate) async fn rebuild(
         ctx.metrics
             .rebuild_remaining_rows
             .set(total - published as i64);
-        fence = batch.last_id();
+        batch.advance_fences(&mut fences);
     }
     tx.commit().await?;
 
-    // Everything before the consistent point is in the stream now; new ids go above it.
-    let top = fence.unwrap_or(top);
-    let id_offset = offset_above(top, consistent_point.as_u64(), record.id_offset);
-    records
-        .replace(
+    // Everything before the consistent point is in the stream now; new ids go above every
+    // shard's top.
+    let tops: Vec<EntryId> = fences
+        .iter()
+        .zip(&tops)
+        .map(|(fence, top)| fence.unwrap_or(*top))
+        .collect();
+    let id_offset = tops
+        .iter()
+        .zip(shard_records)
+        .map(|(top, record)| offset_above(*top, consistent_point.as_u64(), record.id_offset))
+        .max()
+        .unwrap_or(0);
+    for (r, top) in records.iter_mut().zip(&tops) {
+        r.replace(
             lock,
             &NewRecord {
                 origin,
+                shards,
                 acked_through: consistent_point.as_u64(),
                 id_offset,
-                last_id: (top != EntryId::default()).then_some(top),
+                last_id: (*top != EntryId::default()).then_some(*top),
             },
         )
         .await?;
+    }
     ctx.metrics.rebuild_remaining_rows.set(0);
     ctx.metrics
         .rebuilds_total
@@ -305,5 +367,5 @@ pub(crate) async fn rebuild(
         id_offset,
         "stream rebuilt from the outbox table"
     );
-    Ok((id_offset, top))
+    Ok((id_offset, tops))
 }

@@ -147,6 +147,9 @@ pub struct StreamRecord {
     pub top: EntryId,
     /// Entries in the stream now.
     pub len: u64,
+    /// The shard count the stream was set up with (`None`: unreadable; records written
+    /// before shards existed say 1).
+    pub shards: Option<u32>,
 }
 
 impl StreamRecord {
@@ -158,6 +161,7 @@ impl StreamRecord {
 /// A new record, as `setup` or a finished rebuild writes it.
 pub(crate) struct NewRecord<'a> {
     pub origin: &'a Origin,
+    pub shards: u32,
     pub acked_through: u64,
     pub id_offset: u64,
     pub last_id: Option<EntryId>,
@@ -171,6 +175,7 @@ impl NewRecord<'_> {
             ("history", self.origin.history.encode()),
             ("acked_through", self.acked_through.to_string()),
             ("id_offset", self.id_offset.to_string()),
+            ("shards", self.shards.to_string()),
         ];
         if let Some(id) = self.last_id {
             fields.push(("last_id", id.to_string()));
@@ -211,6 +216,15 @@ redis.call('HSET', KEYS[1], 'timeline', ARGV[2], 'history', ARGV[3])
 return 1
 "#;
 
+/// Every shard's record, in shard order.
+pub async fn read_all(records: &mut [Records]) -> Result<Vec<StreamRecord>, RelayError> {
+    let mut all = Vec::with_capacity(records.len());
+    for r in records.iter_mut() {
+        all.push(r.read().await?);
+    }
+    Ok(all)
+}
+
 /// Reads and writes the record of one stream.
 #[derive(Clone)]
 pub struct Records {
@@ -242,6 +256,7 @@ impl Records {
                 "rebuilding",
                 "last_id",
                 "id_offset",
+                "shards",
             ])
             .query_async(&mut self.conn)
             .await?;
@@ -257,6 +272,7 @@ impl Records {
             id_offset: field(6).and_then(|o| o.parse().ok()).unwrap_or(0),
             top,
             len,
+            shards: crate::shard::recorded_count(field(7).as_deref()),
         })
     }
 
@@ -314,11 +330,14 @@ impl Records {
         &mut self,
         lock: &mut RebuildLock,
         origin: &Origin,
+        shards: u32,
         reason: &str,
     ) -> Result<(), RelayError> {
         lock.confirm().await?;
         let () = redis::cmd("HSET")
             .arg(&self.origin_key)
+            .arg("shards")
+            .arg(shards)
             .arg("system_id")
             .arg(&origin.system_id)
             .arg("timeline")

@@ -134,6 +134,7 @@ impl Relay {
             let attempt = Publisher::connect(
                 cfg.redis.clone(),
                 &cfg.stream,
+                cfg.stream_shards,
                 cfg.stream_max_len,
                 cfg.redis_timeout,
             );

@@ -28,17 +28,18 @@ use crate::pgoutput::{self, PgOutput};
 use crate::pipeline::Pipeline;
 use crate::publisher::{PublishOutcome, Publisher};
 use crate::record::Origin;
+use crate::shard;
 use crate::status::Role;
 
 /// Microseconds between the Unix epoch and the Postgres epoch (2000-01-01).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
 
-/// Where a session starts: ids are commit LSNs plus `id_offset` (see `record`), and the
-/// stream must still hold `top` (its last id when the session decided to stream).
+/// Where a session starts: ids are commit LSNs plus `id_offset` (see `record`), and each
+/// shard must still hold its `tops` entry (its last id when the session decided to stream).
 pub(crate) struct Start {
     pub origin: Origin,
     pub id_offset: u64,
-    pub top: EntryId,
+    pub tops: Vec<EntryId>,
 }
 
 /// Stream from a started replication session until shutdown (`Ok`) or an error.
@@ -52,15 +53,18 @@ pub(crate) async fn stream(
     let Start {
         origin,
         id_offset,
-        top,
+        tops,
     } = start;
-    let fence = (top != EntryId::default()).then_some(top);
+    let fences = tops
+        .iter()
+        .map(|top| (*top != EntryId::default()).then_some(*top))
+        .collect();
     let cfg = &ctx.config;
     ctx.set_role(Role::Streaming);
     ctx.set_last_error(None);
     let session = Session {
         ctx,
-        relations: RelationCache::new(cfg.postgres.outbox_table.clone()),
+        relations: RelationCache::sharded(cfg.postgres.outbox_table.clone(), cfg.stream_shards),
         state: State {
             limits: cfg.batch,
             open: None,
@@ -68,8 +72,9 @@ pub(crate) async fn stream(
             acknowledged_lsn: Lsn(0),
             ack_only_not_before: tokio::time::Instant::now(),
             id_offset,
+            shards: cfg.stream_shards,
         },
-        pipeline: Pipeline::new(publisher, origin, ctx.shared(), fence),
+        pipeline: Pipeline::new(publisher, origin, ctx.shared(), fences),
         client,
     };
     session.stream(shutdown).await
@@ -95,6 +100,7 @@ struct State {
     ack_only_not_before: tokio::time::Instant,
     /// Added to commit LSNs to make stream ids.
     id_offset: u64,
+    shards: u32,
 }
 
 impl State {
@@ -227,9 +233,12 @@ impl Session<'_> {
                             seq: txn.next_seq,
                         };
                         txn.next_seq += 1;
-                        self.state
-                            .filling
-                            .push(StreamEntry { id, event }, txn.commit_time_micros);
+                        let shard =
+                            shard::shard_of(event.partition_key.as_deref(), self.state.shards);
+                        self.state.filling.push(
+                            StreamEntry { id, shard, event },
+                            txn.commit_time_micros,
+                        );
                     }
                     Row::Foreign(table) => {
                         self.ctx.metrics.foreign_inserts_skipped_total.inc();

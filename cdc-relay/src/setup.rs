@@ -132,6 +132,7 @@ pub async fn init_stream_record(
     setup: &SetupOutcome,
     redis: redis::Client,
     stream: &str,
+    shards: u32,
     timeout: Duration,
 ) -> Result<RecordOutcome, RelayError> {
     let SetupOutcome::Created { consistent_point } = setup else {
@@ -139,13 +140,15 @@ pub async fn init_stream_record(
     };
     let consistent_point = pgwire_replication::Lsn::parse(consistent_point)
         .map_err(|e| RelayError::Protocol(format!("consistent point: {}", e.0)))?;
-    let publisher = crate::publisher::Publisher::connect(redis, stream, 0, timeout).await?;
+    let mut publisher =
+        crate::publisher::Publisher::connect(redis, stream, shards, 0, timeout).await?;
     let mut records = publisher.records();
-    let record = records.read().await?;
-    if record.exists() {
+    let all = crate::record::read_all(&mut records).await?;
+    publisher.check_layout(&all).await?;
+    if all.iter().any(|r| r.exists()) {
         return Ok(RecordOutcome::LeftAlone("the stream already has a record"));
     }
-    if record.len > 0 {
+    if all.iter().any(|r| r.len > 0) {
         return Ok(RecordOutcome::LeftAlone("the stream already has entries"));
     }
     // Rows committed after the slot's consistent point come from the slot; any row seen
@@ -165,14 +168,18 @@ pub async fn init_stream_record(
         ));
     }
     let origin = server_origin(cfg, timeout).await?;
-    let written = records
-        .create(&crate::record::NewRecord {
-            origin: &origin,
-            acked_through: consistent_point.as_u64(),
-            id_offset: crate::record::offset_above(record.top, consistent_point.as_u64(), 0),
-            last_id: None,
-        })
-        .await?;
+    let mut written = false;
+    for (r, record) in records.iter_mut().zip(&all) {
+        written |= r
+            .create(&crate::record::NewRecord {
+                origin: &origin,
+                shards,
+                acked_through: consistent_point.as_u64(),
+                id_offset: crate::record::offset_above(record.top, consistent_point.as_u64(), 0),
+                last_id: None,
+            })
+            .await?;
+    }
     Ok(if written {
         RecordOutcome::Written
     } else {

@@ -18,7 +18,8 @@ use crate::context::Context;
 use crate::error::{replication_error, RelayError, ReplicationPhase};
 use crate::publisher::Publisher;
 use crate::rebuild::{self, Reason};
-use crate::record::{Origin, RebuildLock, StreamRecord};
+use crate::batch::EntryId;
+use crate::record::{read_all, Origin, RebuildLock, StreamRecord};
 use crate::session;
 use crate::setup::{check_prerequisites, check_slot, slot_info, SlotInfo};
 
@@ -92,6 +93,32 @@ pub(crate) fn decide(
     Decision::Stream
 }
 
+/// The decision for a stream of shards: the most serious of each shard's (an old primary
+/// above all; then a rebuild, which covers every shard; then a missing slot; then adopting
+/// a new timeline).
+pub(crate) fn decide_shards(
+    slot: Option<&SlotInfo>,
+    records: &[StreamRecord],
+    origin: &Origin,
+    server_lsn: u64,
+) -> Decision {
+    let rank = |d: &Decision| match d {
+        Decision::Stream => 0,
+        Decision::Adopt => 1,
+        Decision::SlotMissing => 2,
+        Decision::Rebuild(_) => 3,
+        Decision::OlderTimeline => 4,
+    };
+    let mut decision = Decision::Stream;
+    for record in records {
+        let d = decide(slot, record, origin, server_lsn);
+        if rank(&d) > rank(&decision) {
+            decision = d;
+        }
+    }
+    decision
+}
+
 /// Whether the stream holds (or may hold) entries of a history the server no longer has:
 /// the recorded timeline is not an ancestor of the server's, its switch point lies below
 /// what the stream acknowledged, or the recorded ancestors differ from the server's.
@@ -137,20 +164,21 @@ pub(crate) async fn run(
 
     // 1. The slot, then Redis.
     let slot = read_slot(ctx, &sql).await?;
-    if records.rebuilding_elsewhere(holder).await? {
+    if records[0].rebuilding_elsewhere(holder).await? {
         return Err(busy(ctx, None));
     }
-    let record = records.read().await?;
+    let all = read_all(&mut records).await?;
+    publisher.check_layout(&all).await?;
 
     let replication =
         pg.endpoint
             .replication_config(&pg.slot, &pg.publication, cfg.status_interval)?;
     let mut client = ReplicationClient::connect_gated(replication).await?;
     let (origin, server_lsn) = Origin::identify(&mut client, cfg.connect_timeout).await?;
-    if let Some(recorded) = record
-        .system_id
-        .as_ref()
-        .filter(|s| **s != origin.system_id)
+    if let Some(recorded) = all
+        .iter()
+        .filter_map(|r| r.system_id.as_ref())
+        .find(|s| **s != origin.system_id)
     {
         return Err(RelayError::OriginMismatch {
             stream: publisher.stream().to_string(),
@@ -158,15 +186,15 @@ pub(crate) async fn run(
             server_system: origin.system_id.clone(),
         });
     }
-    let mut decision = decide(slot.as_ref(), &record, &origin, server_lsn);
-    let mut id_offset = record.id_offset;
-    let mut top = record.top;
+    let mut decision = decide_shards(slot.as_ref(), &all, &origin, server_lsn);
+    let mut start = Placement::of(&all);
     let mut lock = None;
     if let Decision::Rebuild(reason) = decision {
         refuse_lost_slot(ctx, reason)?;
+        // Shard 0's lock stands for the whole stream: there is one slot to rebuild from.
         let Some(mut taken) = RebuildLock::acquire(
             publisher.connection(),
-            publisher.stream(),
+            publisher.shard_stream(0),
             holder,
             cfg.rebuild_lock_ttl,
         )
@@ -177,29 +205,28 @@ pub(crate) async fn run(
         // 2. With the lock, both again in the same order: only now is a rebuild decided.
         let again = async {
             let slot = read_slot(ctx, &sql).await?;
-            let record = records.read().await?;
-            Ok::<_, RelayError>((slot, record))
+            let all = read_all(&mut records).await?;
+            Ok::<_, RelayError>((slot, all))
         };
-        let (slot, record) = match again.await {
+        let (slot, all) = match again.await {
             Ok(read) => read,
             Err(e) => {
                 taken.release().await;
                 return Err(e);
             }
         };
-        decision = decide(slot.as_ref(), &record, &origin, server_lsn);
-        id_offset = record.id_offset;
-        top = record.top;
+        decision = decide_shards(slot.as_ref(), &all, &origin, server_lsn);
+        start = Placement::of(&all);
         if let Decision::Rebuild(reason) = decision {
             let rebuilt = match refuse_lost_slot(ctx, reason) {
                 Ok(()) => {
-                    warn!(slot = %pg.slot, stream = %publisher.stream(), reason = reason.as_str(), why = reason.explain(), "rebuilding the stream from the outbox table");
+                    warn!(slot = %pg.slot, stream = %publisher.stream(), shards = publisher.shard_count(), reason = reason.as_str(), why = reason.explain(), "rebuilding the stream from the outbox table");
                     rebuild::rebuild(
                         ctx,
                         &mut client,
                         &mut publisher,
                         &origin,
-                        &record,
+                        &all,
                         &mut taken,
                         reason,
                     )
@@ -208,7 +235,7 @@ pub(crate) async fn run(
                 Err(e) => Err(e),
             };
             match rebuilt {
-                Ok(rebuilt) => (id_offset, top) = rebuilt,
+                Ok((id_offset, tops)) => start = Placement { id_offset, tops },
                 Err(e) => {
                     taken.release().await;
                     return Err(e);
@@ -228,7 +255,11 @@ pub(crate) async fn run(
             });
         }
         Decision::Adopt => {
-            if records.adopt_timeline(&origin).await? {
+            let mut adopted = false;
+            for r in records.iter_mut() {
+                adopted |= r.adopt_timeline(&origin).await?;
+            }
+            if adopted {
                 info!(stream = %publisher.stream(), timeline = origin.timeline, "the stream continues on the server's new timeline (its switch point is past everything the stream acknowledged)");
             }
         }
@@ -238,7 +269,11 @@ pub(crate) async fn run(
             }
             return Err(RelayError::OlderTimeline {
                 stream: publisher.stream().to_string(),
-                recorded: record.timeline.unwrap_or_default(),
+                recorded: all
+                    .iter()
+                    .filter_map(|r| r.timeline)
+                    .max()
+                    .unwrap_or_default(),
                 server: origin.timeline,
             });
         }
@@ -271,25 +306,43 @@ pub(crate) async fn run(
     if !rebuilt_here {
         // Another relay may have started a rebuild between our decision and START (it
         // dropped and made the slot we now hold): leave the stream to it.
-        let now = records.read().await?;
-        if now.rebuilding.is_some() || records.rebuilding_elsewhere(holder).await? {
+        let now = read_all(&mut records).await?;
+        if now.iter().any(|r| r.rebuilding.is_some())
+            || records[0].rebuilding_elsewhere(holder).await?
+        {
             return Err(busy(ctx, None));
         }
     }
     info!(
         slot = %pg.slot,
         stream = %publisher.stream(),
+        shards = publisher.shard_count(),
         system_id = %origin.system_id,
         timeline = origin.timeline,
-        id_offset,
+        id_offset = start.id_offset,
         "acquired slot; streaming"
     );
     let start = session::Start {
         origin,
-        id_offset,
-        top,
+        id_offset: start.id_offset,
+        tops: start.tops,
     };
     session::stream(ctx, client, publisher, start, shutdown).await
+}
+
+/// Where new ids go: one offset for every shard (the largest recorded), and each shard's top.
+struct Placement {
+    id_offset: u64,
+    tops: Vec<EntryId>,
+}
+
+impl Placement {
+    fn of(records: &[StreamRecord]) -> Self {
+        Self {
+            id_offset: records.iter().map(|r| r.id_offset).max().unwrap_or(0),
+            tops: records.iter().map(|r| r.top).collect(),
+        }
+    }
 }
 
 /// The slot as Postgres shows it; a slot held by another walsender means standing by.
@@ -345,7 +398,6 @@ async fn within<T>(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::batch::EntryId;
     use crate::record::TimelineHistory;
     use pgwire_replication::Lsn;
 

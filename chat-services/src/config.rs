@@ -43,6 +43,11 @@ pub struct Cli {
     /// Stream to consume (default: the other side's outbox stream, outbox:<other side>).
     #[arg(long, env = "CHAT_INBOUND_STREAM")]
     pub inbound_stream: Option<String>,
+    /// Shards of the stream consumed (the other side's; see cdc-relay's --stream-shards):
+    /// one lease and one consumer per shard, shared fairly by this side's instances. Must
+    /// match what the stream was set up with.
+    #[arg(long, env = "CDC_STREAM_SHARDS", default_value_t = 1)]
+    pub stream_shards: u32,
     /// Where entries that cannot be recorded go, with the reason (default: deadletter:<side>).
     #[arg(long, env = "CHAT_DEAD_LETTER_STREAM")]
     pub dead_letter_stream: Option<String>,
@@ -131,6 +136,7 @@ pub struct ServiceConfig {
     pub admin_addr: Option<SocketAddr>,
     pub consumer_name: String,
     pub inbound_stream: String,
+    pub stream_shards: u32,
     pub dead_letter_stream: String,
     pub dead_letter_max_len: u64,
     pub claim_idle: Duration,
@@ -207,6 +213,8 @@ impl Cli {
                 "--consumer-name '{consumer_name}' must be non-empty, without '/' or whitespace"
             ));
         }
+        let stream_shards =
+            cdc_relay::shard::validate_count("--stream-shards", self.stream_shards)?;
         if self.dead_letter_max_len == 0 {
             return Err("--dead-letter-max-len must be at least 1".into());
         }
@@ -250,6 +258,7 @@ impl Cli {
                 .inbound_stream
                 .clone()
                 .unwrap_or_else(|| self.side.other().outbox_stream()),
+            stream_shards,
             dead_letter_stream: self
                 .dead_letter_stream
                 .clone()

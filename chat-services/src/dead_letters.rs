@@ -163,7 +163,7 @@ pub async fn run(
             while let Some(letters) = next_page(&mut conn, stream, &selection, &mut from).await? {
                 for letter in &letters {
                     let recorded = match letter.message(config.side.other()) {
-                        Ok(message) => record(&store, letter, message).await?,
+                        Ok(message) => record(&store, config.stream_shards, letter, message).await?,
                         Err(e) => Err(e.to_string()),
                     };
                     match recorded {
@@ -256,9 +256,12 @@ async fn next_page(
 /// `Err(reason)` when Postgres refuses the row itself (it stays a dead letter).
 async fn record(
     store: &Store,
+    shards: u32,
     letter: &DeadLetter,
     message: Message,
 ) -> Result<Result<(Message, i64, bool), String>, DeadLetterError> {
+    // Recorded beside the writer of the shard the message's chat belongs to.
+    let shard = cdc_relay::shard::shard_of(Some(message.chat_id.to_string().as_bytes()), shards);
     let batch = [Received {
         stream_id: letter.field("id").to_string(),
         message,
@@ -267,8 +270,8 @@ async fn record(
     // it again. The replay's rows are ordinary inbox rows: positions come from the trigger.
     let mut attempts = 0;
     loop {
-        let epoch = store.inbox_writer_epoch().await?;
-        match store.record_inbox(&batch, epoch).await {
+        let epoch = store.inbox_writer_epoch(shard).await?;
+        match store.record_inbox(&batch, shard, epoch).await {
             Ok(positions) => {
                 let [Received { message, .. }] = batch;
                 let position = positions.get(&message.id).copied().ok_or_else(|| {

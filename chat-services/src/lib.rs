@@ -103,29 +103,61 @@ impl Service {
         let cfg = &self.config;
         let shutdown = self.app.shutdown.clone();
         info!(side = %cfg.side, addr = %self.local_addr(), consumer = %cfg.consumer_name, "chat service listening");
-        let inbox = inbox::Inbox::new(
-            inbox::InboxConfig {
-                side: cfg.side,
-                stream: cfg.inbound_stream.clone(),
-                group: cfg.side.as_str().to_string(),
-                consumer: cfg.consumer_name.clone(),
-                dead_letter_stream: cfg.dead_letter_stream.clone(),
-                dead_letter_max_len: cfg.dead_letter_max_len,
-                claim_idle: cfg.claim_idle,
-                max_deliveries: cfg.max_deliveries,
-                lease_ttl: cfg.lease_ttl,
-                crash_after_inbox_commit: cfg.crash_after_inbox_commit,
-                crash_on_body: cfg.crash_on_body.clone(),
-            },
-            cfg.redis.clone(),
-            self.app.store.clone(),
-            self.app.announcer.clone(),
-            self.app.metrics.clone(),
+        let shards = cfg.stream_shards;
+        let roles = Arc::new(inbox::ShardRoles::new(
+            shards,
             self.status_tx,
-        );
-        let consumer = {
+            self.app.metrics.clone(),
+        ));
+        // One shard: every instance competes for the one lease, as before shards existed.
+        // More: instances split them (see `inbox::shards`).
+        let (assignment_tx, assignment) =
+            watch::channel::<inbox::Assignment>(Arc::new(vec![shards == 1; shards as usize]));
+        // The sender lives as long as the consumers (a dropped one would wake them for ever).
+        let (membership, _fixed_assignment) = if shards > 1 {
+            let task = tokio::spawn(inbox::shards::run_membership(
+                cfg.redis.clone(),
+                cfg.side,
+                cfg.consumer_name.clone(),
+                shards,
+                cfg.lease_ttl,
+                assignment_tx,
+                shutdown.clone(),
+            ));
+            (Some(task), None)
+        } else {
+            (None, Some(assignment_tx))
+        };
+        let mut consumers = Vec::with_capacity(shards as usize);
+        for shard in 0..shards {
+            let key = |base: &str| cdc_relay::shard::shard_key(base, shard, shards);
+            let inbox = inbox::Inbox::new(
+                inbox::InboxConfig {
+                    side: cfg.side,
+                    stream: key(&cfg.inbound_stream),
+                    shard,
+                    shards,
+                    lease_key: key(&format!("inbox-lease:{}", cfg.side)),
+                    attempts_key: key(&format!("inbox-attempts:{}", cfg.side)),
+                    group: cfg.side.as_str().to_string(),
+                    consumer: cfg.consumer_name.clone(),
+                    dead_letter_stream: cfg.dead_letter_stream.clone(),
+                    dead_letter_max_len: cfg.dead_letter_max_len,
+                    claim_idle: cfg.claim_idle,
+                    max_deliveries: cfg.max_deliveries,
+                    lease_ttl: cfg.lease_ttl,
+                    crash_after_inbox_commit: cfg.crash_after_inbox_commit,
+                    crash_on_body: cfg.crash_on_body.clone(),
+                },
+                cfg.redis.clone(),
+                self.app.store.clone(),
+                self.app.announcer.clone(),
+                self.app.metrics.clone(),
+                roles.clone(),
+                assignment.clone(),
+            );
             let shutdown = shutdown.clone();
-            tokio::spawn(async move {
+            consumers.push(tokio::spawn(async move {
                 // A panic in the consumer is a crash: end the process, so the entry that
                 // caused it is redelivered and counted (and dead-lettered if it does it
                 // again), instead of a process that serves but no longer consumes.
@@ -136,8 +168,9 @@ impl Service {
                         std::process::abort();
                     }
                 }
-            })
-        };
+            }));
+        }
+        let consumer = futures::future::join_all(consumers);
         let follower = tokio::spawn(notify::follow(
             cfg.redis.clone(),
             cfg.side,
@@ -183,6 +216,9 @@ impl Service {
             .is_err()
         {
             warn!("inbox consumer did not stop within 10 s");
+        }
+        if let Some(membership) = membership {
+            let _ = membership.await;
         }
         let _ = follower.await;
         let _ = publisher.await;

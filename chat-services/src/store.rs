@@ -106,7 +106,8 @@ struct Send<'a> {
 impl Send<'_> {
     /// One statement, so one round trip and atomic without an explicit transaction: the
     /// outbox row exists exactly when the message row does. `ON CONFLICT DO NOTHING` covers
-    /// both the message id and the key, so running it again never writes twice. The chat
+    /// both the message id and the key, so running it again never writes twice. The outbox
+    /// row's partition key is the chat (its stream shard, see `cdc_relay::shard`). The chat
     /// feed position comes back when the message was written now (the trigger of migration
     /// V7 assigns it).
     async fn execute(&self, store: &Store) -> Attempt {
@@ -121,9 +122,10 @@ impl Send<'_> {
                    INSERT INTO {s}.messages (id, chat_id, body, created_at, idempotency_key)
                    VALUES ($1, $2, $3, $4, $5)
                    ON CONFLICT DO NOTHING
-                   RETURNING pos
+                   RETURNING pos, chat_id
                  ),
-                 o AS (INSERT INTO {s}.outbox (event, payload) SELECT $6, $7 FROM m)
+                 o AS (INSERT INTO {s}.outbox (event, payload, partition_key)
+                       SELECT $6, $7, chat_id::text FROM m)
                  SELECT pos FROM m"
             ))
             .await
@@ -488,40 +490,52 @@ impl Store {
         Ok(row.get(0))
     }
 
-    /// Become the inbox's writer (after taking the consumer lease): bump the fencing epoch.
-    /// Waits for a previous holder's in-flight write, whose epoch it then invalidates.
-    pub async fn claim_inbox_writer(&self, holder: &str) -> Result<i64, StoreError> {
+    /// Become the inbox's writer for `shard` (after taking its consumer lease): bump the
+    /// shard's fencing epoch. Waits for a previous holder's in-flight write, whose epoch it
+    /// then invalidates.
+    pub async fn claim_inbox_writer(&self, holder: &str, shard: u32) -> Result<i64, StoreError> {
         let s = self.side.schema();
         let client = self.pool.get().await?;
         let row = client
             .query_one(
                 &format!(
-                    "UPDATE {s}.inbox_writer SET holder = $1, epoch = epoch + 1 RETURNING epoch"
+                    "INSERT INTO {s}.inbox_writer AS w (shard, holder, epoch) VALUES ($2, $1, 1)
+                     ON CONFLICT (shard) DO UPDATE SET holder = $1, epoch = w.epoch + 1
+                     RETURNING epoch"
                 ),
-                &[&holder],
+                &[&holder, &(shard as i32)],
             )
             .await?;
         Ok(row.get(0))
     }
 
-    /// The inbox writer's current epoch (for a write beside the writer: an operator's replay).
-    pub async fn inbox_writer_epoch(&self) -> Result<i64, StoreError> {
+    /// The current epoch of `shard`'s inbox writer (for a write beside the writer: an
+    /// operator's replay); 0 before any writer claimed the shard.
+    pub async fn inbox_writer_epoch(&self, shard: u32) -> Result<i64, StoreError> {
         let s = self.side.schema();
         let client = self.pool.get().await?;
         let row = client
-            .query_one(&format!("SELECT epoch FROM {s}.inbox_writer"), &[])
+            .query_one(
+                &format!(
+                    "WITH new AS (INSERT INTO {s}.inbox_writer (shard, holder, epoch) VALUES ($1, '', 0)
+                                  ON CONFLICT (shard) DO NOTHING RETURNING epoch)
+                     SELECT epoch FROM new UNION ALL SELECT epoch FROM {s}.inbox_writer WHERE shard = $1"
+                ),
+                &[&(shard as i32)],
+            )
             .await?;
         Ok(row.get(0))
     }
 
     /// Record received messages in one transaction, each once (by message id), in the
-    /// given order, only while `epoch` is the inbox writer's epoch (see
+    /// given order, only while `epoch` is `shard`'s inbox writer's epoch (see
     /// [`Store::claim_inbox_writer`]); `Fenced` otherwise, with nothing written. Returns
     /// every message's feed position, whether recorded now or found there (a redelivery,
     /// to be announced again: its first announcement may never have gone out).
     pub async fn record_inbox(
         &self,
         received: &[Received],
+        shard: u32,
         epoch: i64,
     ) -> Result<HashMap<Uuid, Position>, StoreError> {
         let s = self.side.schema();
@@ -545,7 +559,7 @@ impl Store {
         // were there before (the statement's snapshot does not see its own inserts).
         let statement = client
             .prepare_cached(&format!(
-                    "WITH w AS (SELECT epoch FROM {s}.inbox_writer FOR SHARE),
+                    "WITH w AS (SELECT epoch FROM {s}.inbox_writer WHERE shard = $7 FOR SHARE),
                           ins AS (
                             INSERT INTO {s}.inbox (message_id, chat_id, body, sent_at, stream_id)
                             SELECT id, chat, body, sent, stream
@@ -566,7 +580,7 @@ impl Store {
         let rows = client
             .query(
                 &statement,
-                &[&ids, &chats, &bodies, &sent, &streams, &epoch],
+                &[&ids, &chats, &bodies, &sent, &streams, &epoch, &(shard as i32)],
             )
             .await?;
         let mut recorded = HashMap::with_capacity(rows.len());
@@ -582,7 +596,8 @@ impl Store {
                     );
                 }
                 None => {
-                    let current: i64 = row.get(1);
+                    // No row: nobody ever claimed the shard, so no epoch is current.
+                    let current: i64 = row.get::<_, Option<i64>>(1).unwrap_or(0);
                     if current != epoch {
                         return Err(StoreError::Fenced {
                             ours: epoch,

@@ -32,9 +32,9 @@ async fn a_stale_writer_is_refused_and_a_claim_waits_for_its_write() {
     let endpoint = cdc_relay::pg::PgEndpoint::parse(&db.url("workers")).unwrap();
     let old = Store::new(&endpoint, Side::Workers, 2).unwrap();
     let new = Store::new(&endpoint, Side::Workers, 2).unwrap();
-    let old_epoch = old.claim_inbox_writer("old").await.unwrap();
+    let old_epoch = old.claim_inbox_writer("old", 0).await.unwrap();
     let first = old
-        .record_inbox(&[message(1, "by the first holder")], old_epoch)
+        .record_inbox(&[message(1, "by the first holder")], 0, old_epoch)
         .await
         .unwrap();
     assert_eq!(first.len(), 1);
@@ -48,7 +48,7 @@ async fn a_stale_writer_is_refused_and_a_claim_waits_for_its_write() {
         .unwrap();
 
     // WHEN the new holder claims, it waits for that write...
-    let claim = tokio::spawn(async move { new.claim_inbox_writer("new").await.map(|e| (e, new)) });
+    let claim = tokio::spawn(async move { new.claim_inbox_writer("new", 0).await.map(|e| (e, new)) });
     let admin = db.connect().await.unwrap();
     wait_until(
         Duration::from_secs(10),
@@ -79,7 +79,7 @@ async fn a_stale_writer_is_refused_and_a_claim_waits_for_its_write() {
     // THEN the old holder's next write is refused, with nothing written, and the new one's
     // goes through
     let stale = old
-        .record_inbox(&[message(1, "by the paused holder")], old_epoch)
+        .record_inbox(&[message(1, "by the paused holder")], 0, old_epoch)
         .await;
     assert!(
         matches!(stale, Err(StoreError::Fenced { ours, current }) if ours == old_epoch && current == new_epoch),
@@ -99,7 +99,7 @@ async fn a_stale_writer_is_refused_and_a_claim_waits_for_its_write() {
         }
     };
     assert_eq!(count("by the paused holder").await, 0);
-    new.record_inbox(&[message(1, "by the new holder")], new_epoch)
+    new.record_inbox(&[message(1, "by the new holder")], 0, new_epoch)
         .await
         .unwrap();
     assert_eq!(count("by the new holder").await, 1);

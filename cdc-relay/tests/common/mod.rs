@@ -27,6 +27,8 @@ pub struct Fixture<'a> {
     pub db: TestDb,
     pub slot: String,
     pub stream: String,
+    /// Shards of the stream (1: the plain key).
+    pub shards: u32,
     /// A second pgoutput slot on the same publication, never acknowledged: the ground truth
     /// of what committed, in commit order, with LSNs.
     pub witness: String,
@@ -35,6 +37,11 @@ pub struct Fixture<'a> {
 impl<'a> Fixture<'a> {
     /// A fresh database with the relay slot (via `setup`) and the witness slot.
     pub async fn new(pg: &'a PgServer, redis: &'a RedisServer) -> Fixture<'a> {
+        Self::sharded(pg, redis, 1).await
+    }
+
+    /// The same, for a stream of `shards` shards.
+    pub async fn sharded(pg: &'a PgServer, redis: &'a RedisServer, shards: u32) -> Fixture<'a> {
         let db = pg.create_database().await.expect("create test database");
         let fixture = Fixture {
             pg,
@@ -42,6 +49,7 @@ impl<'a> Fixture<'a> {
             db,
             slot: unique_name("relay"),
             stream: format!("outbox:{}", unique_name("s")),
+            shards,
             witness: unique_name("witness"),
         };
         let admin = fixture.db.connect().await.unwrap();
@@ -65,6 +73,7 @@ impl<'a> Fixture<'a> {
             &outcome,
             redis::Client::open(redis.url()).unwrap(),
             &fixture.stream,
+            shards,
             Duration::from_secs(10),
         )
         .await
@@ -83,6 +92,7 @@ impl<'a> Fixture<'a> {
             ("--outbox-table".into(), OUTBOX.into()),
             ("--redis-url".into(), self.redis.url()),
             ("--stream".into(), self.stream.clone()),
+            ("--stream-shards".into(), self.shards.to_string()),
             ("--admin-addr".into(), "127.0.0.1:0".into()),
             ("--reconnect-max-backoff".into(), "500ms".into()),
             ("--redis-timeout".into(), "2s".into()),

@@ -62,7 +62,7 @@ pub async fn readyz(app: &App) -> Response<Body> {
     match postgres {
         Ok(Ok(())) => reply::json(
             StatusCode::OK,
-            &serde_json::json!({"status": "ready", "postgres": "up", "redis": redis, "consumer": consumer.role}),
+            &serde_json::json!({"status": "ready", "postgres": "up", "redis": redis, "consumer": consumer.role, "shards": consumer.shards, "last_error": consumer.last_error}),
         ),
         _ => reply::json(
             StatusCode::SERVICE_UNAVAILABLE,

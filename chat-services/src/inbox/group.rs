@@ -11,7 +11,6 @@ use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
 use super::{Active, ConsumeError, READ_BLOCK, READ_COUNT};
-use crate::side::Side;
 
 /// A stream entry read from the group.
 #[derive(Debug, Clone)]
@@ -129,7 +128,7 @@ impl Active<'_> {
                         .filter_map(|id| redis::from_redis_value_ref::<String>(id).ok())
                         .collect();
                     let _: redis::RedisResult<i64> = redis::cmd("HDEL")
-                        .arg(attempts_key(self.cfg().side))
+                        .arg(&self.cfg().attempts_key)
                         .arg(&ids)
                         .query_async(&mut self.conn)
                         .await;
@@ -226,7 +225,7 @@ impl Active<'_> {
         if redelivered.is_empty() {
             return Ok(Some(attempts));
         }
-        let key = attempts_key(self.cfg().side);
+        let key = self.cfg().attempts_key.clone();
         let ours = self.inbox.delivered.lock().unwrap().clone();
         let deadline = Instant::now() + self.lease.ttl();
         let records = loop {
@@ -284,7 +283,7 @@ impl Active<'_> {
         attempts: &HashMap<String, u64>,
     ) -> Result<(), ConsumeError> {
         let mut hset = redis::cmd("HSET");
-        hset.arg(attempts_key(self.cfg().side));
+        hset.arg(&self.cfg().attempts_key);
         let mut any = false;
         for e in entries {
             if let Some(n) = attempts.get(&e.id) {
@@ -330,7 +329,7 @@ impl Active<'_> {
         if delivered.is_empty() {
             return;
         }
-        let mut invocation = RELEASE.key(attempts_key(self.cfg().side));
+        let mut invocation = RELEASE.key(&self.cfg().attempts_key);
         invocation.arg(&self.inbox.run_id);
         for (id, n) in &delivered {
             invocation.arg(id).arg(n);
@@ -354,7 +353,7 @@ impl Active<'_> {
             .arg(ids)
             .ignore()
             .cmd("HDEL")
-            .arg(attempts_key(self.cfg().side))
+            .arg(&self.cfg().attempts_key)
             .arg(ids)
             .ignore()
             .query_async(&mut self.conn)
@@ -405,7 +404,7 @@ impl Active<'_> {
             .arg(&entry.id)
             .ignore()
             .cmd("HDEL")
-            .arg(attempts_key(self.cfg().side))
+            .arg(&self.cfg().attempts_key)
             .arg(&entry.id)
             .ignore();
         let (before,): (u64,) = pipe.query_async(&mut self.conn).await?;
@@ -442,10 +441,6 @@ return 1
     )
 });
 
-/// The hash of attempt records (see [`Active::attempts`]).
-fn attempts_key(side: Side) -> String {
-    format!("inbox-attempts:{side}")
-}
 
 /// Entries of an XREADGROUP reply (RESP2 arrays or RESP3 maps; `Nil` when the block timed out).
 fn parse_read_reply(reply: Value) -> Result<Vec<Entry>, ConsumeError> {

@@ -8,10 +8,12 @@
 //!   again (its first showing may never have happened).
 //! - Shown only after the commit; streams read the feed from the database, so a crash
 //!   between commit and hint hides nothing (see `notify` for the safety nets).
-//! - One active consumer per side (a lease, fenced by an epoch where the inbox writes land),
-//!   reading in stream order, so messages are recorded in the sender's commit order. On
-//!   taking the lease it first claims every pending entry of the group and processes its own
-//!   pending list in id order.
+//! - One active consumer per shard of the stream (a lease, fenced by the shard's epoch where
+//!   the inbox writes land), reading in stream order, so each chat's messages (a chat lives
+//!   in one shard) are recorded in the sender's commit order. On taking the lease it first
+//!   claims every pending entry of the shard's group and processes its own pending list in
+//!   id order. Instances share the shards fairly (see [`shards`]); with one shard every
+//!   instance simply competes for the one lease.
 //! - An entry that cannot be parsed, that Postgres refuses for its own data, or whose
 //!   processing ended with the consumer process more than `max_deliveries` times goes to the
 //!   dead-letter stream with the reason, atomically with its `XACK`; it never blocks the
@@ -40,6 +42,9 @@ use crate::store::{Position, Received, Store, StoreError};
 use group::Entry;
 
 mod group;
+pub mod shards;
+
+pub use shards::{Assignment, ShardRoles};
 
 /// Entries read per call.
 const READ_COUNT: usize = 100;
@@ -50,8 +55,15 @@ const READ_BLOCK: Duration = Duration::from_secs(1);
 pub struct InboxConfig {
     /// The receiving side (this service).
     pub side: Side,
-    /// The stream read: the other side's outbox stream.
+    /// The stream read: this shard of the other side's outbox stream.
     pub stream: String,
+    /// This consumer's shard, of `shards`.
+    pub shard: u32,
+    pub shards: u32,
+    /// The shard's lease key (one active consumer per shard).
+    pub lease_key: String,
+    /// The shard's attempt records (see `group`).
+    pub attempts_key: String,
     /// Consumer group: the receiving service's name.
     pub group: String,
     /// This instance's stable consumer name.
@@ -84,7 +96,10 @@ pub enum ConsumerRole {
 
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize)]
 pub struct ConsumerStatus {
+    /// Active while this instance holds any shard's lease.
     pub role: ConsumerRole,
+    /// The shards whose lease this instance holds.
+    pub shards: Vec<u32>,
     pub redis_reachable: bool,
     pub last_error: Option<String>,
 }
@@ -93,6 +108,7 @@ impl Default for ConsumerStatus {
     fn default() -> Self {
         Self {
             role: ConsumerRole::Starting,
+            shards: Vec::new(),
             redis_reachable: false,
             last_error: None,
         }
@@ -109,12 +125,16 @@ enum ConsumeError {
     Store(crate::store::StoreError),
     #[error("unexpected reply: {0}")]
     Reply(String),
+    #[error("{0}")]
+    Layout(String),
 }
 
 /// Whether a step ends because of shutdown.
 enum Flow {
     Continue,
     Shutdown,
+    /// Another live instance wants this shard: give its lease up.
+    Handover,
 }
 
 pub struct Inbox {
@@ -123,7 +143,9 @@ pub struct Inbox {
     store: Store,
     announcer: Announcer,
     metrics: Arc<Metrics>,
-    status: watch::Sender<ConsumerStatus>,
+    roles: Arc<ShardRoles>,
+    /// The shards this instance should try to hold.
+    assignment: watch::Receiver<Assignment>,
     /// This process's run, in attempt records: a record of another run means that run ended
     /// (crashed) while processing the entry.
     run_id: String,
@@ -143,7 +165,8 @@ impl Inbox {
         store: Store,
         announcer: Announcer,
         metrics: Arc<Metrics>,
-        status: watch::Sender<ConsumerStatus>,
+        roles: Arc<ShardRoles>,
+        assignment: watch::Receiver<Assignment>,
     ) -> Self {
         Self {
             cfg,
@@ -151,7 +174,8 @@ impl Inbox {
             store,
             announcer,
             metrics,
-            status,
+            roles,
+            assignment,
             run_id: uuid::Uuid::new_v4().simple().to_string(),
             delivered: std::sync::Mutex::new(HashMap::new()),
             recorded: AtomicU64::new(0),
@@ -159,15 +183,24 @@ impl Inbox {
     }
 
     fn set_role(&self, role: ConsumerRole) {
-        self.metrics
-            .consumer_active
-            .set(i64::from(role == ConsumerRole::Active));
-        self.status
-            .send_if_modified(|s| std::mem::replace(&mut s.role, role) != role);
+        self.roles.set(self.cfg.shard, role);
+    }
+
+    fn role(&self) -> ConsumerRole {
+        self.roles.get(self.cfg.shard)
+    }
+
+    /// Whether this instance should try to hold this shard.
+    fn wanted(&self) -> bool {
+        self.assignment
+            .borrow()
+            .get(self.cfg.shard as usize)
+            .copied()
+            .unwrap_or(false)
     }
 
     fn set_redis(&self, ok: bool, error: Option<String>) {
-        self.status.send_if_modified(|s| {
+        self.roles.status().send_if_modified(|s| {
             let changed = s.redis_reachable != ok || (error.is_some() && s.last_error != error);
             s.redis_reachable = ok;
             if error.is_some() {
@@ -179,22 +212,28 @@ impl Inbox {
 
     /// Consume until `shutdown`.
     pub async fn run(&self, shutdown: CancellationToken) {
-        let lease = Lease::new(
-            format!("inbox-lease:{}", self.cfg.side),
-            &self.cfg.consumer,
-            self.cfg.lease_ttl,
-        );
+        let lease = Lease::new(self.cfg.lease_key.clone(), &self.cfg.consumer, self.cfg.lease_ttl);
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
             if shutdown.is_cancelled() {
                 break;
             }
             match self.session(&lease, &shutdown).await {
+                Ok(Flow::Handover) => {
+                    info!(shard = self.cfg.shard, consumer = %self.cfg.consumer, "gave the shard up to the instance that wants it now");
+                    self.set_role(ConsumerRole::Standby);
+                }
                 Ok(_) => break,
                 Err(e) => {
                     let delay = backoff.next_delay();
                     if matches!(e, ConsumeError::Redis(_)) {
                         self.set_redis(false, Some(e.to_string()));
+                    }
+                    if let ConsumeError::Layout(message) = &e {
+                        error!(shard = self.cfg.shard, "{message}");
+                        self.roles
+                            .status()
+                            .send_modify(|s| s.last_error = Some(message.clone()));
                     }
                     warn!(error = %e, retry_in = ?delay, "inbox consumer interrupted; retrying");
                     self.set_role(ConsumerRole::Starting);
@@ -228,22 +267,35 @@ impl Inbox {
             )
             .await?;
         self.set_redis(true, None);
-        // Standby until the lease is ours.
+        self.check_layout(&mut conn).await?;
+        // Standby until the lease is ours (tried only while this instance wants the shard).
+        let mut assignment = self.assignment.clone();
         loop {
-            if lease.acquire(&mut conn).await? {
+            if self.wanted() && lease.acquire(&mut conn).await? {
                 break;
             }
-            if self.status.borrow().role != ConsumerRole::Standby {
-                info!(consumer = %self.cfg.consumer, "another instance consumes the inbox; standing by");
+            if self.role() != ConsumerRole::Standby {
+                info!(shard = self.cfg.shard, consumer = %self.cfg.consumer, "another instance consumes this shard; standing by");
             }
             self.set_role(ConsumerRole::Standby);
             tokio::select! {
                 _ = shutdown.cancelled() => return Ok(Flow::Shutdown),
                 _ = tokio::time::sleep(jitter(lease.ttl() / 5)) => {}
+                changed = assignment.changed() => {
+                    if changed.is_err() {
+                        // The membership task ended: only shutdown does that.
+                        shutdown.cancelled().await;
+                        return Ok(Flow::Shutdown);
+                    }
+                }
             }
         }
         // Fence the previous holder where the writes land (it may be paused, not dead).
-        let epoch = match self.store.claim_inbox_writer(&self.cfg.consumer).await {
+        let epoch = match self
+            .store
+            .claim_inbox_writer(&self.cfg.consumer, self.cfg.shard)
+            .await
+        {
             Ok(epoch) => epoch,
             Err(e) => {
                 let _ = self.release(lease, &mut conn).await;
@@ -254,7 +306,7 @@ impl Inbox {
             // The claim outlasted the lease: whoever holds it now bumps the epoch again.
             return Err(ConsumeError::LeaseLost);
         }
-        info!(consumer = %self.cfg.consumer, stream = %self.cfg.stream, group = %self.cfg.group, epoch, "inbox consumer active");
+        info!(consumer = %self.cfg.consumer, stream = %self.cfg.stream, shard = self.cfg.shard, group = %self.cfg.group, epoch, "inbox consumer active");
         self.set_role(ConsumerRole::Active);
         // Whatever a previous holder recorded and never announced is shown now.
         self.announcer.resync();
@@ -282,6 +334,37 @@ impl Inbox {
     ) -> Result<(), ConsumeError> {
         lease.release(conn).await?;
         Ok(())
+    }
+
+    /// Refuse to consume a stream whose records say it has another shard count (checked
+    /// on every session; the relay writes the records).
+    async fn check_layout(&self, conn: &mut ConnectionManager) -> Result<(), ConsumeError> {
+        let base = self.cfg.side.other().outbox_stream();
+        if !self.cfg.stream.starts_with(&base) {
+            // A stream named by --inbound-stream: its layout is the operator's.
+            return Ok(());
+        }
+        let shards = self.cfg.shards;
+        let mut keys = vec![cdc_relay::record::origin_key(&self.cfg.stream)];
+        // The other layout's record: the plain stream's, or shard 0 of a sharded one.
+        keys.push(cdc_relay::record::origin_key(&if shards == 1 {
+            cdc_relay::shard::shard_key(&base, 0, 2)
+        } else {
+            base.clone()
+        }));
+        let mut recorded = Vec::new();
+        for key in keys {
+            let (system_id, count): (Option<String>, Option<String>) = redis::cmd("HMGET")
+                .arg(&key)
+                .arg("system_id")
+                .arg("shards")
+                .query_async(conn)
+                .await?;
+            if system_id.is_some() {
+                recorded.push(cdc_relay::shard::recorded_count(count.as_deref()).unwrap_or(0));
+            }
+        }
+        cdc_relay::shard::check_recorded(&base, shards, recorded).map_err(ConsumeError::Layout)
     }
 }
 
@@ -328,6 +411,11 @@ impl Active<'_> {
                 next_claim = Instant::now() + claim_every;
             }
             let issued = Instant::now();
+            if !self.inbox.wanted() {
+                // Another live instance wants this shard now (one joined, or this one's
+                // view was stale): finish here and let it take over.
+                return Ok(Flow::Handover);
+            }
             let entries = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(Flow::Shutdown),
                 read = self.read(">") => read?,
@@ -529,7 +617,7 @@ impl Active<'_> {
     ) -> Result<Recorded, ConsumeError> {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
-            match self.inbox.store.record_inbox(batch, self.epoch).await {
+            match self.inbox.store.record_inbox(batch, self.cfg().shard, self.epoch).await {
                 Ok(positions) => return Ok(Recorded::Done(positions)),
                 // Another instance is the writer now: leave the batch to it.
                 Err(StoreError::Fenced { ours, current }) => {

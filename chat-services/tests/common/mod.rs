@@ -22,18 +22,26 @@ pub struct Stack<'a> {
     pub pg: &'a PgServer,
     pub db: TestDb,
     pub redis: RedisServer,
+    /// Shards of each side's stream.
+    pub shards: u32,
     relays: Vec<RunningRelay>,
 }
 
 impl<'a> Stack<'a> {
     /// Database, Redis, and a running relay for each side.
     pub async fn start(pg: &'a PgServer) -> Stack<'a> {
+        Self::start_sharded(pg, 1).await
+    }
+
+    /// The same, with both sides' streams split into `shards` shards.
+    pub async fn start_sharded(pg: &'a PgServer, shards: u32) -> Stack<'a> {
         let db = pg.create_database().await.expect("test database");
         let redis = RedisServer::start().expect("redis");
         let mut stack = Stack {
             pg,
             db,
             redis,
+            shards,
             relays: Vec::new(),
         };
         for side in [Side::Consumers, Side::Workers] {
@@ -58,6 +66,8 @@ impl<'a> Stack<'a> {
             self.redis.url(),
             "--stream".into(),
             side.outbox_stream(),
+            "--stream-shards".into(),
+            self.shards.to_string(),
             "--admin-addr".into(),
             "".into(),
             "--reconnect-max-backoff".into(),
@@ -139,6 +149,8 @@ impl<'a> Stack<'a> {
             format!("{side}-test"),
             "--lease-ttl".into(),
             "3s".into(),
+            "--stream-shards".into(),
+            self.shards.to_string(),
         ];
         // A flag given again in `extra` replaces the default's value (clap takes each once).
         let mut rest = extra.iter();

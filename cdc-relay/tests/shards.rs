@@ -1,0 +1,281 @@
+//! A stream split into shards, on real servers with the relay binary: every row lands in
+//! the shard its partition key hashes to, each shard in commit order with the ids a single
+//! stream would have; a shard that lost its data is rebuilt without duplicating the others;
+//! a relay configured with another shard count is refused.
+
+mod common;
+
+use std::collections::HashSet;
+use std::time::Duration;
+
+use cdc_relay::shard::{shard_key, shard_of};
+use common::{read_stream, tail, Entry, Fixture, RelayProcess, WitnessTxn};
+use testkit::{shared_postgres, wait_until, RedisServer};
+
+const SHARDS: u32 = 8;
+
+/// Insert one transaction of rows for `chats` (one row each, in order).
+async fn insert_chat_txn(
+    client: &mut tokio_postgres::Client,
+    writer: u32,
+    txn: u32,
+    chats: &[i64],
+) -> Result<(), tokio_postgres::Error> {
+    let tx = client.transaction().await?;
+    for (row, chat) in chats.iter().enumerate() {
+        let payload = serde_json::json!({"chat_id": chat, "writer": writer, "txn": txn, "row": row});
+        tx.execute(
+            "INSERT INTO consumers.outbox (event, payload, partition_key) VALUES ('test.event', $1::text::jsonb, $2)",
+            &[&payload.to_string(), &chat.to_string()],
+        )
+        .await?;
+    }
+    tx.commit().await
+}
+
+/// What each shard must hold: every committed row in the shard of its partition key, in
+/// commit order, with the id `<commit_lsn>-<position in its transaction>`.
+fn expected_by_shard(txns: &[WitnessTxn]) -> Vec<Vec<Entry>> {
+    let mut shards = vec![Vec::new(); SHARDS as usize];
+    let text = |b: &bytes::Bytes| String::from_utf8(b.to_vec()).unwrap();
+    for txn in txns {
+        for (k, e) in txn.events.iter().enumerate() {
+            let shard = shard_of(e.partition_key.as_deref(), SHARDS);
+            shards[shard as usize].push(Entry {
+                id: format!("{}-{k}", txn.commit_lsn),
+                outbox_id: text(&e.outbox_id),
+                event: text(&e.event),
+                payload: serde_json::from_slice(&e.payload).unwrap(),
+                created_at: text(&e.created_at),
+            });
+        }
+    }
+    shards
+}
+
+async fn shard_entries(fx: &Fixture<'_>) -> Vec<Vec<Entry>> {
+    let mut all = Vec::new();
+    for k in 0..SHARDS {
+        all.push(
+            read_stream(fx.redis, &shard_key(&fx.stream, k, SHARDS))
+                .await
+                .unwrap(),
+        );
+    }
+    all
+}
+
+/// Wait until every shard holds exactly what committed (the shard's rows, once, in order).
+async fn assert_shards_hold_exactly_what_committed(fx: &Fixture<'_>, relay: &RelayProcess) {
+    let expected = expected_by_shard(&fx.witness().await);
+    assert!(
+        expected.iter().filter(|s| !s.is_empty()).count() >= SHARDS as usize - 1,
+        "the chats spread over the shards: {:?}",
+        expected.iter().map(Vec::len).collect::<Vec<_>>()
+    );
+    wait_until(
+        Duration::from_secs(60),
+        "every shard holds its rows",
+        || async {
+            let actual = shard_entries(fx).await;
+            let behind: Vec<(usize, usize, usize)> = (0..SHARDS as usize)
+                .filter(|k| actual[*k].len() < expected[*k].len())
+                .map(|k| (k, actual[k].len(), expected[k].len()))
+                .collect();
+            if behind.is_empty() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "(shard, has, needs): {behind:?}; log: {}",
+                    tail(&relay.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+    let actual = shard_entries(fx).await;
+    for k in 0..SHARDS as usize {
+        let ids = |entries: &[Entry]| {
+            entries
+                .iter()
+                .map(|e| (e.id.clone(), e.outbox_id.clone()))
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            ids(&actual[k]),
+            ids(&expected[k]),
+            "shard {k}: stream vs committed (id, outbox id)"
+        );
+        assert_eq!(actual[k], expected[k], "shard {k}: entries' fields");
+    }
+}
+
+/// Four writers, `txns` transactions each of 1 to 4 rows over 40 chats.
+async fn write_concurrently(fx: &Fixture<'_>, round: u32, txns: u32) {
+    let mut writers = Vec::new();
+    for w in 0..4u32 {
+        let mut client = fx.writer().await;
+        writers.push(tokio::spawn(async move {
+            for t in 0..txns {
+                let n = 1 + ((w + t) % 4) as usize;
+                let chats: Vec<i64> = (0..n)
+                    .map(|r| 1 + i64::from((round * 7919 + w * 131 + t * 17 + r as u32 * 3) % 40))
+                    .collect();
+                insert_chat_txn(&mut client, w, t, &chats).await.unwrap();
+            }
+        }));
+    }
+    for w in writers {
+        w.await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_chat_lands_in_its_shard_in_commit_order() {
+    // GIVEN a stream of 8 shards and a relay streaming it
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::sharded(shared_postgres(), &redis, SHARDS).await;
+    let relay = fx.spawn_relay("relay", &[]);
+    relay.wait_streaming().await;
+
+    // WHEN four writers commit transactions spanning several chats (so shards) at once
+    write_concurrently(&fx, 0, 60).await;
+
+    // THEN each shard holds exactly its chats' rows, in commit order, with single-stream ids
+    assert_shards_hold_exactly_what_committed(&fx, &relay).await;
+    // AND every shard's record names the shard count
+    let mut conn = redis.connect().await.unwrap();
+    for k in 0..SHARDS {
+        let shards: Option<String> = redis::cmd("HGET")
+            .arg(format!("{}:origin", shard_key(&fx.stream, k, SHARDS)))
+            .arg("shards")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(shards.as_deref(), Some("8"), "shard {k}'s record");
+    }
+    relay.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_that_lost_its_data_is_rebuilt_without_duplicating_the_others() {
+    // GIVEN 8 shards holding what four writers committed
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::sharded(shared_postgres(), &redis, SHARDS).await;
+    let relay = fx.spawn_relay("relay-1", &[]);
+    relay.wait_streaming().await;
+    write_concurrently(&fx, 0, 30).await;
+    assert_shards_hold_exactly_what_committed(&fx, &relay).await;
+    relay.stop();
+    let mut conn = redis.connect().await.unwrap();
+
+    // WHEN shard 3 loses its entries but keeps its record (a stale node), and the relay
+    // starts again while writers go on
+    let () = redis::cmd("DEL")
+        .arg(shard_key(&fx.stream, 3, SHARDS))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let relay = fx.spawn_relay("relay-2", &[]);
+    relay.wait_streaming().await;
+    write_concurrently(&fx, 1, 10).await;
+
+    // THEN shard 3 gets its rows back, and no shard holds anything twice
+    assert_shards_hold_exactly_after_rebuild(&fx, &relay, "lost_redis_data", &[3]).await;
+    relay.stop();
+
+    // WHEN shard 5 loses everything, its record too
+    let () = redis::cmd("DEL")
+        .arg(shard_key(&fx.stream, 5, SHARDS))
+        .arg(format!("{}:origin", shard_key(&fx.stream, 5, SHARDS)))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let relay = fx.spawn_relay("relay-3", &[]);
+    relay.wait_streaming().await;
+    write_concurrently(&fx, 2, 10).await;
+
+    // THEN the same
+    assert_shards_hold_exactly_after_rebuild(&fx, &relay, "no_record", &[3, 5]).await;
+    relay.stop();
+}
+
+/// After rebuilds of the shards `rebuilt`: the other shards hold exactly what committed
+/// (nothing was republished into them); each rebuilt one holds each of its rows once
+/// (republished ones above its old top, in outbox order, so their ids are not commit LSNs).
+async fn assert_shards_hold_exactly_after_rebuild(
+    fx: &Fixture<'_>,
+    relay: &RelayProcess,
+    reason: &str,
+    rebuilt: &[usize],
+) {
+    common::wait_rebuild_counted(relay, reason).await;
+    let expected = expected_by_shard(&fx.witness().await);
+    wait_until(
+        Duration::from_secs(60),
+        "every shard holds its rows",
+        || async {
+            let actual = shard_entries(fx).await;
+            let missing: Vec<(usize, usize)> = (0..SHARDS as usize)
+                .map(|k| {
+                    let have: HashSet<&str> =
+                        actual[k].iter().map(|e| e.outbox_id.as_str()).collect();
+                    (
+                        k,
+                        expected[k]
+                            .iter()
+                            .filter(|e| !have.contains(e.outbox_id.as_str()))
+                            .count(),
+                    )
+                })
+                .filter(|(_, n)| *n > 0)
+                .collect();
+            if missing.is_empty() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "(shard, missing rows): {missing:?}; log: {}",
+                    tail(&relay.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+    let actual = shard_entries(fx).await;
+    for k in 0..SHARDS as usize {
+        if !rebuilt.contains(&k) {
+            assert_eq!(actual[k], expected[k], "shard {k} (not rebuilt)");
+            continue;
+        }
+        let got: Vec<&str> = actual[k].iter().map(|e| e.outbox_id.as_str()).collect();
+        let unique: HashSet<&str> = got.iter().copied().collect();
+        assert_eq!(unique.len(), got.len(), "shard {k} holds a row twice");
+        let want: HashSet<&str> = expected[k].iter().map(|e| e.outbox_id.as_str()).collect();
+        assert_eq!(unique, want, "shard {k}: rows");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_with_another_shard_count_is_refused_with_what_to_change() {
+    // GIVEN a stream set up with 8 shards
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::sharded(shared_postgres(), &redis, SHARDS).await;
+    for other in ["4", "1"] {
+        // WHEN a relay says another count
+        let output = std::process::Command::new(env!("CARGO_BIN_EXE_cdc-relay"))
+            .arg("run")
+            .args(fx.flags(&["--stream-shards", other, "--admin-addr", ""]))
+            .output()
+            .unwrap();
+        // THEN it stops at once, saying what the stream has and which flag to change
+        common::assert_refused(&output, &["set up with 8 shard(s)", "--stream-shards"]);
+    }
+    // AND nothing was written under the other layout
+    let mut conn = redis.connect().await.unwrap();
+    let plain: bool = redis::cmd("EXISTS")
+        .arg(format!("{}:origin", fx.stream))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    assert!(!plain, "a record of the plain stream appeared");
+}

@@ -1,0 +1,165 @@
+//! Streams split into 8 shards, received by several instances that share them: one lease
+//! per shard, a fair split that follows instances joining and dying, and per-chat order
+//! kept because a chat lives in one shard. Real processes, SIGKILL among them.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use chat_services::Side;
+use common::{send, ServiceProcess, Stack, Viewer};
+use testkit::shared_postgres;
+
+const SHARDS: u32 = 8;
+const CHATS: i64 = 16;
+
+/// The shards an instance holds, from /readyz.
+async fn held(admin: SocketAddr) -> Option<Vec<u32>> {
+    let (status, body) = testkit::http::get(admin, "/readyz").await.ok()?;
+    if status != 200 {
+        return None;
+    }
+    let json: serde_json::Value = serde_json::from_str(&body).ok()?;
+    Some(
+        json["shards"]
+            .as_array()?
+            .iter()
+            .filter_map(|s| s.as_u64().map(|s| s as u32))
+            .collect(),
+    )
+}
+
+/// Wait until `instances` hold every shard between them, each once, each instance its fair
+/// share (the count differs by at most one).
+async fn wait_fair_split(instances: &[&ServiceProcess]) {
+    testkit::wait_until(
+        Duration::from_secs(60),
+        "the shards split fairly over the live instances",
+        || async {
+            let mut all = Vec::new();
+            let mut counts = Vec::new();
+            for i in instances {
+                let shards = held(i.admin).await.unwrap_or_default();
+                counts.push(shards.len());
+                all.extend(shards);
+            }
+            all.sort_unstable();
+            let fair = counts.iter().max().unwrap() - counts.iter().min().unwrap() <= 1;
+            if all == (0..SHARDS).collect::<Vec<_>>() && fair {
+                Ok(())
+            } else {
+                Err(format!("held {all:?}, per instance {counts:?}"))
+            }
+        },
+    )
+    .await;
+}
+
+/// Every message Consumers sent to `chat` is in Workers' inbox once, in the order it was
+/// sent (the chat's feed order on the sending side).
+async fn assert_received_in_sent_order(stack: &Stack<'_>, chat: i64) {
+    let db = stack.db.connect().await.unwrap();
+    let ids = |sql: &'static str| {
+        let db = &db;
+        async move {
+            db.query(sql, &[&chat])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()
+        }
+    };
+    let sent = ids("SELECT id::text FROM consumers.messages WHERE chat_id = $1 ORDER BY pos").await;
+    testkit::wait_until(
+        Duration::from_secs(60),
+        &format!("chat {chat}: all {} messages received", sent.len()),
+        || async {
+            let n = stack
+                .count(&format!(
+                    "SELECT count(*) FROM workers.inbox WHERE chat_id = {chat}"
+                ))
+                .await as usize;
+            if n >= sent.len() {
+                Ok(())
+            } else {
+                Err(format!("{n} received"))
+            }
+        },
+    )
+    .await;
+    let received =
+        ids("SELECT message_id::text FROM workers.inbox WHERE chat_id = $1 ORDER BY pos").await;
+    assert_eq!(received, sent, "chat {chat}: received once, in sent order");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn instances_share_eight_shards_and_keep_each_chat_once_in_order_across_kills() {
+    // GIVEN 8 shards per side, one Consumers instance sending and three Workers instances
+    // receiving, with tabs on every Workers instance
+    let stack = Stack::start_sharded(shared_postgres(), SHARDS).await;
+    let c1 = stack
+        .service_process(Side::Consumers, "consumers-1", &[])
+        .await;
+    let w1 = stack
+        .service_process_standby(Side::Workers, "workers-1", &[])
+        .await;
+    let w2 = stack
+        .service_process_standby(Side::Workers, "workers-2", &[])
+        .await;
+    let w3 = stack
+        .service_process_standby(Side::Workers, "workers-3", &[])
+        .await;
+    wait_fair_split(&[&w1, &w2, &w3]).await;
+    let tabs: Vec<Viewer> = [3, 4]
+        .iter()
+        .map(|chat| Viewer::start(&format!("workers-3 tab on chat {chat}"), w3.addr, *chat))
+        .collect();
+    // A tab that moves between instances on every reconnect.
+    let roaming = Viewer::start_balanced("roaming tab", &[w2.addr, w1.addr, w3.addr], 5);
+
+    // WHEN messages to 16 chats flow all along while one instance is SIGKILLed, a new one
+    // joins, and another is SIGKILLed
+    let sender = tokio::spawn({
+        let addr = c1.addr;
+        async move {
+            for i in 0..400i64 {
+                send(addr, 1 + i % CHATS, &format!("m{i}")).await;
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    w2.child.kill().unwrap();
+    wait_fair_split(&[&w1, &w3]).await;
+    let w4 = stack
+        .service_process_standby(Side::Workers, "workers-4", &[])
+        .await;
+    wait_fair_split(&[&w1, &w3, &w4]).await;
+    w1.child.kill().unwrap();
+    wait_fair_split(&[&w3, &w4]).await;
+    sender.await.unwrap();
+
+    // THEN every chat's messages were recorded once, in the order they were sent
+    for chat in 1..=CHATS {
+        assert_received_in_sent_order(&stack, chat).await;
+    }
+    // AND the tabs on an instance that lived through it all, and the one that roamed, show
+    // their feed
+    // once, in order
+    for (tab, chat) in tabs.iter().zip([3, 4]) {
+        tab.assert_shows_feed(&stack.db, Side::Workers, chat).await;
+    }
+    roaming
+        .assert_shows_feed(&stack.db, Side::Workers, 5)
+        .await;
+    // AND nothing is left pending in any shard
+    for k in 0..SHARDS {
+        let stream = cdc_relay::shard::shard_key("outbox:consumers", k, SHARDS);
+        assert_eq!(stack.pending(&stream, "workers").await, 0, "{stream}");
+    }
+    drop(w3);
+    drop(w4);
+    drop(c1);
+}
