@@ -49,6 +49,10 @@ pub enum Command {
     Check(CheckArgs),
     /// Drop a replication slot (refused while it is active).
     DropSlot(DropSlotArgs),
+    /// Move a drained stream to the count given by --stream-shards (every relay of the side
+    /// stopped, every shard read and acknowledged by every group); takes `run`'s flags. See
+    /// docs/deployment.md, "Resizing a stream".
+    Reshard(RunArgs),
 }
 
 /// The connection flags of `run`, for the slot commands: only the database URL is used.
@@ -186,6 +190,23 @@ impl RedisSecrets {
             "--redis-url",
         )
     }
+
+    /// A single server's client, or a cluster's when `cluster`.
+    pub fn target(
+        &self,
+        url: &str,
+        cluster: bool,
+        timeout: Duration,
+    ) -> Result<crate::redis_client::RedisTarget, RelayError> {
+        crate::redis_client::target(
+            url,
+            cluster,
+            self.redis_password_file.as_deref(),
+            self.redis_ca_file.as_deref(),
+            "--redis-url",
+            timeout,
+        )
+    }
 }
 
 #[derive(Debug, Clone, Args)]
@@ -195,6 +216,10 @@ pub struct RunArgs {
     /// Redis URL (redis://, rediss:// or redis+unix://).
     #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub redis_url: String,
+    /// The Redis URL names any node of a Redis Cluster (redis-rs's cluster client finds the
+    /// others and follows MOVED/ASK and failovers).
+    #[arg(long, env = "REDIS_CLUSTER")]
+    pub redis_cluster: bool,
     /// Stream key the relay writes (only the relay writes it; never DEL it).
     #[arg(long, env = "CDC_STREAM")]
     pub stream: String,
@@ -218,6 +243,9 @@ pub struct SetupArgs {
     /// instead of rebuilding from the outbox table); an existing record is never touched.
     #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub redis_url: Option<String>,
+    /// The Redis URL names any node of a Redis Cluster.
+    #[arg(long, env = "REDIS_CLUSTER")]
+    pub redis_cluster: bool,
     /// The stream `run` will write (see --redis-url).
     #[arg(long, env = "CDC_STREAM")]
     pub stream: Option<String>,
@@ -273,6 +301,12 @@ pub struct Tuning {
     /// unconfirmed was acknowledged, so nothing is lost).
     #[arg(long, env = "CDC_SHUTDOWN_GRACE", value_parser = humantime::parse_duration, default_value = "10s")]
     pub shutdown_grace: Duration,
+    /// Replicas that must acknowledge each write (Redis `WAIT`) before a batch counts as
+    /// confirmed and the slot may be acknowledged: with 1 or more, a Redis failover cannot
+    /// lose what the slot was told was delivered; with 0, such a loss is detected and the
+    /// stream (shard) rebuilt from the outbox.
+    #[arg(long, env = "CDC_REDIS_WAIT_REPLICAS", default_value_t = 0)]
+    pub redis_wait_replicas: u32,
     /// TTL of the rebuild lock in Redis; the rebuilding relay extends it every third of it,
     /// and other relays stand by while it lives.
     #[arg(long, env = "CDC_REBUILD_LOCK_TTL", value_parser = humantime::parse_duration, default_value = "30s")]
@@ -292,7 +326,7 @@ pub struct PostgresConfig {
 #[derive(Clone)]
 pub struct RelayConfig {
     pub postgres: PostgresConfig,
-    pub redis: redis::Client,
+    pub redis: crate::redis_client::RedisTarget,
     pub stream: String,
     pub stream_shards: u32,
     pub admin_addr: Option<SocketAddr>,
@@ -307,6 +341,7 @@ pub struct RelayConfig {
     pub on_lost_slot: OnLostSlot,
     pub slot_metrics_interval: Duration,
     pub rebuild_lock_ttl: Duration,
+    pub redis_wait_replicas: u32,
 }
 
 impl std::fmt::Debug for RelayConfig {
@@ -360,7 +395,11 @@ impl PostgresArgs {
 impl RunArgs {
     pub fn validate(&self) -> Result<RelayConfig, RelayError> {
         let postgres = self.postgres.validate()?;
-        let redis = self.redis_secrets.client(&self.redis_url)?;
+        let redis = self.redis_secrets.target(
+            &self.redis_url,
+            self.redis_cluster,
+            self.tuning.redis_timeout,
+        )?;
         if self.stream.is_empty() || self.stream.chars().any(|c| c.is_whitespace()) {
             return Err(RelayError::Config(
                 "--stream must be a non-empty key without whitespace, e.g. outbox:consumers".into(),
@@ -419,6 +458,7 @@ impl RunArgs {
             on_lost_slot: t.on_lost_slot,
             slot_metrics_interval: t.slot_metrics_interval,
             rebuild_lock_ttl: t.rebuild_lock_ttl,
+            redis_wait_replicas: t.redis_wait_replicas,
         })
     }
 }

@@ -7,7 +7,7 @@
 
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
+use redis::aio::ConnectionLike;
 
 const ACQUIRE: &str = r#"
 local v = redis.call('GET', KEYS[1])
@@ -59,7 +59,10 @@ impl Lease {
     }
 
     /// Take or extend the lease; `false` while another instance holds it.
-    pub async fn acquire(&self, conn: &mut ConnectionManager) -> redis::RedisResult<bool> {
+    pub async fn acquire<C: ConnectionLike + Send>(
+        &self,
+        conn: &mut C,
+    ) -> redis::RedisResult<bool> {
         let got: i64 = self
             .acquire
             .key(&self.key)
@@ -72,7 +75,7 @@ impl Lease {
     }
 
     /// Give the lease up (on shutdown), if still ours.
-    pub async fn release(&self, conn: &mut ConnectionManager) -> redis::RedisResult<()> {
+    pub async fn release<C: ConnectionLike + Send>(&self, conn: &mut C) -> redis::RedisResult<()> {
         let _: i64 = self
             .release
             .key(&self.key)

@@ -26,6 +26,7 @@ pub mod rebuild;
 pub mod record;
 pub mod redis_client;
 pub mod relay;
+pub mod reshard;
 mod session;
 pub mod setup;
 pub mod shard;

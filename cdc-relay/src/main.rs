@@ -36,7 +36,9 @@ async fn run_setup(args: &cdc_relay::config::SetupArgs) -> Result<(), cdc_relay:
         SetupOutcome::AlreadyExists => println!("replication slot {} already exists", pg.slot),
     }
     if let (Some(url), Some(stream)) = (&args.redis_url, &args.stream) {
-        let redis = args.redis_secrets.client(url)?;
+        let redis = args
+            .redis_secrets
+            .target(url, args.redis_cluster, timeout)?;
         let shards = cdc_relay::shard::validate_count("--stream-shards", args.stream_shards)
             .map_err(cdc_relay::RelayError::Config)?;
         match cdc_relay::setup::init_stream_record(&pg, &outcome, redis, stream, shards, timeout)
@@ -78,6 +80,12 @@ async fn main() -> ExitCode {
             .await
             .map(|out| println!("{out}")),
         Command::Setup(args) => run_setup(&args).await,
+        Command::Reshard(args) => match args.validate() {
+            Ok(config) => cdc_relay::reshard::reshard(&config)
+                .await
+                .map(|out| println!("{out}")),
+            Err(e) => Err(e),
+        },
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

@@ -17,12 +17,12 @@
 
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use redis::{ErrorKind, ServerErrorKind, Value};
 
 use crate::batch::{Batch, EntryId, StreamEntry};
 use crate::error::{script_codes, RelayError};
 use crate::record::{origin_key, Origin, Records, StreamRecord};
+use crate::redis_client::{RedisConn, RedisTarget};
 use crate::shard;
 
 const SCRIPT: &str = include_str!("publish.lua");
@@ -55,29 +55,28 @@ struct ShardKeys {
 
 #[derive(Clone)]
 pub struct Publisher {
-    conn: ConnectionManager,
+    conn: RedisConn,
     /// The stream's configured name (shard keys derive from it).
     base: String,
     shards: Vec<ShardKeys>,
     max_len: u64,
     script_sha: String,
+    /// Replicas that must acknowledge each call before it counts (`WAIT`), and how long
+    /// to wait for them.
+    wait_replicas: u32,
+    timeout: Duration,
 }
 
 impl Publisher {
     /// Connect (one attempt; the caller retries) and load the script.
     pub async fn connect(
-        client: redis::Client,
+        target: &RedisTarget,
         stream: &str,
         shards: u32,
         max_len: u64,
         response_timeout: Duration,
     ) -> Result<Self, RelayError> {
-        let config = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(response_timeout))
-            .set_connection_timeout(Some(response_timeout))
-            .set_number_of_retries(1)
-            .set_max_delay(Duration::from_secs(2));
-        let mut conn = ConnectionManager::new_with_config(client, config).await?;
+        let mut conn = target.connect(response_timeout).await?;
         let script_sha = load_script(&mut conn).await?;
         let shards = shard::shard_keys(stream, shards)
             .into_iter()
@@ -92,7 +91,16 @@ impl Publisher {
             shards,
             max_len,
             script_sha,
+            wait_replicas: 0,
+            timeout: response_timeout,
         })
+    }
+
+    /// Count a call as confirmed only once `replicas` replicas of its node acknowledged it
+    /// (`WAIT`): a failover then cannot lose what the slot was told was delivered.
+    pub fn with_wait_replicas(mut self, replicas: u32) -> Self {
+        self.wait_replicas = replicas;
+        self
     }
 
     /// The stream's configured name (with one shard, its key).
@@ -153,7 +161,7 @@ impl Publisher {
     }
 
     /// The connection (for the rebuild lock).
-    pub(crate) fn connection(&self) -> ConnectionManager {
+    pub(crate) fn connection(&self) -> RedisConn {
         self.conn.clone()
     }
 
@@ -170,7 +178,9 @@ impl Publisher {
         }
         if self.shards.len() == 1 {
             let entries: Vec<&StreamEntry> = batch.entries.iter().collect();
-            return self.publish_part(0, &entries, batch, origin, fences[0]).await;
+            return self
+                .publish_part(0, &entries, batch, origin, fences[0])
+                .await;
         }
         let mut parts: Vec<Vec<&StreamEntry>> = vec![Vec::new(); self.shards.len()];
         for entry in &batch.entries {
@@ -214,17 +224,37 @@ impl Publisher {
         origin: &Origin,
         fence: Option<EntryId>,
     ) -> Result<PublishOutcome, RelayError> {
-        let reply = self.eval(shard, entries, batch, origin, fence).await;
+        let reply = self.eval(shard, entries, batch, origin, fence, false).await;
         let reply = match reply {
+            // Redis restarted or failed over (scripts are not persisted): send the script
+            // itself, to the node that holds the shard (which caches it again).
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                // Redis restarted (scripts are not persisted): load it again and resend.
-                self.script_sha = load_script(&mut self.conn).await?;
-                self.eval(shard, entries, batch, origin, fence).await
+                self.eval(shard, entries, batch, origin, fence, true).await
             }
             other => other,
         };
         let reply = reply.map_err(|e| self.script_error(shard, e, origin))?;
-        parse_outcome(reply)
+        let outcome = parse_outcome(reply)?;
+        if self.wait_replicas > 0 {
+            let stream = &self.shards[shard].stream;
+            let acked = self
+                .conn
+                .wait_replicas(stream, self.wait_replicas, self.timeout)
+                .await?;
+            if acked < self.wait_replicas {
+                // Not confirmed: sent again (idempotent) until enough replicas have it.
+                return Err(RelayError::Redis(redis::RedisError::from(
+                    std::io::Error::new(
+                        std::io::ErrorKind::TimedOut,
+                        format!(
+                            "WAIT: {acked} of {} replicas acknowledged {stream} within {:?}",
+                            self.wait_replicas, self.timeout
+                        ),
+                    ),
+                )));
+            }
+        }
+        Ok(outcome)
     }
 
     async fn eval(
@@ -234,11 +264,19 @@ impl Publisher {
         batch: &Batch,
         origin: &Origin,
         fence: Option<EntryId>,
+        by_body: bool,
     ) -> redis::RedisResult<Value> {
         let keys = &self.shards[shard];
-        let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&self.script_sha)
-            .arg(2)
+        let mut cmd = if by_body {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(SCRIPT);
+            cmd
+        } else {
+            let mut cmd = redis::cmd("EVALSHA");
+            cmd.arg(&self.script_sha);
+            cmd
+        };
+        cmd.arg(2)
             .arg(&keys.stream)
             .arg(&keys.origin_key)
             .arg(&origin.system_id)
@@ -294,7 +332,7 @@ impl Publisher {
     }
 }
 
-async fn load_script(conn: &mut ConnectionManager) -> Result<String, RelayError> {
+async fn load_script(conn: &mut RedisConn) -> Result<String, RelayError> {
     let sha: String = redis::cmd("SCRIPT")
         .arg("LOAD")
         .arg(SCRIPT)

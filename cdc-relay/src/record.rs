@@ -18,8 +18,8 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::redis_client::RedisConn;
 use pgwire_replication::Lsn;
-use redis::aio::ConnectionManager;
 use tokio::task::JoinHandle;
 use tracing::warn;
 
@@ -228,14 +228,14 @@ pub async fn read_all(records: &mut [Records]) -> Result<Vec<StreamRecord>, Rela
 /// Reads and writes the record of one stream.
 #[derive(Clone)]
 pub struct Records {
-    conn: ConnectionManager,
+    conn: RedisConn,
     stream: String,
     origin_key: String,
     lock_key: String,
 }
 
 impl Records {
-    pub fn new(conn: ConnectionManager, stream: &str) -> Self {
+    pub fn new(conn: RedisConn, stream: &str) -> Self {
         Self {
             conn,
             stream: stream.to_string(),
@@ -442,7 +442,7 @@ impl Records {
 /// marked lost when an extension is refused or none succeeded for a whole TTL. Every
 /// destructive step of a rebuild checks it first.
 pub(crate) struct RebuildLock {
-    conn: ConnectionManager,
+    conn: RedisConn,
     lease: Arc<Lease>,
     stream: String,
     lost: Arc<AtomicBool>,
@@ -452,7 +452,7 @@ pub(crate) struct RebuildLock {
 impl RebuildLock {
     /// Take the lock for `holder` (`None` while another relay holds it).
     pub async fn acquire(
-        conn: ConnectionManager,
+        conn: RedisConn,
         stream: &str,
         holder: &str,
         ttl: Duration,

@@ -1,12 +1,154 @@
 //! A Redis client from a URL (`redis://`, `rediss://` for TLS, `redis+unix://`), with the
-//! password optionally from a file and TLS verified against a CA file when one is given.
+//! password optionally from a file and TLS verified against a CA file when one is given;
+//! and one connection type for a single server or a Redis Cluster (`--redis-cluster`: the
+//! URL names any node, redis-rs's cluster client finds the rest and follows MOVED/ASK and
+//! failovers).
 
 use std::path::Path;
+use std::time::Duration;
 
-use redis::IntoConnectionInfo;
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
+use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisFuture, RedisResult, Value};
 
 use crate::error::RelayError;
 use crate::pg::read_secret_file;
+
+/// Where Redis is: one server, or a cluster reached through any of its nodes.
+#[derive(Clone)]
+pub enum RedisTarget {
+    Single(redis::Client),
+    Cluster(redis::cluster::ClusterClient),
+}
+
+/// A connection to either (cheap to clone; both reconnect by themselves).
+#[derive(Clone)]
+pub enum RedisConn {
+    Single(ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl RedisTarget {
+    /// Connect (one attempt; callers retry). `timeout` bounds each response.
+    pub async fn connect(&self, timeout: Duration) -> RedisResult<RedisConn> {
+        match self {
+            RedisTarget::Single(client) => {
+                let config = ConnectionManagerConfig::new()
+                    .set_response_timeout(Some(timeout))
+                    .set_connection_timeout(Some(timeout))
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_secs(2));
+                ConnectionManager::new_with_config(client.clone(), config)
+                    .await
+                    .map(RedisConn::Single)
+            }
+            RedisTarget::Cluster(client) => {
+                client.get_async_connection().await.map(RedisConn::Cluster)
+            }
+        }
+    }
+
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, RedisTarget::Cluster(_))
+    }
+}
+
+impl RedisConn {
+    /// `WAIT replicas timeout` on the node that holds `key`: how many replicas acknowledged
+    /// every write this connection sent there before.
+    pub async fn wait_replicas(
+        &mut self,
+        key: &str,
+        replicas: u32,
+        timeout: Duration,
+    ) -> RedisResult<u32> {
+        let mut cmd = redis::cmd("WAIT");
+        cmd.arg(replicas).arg(timeout.as_millis() as u64);
+        let reply = match self {
+            RedisConn::Single(conn) => cmd.query_async::<Value>(conn).await?,
+            RedisConn::Cluster(conn) => {
+                let route = redis::cluster_routing::Route::with_slot(
+                    Slot::for_key(key.as_bytes()),
+                    SlotAddr::Master,
+                );
+                conn.route_command(
+                    cmd,
+                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
+                )
+                .await?
+            }
+        };
+        Ok(redis::from_redis_value::<u32>(reply)?)
+    }
+}
+
+impl ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            RedisConn::Single(c) => c.req_packed_command(cmd),
+            RedisConn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            RedisConn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            RedisConn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            RedisConn::Single(c) => c.get_db(),
+            RedisConn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// A target for `url`: a cluster client when `cluster` (the URL names any node), otherwise
+/// [`client`]'s single-server client. `timeout` bounds the cluster client's responses (a
+/// single-server connection sets its own when it connects).
+pub fn target(
+    url: &str,
+    cluster: bool,
+    password_file: Option<&Path>,
+    ca_file: Option<&Path>,
+    flag: &str,
+    timeout: Duration,
+) -> Result<RedisTarget, RelayError> {
+    let single = client(url, password_file, ca_file, flag)?;
+    if !cluster {
+        return Ok(RedisTarget::Single(single));
+    }
+    let info = single.get_connection_info().clone();
+    if matches!(info.addr(), redis::ConnectionAddr::Unix(_)) {
+        return Err(RelayError::Config(format!(
+            "{flag}: a Redis Cluster is reached over TCP (redis:// or rediss://), not a Unix socket"
+        )));
+    }
+    let mut builder = redis::cluster::ClusterClientBuilder::new(vec![info])
+        .response_timeout(timeout)
+        .connection_timeout(timeout);
+    if let Some(path) = ca_file {
+        let root_cert = std::fs::read(path)
+            .map_err(|e| RelayError::Config(format!("CA file {}: {e}", path.display())))?;
+        builder = builder.certs(redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(root_cert),
+        });
+    }
+    builder.build().map(RedisTarget::Cluster).map_err(|e| {
+        RelayError::Config(format!(
+            "{flag}: {}",
+            e.detail().unwrap_or("invalid cluster client configuration")
+        ))
+    })
+}
 
 /// Build a client; `flag` names the URL's flag in error messages (which never show it).
 pub fn client(

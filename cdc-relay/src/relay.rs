@@ -131,13 +131,17 @@ impl Relay {
         let cfg = &ctx.config;
         let mut backoff = Backoff::new(Duration::from_millis(200), cfg.reconnect_max_backoff);
         loop {
-            let attempt = Publisher::connect(
-                cfg.redis.clone(),
-                &cfg.stream,
-                cfg.stream_shards,
-                cfg.stream_max_len,
-                cfg.redis_timeout,
-            );
+            let attempt = async {
+                Publisher::connect(
+                    &cfg.redis,
+                    &cfg.stream,
+                    cfg.stream_shards,
+                    cfg.stream_max_len,
+                    cfg.redis_timeout,
+                )
+                .await
+                .map(|p| p.with_wait_replicas(cfg.redis_wait_replicas))
+            };
             let result = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(None),
                 result = attempt => result,

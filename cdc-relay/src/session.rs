@@ -235,10 +235,9 @@ impl Session<'_> {
                         txn.next_seq += 1;
                         let shard =
                             shard::shard_of(event.partition_key.as_deref(), self.state.shards);
-                        self.state.filling.push(
-                            StreamEntry { id, shard, event },
-                            txn.commit_time_micros,
-                        );
+                        self.state
+                            .filling
+                            .push(StreamEntry { id, shard, event }, txn.commit_time_micros);
                     }
                     Row::Foreign(table) => {
                         self.ctx.metrics.foreign_inserts_skipped_total.inc();

@@ -130,7 +130,7 @@ pub enum RecordOutcome {
 pub async fn init_stream_record(
     cfg: &PostgresConfig,
     setup: &SetupOutcome,
-    redis: redis::Client,
+    redis: crate::redis_client::RedisTarget,
     stream: &str,
     shards: u32,
     timeout: Duration,
@@ -141,7 +141,7 @@ pub async fn init_stream_record(
     let consistent_point = pgwire_replication::Lsn::parse(consistent_point)
         .map_err(|e| RelayError::Protocol(format!("consistent point: {}", e.0)))?;
     let mut publisher =
-        crate::publisher::Publisher::connect(redis, stream, shards, 0, timeout).await?;
+        crate::publisher::Publisher::connect(&redis, stream, shards, 0, timeout).await?;
     let mut records = publisher.records();
     let all = crate::record::read_all(&mut records).await?;
     publisher.check_layout(&all).await?;

@@ -110,7 +110,10 @@ mod tests {
         assert_eq!(shard_of(Some(b"42"), 1), 0);
         assert_eq!(shard_of(None, 8), 0);
         // FNV-1a("a") = 0xaf63dc4c8601ec8c
-        assert_eq!(shard_of(Some(b"a"), 1 << 20), (0xaf63_dc4c_8601_ec8c_u64 % (1 << 20)) as u32);
+        assert_eq!(
+            shard_of(Some(b"a"), 1 << 20),
+            (0xaf63_dc4c_8601_ec8c_u64 % (1 << 20)) as u32
+        );
         let mut counts = [0u32; 8];
         for chat in 0..8000 {
             counts[shard_of(Some(chat.to_string().as_bytes()), 8) as usize] += 1;
@@ -122,7 +125,10 @@ mod tests {
     fn a_mismatch_says_what_to_change() {
         assert!(check_recorded("s", 8, [8, 8]).is_ok());
         let e = check_recorded("s", 8, [1]).unwrap_err();
-        assert!(e.contains("set up with 1 shard") && e.contains("--stream-shards"), "{e}");
+        assert!(
+            e.contains("set up with 1 shard") && e.contains("--stream-shards"),
+            "{e}"
+        );
         assert_eq!(recorded_count(None), Some(1));
         assert_eq!(recorded_count(Some("8")), Some(8));
         assert!(validate_count("--stream-shards", 0).is_err());

@@ -13,12 +13,12 @@ use pgwire_replication::ReplicationClient;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::batch::EntryId;
 use crate::config::OnLostSlot;
 use crate::context::Context;
 use crate::error::{replication_error, RelayError, ReplicationPhase};
 use crate::publisher::Publisher;
 use crate::rebuild::{self, Reason};
-use crate::batch::EntryId;
 use crate::record::{read_all, Origin, RebuildLock, StreamRecord};
 use crate::session;
 use crate::setup::{check_prerequisites, check_slot, slot_info, SlotInfo};

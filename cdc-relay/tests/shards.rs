@@ -8,8 +8,8 @@ mod common;
 use std::collections::HashSet;
 use std::time::Duration;
 
-use cdc_relay::shard::{shard_key, shard_of};
-use common::{read_stream, tail, Entry, Fixture, RelayProcess, WitnessTxn};
+use cdc_relay::shard::shard_key;
+use common::{read_stream, tail, Entry, Fixture, RelayProcess};
 use testkit::{shared_postgres, wait_until, RedisServer};
 
 const SHARDS: u32 = 8;
@@ -23,7 +23,8 @@ async fn insert_chat_txn(
 ) -> Result<(), tokio_postgres::Error> {
     let tx = client.transaction().await?;
     for (row, chat) in chats.iter().enumerate() {
-        let payload = serde_json::json!({"chat_id": chat, "writer": writer, "txn": txn, "row": row});
+        let payload =
+            serde_json::json!({"chat_id": chat, "writer": writer, "txn": txn, "row": row});
         tx.execute(
             "INSERT INTO consumers.outbox (event, payload, partition_key) VALUES ('test.event', $1::text::jsonb, $2)",
             &[&payload.to_string(), &chat.to_string()],
@@ -31,26 +32,6 @@ async fn insert_chat_txn(
         .await?;
     }
     tx.commit().await
-}
-
-/// What each shard must hold: every committed row in the shard of its partition key, in
-/// commit order, with the id `<commit_lsn>-<position in its transaction>`.
-fn expected_by_shard(txns: &[WitnessTxn]) -> Vec<Vec<Entry>> {
-    let mut shards = vec![Vec::new(); SHARDS as usize];
-    let text = |b: &bytes::Bytes| String::from_utf8(b.to_vec()).unwrap();
-    for txn in txns {
-        for (k, e) in txn.events.iter().enumerate() {
-            let shard = shard_of(e.partition_key.as_deref(), SHARDS);
-            shards[shard as usize].push(Entry {
-                id: format!("{}-{k}", txn.commit_lsn),
-                outbox_id: text(&e.outbox_id),
-                event: text(&e.event),
-                payload: serde_json::from_slice(&e.payload).unwrap(),
-                created_at: text(&e.created_at),
-            });
-        }
-    }
-    shards
 }
 
 async fn shard_entries(fx: &Fixture<'_>) -> Vec<Vec<Entry>> {
@@ -67,7 +48,7 @@ async fn shard_entries(fx: &Fixture<'_>) -> Vec<Vec<Entry>> {
 
 /// Wait until every shard holds exactly what committed (the shard's rows, once, in order).
 async fn assert_shards_hold_exactly_what_committed(fx: &Fixture<'_>, relay: &RelayProcess) {
-    let expected = expected_by_shard(&fx.witness().await);
+    let expected = common::expected_by_shard(&fx.witness().await, SHARDS);
     assert!(
         expected.iter().filter(|s| !s.is_empty()).count() >= SHARDS as usize - 1,
         "the chats spread over the shards: {:?}",
@@ -210,7 +191,7 @@ async fn assert_shards_hold_exactly_after_rebuild(
     rebuilt: &[usize],
 ) {
     common::wait_rebuild_counted(relay, reason).await;
-    let expected = expected_by_shard(&fx.witness().await);
+    let expected = common::expected_by_shard(&fx.witness().await, SHARDS);
     wait_until(
         Duration::from_secs(60),
         "every shard holds its rows",
@@ -278,4 +259,140 @@ async fn a_relay_with_another_shard_count_is_refused_with_what_to_change() {
         .await
         .unwrap();
     assert!(!plain, "a record of the plain stream appeared");
+}
+
+fn reshard(fx: &Fixture<'_>, shards: &str) -> std::process::Output {
+    std::process::Command::new(env!("CARGO_BIN_EXE_cdc-relay"))
+        .arg("reshard")
+        .args(fx.flags(&["--stream-shards", shards, "--admin-addr", ""]))
+        .output()
+        .unwrap()
+}
+
+/// Read `count` new entries of `stream` as group `g` and acknowledge them.
+async fn consume(redis: &RedisServer, stream: &str, count: usize) -> usize {
+    let mut conn = redis.connect().await.unwrap();
+    let _: redis::RedisResult<()> = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(stream)
+        .arg("g")
+        .arg("0")
+        .query_async(&mut conn)
+        .await;
+    let reply: redis::streams::StreamReadReply = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg("g")
+        .arg("c")
+        .arg("COUNT")
+        .arg(count)
+        .arg("STREAMS")
+        .arg(stream)
+        .arg(">")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let ids: Vec<String> = reply
+        .keys
+        .iter()
+        .flat_map(|k| k.ids.iter().map(|e| e.id.clone()))
+        .collect();
+    if !ids.is_empty() {
+        let _: i64 = redis::cmd("XACK")
+            .arg(stream)
+            .arg("g")
+            .arg(&ids)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+    }
+    ids.len()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_drained_stream_is_resized_and_streams_on_without_republishing() {
+    // GIVEN a plain stream (one shard) a consumer group has read part of, and its relay
+    // stopped while writers go on (their rows wait in the slot)
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let relay = fx.spawn_relay("relay-1", &[]);
+    relay.wait_streaming().await;
+    write_concurrently(&fx, 0, 10).await;
+    let published = common::outbox_ids(&fx).await;
+    common::wait_published(&fx, &published, &relay).await;
+    assert_eq!(consume(&redis, &fx.stream, 5).await, 5);
+    relay.stop();
+    write_concurrently(&fx, 1, 10).await;
+
+    // WHEN the operator resizes to 8 before the group read everything: refused, saying why
+    common::assert_refused(
+        &reshard(&fx, "8"),
+        &["group g has not finished", "reshard again"],
+    );
+
+    // AND after the group drained the stream: done
+    consume(&redis, &fx.stream, 10_000).await;
+    let output = reshard(&fx, "8");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    assert!(String::from_utf8_lossy(&output.stdout).contains("resized from 1 to 8"));
+
+    // THEN a relay still configured with one shard is refused
+    let old = std::process::Command::new(env!("CARGO_BIN_EXE_cdc-relay"))
+        .arg("run")
+        .args(fx.flags(&["--admin-addr", ""]))
+        .output()
+        .unwrap();
+    common::assert_refused(&old, &["set up with 8 shard(s)", "--stream-shards"]);
+
+    // AND the relay with 8 streams on from the slot: the rows committed while it was
+    // stopped, and every later one, land in their shards in commit order, nothing
+    // republished and nothing in the old stream twice
+    let relay = fx.spawn_relay("relay-2", &["--stream-shards", "8"]);
+    relay.wait_streaming().await;
+    write_concurrently(&fx, 2, 10).await;
+    let old_stream: HashSet<String> = read_stream(&redis, &fx.stream)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.outbox_id)
+        .collect();
+    assert_eq!(old_stream.len(), published.len(), "old stream untouched");
+    let expected: Vec<Vec<Entry>> = common::expected_by_shard(&fx.witness().await, SHARDS)
+        .into_iter()
+        .map(|shard| {
+            shard
+                .into_iter()
+                .filter(|e| !old_stream.contains(&e.outbox_id))
+                .collect()
+        })
+        .collect();
+    let want: usize = expected.iter().map(Vec::len).sum();
+    wait_until(
+        Duration::from_secs(60),
+        "the new rows in the shards",
+        || async {
+            let have: usize = shard_entries(&fx).await.iter().map(Vec::len).sum();
+            if have >= want {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{have} of {want}; log: {}",
+                    tail(&relay.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+    assert_eq!(shard_entries(&fx).await, expected);
+    let rebuilds: f64 = common::metrics(&relay)
+        .await
+        .iter()
+        .filter(|(k, _)| k.starts_with("cdc_relay_rebuilds_total"))
+        .map(|(_, v)| v)
+        .sum();
+    assert_eq!(rebuilds, 0.0, "nothing rebuilt");
+    relay.stop();
 }

@@ -163,7 +163,9 @@ pub async fn run(
             while let Some(letters) = next_page(&mut conn, stream, &selection, &mut from).await? {
                 for letter in &letters {
                     let recorded = match letter.message(config.side.other()) {
-                        Ok(message) => record(&store, config.stream_shards, letter, message).await?,
+                        Ok(message) => {
+                            record(&store, config.stream_shards, letter, message).await?
+                        }
                         Err(e) => Err(e.to_string()),
                     };
                     match recorded {

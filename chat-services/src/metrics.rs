@@ -114,7 +114,7 @@ impl Metrics {
             ),
             consumer_active: gauge(
                 "chat_inbox_consumer_active",
-                "1 while this instance holds the inbox lease",
+                "Inbox shards whose lease this instance holds (1 or 0 with one shard)",
             ),
             sse_clients: gauge("chat_sse_clients", "Connected Server-Sent Events clients"),
             live_hints_unpublished_total: counter(

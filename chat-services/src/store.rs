@@ -580,7 +580,15 @@ impl Store {
         let rows = client
             .query(
                 &statement,
-                &[&ids, &chats, &bodies, &sent, &streams, &epoch, &(shard as i32)],
+                &[
+                    &ids,
+                    &chats,
+                    &bodies,
+                    &sent,
+                    &streams,
+                    &epoch,
+                    &(shard as i32),
+                ],
             )
             .await?;
         let mut recorded = HashMap::with_capacity(rows.len());

@@ -171,6 +171,18 @@ async fn the_dead_letter_stream_is_capped_and_what_it_trims_is_counted() {
         .service(Side::Workers, &["--dead-letter-max-len", "2"])
         .await;
     send(consumers.addr, 42, "creates the stream").await;
+    // Recorded, so the relay published it: nothing of ours lands above the entries below
+    // (an entry appended before the relay's own would make the relay's XADD the smaller id).
+    testkit::wait_until(Duration::from_secs(20), "first recorded", || async {
+        match stack
+            .count("SELECT count(*) FROM workers.inbox WHERE chat_id = 42")
+            .await
+        {
+            1 => Ok(()),
+            n => Err(format!("{n}")),
+        }
+    })
+    .await;
 
     // WHEN three poison entries arrive
     for _ in 0..3 {

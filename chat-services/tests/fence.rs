@@ -43,12 +43,16 @@ async fn a_stale_writer_is_refused_and_a_claim_waits_for_its_write() {
     let mut writer = db.connect_as("workers").await.unwrap();
     let in_flight = writer.transaction().await.unwrap();
     in_flight
-        .query_one("SELECT epoch FROM workers.inbox_writer FOR SHARE", &[])
+        .query_one(
+            "SELECT epoch FROM workers.inbox_writer WHERE shard = 0 FOR SHARE",
+            &[],
+        )
         .await
         .unwrap();
 
     // WHEN the new holder claims, it waits for that write...
-    let claim = tokio::spawn(async move { new.claim_inbox_writer("new", 0).await.map(|e| (e, new)) });
+    let claim =
+        tokio::spawn(async move { new.claim_inbox_writer("new", 0).await.map(|e| (e, new)) });
     let admin = db.connect().await.unwrap();
     wait_until(
         Duration::from_secs(10),
@@ -57,7 +61,7 @@ async fn a_stale_writer_is_refused_and_a_claim_waits_for_its_write() {
             let waiting: i64 = admin
                 .query_one(
                     "SELECT count(*) FROM pg_stat_activity
-                  WHERE wait_event_type = 'Lock' AND query LIKE 'UPDATE workers.inbox_writer%'",
+                  WHERE wait_event_type = 'Lock' AND query LIKE 'INSERT INTO workers.inbox_writer%'",
                     &[],
                 )
                 .await

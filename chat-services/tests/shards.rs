@@ -151,9 +151,7 @@ async fn instances_share_eight_shards_and_keep_each_chat_once_in_order_across_ki
     for (tab, chat) in tabs.iter().zip([3, 4]) {
         tab.assert_shows_feed(&stack.db, Side::Workers, chat).await;
     }
-    roaming
-        .assert_shows_feed(&stack.db, Side::Workers, 5)
-        .await;
+    roaming.assert_shows_feed(&stack.db, Side::Workers, 5).await;
     // AND nothing is left pending in any shard
     for k in 0..SHARDS {
         let stream = cdc_relay::shard::shard_key("outbox:consumers", k, SHARDS);

@@ -38,6 +38,12 @@ pub struct Args {
     /// Chats the load is spread over (one SSE client each).
     #[arg(long, default_value_t = 8)]
     pub e2e_chats: i64,
+    /// Receiving (Workers) instances; SSE clients are spread over them.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u8).range(1..=crate::system::MAX_INSTANCES as i64))]
+    pub instances: u8,
+    /// Shards of both streams (each receiving instance holds its share).
+    #[arg(long, default_value_t = 1)]
+    pub shards: u32,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -57,24 +63,53 @@ pub struct Knee {
     pub steps: Vec<Step>,
     /// The highest rate sustained with p99 under the limit.
     pub knee_per_second: Option<u32>,
+    pub instances: u8,
+    pub shards: u32,
+    /// CPU seconds each process used over the whole climb (warm-up included), and per
+    /// 1,000 messages shown.
+    pub cpu: Vec<ProcessCpu>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ProcessCpu {
+    pub process: String,
+    pub seconds: f64,
+    pub per_1000_messages: f64,
 }
 
 pub async fn measure(args: &Args) -> anyhow::Result<Knee> {
-    let system = System::new(true, Bins::beside_this()?).await?;
+    let system = System::new_sharded(true, Bins::beside_this()?, args.shards).await?;
     system.start("relay-consumers", Kind::Relay(Side::Consumers), &[])?;
     system
         .wait_relay("relay-consumers", Duration::from_secs(30))
         .await?;
+    let instances = usize::from(args.instances);
+    let mut names = vec!["relay-consumers".to_string(), "consumers".to_string()];
     system.start("consumers", Kind::Service(Side::Consumers), &[])?;
-    system.start("workers", Kind::Service(Side::Workers), &[])?;
-    for side in [Side::Consumers, Side::Workers] {
-        system.wait_service(side, Duration::from_secs(30)).await?;
+    for i in 0..instances {
+        let name = format!("workers-{}", i + 1);
+        let kind = match i {
+            0 => Kind::Service(Side::Workers),
+            _ => Kind::Instance(Side::Workers, i),
+        };
+        system.start(&name, kind, &[])?;
+        names.push(name);
     }
+    system
+        .wait_service(Side::Consumers, Duration::from_secs(30))
+        .await?;
+    for i in 0..instances {
+        system
+            .wait_instance(Side::Workers, i, Duration::from_secs(30))
+            .await?;
+    }
+    wait_shards_held(&system, instances, args.shards).await?;
+    let cpu_before: Vec<f64> = names.iter().map(|n| system.cpu_seconds(n)).collect();
     let arrivals: Arc<Mutex<HashMap<String, Instant>>> = Arc::default();
     let mut readers = Vec::new();
     for chat in 1..=args.e2e_chats {
         let mut client = SseClient::connect(
-            system.service_addr(Side::Workers),
+            system.instance_addr(Side::Workers, chat as usize % instances),
             &format!("/chats/{chat}/events"),
             None,
         )
@@ -214,18 +249,62 @@ pub async fn measure(args: &Args) -> anyhow::Result<Knee> {
     for r in readers {
         r.abort();
     }
+    let shown: usize = arrivals.lock().unwrap().len();
+    let cpu = names
+        .iter()
+        .zip(cpu_before)
+        .map(|(name, before)| {
+            let seconds = system.cpu_seconds(name) - before;
+            ProcessCpu {
+                process: name.clone(),
+                seconds,
+                per_1000_messages: seconds * 1000.0 / shown.max(1) as f64,
+            }
+        })
+        .collect();
     system.shutdown();
     Ok(Knee {
         p99_limit_ms: args.e2e_p99_limit_ms,
         steps,
         knee_per_second: knee,
+        instances: args.instances,
+        shards: args.shards,
+        cpu,
     })
+}
+
+/// Until the receiving instances hold every shard between them (each at least one when
+/// there are enough shards), so the climb measures the split, not a handover.
+async fn wait_shards_held(system: &System, instances: usize, shards: u32) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+    loop {
+        let mut held = Vec::new();
+        let mut busy = 0;
+        for i in 0..instances {
+            if let Ok((200, body)) =
+                testkit::http::get(system.instance_admin(Side::Workers, i), "/readyz").await
+            {
+                let json: serde_json::Value = serde_json::from_str(&body).unwrap_or_default();
+                let mine = json["shards"].as_array().map_or(0, Vec::len);
+                busy += usize::from(mine > 0);
+                held.extend(json["shards"].as_array().cloned().unwrap_or_default());
+            }
+        }
+        if held.len() == shards as usize && busy == instances.min(shards as usize) {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            anyhow::bail!("shards not split over {instances} instances: held {held:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
 }
 
 pub fn print(knee: &Knee) {
     println!();
     println!(
-        "End-to-end, POST on Consumers → SSE at Workers, rising load (latency from the scheduled send time; fsync on)"
+        "End-to-end, POST on Consumers → SSE at {} Workers instance(s), {} shard(s), rising load (latency from the scheduled send time; fsync on)",
+        knee.instances, knee.shards
     );
     println!(
         "{:>10} {:>10} {:>8} {:>8} {:>10} {:>10}",
@@ -243,5 +322,12 @@ pub fn print(knee: &Knee) {
             knee.p99_limit_ms
         ),
         None => println!("knee: below the first step ({} ms p99)", knee.p99_limit_ms),
+    }
+    println!("CPU over the climb (warm-up included):");
+    for p in &knee.cpu {
+        println!(
+            "  {:<18} {:>8.2} s {:>8.3} s per 1,000 messages",
+            p.process, p.seconds, p.per_1000_messages
+        );
     }
 }

@@ -75,3 +75,25 @@ pub fn write_json(name: &str, value: &impl Serialize) -> anyhow::Result<PathBuf>
     std::fs::write(&path, serde_json::to_string_pretty(value)?)?;
     Ok(path)
 }
+
+/// User plus system CPU time of a process so far, from /proc (0 when gone).
+pub fn cpu_seconds(pid: u32) -> f64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0.0;
+    };
+    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
+        return 0.0;
+    };
+    let fields: Vec<&str> = rest.split(' ').collect();
+    // After the command name: state is field 0, utime field 11, stime field 12 (clock ticks).
+    let ticks: f64 = fields
+        .get(11)
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap_or(0.0)
+        + fields
+            .get(12)
+            .and_then(|v| v.parse::<f64>().ok())
+            .unwrap_or(0.0);
+    // Linux reports in USER_HZ, 100 per second.
+    ticks / 100.0
+}

@@ -50,6 +50,9 @@ pub struct Args {
     /// watched on each, and service faults hit either.
     #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2))]
     pub instances: u8,
+    /// Shards of both sides' streams (the instances of a side share them).
+    #[arg(long, default_value_t = 1)]
+    pub shards: u32,
 }
 
 /// One verified property: how many cases held, and the first few that did not.
@@ -176,7 +179,7 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
     let seed = args.seed.unwrap_or_else(rand::random);
     let mut rng = StdRng::seed_from_u64(seed);
     eprintln!("[soak] seed {seed}");
-    let system = Arc::new(System::new(!args.no_fsync, bins).await?);
+    let system = Arc::new(System::new_sharded(!args.no_fsync, bins, args.shards).await?);
     let admin = system.db.connect().await?;
     for side in SIDES {
         admin

@@ -24,11 +24,17 @@ pub enum Kind {
     Service(Side),
     /// A second instance of the side's service (its own ports and consumer name).
     Replica(Side),
+    /// Instance `i` (1 up to [`MAX_INSTANCES`] - 1) of the side's service: its own ports
+    /// and consumer name (`Replica` is instance 1).
+    Instance(Side, usize),
     /// An earlier design's sending service, on the side's service address.
     BaselineSender(Side, SenderMode),
     /// The second design's polling/NOTIFY relay.
     BaselineRelay(Side, RelayMode),
 }
+
+/// Instances of one side's service a lab system can run.
+pub const MAX_INSTANCES: usize = 4;
 
 /// Where the binaries the lab runs are.
 #[derive(Debug, Clone)]
@@ -58,8 +64,10 @@ pub struct System {
     /// The real services' admin listeners (/readyz, /metrics); baselines answer on their
     /// service port.
     service_admin_ports: HashMap<Side, u16>,
-    replica_ports: HashMap<Side, u16>,
-    replica_admin_ports: HashMap<Side, u16>,
+    /// Ports of instances 1.. of each side: (listen, admin).
+    instance_ports: HashMap<(Side, usize), (u16, u16)>,
+    /// Shards of both sides' streams (`--stream-shards` of relays and services).
+    shards: u32,
     logs: PathBuf,
     processes: Mutex<HashMap<String, ChildProcess>>,
     generations: Mutex<HashMap<String, u32>>,
@@ -69,6 +77,11 @@ pub struct System {
 impl System {
     /// Servers, database and relay slots; no relay or service runs yet.
     pub async fn new(durable: bool, bins: Bins) -> anyhow::Result<Self> {
+        Self::new_sharded(durable, bins, 1).await
+    }
+
+    /// The same, with both sides' streams split into `shards` shards.
+    pub async fn new_sharded(durable: bool, bins: Bins, shards: u32) -> anyhow::Result<Self> {
         let pg = PgServer::start_with(PgOptions {
             durable,
             ..PgOptions::default()
@@ -85,14 +98,12 @@ impl System {
                 .into_iter()
                 .map(|s| (s, testkit::http::free_port()))
                 .collect(),
-            replica_ports: [Side::Consumers, Side::Workers]
+            instance_ports: [Side::Consumers, Side::Workers]
                 .into_iter()
-                .map(|s| (s, testkit::http::free_port()))
+                .flat_map(|s| (1..MAX_INSTANCES).map(move |i| (s, i)))
+                .map(|k| (k, (testkit::http::free_port(), testkit::http::free_port())))
                 .collect(),
-            replica_admin_ports: [Side::Consumers, Side::Workers]
-                .into_iter()
-                .map(|s| (s, testkit::http::free_port()))
-                .collect(),
+            shards: 1,
             logs: testkit::scratch_dir("lab-logs"),
             processes: Mutex::new(HashMap::new()),
             generations: Mutex::new(HashMap::new()),
@@ -101,6 +112,7 @@ impl System {
             redis,
             db,
         };
+        let system = Self { shards, ..system };
         for side in [Side::Consumers, Side::Workers] {
             let out = Command::new(&system.bins.relay)
                 .arg("setup")
@@ -131,11 +143,11 @@ impl System {
         SocketAddr::from(([127, 0, 0, 1], self.service_ports[&side]))
     }
 
-    /// Where instance `i` of `side` answers (0: the service, 1: its replica).
+    /// Where instance `i` of `side` answers (0: the service, 1: its replica, ...).
     pub fn instance_addr(&self, side: Side, i: usize) -> SocketAddr {
         match i {
             0 => self.service_addr(side),
-            _ => SocketAddr::from(([127, 0, 0, 1], self.replica_ports[&side])),
+            _ => SocketAddr::from(([127, 0, 0, 1], self.instance_ports[&(side, i)].0)),
         }
     }
 
@@ -143,8 +155,17 @@ impl System {
     pub fn instance_admin(&self, side: Side, i: usize) -> SocketAddr {
         match i {
             0 => self.service_admin(side),
-            _ => SocketAddr::from(([127, 0, 0, 1], self.replica_admin_ports[&side])),
+            _ => SocketAddr::from(([127, 0, 0, 1], self.instance_ports[&(side, i)].1)),
         }
+    }
+
+    /// User plus system CPU seconds process `name` used so far (0 when it is gone).
+    pub fn cpu_seconds(&self, name: &str) -> f64 {
+        self.processes
+            .lock()
+            .unwrap()
+            .get(name)
+            .map_or(0.0, |p| crate::report::cpu_seconds(p.pid()))
     }
 
     /// Wait until instance `i` of `side` answers /readyz (consuming or standing by).
@@ -202,6 +223,8 @@ impl System {
                         &self.redis.url(),
                         "--stream",
                         &format!("outbox:{}", side.as_str()),
+                        "--stream-shards",
+                        &self.shards.to_string(),
                     ])
                     .args(["--admin-addr", &format!("127.0.0.1:{port}")])
                     .args(["--reconnect-max-backoff", "1s", "--standby-retry", "200ms"]);
@@ -238,9 +261,10 @@ impl System {
                     .args(["--redis-url", &self.redis.url()]);
                 cmd
             }
-            Kind::Service(side) | Kind::Replica(side) => {
+            Kind::Service(side) | Kind::Replica(side) | Kind::Instance(side, _) => {
                 let (i, consumer) = match kind {
                     Kind::Service(_) => (0, format!("{}-lab", side.as_str())),
+                    Kind::Instance(_, i) => (i, format!("{}-lab-{}", side.as_str(), i + 1)),
                     _ => (1, format!("{}-lab-2", side.as_str())),
                 };
                 let mut cmd = Command::new(&self.bins.service);
@@ -250,7 +274,8 @@ impl System {
                     .args(["--listen", &self.instance_addr(side, i).to_string()])
                     .args(["--admin-addr", &self.instance_admin(side, i).to_string()])
                     .args(["--consumer-name", &consumer])
-                    .args(["--lease-ttl", "3s", "--claim-idle", "5s"]);
+                    .args(["--lease-ttl", "3s", "--claim-idle", "5s"])
+                    .args(["--stream-shards", &self.shards.to_string()]);
                 cmd
             }
         };

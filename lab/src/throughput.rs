@@ -178,6 +178,7 @@ async fn measure_shape(
                 "consumers.outbox",
             ])
             .args(["--redis-url", &redis.url(), "--stream", &stream])
+            .args(["--stream-shards", &args.knee.shards.to_string()])
             .output()?;
         anyhow::ensure!(
             out.status.success(),
@@ -195,11 +196,11 @@ async fn measure_shape(
             "CREATE PROCEDURE lab_fill(txns int, rows_per_txn int) LANGUAGE plpgsql AS $$
              BEGIN
                FOR t IN 1..txns LOOP
-                 INSERT INTO consumers.outbox (event, payload)
+                 INSERT INTO consumers.outbox (event, payload, partition_key)
                  SELECT 'message.created', jsonb_build_object(
                           'id', gen_random_uuid(), 'chat_id', 7, 'side', 'consumers',
                           'body', 'hello from the lab, message ' || t || '.' || r,
-                          'created_at', now())
+                          'created_at', now()), ((t * rows_per_txn + r) % 64)::text
                    FROM generate_series(1, rows_per_txn) AS r;
                  COMMIT;
                END LOOP;
@@ -247,6 +248,7 @@ async fn measure_shape(
         let t = drain_with_relay(
             relay_bin,
             &args.relay_args,
+            args.knee.shards,
             &db,
             redis,
             &relay_slots[round],
@@ -334,7 +336,7 @@ async fn drain_with_notify_relay(
     let relay = ChildProcess::spawn("notify-relay", cmd, &log)?;
     wait_drained(
         &mut conn,
-        stream,
+        &[stream.to_string()],
         events,
         &relay,
         started,
@@ -387,6 +389,7 @@ fn drain_with_pg_recvlogical(
 async fn drain_with_relay(
     relay_bin: &std::path::Path,
     extra_args: &[String],
+    shards: u32,
     db: &TestDb,
     redis: &RedisServer,
     slot: &str,
@@ -409,6 +412,8 @@ async fn drain_with_relay(
             &redis.url(),
             "--stream",
             stream,
+            "--stream-shards",
+            &shards.to_string(),
             "--admin-addr",
             &admin.to_string(),
         ])
@@ -418,10 +423,10 @@ async fn drain_with_relay(
     let started = Instant::now();
     let relay = ChildProcess::spawn("cdc-relay", cmd, &log)?;
     let mut conn = redis.connect().await?;
-    let redis_cpu_start = cpu_seconds(redis.pid().unwrap_or(0));
+    let redis_cpu_start = crate::report::cpu_seconds(redis.pid().unwrap_or(0));
     wait_drained(
         &mut conn,
-        stream,
+        &cdc_relay::shard::shard_keys(stream, shards),
         events,
         &relay,
         started,
@@ -439,9 +444,9 @@ async fn drain_with_relay(
         .get(0);
     eprintln!(
         "[throughput]   CPU seconds: relay {:.2}, redis {:.2}, walsender {:.2}",
-        cpu_seconds(relay.pid()),
-        cpu_seconds(redis.pid().unwrap_or(0)) - redis_cpu_start,
-        cpu_seconds(walsender as u32),
+        crate::report::cpu_seconds(relay.pid()),
+        crate::report::cpu_seconds(redis.pid().unwrap_or(0)) - redis_cpu_start,
+        crate::report::cpu_seconds(walsender as u32),
     );
     let (_, metrics) = testkit::http::get(admin, "/metrics").await?;
     let value = |name: &str| testkit::http::metric_value(&metrics, name).unwrap_or(f64::NAN);
@@ -456,40 +461,24 @@ async fn drain_with_relay(
     Ok(elapsed)
 }
 
-/// User plus system CPU time of a process so far, from /proc (0 when gone).
-fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
-        return 0.0;
-    };
-    let fields: Vec<&str> = rest.split(' ').collect();
-    // After the command name: state is field 0, utime field 11, stime field 12 (clock ticks).
-    let ticks: f64 = fields
-        .get(11)
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or(0.0)
-        + fields
-            .get(12)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0);
-    // Linux reports in USER_HZ, 100 per second.
-    ticks / 100.0
-}
-
-/// Poll the stream's length until it holds `events`, failing if the relay exits or `limit`
-/// passes since `started`.
+/// Poll the streams' lengths until they hold `events` between them, failing if the relay
+/// exits or `limit` passes since `started`.
 async fn wait_drained(
     conn: &mut redis::aio::MultiplexedConnection,
-    stream: &str,
+    streams: &[String],
     events: u64,
     relay: &ChildProcess,
     started: Instant,
     limit: Duration,
 ) -> anyhow::Result<()> {
     loop {
-        let len: u64 = redis::cmd("XLEN").arg(stream).query_async(conn).await?;
+        let mut len = 0u64;
+        for stream in streams {
+            len += redis::cmd("XLEN")
+                .arg(stream)
+                .query_async::<u64>(conn)
+                .await?;
+        }
         if len >= events {
             return Ok(());
         }

@@ -71,15 +71,18 @@ async fn chaos_timeline_both_designs_both_directions() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_sixty_second_fault_soak_with_two_instances_per_side_finds_no_violation() {
+async fn a_sixty_second_fault_soak_with_two_instances_per_side_on_four_shards_finds_no_violation() {
+    // Four shards, so the two instances of a side share them and the faults hit handovers
+    // of shards as well as of the relay.
     let args = soak::Args {
         seconds: 60,
         seed: None,
         rate: 10.0,
-        chats: 3,
+        chats: 6,
         fault_every: Duration::from_secs(3),
         no_fsync: true,
         instances: 2,
+        shards: 4,
     };
     let report = soak::run_soak(bins(), &args).await.unwrap();
     soak::print(&report);

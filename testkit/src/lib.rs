@@ -3,7 +3,8 @@
 //!
 //! Promises:
 //! - no fixed TCP ports: servers listen on Unix sockets inside their own scratch directory
-//!   (TLS servers add a kernel-chosen loopback port);
+//!   (TLS servers add a kernel-chosen loopback port; a Redis Cluster, whose nodes must
+//!   reach each other over TCP, uses kernel-chosen loopback ports);
 //! - nothing outlives the test process: children get a parent-death SIGKILL, are killed at
 //!   exit, and scratch directories of dead test processes are pruned on the next start;
 //! - tests wait on conditions with deadlines ([`wait_until`]), never on fixed sleeps.
@@ -16,6 +17,7 @@ pub mod http;
 mod postgres;
 mod process;
 pub mod proxy;
+mod redis_cluster;
 mod redis_server;
 mod scratch;
 pub mod tls;
@@ -23,6 +25,7 @@ mod wait;
 
 pub use postgres::{shared_postgres, PgOptions, PgServer, TestDb};
 pub use process::{ChildProcess, Signal};
+pub use redis_cluster::RedisCluster;
 pub use redis_server::{shared_redis, RedisOptions, RedisServer};
 pub use scratch::{scratch_dir, unique_name};
 pub use wait::{wait_until, wait_until_blocking};

@@ -71,7 +71,7 @@ impl<'a> Fixture<'a> {
         let record = cdc_relay::setup::init_stream_record(
             &pg,
             &outcome,
-            redis::Client::open(redis.url()).unwrap(),
+            cdc_relay::redis_client::RedisTarget::Single(redis::Client::open(redis.url()).unwrap()),
             &fixture.stream,
             shards,
             Duration::from_secs(10),
@@ -446,6 +446,26 @@ pub fn expected_from(txns: &[WitnessTxn]) -> Vec<Entry> {
             })
         })
         .collect()
+}
+
+/// What each shard must hold: every committed row in the shard of its partition key, in
+/// commit order, with the id `<commit_lsn>-<position in its transaction>`.
+pub fn expected_by_shard(txns: &[WitnessTxn], count: u32) -> Vec<Vec<Entry>> {
+    let mut shards = vec![Vec::new(); count as usize];
+    let text = |b: &bytes::Bytes| String::from_utf8(b.to_vec()).unwrap();
+    for txn in txns {
+        for (k, e) in txn.events.iter().enumerate() {
+            let shard = cdc_relay::shard::shard_of(e.partition_key.as_deref(), count);
+            shards[shard as usize].push(Entry {
+                id: format!("{}-{k}", txn.commit_lsn),
+                outbox_id: text(&e.outbox_id),
+                event: text(&e.event),
+                payload: serde_json::from_slice(&e.payload).unwrap(),
+                created_at: text(&e.created_at),
+            });
+        }
+    }
+    shards
 }
 
 /// Compare two entry lists and describe the first difference.

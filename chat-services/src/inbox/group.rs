@@ -441,7 +441,6 @@ return 1
     )
 });
 
-
 /// Entries of an XREADGROUP reply (RESP2 arrays or RESP3 maps; `Nil` when the block timed out).
 fn parse_read_reply(reply: Value) -> Result<Vec<Entry>, ConsumeError> {
     let streams = match reply {

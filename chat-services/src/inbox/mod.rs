@@ -212,7 +212,11 @@ impl Inbox {
 
     /// Consume until `shutdown`.
     pub async fn run(&self, shutdown: CancellationToken) {
-        let lease = Lease::new(self.cfg.lease_key.clone(), &self.cfg.consumer, self.cfg.lease_ttl);
+        let lease = Lease::new(
+            self.cfg.lease_key.clone(),
+            &self.cfg.consumer,
+            self.cfg.lease_ttl,
+        );
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
             if shutdown.is_cancelled() {
@@ -617,7 +621,12 @@ impl Active<'_> {
     ) -> Result<Recorded, ConsumeError> {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
-            match self.inbox.store.record_inbox(batch, self.cfg().shard, self.epoch).await {
+            match self
+                .inbox
+                .store
+                .record_inbox(batch, self.cfg().shard, self.epoch)
+                .await
+            {
                 Ok(positions) => return Ok(Recorded::Done(positions)),
                 // Another instance is the writer now: leave the batch to it.
                 Err(StoreError::Fenced { ours, current }) => {

@@ -1,0 +1,250 @@
+//! A throwaway Redis Cluster on loopback: 3 masters with 1 replica each, created with
+//! `redis-cli --cluster create`, each node with the production durability settings; a
+//! master can be SIGKILLed (its replica is promoted) and started again (it rejoins as a
+//! replica).
+
+use std::path::PathBuf;
+use std::process::Command;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+
+use crate::process::{ChildProcess, Signal};
+use crate::scratch::scratch_dir;
+
+/// How long a node may be unreachable before the cluster fails it over: short, so a test's
+/// failover takes about a second.
+const NODE_TIMEOUT_MS: u32 = 1000;
+
+struct Node {
+    port: u16,
+    dir: PathBuf,
+    process: Option<ChildProcess>,
+    starts: u32,
+}
+
+pub struct RedisCluster {
+    nodes: Mutex<Vec<Node>>,
+}
+
+impl RedisCluster {
+    /// Six nodes (3 masters, 1 replica each), cluster state ok on every node.
+    pub fn start() -> anyhow::Result<Self> {
+        let mut nodes = Vec::new();
+        for i in 0..6 {
+            let dir = scratch_dir(&format!("redis-cluster-{i}"));
+            nodes.push(Node {
+                port: crate::http::free_port(),
+                dir,
+                process: None,
+                starts: 0,
+            });
+        }
+        let cluster = Self {
+            nodes: Mutex::new(nodes),
+        };
+        for i in 0..6 {
+            cluster.start_node(i)?;
+        }
+        let addrs: Vec<String> = cluster
+            .ports()
+            .iter()
+            .map(|p| format!("127.0.0.1:{p}"))
+            .collect();
+        let out = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "1", "--cluster-yes"])
+            .output()
+            .context("redis-cli --cluster create (is redis-tools installed?)")?;
+        if !out.status.success() {
+            bail!(
+                "redis-cli --cluster create: {}{}",
+                String::from_utf8_lossy(&out.stdout),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        }
+        cluster.wait_ok(Duration::from_secs(60))?;
+        Ok(cluster)
+    }
+
+    fn ports(&self) -> Vec<u16> {
+        self.nodes.lock().unwrap().iter().map(|n| n.port).collect()
+    }
+
+    /// A `redis://` URL naming one node (clients discover the rest).
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.ports()[0])
+    }
+
+    /// Every node's URL.
+    pub fn urls(&self) -> Vec<String> {
+        self.ports()
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect()
+    }
+
+    fn start_node(&self, i: usize) -> anyhow::Result<()> {
+        let mut nodes = self.nodes.lock().unwrap();
+        let node = &mut nodes[i];
+        node.starts += 1;
+        let mut cmd = Command::new("redis-server");
+        cmd.args(["--port", &node.port.to_string(), "--bind", "127.0.0.1"])
+            .arg("--dir")
+            .arg(&node.dir)
+            .args([
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                "nodes.conf",
+                "--cluster-node-timeout",
+                &NODE_TIMEOUT_MS.to_string(),
+                "--appendonly",
+                "yes",
+                "--appendfsync",
+                "always",
+                "--save",
+                "",
+                "--maxmemory-policy",
+                "noeviction",
+                "--daemonize",
+                "no",
+            ]);
+        let log = node.dir.join(format!("redis-{}.log", node.starts));
+        let child = ChildProcess::spawn(&format!("redis-cluster-{i}"), cmd, &log)
+            .context("start redis-server")?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !ping(node.port) {
+            if child.try_status().is_some() || Instant::now() >= deadline {
+                bail!("cluster node {i} did not start: {}", child.log());
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        node.process = Some(child);
+        Ok(())
+    }
+
+    /// Run `redis-cli -p <port> <args>` and return its output.
+    pub fn cli(&self, port: u16, args: &[&str]) -> anyhow::Result<String> {
+        let out = Command::new("redis-cli")
+            .args(["-h", "127.0.0.1", "-p", &port.to_string()])
+            .args(args)
+            .output()?;
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
+    }
+
+    /// Until every running node says `cluster_state:ok` and the masters of all 16,384
+    /// slots are reachable.
+    pub fn wait_ok(&self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let running = self.running_ports();
+            let all_ok = running.iter().all(|p| {
+                self.cli(*p, &["CLUSTER", "INFO"])
+                    .is_ok_and(|info| info.contains("cluster_state:ok"))
+            });
+            if all_ok && !running.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("cluster not ok after {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    fn running_ports(&self) -> Vec<u16> {
+        self.nodes
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|n| n.process.as_ref().is_some_and(|p| p.is_running()))
+            .map(|n| n.port)
+            .collect()
+    }
+
+    /// The node index serving `key` as master now.
+    pub fn master_of(&self, key: &str) -> anyhow::Result<usize> {
+        let slot: u16 = self
+            .cli(self.running_ports()[0], &["CLUSTER", "KEYSLOT", key])?
+            .trim()
+            .parse()?;
+        let ports = self.ports();
+        for (i, port) in ports.iter().enumerate() {
+            if !self.running_ports().contains(port) {
+                continue;
+            }
+            let role = self.cli(*port, &["ROLE"])?;
+            if !role.starts_with("master") {
+                continue;
+            }
+            let slots = self.cli(*port, &["CLUSTER", "MYID"])?;
+            let myid = slots.trim().to_string();
+            let nodes = self.cli(*port, &["CLUSTER", "NODES"])?;
+            let mine = nodes
+                .lines()
+                .find(|l| l.starts_with(&myid))
+                .unwrap_or_default();
+            for range in mine.split_whitespace().skip(8) {
+                let (lo, hi) = match range.split_once('-') {
+                    Some((lo, hi)) => (lo.parse::<u16>()?, hi.parse::<u16>()?),
+                    None => match range.parse::<u16>() {
+                        Ok(s) => (s, s),
+                        Err(_) => continue,
+                    },
+                };
+                if (lo..=hi).contains(&slot) {
+                    return Ok(i);
+                }
+            }
+        }
+        bail!("no running master serves slot {slot} of {key}")
+    }
+
+    /// SIGKILL node `i` and wait until the others marked it failed and the cluster is ok
+    /// again without it (a master's replica was promoted).
+    pub fn kill_node(&self, i: usize) -> anyhow::Result<()> {
+        let port = self.ports()[i];
+        let id = self.cli(port, &["CLUSTER", "MYID"])?.trim().to_string();
+        let child = self.nodes.lock().unwrap()[i].process.take();
+        if let Some(child) = child {
+            child.stop_with(Signal::Kill, Duration::from_secs(10))?;
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let failed = self.running_ports().iter().all(|p| {
+                self.cli(*p, &["CLUSTER", "NODES"]).is_ok_and(|nodes| {
+                    nodes.lines().any(|l| {
+                        l.starts_with(&id)
+                            && l.split_whitespace()
+                                .nth(2)
+                                .is_some_and(|flags| flags.split(',').any(|f| f == "fail"))
+                    })
+                })
+            });
+            if failed {
+                break;
+            }
+            if Instant::now() >= deadline {
+                bail!("node {i} not marked failed within 60 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.wait_ok(Duration::from_secs(60))
+    }
+
+    /// Start node `i` again on its data (it rejoins, as a replica if it was failed over).
+    pub fn restart_node(&self, i: usize) -> anyhow::Result<()> {
+        self.start_node(i)?;
+        self.wait_ok(Duration::from_secs(60))
+    }
+}
+
+fn ping(port: u16) -> bool {
+    Command::new("redis-cli")
+        .args(["-h", "127.0.0.1", "-p", &port.to_string(), "PING"])
+        .output()
+        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "PONG")
+}
