@@ -32,11 +32,19 @@ pub(crate) struct SealedBatch {
     pub batch: Batch,
     /// Per shard, the last entry id of the batches sealed before this one in this session.
     pub fences: Vec<Option<EntryId>>,
+    /// Every shard records the acknowledgement (see `publisher`).
+    pub ack_all: bool,
+    /// Refused by a fence once already (see [`Pipeline::confirmed`]).
+    gap_retried: std::sync::atomic::AtomicBool,
 }
+
+/// What Redis confirmed for a batch: the outcome, and per shard whether its record holds
+/// the batch's acknowledgement.
+pub(crate) type Confirmed = (PublishOutcome, Vec<bool>);
 
 struct InFlight {
     sealed: Arc<SealedBatch>,
-    task: JoinHandle<Result<PublishOutcome, RelayError>>,
+    task: JoinHandle<Result<Confirmed, RelayError>>,
 }
 
 pub(crate) struct Pipeline {
@@ -92,10 +100,15 @@ impl Pipeline {
     }
 
     /// Seal `batch` behind everything sealed before and send it.
-    pub fn send(&mut self, batch: Batch) {
+    pub fn send(&mut self, batch: Batch, ack_all: bool) {
         let fences = self.last_sealed.clone();
         batch.advance_fences(&mut self.last_sealed);
-        self.spawn(Arc::new(SealedBatch { batch, fences }));
+        self.spawn(Arc::new(SealedBatch {
+            batch,
+            fences,
+            ack_all,
+            gap_retried: Default::default(),
+        }));
     }
 
     fn spawn(&mut self, sealed: Arc<SealedBatch>) {
@@ -111,7 +124,7 @@ impl Pipeline {
     /// The next batch Redis confirmed, in sealing order. Transient failures are handled
     /// here (backoff, then everything unconfirmed is sent again); only permanent errors
     /// come out. Cancel-safe: state changes only between awaits.
-    pub async fn confirmed(&mut self) -> Result<(Arc<SealedBatch>, PublishOutcome), RelayError> {
+    pub async fn confirmed(&mut self) -> Result<(Arc<SealedBatch>, Confirmed), RelayError> {
         loop {
             if let Some(at) = self.retry_at {
                 tokio::time::sleep_until(at).await;
@@ -139,6 +152,25 @@ impl Pipeline {
                         }
                     }
                     return Ok((head.sealed, outcome));
+                }
+                // A fence refusal of a batch whose predecessors all confirmed: either one
+                // of its parts overtook its predecessor's on the way (resent at once), or
+                // the shard lost entries (refused again, and then it ends the session).
+                Err(RelayError::StreamBehind { .. })
+                    if !head
+                        .sealed
+                        .gap_retried
+                        .swap(true, std::sync::atomic::Ordering::SeqCst) =>
+                {
+                    let mut again: Vec<Arc<SealedBatch>> = vec![head.sealed];
+                    for later in self.in_flight.drain(..) {
+                        later.task.abort();
+                        again.push(later.sealed);
+                    }
+                    for sealed in again.into_iter().rev() {
+                        self.resend.push_front(sealed);
+                    }
+                    self.retry_at = Some(tokio::time::Instant::now());
                 }
                 Err(e) if e.retry_in_place() => {
                     self.ctx.metrics.redis_errors_total.inc();
@@ -177,10 +209,10 @@ async fn publish_once(
     sealed: Arc<SealedBatch>,
     origin: Origin,
     ctx: SharedContext,
-) -> Result<PublishOutcome, RelayError> {
+) -> Result<Confirmed, RelayError> {
     let started = Instant::now();
     let outcome = publisher
-        .publish(&sealed.batch, &origin, &sealed.fences)
+        .publish(&sealed.batch, &origin, &sealed.fences, sealed.ack_all)
         .await?;
     ctx.metrics
         .publish_batch_duration_seconds

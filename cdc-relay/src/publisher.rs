@@ -2,11 +2,12 @@
 //! by id.
 //!
 //! A stream of N shards (see `shard`) is N streams: a batch splits into one part per shard
-//! with entries (every shard gets a part when the batch carries an acknowledgement, so each
-//! shard's record knows what the slot was told), the parts are sent concurrently on one
-//! connection, and the batch is confirmed when every part is. Per shard, parts reach Redis
-//! in sealing order (one connection, tasks started in order) and each carries the shard's
-//! own fence.
+//! with entries, the parts are sent concurrently on one connection, and the batch is
+//! confirmed when every part is. Per shard, parts reach Redis in sealing order (one
+//! connection, tasks started in order) and each carries the shard's own fence. A part
+//! records the batch's acknowledgement in its shard's record; a batch marked `ack_all` also
+//! sends an acknowledgement-only part to every other shard (the session does that at most
+//! once per status interval and acknowledges the slot only as far as every shard recorded).
 //!
 //! The script (`publish.lua`) writes a whole batch atomically, skips entries Redis already
 //! has (replays after a reconnect carry the same ids), refuses a stream without its record
@@ -58,7 +59,7 @@ pub struct Publisher {
     conn: RedisConn,
     /// The stream's configured name (shard keys derive from it).
     base: String,
-    shards: Vec<ShardKeys>,
+    shards: std::sync::Arc<[ShardKeys]>,
     max_len: u64,
     script_sha: String,
     /// Replicas that must acknowledge each call before it counts (`WAIT`), and how long
@@ -78,7 +79,7 @@ impl Publisher {
     ) -> Result<Self, RelayError> {
         let mut conn = target.connect(response_timeout).await?;
         let script_sha = load_script(&mut conn).await?;
-        let shards = shard::shard_keys(stream, shards)
+        let shards: std::sync::Arc<[ShardKeys]> = shard::shard_keys(stream, shards)
             .into_iter()
             .map(|stream| ShardKeys {
                 origin_key: origin_key(&stream),
@@ -131,13 +132,23 @@ impl Publisher {
         } else {
             origin_key(&self.base)
         };
-        let (system_id, shards): (Option<String>, Option<String>) = redis::cmd("HMGET")
+        let read: redis::RedisResult<(Option<String>, Option<String>)> = redis::cmd("HMGET")
             .arg(&key)
             .arg("system_id")
             .arg("shards")
             .query_async(&mut self.conn)
-            .await?;
-        Ok(system_id.and_then(|_| shard::recorded_count(shards.as_deref())))
+            .await;
+        match read {
+            Ok((system_id, shards)) => {
+                Ok(system_id.and_then(|_| shard::recorded_count(shards.as_deref())))
+            }
+            // An ACL from before shards existed: it cannot hold a record there either.
+            Err(e) if e.code() == Some("NOPERM") => {
+                tracing::warn!(%key, "the Redis user may not read the other shard layout's record; load the current deploy/redis/users.acl");
+                Ok(None)
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Refuse to write when the records say the stream has another shard count than this
@@ -166,30 +177,38 @@ impl Publisher {
     }
 
     /// Publish `batch`'s entries (ids already offset), each into its shard. `fences`: per
-    /// shard, the last id this session published there before.
+    /// shard, the last id this session published there before. `ack_all`: every shard
+    /// records the batch's acknowledgement, not only those with entries. Also returns, per
+    /// shard, whether its record now holds the acknowledgement.
     pub async fn publish(
         &mut self,
         batch: &Batch,
         origin: &Origin,
         fences: &[Option<EntryId>],
-    ) -> Result<PublishOutcome, RelayError> {
+        ack_all: bool,
+    ) -> Result<(PublishOutcome, Vec<bool>), RelayError> {
         if batch.entries.is_empty() && batch.ack_lsn.is_none() {
-            return Ok(PublishOutcome::default());
+            return Ok((PublishOutcome::default(), vec![false; self.shards.len()]));
         }
         if self.shards.len() == 1 {
             let entries: Vec<&StreamEntry> = batch.entries.iter().collect();
-            return self
+            let outcome = self
                 .publish_part(0, &entries, batch, origin, fences[0])
-                .await;
+                .await?;
+            return Ok((outcome, vec![true]));
         }
         let mut parts: Vec<Vec<&StreamEntry>> = vec![Vec::new(); self.shards.len()];
         for entry in &batch.entries {
             parts[entry.shard as usize].push(entry);
         }
+        let sent: Vec<bool> = parts
+            .iter()
+            .map(|entries| !entries.is_empty() || (ack_all && batch.ack_lsn.is_some()))
+            .collect();
         let calls = parts
             .iter()
             .enumerate()
-            .filter(|(_, entries)| !entries.is_empty() || batch.ack_lsn.is_some())
+            .filter(|(k, _)| sent[*k])
             .map(|(k, entries)| {
                 let mut this = self.clone();
                 async move {
@@ -212,7 +231,7 @@ impl Publisher {
         }
         match failure {
             Some(e) => Err(e),
-            None => Ok(outcome),
+            None => Ok((outcome, sent)),
         }
     }
 

@@ -190,10 +190,11 @@ pub(crate) async fn rebuild(
     // rows before the oldest entry were consumed. An empty stream lost its data, and a
     // missing record is Redis losing everything or an operator asking for everything:
     // then every retained row is compared.
+    // A shard without a record may have lost everything, whatever the other shards say.
     let everything = reason == Reason::NoRecord
         || shard_records
             .iter()
-            .any(|r| r.rebuilding.as_deref() == Some(Reason::NoRecord.as_str()));
+            .any(|r| !r.exists() || r.rebuilding.as_deref() == Some(Reason::NoRecord.as_str()));
     let mut tops = Vec::with_capacity(records.len());
     let mut longest = 0u64;
     let mut bound: Option<String> = None;
@@ -314,7 +315,7 @@ pub(crate) async fn rebuild(
         // Sorted by id within each shard, as the publish script expects: ids of a shard
         // only grow, and the split keeps the order.
         lock.check()?;
-        let outcome = publisher.publish(&batch, origin, &fences).await?;
+        let (outcome, _) = publisher.publish(&batch, origin, &fences, false).await?;
         published += outcome.published;
         ctx.metrics
             .unread_entries_trimmed_total

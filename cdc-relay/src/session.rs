@@ -25,8 +25,8 @@ use crate::context::Context;
 use crate::error::{replication_error, RelayError, ReplicationPhase};
 use crate::outbox::{RelationCache, Row};
 use crate::pgoutput::{self, PgOutput};
-use crate::pipeline::Pipeline;
-use crate::publisher::{PublishOutcome, Publisher};
+use crate::pipeline::{Confirmed, Pipeline};
+use crate::publisher::Publisher;
 use crate::record::Origin;
 use crate::shard;
 use crate::status::Role;
@@ -73,6 +73,9 @@ pub(crate) async fn stream(
             ack_only_not_before: tokio::time::Instant::now(),
             id_offset,
             shards: cfg.stream_shards,
+            shard_acked: vec![Lsn(0); cfg.stream_shards as usize],
+            next_ack_all: tokio::time::Instant::now(),
+            finishing: false,
         },
         pipeline: Pipeline::new(publisher, origin, ctx.shared(), fences),
         client,
@@ -101,6 +104,12 @@ struct State {
     /// Added to commit LSNs to make stream ids.
     id_offset: u64,
     shards: u32,
+    /// Per shard, the highest acknowledgement its record holds from this session.
+    shard_acked: Vec<Lsn>,
+    /// When the next batch sends its acknowledgement to every shard.
+    next_ack_all: tokio::time::Instant,
+    /// Stopping: every batch acknowledges in every shard.
+    finishing: bool,
 }
 
 impl State {
@@ -279,10 +288,22 @@ impl Session<'_> {
 
     fn start_publish(&mut self) {
         let batch = std::mem::take(&mut self.state.filling);
-        self.pipeline.send(batch);
+        // With shards, a batch records its acknowledgement in the shards it writes; every
+        // shard gets it at most once per status interval (and with every batch that is only
+        // an acknowledgement, or while stopping), which is as often as the slot hears.
+        let now = tokio::time::Instant::now();
+        let ack_all = self.state.shard_acked.len() == 1
+            || !batch.has_entries()
+            || self.state.finishing
+            || now >= self.state.next_ack_all;
+        if ack_all && batch.ack_lsn.is_some() {
+            self.state.next_ack_all = now + self.ctx.config.status_interval;
+        }
+        self.pipeline.send(batch, ack_all);
     }
 
-    fn on_published(&mut self, batch: &Batch, outcome: PublishOutcome) {
+    fn on_published(&mut self, batch: &Batch, confirmed: Confirmed) {
+        let (outcome, recorded) = confirmed;
         let metrics = &self.ctx.metrics;
         metrics.events_published_total.inc_by(outcome.published);
         metrics.duplicates_rejected_total.inc_by(outcome.duplicates);
@@ -312,7 +333,15 @@ impl Session<'_> {
             );
         }
         if let Some(lsn) = batch.ack_lsn {
-            self.acknowledge(lsn);
+            // The slot moves only as far as every shard's record knows (`record`'s invariant).
+            for (acked, recorded) in self.state.shard_acked.iter_mut().zip(recorded) {
+                if recorded && lsn > *acked {
+                    *acked = lsn;
+                }
+            }
+            if let Some(&everywhere) = self.state.shard_acked.iter().min() {
+                self.acknowledge(everywhere);
+            }
         }
     }
 
@@ -328,6 +357,7 @@ impl Session<'_> {
     /// last acknowledgement, wait until it was written to the server, then stop.
     async fn finish(&mut self) -> Result<(), RelayError> {
         self.ctx.set_role(Role::Stopping);
+        self.state.finishing = true;
         let cfg = &self.ctx.config;
         let deadline = tokio::time::Instant::now() + cfg.shutdown_grace;
         // The open transaction (if any) is dropped: Postgres re-sends it next time.

@@ -168,14 +168,20 @@ pub async fn init_stream_record(
         ));
     }
     let origin = server_origin(cfg, timeout).await?;
+    // One offset for every shard: above the highest top of any of them.
+    let id_offset = all
+        .iter()
+        .map(|r| crate::record::offset_above(r.top, consistent_point.as_u64(), 0))
+        .max()
+        .unwrap_or(0);
     let mut written = false;
-    for (r, record) in records.iter_mut().zip(&all) {
+    for r in records.iter_mut() {
         written |= r
             .create(&crate::record::NewRecord {
                 origin: &origin,
                 shards,
                 acked_through: consistent_point.as_u64(),
-                id_offset: crate::record::offset_above(record.top, consistent_point.as_u64(), 0),
+                id_offset,
                 last_id: None,
             })
             .await?;

@@ -45,6 +45,15 @@ pub fn shard_key(base: &str, shard: u32, shards: u32) -> String {
     }
 }
 
+/// The shard a key of a sharded stream names (`outbox:consumers:{3}` → 3); a plain key
+/// is shard 0.
+pub fn shard_of_key(key: &str) -> u32 {
+    key.strip_suffix('}')
+        .and_then(|k| k.rsplit_once(":{"))
+        .and_then(|(_, n)| n.parse().ok())
+        .unwrap_or(0)
+}
+
 /// Every shard's key, in shard order.
 pub fn shard_keys(base: &str, shards: u32) -> Vec<String> {
     (0..shards.max(1))
@@ -101,6 +110,9 @@ mod tests {
             "outbox:consumers:{3}:origin"
         );
         assert_eq!(shard_keys("s", 3), ["s:{0}", "s:{1}", "s:{2}"]);
+        assert_eq!(shard_of_key("outbox:consumers:{3}"), 3);
+        assert_eq!(shard_of_key("outbox:consumers"), 0);
+        assert_eq!(shard_of_key("weird}"), 0);
     }
 
     #[test]

@@ -45,8 +45,9 @@ pub struct Cli {
     pub inbound_stream: Option<String>,
     /// Shards of the stream consumed (the other side's; see cdc-relay's --stream-shards):
     /// one lease and one consumer per shard, shared fairly by this side's instances. Must
-    /// match what the stream was set up with.
-    #[arg(long, env = "CDC_STREAM_SHARDS", default_value_t = 1)]
+    /// match what the stream was set up with (its own variable, not the relay's
+    /// CDC_STREAM_SHARDS, which counts this side's stream).
+    #[arg(long, env = "CHAT_INBOUND_STREAM_SHARDS", default_value_t = 1)]
     pub stream_shards: u32,
     /// Where entries that cannot be recorded go, with the reason (default: deadletter:<side>).
     #[arg(long, env = "CHAT_DEAD_LETTER_STREAM")]

@@ -163,9 +163,7 @@ pub async fn run(
             while let Some(letters) = next_page(&mut conn, stream, &selection, &mut from).await? {
                 for letter in &letters {
                     let recorded = match letter.message(config.side.other()) {
-                        Ok(message) => {
-                            record(&store, config.stream_shards, letter, message).await?
-                        }
+                        Ok(message) => record(&store, letter, message).await?,
                         Err(e) => Err(e.to_string()),
                     };
                     match recorded {
@@ -258,12 +256,11 @@ async fn next_page(
 /// `Err(reason)` when Postgres refuses the row itself (it stays a dead letter).
 async fn record(
     store: &Store,
-    shards: u32,
     letter: &DeadLetter,
     message: Message,
 ) -> Result<Result<(Message, i64, bool), String>, DeadLetterError> {
-    // Recorded beside the writer of the shard the message's chat belongs to.
-    let shard = cdc_relay::shard::shard_of(Some(message.chat_id.to_string().as_bytes()), shards);
+    // Recorded beside the writer of the shard the entry came from.
+    let shard = cdc_relay::shard::shard_of_key(letter.field("stream"));
     let batch = [Received {
         stream_id: letter.field("id").to_string(),
         message,

@@ -116,11 +116,15 @@ impl Service {
         // The sender lives as long as the consumers (a dropped one would wake them for ever).
         let (membership, _fixed_assignment) = if shards > 1 {
             let task = tokio::spawn(inbox::shards::run_membership(
-                cfg.redis.clone(),
-                cfg.side,
-                cfg.consumer_name.clone(),
-                shards,
-                cfg.lease_ttl,
+                inbox::shards::Membership {
+                    client: cfg.redis.clone(),
+                    side: cfg.side,
+                    me: cfg.consumer_name.clone(),
+                    shards,
+                    ttl: cfg.lease_ttl,
+                    store: self.app.store.clone(),
+                    roles: roles.clone(),
+                },
                 assignment_tx,
                 shutdown.clone(),
             ));

@@ -13,6 +13,7 @@ pub struct Metrics {
     pub dead_lettered_total: IntCounter,
     pub entries_lost_total: IntCounter,
     pub consumer_active: IntGauge,
+    pub inbox_shards: IntGauge,
     pub sse_clients: IntGauge,
     pub sse_gaps_filled_total: IntCounter,
     pub sse_slow_clients_dropped_total: IntCounter,
@@ -115,6 +116,10 @@ impl Metrics {
             consumer_active: gauge(
                 "chat_inbox_consumer_active",
                 "Inbox shards whose lease this instance holds (1 or 0 with one shard)",
+            ),
+            inbox_shards: gauge(
+                "chat_inbox_shards",
+                "Shards of the stream this side consumes (--stream-shards)",
             ),
             sse_clients: gauge("chat_sse_clients", "Connected Server-Sent Events clients"),
             live_hints_unpublished_total: counter(

@@ -515,7 +515,7 @@ impl Store {
         let s = self.side.schema();
         let client = self.pool.get().await?;
         let row = client
-            .query_one(
+            .query_opt(
                 &format!(
                     "WITH new AS (INSERT INTO {s}.inbox_writer (shard, holder, epoch) VALUES ($1, '', 0)
                                   ON CONFLICT (shard) DO NOTHING RETURNING epoch)
@@ -524,7 +524,18 @@ impl Store {
                 &[&(shard as i32)],
             )
             .await?;
-        Ok(row.get(0))
+        match row {
+            Some(row) => Ok(row.get(0)),
+            // A first claim committed between the insert's conflict and the select's
+            // snapshot: the row is there now.
+            None => Ok(client
+                .query_one(
+                    &format!("SELECT epoch FROM {s}.inbox_writer WHERE shard = $1"),
+                    &[&(shard as i32)],
+                )
+                .await?
+                .get(0)),
+        }
     }
 
     /// Record received messages in one transaction, each once (by message id), in the

@@ -33,6 +33,10 @@ async fn held(admin: SocketAddr) -> Option<Vec<u32>> {
 /// Wait until `instances` hold every shard between them, each once, each instance its fair
 /// share (the count differs by at most one).
 async fn wait_fair_split(instances: &[&ServiceProcess]) {
+    wait_split(instances, SHARDS).await
+}
+
+async fn wait_split(instances: &[&ServiceProcess], shards: u32) {
     testkit::wait_until(
         Duration::from_secs(60),
         "the shards split fairly over the live instances",
@@ -46,7 +50,7 @@ async fn wait_fair_split(instances: &[&ServiceProcess]) {
             }
             all.sort_unstable();
             let fair = counts.iter().max().unwrap() - counts.iter().min().unwrap() <= 1;
-            if all == (0..SHARDS).collect::<Vec<_>>() && fair {
+            if all == (0..shards).collect::<Vec<_>>() && fair {
                 Ok(())
             } else {
                 Err(format!("held {all:?}, per instance {counts:?}"))
@@ -160,4 +164,62 @@ async fn instances_share_eight_shards_and_keep_each_chat_once_in_order_across_ki
     drop(w3);
     drop(w4);
     drop(c1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_instance_that_cannot_reach_postgres_gives_its_shards_to_the_others() {
+    // GIVEN 4 shards per side and two Workers instances, the second reaching Postgres
+    // through a proxy
+    let stack = Stack::start_sharded(shared_postgres(), 4).await;
+    let c1 = stack
+        .service_process(Side::Consumers, "consumers-1", &[])
+        .await;
+    let w1 = stack
+        .service_process_standby(Side::Workers, "workers-1", &[])
+        .await;
+    let proxy = testkit::proxy::Proxy::to_unix(stack.pg.socket_dir().join(".s.PGSQL.5432"))
+        .await
+        .unwrap();
+    let url = format!(
+        "postgres://workers@{}/{}?sslmode=disable",
+        proxy.addr(),
+        stack.db.name
+    );
+    let w2 = stack
+        .service_process_standby(Side::Workers, "workers-2", &["--database-url", &url])
+        .await;
+    wait_split(&[&w1, &w2], 4).await;
+
+    // WHEN the second loses Postgres (a partition of that one pod) while messages flow
+    proxy.sever();
+    for i in 0..40i64 {
+        send(c1.addr, 1 + i % 8, &format!("m{i}")).await;
+    }
+
+    // THEN the first takes every shard and records every message once, in order
+    wait_held(&w1, 4).await;
+    for chat in 1..=8 {
+        assert_received_in_sent_order(&stack, chat).await;
+    }
+
+    // AND when the partition heals, the shards are shared again
+    proxy.restore();
+    wait_split(&[&w1, &w2], 4).await;
+    for i in 40..60i64 {
+        send(c1.addr, 1 + i % 8, &format!("m{i}")).await;
+    }
+    for chat in 1..=8 {
+        assert_received_in_sent_order(&stack, chat).await;
+    }
+}
+
+/// Until `instance` holds `n` shards.
+async fn wait_held(instance: &ServiceProcess, n: usize) {
+    testkit::wait_until(Duration::from_secs(60), "shards taken over", || async {
+        match held(instance.admin).await {
+            Some(shards) if shards.len() == n => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
 }

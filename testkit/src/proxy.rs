@@ -1,6 +1,8 @@
 //! A loopback TCP proxy in front of a Unix socket (a test Postgres) that can cut a
 //! connection at the worst moment: right after the server answered a request the client
-//! sent, before the client sees the answer ("the connection died after COMMIT").
+//! sent, before the client sees the answer ("the connection died after COMMIT"); or cut
+//! every connection and refuse new ones until restored (a network partition of one
+//! client).
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -13,6 +15,8 @@ use tokio::net::{TcpListener, UnixStream};
 pub struct Proxy {
     addr: SocketAddr,
     armed: Arc<Mutex<Option<Vec<u8>>>>,
+    /// While true, every connection is cut and new ones are closed at once.
+    severed: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -22,18 +26,44 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let armed: Arc<Mutex<Option<Vec<u8>>>> = Arc::default();
+        let (severed, _) = tokio::sync::watch::channel(false);
         let task = tokio::spawn({
             let armed = armed.clone();
+            let severed = severed.clone();
             async move {
                 while let Ok((tcp, _)) = listener.accept().await {
+                    if *severed.borrow() {
+                        continue;
+                    }
                     let Ok(unix) = UnixStream::connect(&socket).await else {
                         continue;
                     };
-                    tokio::spawn(forward(tcp, unix, armed.clone()));
+                    let mut cut = severed.subscribe();
+                    let connection = forward(tcp, unix, armed.clone());
+                    tokio::spawn(async move {
+                        tokio::select! {
+                            _ = connection => {}
+                            _ = cut.wait_for(|s| *s) => {}
+                        }
+                    });
                 }
             }
         });
-        Ok(Self { addr, armed, task })
+        Ok(Self {
+            addr,
+            armed,
+            severed,
+            task,
+        })
+    }
+
+    /// Cut every connection and refuse new ones until [`Proxy::restore`].
+    pub fn sever(&self) {
+        self.severed.send_replace(true);
+    }
+
+    pub fn restore(&self) {
+        self.severed.send_replace(false);
     }
 
     pub fn addr(&self) -> SocketAddr {

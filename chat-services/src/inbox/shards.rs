@@ -9,6 +9,12 @@
 //! member drops out of the view within the lease TTL, when its leases have expired too.
 //! Ownership is only ever the lease's (fenced per shard in Postgres); the split only says
 //! who tries.
+//!
+//! Only an instance that can consume is a member: one that cannot reach Postgres, or whose
+//! shard count the stream's records refuse, leaves the set, so its share goes to the
+//! others instead of stalling behind it. When no instance is a member (Postgres down for
+//! everyone), every instance tries every shard, as with one shard, so consuming resumes
+//! wherever it can first.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -21,6 +27,7 @@ use tracing::{info, warn};
 use super::{ConsumerRole, ConsumerStatus};
 use crate::metrics::Metrics;
 use crate::side::Side;
+use crate::store::Store;
 
 /// Which shards this instance should try to hold (index: shard).
 pub type Assignment = Arc<Vec<bool>>;
@@ -50,8 +57,11 @@ pub fn members_key(side: Side) -> String {
 }
 
 /// The shards `me` wants among `members` (any order): shard k goes to the k mod m-th
-/// member by name.
+/// member by name; with no members at all, every shard (everyone competes).
 pub fn assign(shards: u32, members: &[String], me: &str) -> Vec<bool> {
+    if members.is_empty() {
+        return vec![true; shards as usize];
+    }
     let mut sorted: Vec<&str> = members.iter().map(String::as_str).collect();
     sorted.sort_unstable();
     sorted.dedup();
@@ -63,42 +73,67 @@ pub fn assign(shards: u32, members: &[String], me: &str) -> Vec<bool> {
         .collect()
 }
 
-/// Keep this instance in the member set and `assignment` up to date until `shutdown`, then
-/// leave, so the others take its shards at once.
+/// What the membership task needs.
+pub struct Membership {
+    pub client: redis::Client,
+    pub side: Side,
+    pub me: String,
+    pub shards: u32,
+    pub ttl: Duration,
+    pub store: Store,
+    pub roles: Arc<ShardRoles>,
+}
+
+/// Keep this instance in the member set while it can consume, and `assignment` up to date,
+/// until `shutdown`; then leave, so the others take its shards at once.
 pub async fn run_membership(
-    client: redis::Client,
-    side: Side,
-    me: String,
-    shards: u32,
-    ttl: Duration,
+    m: Membership,
     assignment: watch::Sender<Assignment>,
     shutdown: CancellationToken,
 ) {
-    let key = members_key(side);
-    let window = ttl.as_millis() as u64;
+    let key = members_key(m.side);
+    let window = m.ttl.as_millis() as u64;
     let mut conn: Option<ConnectionManager> = None;
-    let mut last_members: Vec<String> = Vec::new();
+    let mut last: Option<(Vec<String>, bool)> = None;
     loop {
         if conn.is_none() {
-            conn = ConnectionManager::new(client.clone()).await.ok();
+            conn = ConnectionManager::new(m.client.clone()).await.ok();
         }
+        let unable = if m.roles.layout_refused() {
+            Some("the stream's records refuse this instance's shard count")
+        } else if !matches!(
+            tokio::time::timeout(m.ttl / 3, m.store.ping()).await,
+            Ok(Ok(()))
+        ) {
+            Some("Postgres does not answer")
+        } else {
+            None
+        };
         if let Some(c) = conn.as_mut() {
             let beat: Result<Vec<String>, _> = MEMBERS
                 .key(&key)
-                .arg(&me)
+                .arg(&m.me)
                 .arg(window)
-                .arg("1")
+                .arg(if unable.is_none() { "1" } else { "0" })
                 .invoke_async(c)
                 .await;
             match beat {
                 Ok(mut members) => {
                     members.sort_unstable();
-                    if members != last_members {
-                        let mine = assign(shards, &members, &me);
-                        let held: Vec<usize> = (0..mine.len()).filter(|k| mine[*k]).collect();
-                        info!(members = ?members, shards = ?held, "inbox members changed; shards wanted by this instance");
+                    let now = (members, unable.is_none());
+                    if last.as_ref() != Some(&now) {
+                        let mine = assign(m.shards, &now.0, &m.me);
+                        let wanted: Vec<usize> = (0..mine.len()).filter(|k| mine[*k]).collect();
+                        match unable {
+                            None => {
+                                info!(members = ?now.0, shards = ?wanted, "inbox members changed; shards wanted by this instance")
+                            }
+                            Some(why) => {
+                                warn!(members = ?now.0, shards = ?wanted, why, "this instance cannot consume: out of the inbox member set, its shards go to the others")
+                            }
+                        }
                         assignment.send_replace(Arc::new(mine));
-                        last_members = members;
+                        last = Some(now);
                     }
                 }
                 // Keep the last view: the leases still decide, and a member that cannot
@@ -108,13 +143,13 @@ pub async fn run_membership(
         }
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            _ = tokio::time::sleep(ttl / 3) => {}
+            _ = tokio::time::sleep(m.ttl / 3) => {}
         }
     }
     if let Some(c) = conn.as_mut() {
         let left: Result<Vec<String>, _> = MEMBERS
             .key(&key)
-            .arg(&me)
+            .arg(&m.me)
             .arg(window)
             .arg("0")
             .invoke_async(c)
@@ -131,15 +166,29 @@ pub struct ShardRoles {
     roles: Mutex<Vec<ConsumerRole>>,
     status: watch::Sender<ConsumerStatus>,
     metrics: Arc<Metrics>,
+    /// The stream's records refused this instance's shard count (a configuration error).
+    layout_refused: std::sync::atomic::AtomicBool,
 }
 
 impl ShardRoles {
     pub fn new(shards: u32, status: watch::Sender<ConsumerStatus>, metrics: Arc<Metrics>) -> Self {
+        metrics.inbox_shards.set(i64::from(shards));
         Self {
             roles: Mutex::new(vec![ConsumerRole::Starting; shards as usize]),
             status,
             metrics,
+            layout_refused: Default::default(),
         }
+    }
+
+    pub fn set_layout_refused(&self, refused: bool) {
+        self.layout_refused
+            .store(refused, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    pub fn layout_refused(&self) -> bool {
+        self.layout_refused
+            .load(std::sync::atomic::Ordering::SeqCst)
     }
 
     pub fn set(&self, shard: u32, role: ConsumerRole) {
@@ -201,5 +250,7 @@ mod tests {
         }
         assert!(!assign(8, &members, "d").iter().any(|x| *x));
         assert!(assign(1, &["a".to_string()], "a")[0]);
+        // Nobody can consume: everyone tries everything.
+        assert!(assign(8, &[], "d").iter().all(|x| *x));
     }
 }
