@@ -8,6 +8,8 @@ set -euo pipefail
 need=()
 [ -x /usr/lib/postgresql/15/bin/postgres ] || need+=(postgresql-15)
 command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+# redis-cli creates the test Redis Clusters (redis-cli --cluster create).
+command -v redis-cli >/dev/null 2>&1 || need+=(redis-tools)
 command -v setpriv >/dev/null 2>&1 || need+=(util-linux)
 # The local stack makes its CA, certificates and passwords with openssl.
 command -v openssl >/dev/null 2>&1 || need+=(openssl)

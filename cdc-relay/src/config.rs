@@ -217,8 +217,9 @@ pub struct RunArgs {
     #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub redis_url: String,
     /// The Redis URL names any node of a Redis Cluster (redis-rs's cluster client finds the
-    /// others and follows MOVED/ASK and failovers).
-    #[arg(long, env = "REDIS_CLUSTER")]
+    /// others and follows MOVED/ASK and failovers). Needs --stream-shards 2 or more: the
+    /// keys of a shard share a hash tag, which the plain one-shard keys do not have.
+    #[arg(long, env = "REDIS_CLUSTER", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
     pub redis_cluster: bool,
     /// Stream key the relay writes (only the relay writes it; never DEL it).
     #[arg(long, env = "CDC_STREAM")]
@@ -243,8 +244,8 @@ pub struct SetupArgs {
     /// instead of rebuilding from the outbox table); an existing record is never touched.
     #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub redis_url: Option<String>,
-    /// The Redis URL names any node of a Redis Cluster.
-    #[arg(long, env = "REDIS_CLUSTER")]
+    /// The Redis URL names any node of a Redis Cluster (see `run`).
+    #[arg(long, env = "REDIS_CLUSTER", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
     pub redis_cluster: bool,
     /// The stream `run` will write (see --redis-url).
     #[arg(long, env = "CDC_STREAM")]
@@ -407,6 +408,11 @@ impl RunArgs {
         }
         let stream_shards = crate::shard::validate_count("--stream-shards", self.stream_shards)
             .map_err(RelayError::Config)?;
+        if self.redis_cluster && stream_shards < 2 {
+            return Err(RelayError::Config(
+                "--redis-cluster needs --stream-shards 2 or more: a script touches a shard's stream and its record together, and only shard keys ({k}) put them on one cluster node".into(),
+            ));
+        }
         let t = &self.tuning;
         let admin_addr = if t.admin_addr.is_empty() {
             None

@@ -17,6 +17,7 @@ pub(crate) mod script_codes {
     pub const GAP: &str = "GAP";
     pub const NORECORD: &str = "NORECORD";
     pub const TIMELINE: &str = "TIMELINE";
+    pub const SHARDS: &str = "SHARDS";
 }
 
 #[derive(Debug, thiserror::Error)]

@@ -41,6 +41,11 @@ async fn run_setup(args: &cdc_relay::config::SetupArgs) -> Result<(), cdc_relay:
             .target(url, args.redis_cluster, timeout)?;
         let shards = cdc_relay::shard::validate_count("--stream-shards", args.stream_shards)
             .map_err(cdc_relay::RelayError::Config)?;
+        if args.redis_cluster && shards < 2 {
+            return Err(cdc_relay::RelayError::Config(
+                "--redis-cluster needs --stream-shards 2 or more (see `run --help`)".into(),
+            ));
+        }
         match cdc_relay::setup::init_stream_record(&pg, &outcome, redis, stream, shards, timeout)
             .await?
         {

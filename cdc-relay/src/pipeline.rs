@@ -162,6 +162,7 @@ impl Pipeline {
                         .gap_retried
                         .swap(true, std::sync::atomic::Ordering::SeqCst) =>
                 {
+                    warn!("a batch's part reached a shard before its predecessor's; sending both again in order");
                     let mut again: Vec<Arc<SealedBatch>> = vec![head.sealed];
                     for later in self.in_flight.drain(..) {
                         later.task.abort();

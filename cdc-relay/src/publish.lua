@@ -11,13 +11,16 @@
 -- ARGV[5]  the LSN (decimal) the relay will acknowledge to its slot once this call returns
 --          ('': none). Recorded as `acked_through`, so Redis always knows at least as much
 --          as the slot says was delivered: a Redis that lost data shows an older value.
--- ARGV[6..] five per entry: id, event, payload, outbox_id, created_at; ids strictly increase
+-- ARGV[6]  the shard count the relay writes with: the record must state the same (a stream
+--          resized while this relay ran is refused with SHARDS; records from before shards
+--          existed state nothing, which means 1)
+-- ARGV[7..] five per entry: id, event, payload, outbox_id, created_at; ids strictly increase
 --
 -- Returns {published, duplicates, unread_trimmed}. An entry whose id is not above the
 -- stream's last-generated-id is a replay (Postgres re-sends what the slot did not
 -- acknowledge): it is counted, not written, after checking that the entry stored under that
 -- id, if still there, is the same outbox row.
--- Errors (codes read by the relay): NORECORD (the record is gone: Redis lost data, or an
+-- Errors (codes read by the relay): SHARDS (the stream was resized), NORECORD (the record is gone: Redis lost data, or an
 -- operator deleted it to force a rebuild; only `setup` and a rebuild write a record),
 -- ORIGIN (another cluster's stream), TIMELINE (the record names another timeline: the
 -- relay checks the history before going on), GAP (the stream lost entries this session
@@ -25,16 +28,18 @@
 -- never held).
 
 local stream, origin_key = KEYS[1], KEYS[2]
-local system_id, timeline, maxlen, fence, ack = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5]
-local FIRST = 6
+local system_id, timeline, maxlen, fence, ack, shards = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6]
+local FIRST = 7
 
-local origin = redis.call('HMGET', origin_key, 'system_id', 'timeline', 'acked_through')
+local origin = redis.call('HMGET', origin_key, 'system_id', 'timeline', 'acked_through', 'shards')
 if not origin[1] then
   return redis.error_reply('NORECORD ' .. origin_key .. ' is missing')
 elseif origin[1] ~= system_id then
   return redis.error_reply('ORIGIN ' .. origin[1])
 elseif origin[2] ~= timeline then
   return redis.error_reply('TIMELINE the record says ' .. tostring(origin[2]) .. ', the relay reads timeline ' .. timeline)
+elseif (origin[4] or '1') ~= shards then
+  return redis.error_reply('SHARDS ' .. (origin[4] or '1'))
 end
 
 -- Ids compare as (ms, seq) pairs of unbounded decimals: by length, then lexically.
@@ -157,4 +162,10 @@ end
 local unread = 0
 if published > 0 then unread = trim() end
 record(last_i)
+if published == 0 then
+  -- Nothing new was written, but a WAIT after this call must cover what an earlier call
+  -- wrote here (maybe on a connection since lost): one small write moves this client's
+  -- replication offset past it.
+  redis.call('HINCRBY', origin_key, 'replays', 1)
+end
 return {published, duplicates, unread}

@@ -243,39 +243,35 @@ impl Publisher {
         origin: &Origin,
         fence: Option<EntryId>,
     ) -> Result<PublishOutcome, RelayError> {
-        let reply = self.eval(shard, entries, batch, origin, fence, false).await;
+        let reply = self.eval(shard, entries, batch, origin, fence).await;
         let reply = match reply {
-            // Redis restarted or failed over (scripts are not persisted): send the script
-            // itself, to the node that holds the shard (which caches it again).
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                self.eval(shard, entries, batch, origin, fence, true).await
+                // Redis restarted or failed over (scripts are not persisted): load it again
+                // (on every node of a cluster) and resend.
+                self.script_sha = load_script(&mut self.conn).await?;
+                self.eval(shard, entries, batch, origin, fence).await
             }
             other => other,
         };
-        let reply = reply.map_err(|e| self.script_error(shard, e, origin))?;
+        let (reply, replicas) = reply.map_err(|e| self.script_error(shard, e, origin))?;
         let outcome = parse_outcome(reply)?;
-        if self.wait_replicas > 0 {
-            let stream = &self.shards[shard].stream;
-            let acked = self
-                .conn
-                .wait_replicas(stream, self.wait_replicas, self.timeout)
-                .await?;
-            if acked < self.wait_replicas {
-                // Not confirmed: sent again (idempotent) until enough replicas have it.
-                return Err(RelayError::Redis(redis::RedisError::from(
-                    std::io::Error::new(
-                        std::io::ErrorKind::TimedOut,
-                        format!(
-                            "WAIT: {acked} of {} replicas acknowledged {stream} within {:?}",
-                            self.wait_replicas, self.timeout
-                        ),
+        if let Some(acked) = replicas.filter(|n| *n < self.wait_replicas) {
+            // Not confirmed: sent again (idempotent) until enough replicas have it.
+            return Err(RelayError::Redis(redis::RedisError::from(
+                std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "WAIT: {acked} of {} replicas acknowledged {} in time",
+                        self.wait_replicas, self.shards[shard].stream
                     ),
-                )));
-            }
+                ),
+            )));
         }
         Ok(outcome)
     }
 
+    /// The script call, followed on the same connection by `WAIT` when replicas must
+    /// confirm (their count comes back too).
     async fn eval(
         &mut self,
         shard: usize,
@@ -283,19 +279,11 @@ impl Publisher {
         batch: &Batch,
         origin: &Origin,
         fence: Option<EntryId>,
-        by_body: bool,
-    ) -> redis::RedisResult<Value> {
+    ) -> redis::RedisResult<(Value, Option<u32>)> {
         let keys = &self.shards[shard];
-        let mut cmd = if by_body {
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(SCRIPT);
-            cmd
-        } else {
-            let mut cmd = redis::cmd("EVALSHA");
-            cmd.arg(&self.script_sha);
-            cmd
-        };
-        cmd.arg(2)
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&self.script_sha)
+            .arg(2)
             .arg(&keys.stream)
             .arg(&keys.origin_key)
             .arg(&origin.system_id)
@@ -307,7 +295,8 @@ impl Publisher {
                     .ack_lsn
                     .map(|lsn| lsn.as_u64().to_string())
                     .unwrap_or_default(),
-            );
+            )
+            .arg(self.shards.len());
         let mut id_buf = String::with_capacity(40);
         for entry in entries {
             use std::fmt::Write;
@@ -319,7 +308,17 @@ impl Publisher {
                 .arg(&entry.event.outbox_id[..])
                 .arg(&entry.event.created_at[..]);
         }
-        cmd.query_async(&mut self.conn).await
+        if self.wait_replicas == 0 {
+            return Ok((cmd.query_async(&mut self.conn).await?, None));
+        }
+        // WAIT counts the writes of the connection it arrives on: it must follow the
+        // script on the same one, so both go as one pipeline. Its own timeout stays well
+        // inside the response timeout.
+        let (reply, replicas) = self
+            .conn
+            .then_wait(cmd, &keys.stream, self.wait_replicas, self.timeout / 2)
+            .await?;
+        Ok((reply, Some(replicas)))
     }
 
     fn script_error(&self, shard: usize, e: redis::RedisError, origin: &Origin) -> RelayError {
@@ -342,6 +341,10 @@ impl Publisher {
             Some(script_codes::NORECORD) => RelayError::RecordMissing {
                 stream: stream.clone(),
             },
+            Some(script_codes::SHARDS) => RelayError::Config(format!(
+                "stream {} now states {detail} shard(s) (it was resized while this relay ran): restart the relay with --stream-shards {detail}",
+                self.base
+            )),
             Some(script_codes::TIMELINE) => RelayError::TimelineMismatch {
                 stream: stream.clone(),
                 detail,

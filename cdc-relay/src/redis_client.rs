@@ -8,7 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
-use redis::cluster_routing::{RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
+use redis::cluster_routing::{SingleNodeRoutingInfo, Slot, SlotAddr};
 use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisFuture, RedisResult, Value};
 
 use crate::error::RelayError;
@@ -54,31 +54,42 @@ impl RedisTarget {
 }
 
 impl RedisConn {
-    /// `WAIT replicas timeout` on the node that holds `key`: how many replicas acknowledged
-    /// every write this connection sent there before.
-    pub async fn wait_replicas(
+    /// `cmd` (a write of `key`) and then `WAIT replicas timeout`, as one pipeline on the
+    /// connection to `key`'s master: `WAIT` counts only the writes of the connection it
+    /// arrives on. The command's reply, and how many replicas acknowledged.
+    pub async fn then_wait(
         &mut self,
+        cmd: Cmd,
         key: &str,
         replicas: u32,
         timeout: Duration,
-    ) -> RedisResult<u32> {
-        let mut cmd = redis::cmd("WAIT");
-        cmd.arg(replicas).arg(timeout.as_millis() as u64);
-        let reply = match self {
-            RedisConn::Single(conn) => cmd.query_async::<Value>(conn).await?,
+    ) -> RedisResult<(Value, u32)> {
+        let mut pipe = redis::pipe();
+        pipe.add_command(cmd)
+            .cmd("WAIT")
+            .arg(replicas)
+            .arg(timeout.as_millis() as u64);
+        let mut replies: Vec<Value> = match self {
+            RedisConn::Single(conn) => pipe.query_async(conn).await?,
             RedisConn::Cluster(conn) => {
                 let route = redis::cluster_routing::Route::with_slot(
                     Slot::for_key(key.as_bytes()),
                     SlotAddr::Master,
                 );
-                conn.route_command(
-                    cmd,
-                    RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(route)),
-                )
-                .await?
+                conn.route_pipeline(pipe, 0, 2, SingleNodeRoutingInfo::SpecificNode(route))
+                    .await?
             }
         };
-        Ok(redis::from_redis_value::<u32>(reply)?)
+        if replies.len() != 2 {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "script and WAIT pipeline",
+                format!("{} replies", replies.len()),
+            )));
+        }
+        let acked = replies.pop().expect("two replies").extract_error()?;
+        let reply = replies.pop().expect("two replies").extract_error()?;
+        Ok((reply, redis::from_redis_value::<u32>(acked)?))
     }
 }
 

@@ -98,6 +98,18 @@ pub async fn reshard(cfg: &RelayConfig) -> Result<String, RelayError> {
                 .await?,
         );
     }
+    // What takeover would rebuild for must not be papered over by new records: every old
+    // shard has its record, holds what it wrote, and knows what the slot confirmed.
+    for (key, r) in old_keys.iter().zip(&old) {
+        let lost = !r.exists()
+            || r.last_id.is_some_and(|last| r.top < last)
+            || r.acked_through.unwrap_or(0) < start_lsn;
+        if lost {
+            return Err(RelayError::Config(format!(
+                "{key} lost data (its record is missing, or behind the slot, or entries it wrote are gone): start the relay with the current --stream-shards so it rebuilds, let the receivers drain, then run reshard again"
+            )));
+        }
+    }
     if old.iter().any(|r| r.rebuilding.is_some()) {
         return Err(RelayError::Config(format!(
             "stream {base} is being rebuilt: let the relay finish, stop it, then run reshard again"
@@ -113,7 +125,7 @@ pub async fn reshard(cfg: &RelayConfig) -> Result<String, RelayError> {
     let Some(mut lock) = RebuildLock::acquire(
         conn.clone(),
         publisher.shard_stream(0),
-        "reshard",
+        &format!("reshard-{}", std::process::id()),
         cfg.rebuild_lock_ttl,
     )
     .await?
@@ -124,6 +136,17 @@ pub async fn reshard(cfg: &RelayConfig) -> Result<String, RelayError> {
         )));
     };
     let result = async {
+        // A relay that started since the checks would have moved the slot: then nothing
+        // is written and the operator runs reshard again with the relays stopped.
+        let now = slot_info(&sql, &cfg.postgres.slot).await?;
+        if now.as_ref().map(|s| (s.active_pid, s.confirmed_flush_lsn.map(|l| l.as_u64())))
+            != Some((None, Some(start_lsn)))
+        {
+            return Err(RelayError::Config(format!(
+                "slot {} was taken or moved while resharding: stop every relay of this side, then run reshard again",
+                cfg.postgres.slot
+            )));
+        }
         let mut records = publisher.records();
         let new = read_all(&mut records).await?;
         let id_offset = new
@@ -144,9 +167,15 @@ pub async fn reshard(cfg: &RelayConfig) -> Result<String, RelayError> {
             )
             .await?;
         }
-        // Retire the old records that are not new ones: they now state the new count.
+        // Retire the old records that are not new ones: they now state the new count (and
+        // so does the plain stream's record of an earlier layout, which every binary reads
+        // to tell the layouts apart).
         let new_keys = shard_keys(base, target);
-        for key in old_keys.iter().filter(|k| !new_keys.contains(k)) {
+        let mut retire: Vec<&String> = old_keys.iter().filter(|k| !new_keys.contains(k)).collect();
+        if target > 1 && plain.is_some() && !retire.contains(&base) {
+            retire.push(base);
+        }
+        for key in retire {
             let () = redis::cmd("HSET")
                 .arg(origin_key(key))
                 .arg("shards")

@@ -396,3 +396,56 @@ async fn a_drained_stream_is_resized_and_streams_on_without_republishing() {
     assert_eq!(rebuilds, 0.0, "nothing rebuilt");
     relay.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_resized_twice_streams_on_with_the_last_count() {
+    // GIVEN a plain stream resized to 4 shards, streaming there
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let relay = fx.spawn_relay("relay-1", &[]);
+    relay.wait_streaming().await;
+    write_concurrently(&fx, 0, 5).await;
+    common::wait_published(&fx, &common::outbox_ids(&fx).await, &relay).await;
+    relay.stop();
+    consume(&redis, &fx.stream, 10_000).await;
+    assert!(reshard(&fx, "4").status.success());
+    let relay = fx.spawn_relay("relay-2", &["--stream-shards", "4"]);
+    relay.wait_streaming().await;
+    write_concurrently(&fx, 1, 5).await;
+    let want = common::outbox_ids(&fx).await.len();
+    wait_until(Duration::from_secs(60), "rows in the 4 shards", || async {
+        let mut have = read_stream(&redis, &fx.stream).await.unwrap().len();
+        for key in cdc_relay::shard::shard_keys(&fx.stream, 4) {
+            have += read_stream(&redis, &key).await.unwrap().len();
+        }
+        if have >= want {
+            Ok(())
+        } else {
+            Err(format!("{have} of {want}"))
+        }
+    })
+    .await;
+    relay.stop();
+
+    // WHEN it is drained and resized again, to 8
+    for key in cdc_relay::shard::shard_keys(&fx.stream, 4) {
+        consume(&redis, &key, 10_000).await;
+    }
+    let output = reshard(&fx, "8");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+
+    // THEN a relay with 8 streams, and one still saying 4 is refused
+    let relay = fx.spawn_relay("relay-3", &["--stream-shards", "8"]);
+    relay.wait_streaming().await;
+    relay.stop();
+    let old = std::process::Command::new(env!("CARGO_BIN_EXE_cdc-relay"))
+        .arg("run")
+        .args(fx.flags(&["--stream-shards", "4", "--admin-addr", ""]))
+        .output()
+        .unwrap();
+    common::assert_refused(&old, &["set up with 8 shard(s)"]);
+}

@@ -66,7 +66,27 @@ impl RedisCluster {
             );
         }
         cluster.wait_ok(Duration::from_secs(60))?;
+        cluster.wait_replicas_synced(Duration::from_secs(60))?;
         Ok(cluster)
+    }
+
+    /// Until every running replica's link to its master is up (it holds the master's data).
+    pub fn wait_replicas_synced(&self, timeout: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let synced = self.running_ports().iter().all(|p| {
+                self.cli(*p, &["INFO", "replication"]).is_ok_and(|info| {
+                    info.contains("role:master") || info.contains("master_link_status:up")
+                })
+            });
+            if synced {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                bail!("replicas not in sync after {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     fn ports(&self) -> Vec<u16> {
@@ -101,6 +121,10 @@ impl RedisCluster {
                 "nodes.conf",
                 "--cluster-node-timeout",
                 &NODE_TIMEOUT_MS.to_string(),
+                // A replica may always be promoted, however long ago it last heard its
+                // master (the default refuses a replica that never synced recently).
+                "--cluster-replica-validity-factor",
+                "0",
                 "--appendonly",
                 "yes",
                 "--appendfsync",
@@ -235,10 +259,12 @@ impl RedisCluster {
         self.wait_ok(Duration::from_secs(60))
     }
 
-    /// Start node `i` again on its data (it rejoins, as a replica if it was failed over).
+    /// Start node `i` again on its data (it rejoins, as a replica if it was failed over)
+    /// and wait until it is in sync.
     pub fn restart_node(&self, i: usize) -> anyhow::Result<()> {
         self.start_node(i)?;
-        self.wait_ok(Duration::from_secs(60))
+        self.wait_ok(Duration::from_secs(60))?;
+        self.wait_replicas_synced(Duration::from_secs(60))
     }
 }
 

@@ -95,16 +95,21 @@ pub async fn run_membership(
     let window = m.ttl.as_millis() as u64;
     let mut conn: Option<ConnectionManager> = None;
     let mut last: Option<(Vec<String>, bool)> = None;
+    // Pings failed in a row: one slow answer under load is not a reason to move shards.
+    let mut failed_pings = 0u32;
     loop {
         if conn.is_none() {
             conn = ConnectionManager::new(m.client.clone()).await.ok();
         }
+        let ping = tokio::time::timeout(m.ttl / 3, m.store.ping()).await;
+        failed_pings = if matches!(ping, Ok(Ok(()))) {
+            0
+        } else {
+            failed_pings + 1
+        };
         let unable = if m.roles.layout_refused() {
             Some("the stream's records refuse this instance's shard count")
-        } else if !matches!(
-            tokio::time::timeout(m.ttl / 3, m.store.ping()).await,
-            Ok(Ok(()))
-        ) {
+        } else if failed_pings >= 3 {
             Some("Postgres does not answer")
         } else {
             None
