@@ -16,6 +16,7 @@ use crate::pg::read_secret_file;
 
 /// Where Redis is: one server, or a cluster reached through any of its nodes.
 #[derive(Clone)]
+#[allow(clippy::large_enum_variant)] // built once per process, cloned rarely
 pub enum RedisTarget {
     Single(redis::Client),
     Cluster(redis::cluster::ClusterClient),

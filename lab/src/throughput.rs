@@ -248,11 +248,13 @@ async fn measure_shape(
         let t = drain_with_relay(
             relay_bin,
             &args.relay_args,
-            args.knee.shards,
             &db,
             redis,
-            &relay_slots[round],
-            &stream,
+            RelayTarget {
+                slot: &relay_slots[round],
+                stream: &stream,
+                shards: args.knee.shards,
+            },
             events,
         )
         .await?;
@@ -385,17 +387,27 @@ fn drain_with_pg_recvlogical(
     Ok(elapsed)
 }
 
+/// The slot a drain reads and the stream (of `shards` shards) it fills.
+struct RelayTarget<'a> {
+    slot: &'a str,
+    stream: &'a str,
+    shards: u32,
+}
+
 /// Seconds from starting the relay binary until the stream holds `events` entries.
 async fn drain_with_relay(
     relay_bin: &std::path::Path,
     extra_args: &[String],
-    shards: u32,
     db: &TestDb,
     redis: &RedisServer,
-    slot: &str,
-    stream: &str,
+    target: RelayTarget<'_>,
     events: u64,
 ) -> anyhow::Result<f64> {
+    let RelayTarget {
+        slot,
+        stream,
+        shards,
+    } = target;
     let admin: std::net::SocketAddr =
         format!("127.0.0.1:{}", testkit::http::free_port()).parse()?;
     let mut cmd = Command::new(relay_bin);
