@@ -366,6 +366,19 @@ impl Session<'_> {
                 self.start_publish();
             }
             if self.pipeline.is_idle() {
+                // Shards that last recorded an older acknowledgement hold the slot back:
+                // every batch is confirmed now, so one acknowledgement-only batch (to every
+                // shard, while finishing) lets the slot move to the newest.
+                let newest = self.state.shard_acked.iter().max().copied();
+                let behind = newest.is_some_and(|n| n > self.state.acknowledged_lsn);
+                if behind
+                    && !self.state.filling.has_entries()
+                    && self.state.filling.ack_lsn.is_none()
+                {
+                    self.state.filling.ack_lsn = newest;
+                    self.state.ack_only_not_before = tokio::time::Instant::now();
+                    continue;
+                }
                 break;
             }
             match tokio::time::timeout_at(deadline, self.pipeline.confirmed()).await {
