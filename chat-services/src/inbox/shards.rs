@@ -2,8 +2,8 @@
 //! an instance's shard consumers.
 //!
 //! Each instance heartbeats into a sorted set of members (scored by Redis's clock, so hosts'
-//! clocks do not matter) and reads the live ones back: members sorted by name, shard k is
-//! wanted by member `k mod m`. Everyone computes the same split from the same view; while
+//! clocks do not matter) and reads the live ones back; [`assign`] splits the shards over
+//! them evenly, moving few when one joins or leaves. Everyone computes the same split from the same view; while
 //! views differ (a member joined or died moments ago) the per-shard lease decides, and an
 //! instance gives a shard up as soon as its view says another live member wants it. A dead
 //! member drops out of the view within the lease TTL, when its leases have expired too.
@@ -56,8 +56,12 @@ pub fn members_key(side: Side) -> String {
     format!("inbox-members:{side}")
 }
 
-/// The shards `me` wants among `members` (any order): shard k goes to the k mod m-th
-/// member by name; with no members at all, every shard (everyone competes).
+/// The shards `me` wants among `members` (any order); with no members at all, every shard
+/// (everyone competes). Balanced rendezvous hashing: each shard ranks the members by a hash
+/// of (member, shard) and goes to the first that still has room, where every member has
+/// room for ⌊N/m⌋ and the ⌊N⌋ mod m left over go one each to their first members with no
+/// extra yet. So counts differ by at most one, and a member joining or leaving moves little
+/// more than its own share (plain `k mod m` would move most shards).
 pub fn assign(shards: u32, members: &[String], me: &str) -> Vec<bool> {
     if members.is_empty() {
         return vec![true; shards as usize];
@@ -65,12 +69,44 @@ pub fn assign(shards: u32, members: &[String], me: &str) -> Vec<bool> {
     let mut sorted: Vec<&str> = members.iter().map(String::as_str).collect();
     sorted.sort_unstable();
     sorted.dedup();
-    let Some(index) = sorted.iter().position(|m| *m == me) else {
-        return vec![false; shards as usize];
+    let m = sorted.len();
+    let floor = shards as usize / m;
+    let ranked = |k: u32| {
+        let mut order: Vec<usize> = (0..m).collect();
+        order.sort_by_key(|i| std::cmp::Reverse(weight(sorted[*i], k)));
+        order
     };
-    (0..shards as usize)
-        .map(|k| k % sorted.len() == index)
-        .collect()
+    let mut count = vec![0usize; m];
+    let mut extra = vec![false; m];
+    let mut owner = vec![usize::MAX; shards as usize];
+    let mut left = Vec::new();
+    for k in 0..shards {
+        match ranked(k).into_iter().find(|i| count[*i] < floor) {
+            Some(i) => {
+                owner[k as usize] = i;
+                count[i] += 1;
+            }
+            None => left.push(k),
+        }
+    }
+    for k in left {
+        if let Some(i) = ranked(k).into_iter().find(|i| !extra[*i]) {
+            owner[k as usize] = i;
+            extra[i] = true;
+        }
+    }
+    let me = sorted.iter().position(|m| *m == me);
+    owner.iter().map(|o| Some(*o) == me).collect()
+}
+
+/// The rendezvous weight of `member` for shard `k` (FNV-1a, stable across processes).
+fn weight(member: &str, k: u32) -> u64 {
+    let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
+    for byte in member.bytes().chain(k.to_le_bytes()) {
+        hash ^= u64::from(byte);
+        hash = hash.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    hash
 }
 
 /// What the membership task needs.
@@ -238,24 +274,49 @@ mod tests {
     use super::*;
 
     #[test]
-    fn shards_split_evenly_by_name_and_a_stranger_gets_none() {
-        let members: Vec<String> = ["c", "a", "b"].iter().map(|s| s.to_string()).collect();
-        let counts: Vec<usize> = ["a", "b", "c"]
-            .iter()
-            .map(|me| assign(8, &members, me).iter().filter(|x| **x).count())
-            .collect();
-        assert_eq!(counts, [3, 3, 2]);
-        // Every shard wanted by exactly one member.
-        for k in 0..8 {
-            let wanting = ["a", "b", "c"]
+    fn shards_split_evenly_and_a_stranger_gets_none() {
+        let names = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        for (shards, members) in [(8, names(&["c", "a", "b"])), (4, names(&["x", "y", "z"]))] {
+            let mut counts: Vec<usize> = members
                 .iter()
-                .filter(|me| assign(8, &members, me)[k])
-                .count();
-            assert_eq!(wanting, 1, "shard {k}");
+                .map(|me| assign(shards, &members, me).iter().filter(|x| **x).count())
+                .collect();
+            counts.sort_unstable();
+            assert!(counts[counts.len() - 1] - counts[0] <= 1, "{counts:?}");
+            // Every shard wanted by exactly one member.
+            for k in 0..shards as usize {
+                let wanting = members
+                    .iter()
+                    .filter(|me| assign(shards, &members, me)[k])
+                    .count();
+                assert_eq!(wanting, 1, "shard {k}");
+            }
         }
+        let members = names(&["a", "b", "c"]);
         assert!(!assign(8, &members, "d").iter().any(|x| *x));
-        assert!(assign(1, &["a".to_string()], "a")[0]);
+        assert!(assign(1, &names(&["a"]), "a")[0]);
         // Nobody can consume: everyone tries everything.
         assert!(assign(8, &[], "d").iter().all(|x| *x));
+    }
+
+    #[test]
+    fn a_member_joining_moves_little_more_than_its_share() {
+        let names = |list: &[&str]| list.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let owners = |members: &[String]| -> Vec<String> {
+            (0..64)
+                .map(|k| {
+                    members
+                        .iter()
+                        .find(|me| assign(64, members, me)[k])
+                        .cloned()
+                        .unwrap()
+                })
+                .collect()
+        };
+        let before = owners(&names(&["w-1", "w-2", "w-3"]));
+        let after = owners(&names(&["w-1", "w-2", "w-3", "w-4"]));
+        let moved = before.iter().zip(&after).filter(|(a, b)| a != b).count();
+        // Its share is 16 of 64; `k mod m` would move 48.
+        assert!(moved <= 24, "{moved} of 64 moved");
     }
 }
