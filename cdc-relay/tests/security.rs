@@ -543,6 +543,69 @@ async fn redis_acl_users_have_least_privilege() {
         ("consumers", "HSET inbox-attempts:workers 1-1 x", false),
         ("consumers", "XDEL deadletter:workers 1-1", false),
         ("consumers", "FLUSHALL", false),
+        // Shards of a stream: the same rights on every shard's keys ({k}), nothing more.
+        ("consumers_relay", "XADD outbox:consumers:{3} 1-1 k v", true),
+        (
+            "consumers_relay",
+            "HSET outbox:consumers:{3}:origin shards 8",
+            true,
+        ),
+        (
+            "consumers_relay",
+            "SET outbox:consumers:{0}:rebuilding me PX 1000",
+            true,
+        ),
+        ("consumers_relay", "WAIT 0 10", true),
+        ("consumers_relay", "XADD outbox:workers:{3} 1-1 k v", false),
+        ("consumers_relay", "DEL outbox:consumers:{3}", false),
+        ("workers_relay", "XADD outbox:workers:{3} 1-1 k v", true),
+        (
+            "workers_relay",
+            "HSET outbox:workers:{3}:origin shards 8",
+            true,
+        ),
+        (
+            "consumers",
+            "XGROUP CREATE outbox:workers:{3} consumers 0",
+            true,
+        ),
+        (
+            "consumers",
+            "XREADGROUP GROUP consumers c1 COUNT 10 STREAMS outbox:workers:{3} >",
+            true,
+        ),
+        ("consumers", "XACK outbox:workers:{3} consumers 1-1", true),
+        (
+            "consumers",
+            "HMGET outbox:workers:{3}:origin system_id shards",
+            true,
+        ),
+        (
+            "consumers",
+            "HMGET outbox:workers:origin system_id shards",
+            true,
+        ),
+        (
+            "consumers",
+            "HSET outbox:workers:{3}:origin shards 1",
+            false,
+        ),
+        (
+            "consumers",
+            "SET inbox-lease:consumers:{3} me PX 1000",
+            true,
+        ),
+        ("consumers", "HSET inbox-attempts:consumers:{3} 1-1 x", true),
+        ("consumers", "ZADD inbox-members:consumers 1 me", true),
+        (
+            "consumers",
+            "ZRANGEBYSCORE inbox-members:consumers -inf +inf",
+            true,
+        ),
+        ("consumers", "TIME", true),
+        ("consumers", "ZADD inbox-members:workers 1 me", false),
+        ("consumers", "SET inbox-lease:workers:{3} me PX 1000", false),
+        ("consumers", "XADD outbox:workers:{3} * k v", false),
     ];
     let mut connections = std::collections::HashMap::new();
     for &(user, command, allowed) in cases {
