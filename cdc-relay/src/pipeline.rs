@@ -163,36 +163,33 @@ impl Pipeline {
                         .swap(true, std::sync::atomic::Ordering::SeqCst) =>
                 {
                     warn!("a batch's part reached a shard before its predecessor's; sending both again in order");
-                    let mut again: Vec<Arc<SealedBatch>> = vec![head.sealed];
-                    for later in self.in_flight.drain(..) {
-                        later.task.abort();
-                        again.push(later.sealed);
-                    }
-                    for sealed in again.into_iter().rev() {
-                        self.resend.push_front(sealed);
-                    }
+                    self.send_again_from(head.sealed);
                     self.retry_at = Some(tokio::time::Instant::now());
                 }
                 Err(e) if e.retry_in_place() => {
                     self.ctx.metrics.redis_errors_total.inc();
                     self.ctx.set_redis_reachable(false);
                     self.ctx.set_last_error(Some(e.to_string()));
-                    // Later batches may have run or been refused by their fence: abandon
-                    // them and send everything again in order.
-                    let mut again: Vec<Arc<SealedBatch>> = vec![head.sealed];
-                    for later in self.in_flight.drain(..) {
-                        later.task.abort();
-                        again.push(later.sealed);
-                    }
-                    for sealed in again.into_iter().rev() {
-                        self.resend.push_front(sealed);
-                    }
+                    self.send_again_from(head.sealed);
                     let delay = self.backoff.next_delay();
                     warn!(error = %e, unconfirmed_batches = self.resend.len(), retry_in = ?delay, "publish failed; sending again");
                     self.retry_at = Some(tokio::time::Instant::now() + delay);
                 }
                 Err(e) => return Err(e),
             }
+        }
+    }
+
+    /// Queue `head` and every later batch to be sent again, in order: later batches may
+    /// have run or been refused by their fence, so their tasks are abandoned.
+    fn send_again_from(&mut self, head: Arc<SealedBatch>) {
+        let mut again: Vec<Arc<SealedBatch>> = vec![head];
+        for later in self.in_flight.drain(..) {
+            later.task.abort();
+            again.push(later.sealed);
+        }
+        for sealed in again.into_iter().rev() {
+            self.resend.push_front(sealed);
         }
     }
 
