@@ -408,11 +408,8 @@ impl RunArgs {
         }
         let stream_shards = crate::shard::validate_count("--stream-shards", self.stream_shards)
             .map_err(RelayError::Config)?;
-        if self.redis_cluster && stream_shards < 2 {
-            return Err(RelayError::Config(
-                "--redis-cluster needs --stream-shards 2 or more: a script touches a shard's stream and its record together, and only shard keys ({k}) put them on one cluster node".into(),
-            ));
-        }
+        crate::shard::check_cluster(self.redis_cluster, stream_shards)
+            .map_err(RelayError::Config)?;
         let t = &self.tuning;
         let admin_addr = if t.admin_addr.is_empty() {
             None

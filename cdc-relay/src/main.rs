@@ -41,11 +41,8 @@ async fn run_setup(args: &cdc_relay::config::SetupArgs) -> Result<(), cdc_relay:
             .target(url, args.redis_cluster, timeout)?;
         let shards = cdc_relay::shard::validate_count("--stream-shards", args.stream_shards)
             .map_err(cdc_relay::RelayError::Config)?;
-        if args.redis_cluster && shards < 2 {
-            return Err(cdc_relay::RelayError::Config(
-                "--redis-cluster needs --stream-shards 2 or more (see `run --help`)".into(),
-            ));
-        }
+        cdc_relay::shard::check_cluster(args.redis_cluster, shards)
+            .map_err(cdc_relay::RelayError::Config)?;
         match cdc_relay::setup::init_stream_record(&pg, &outcome, redis, stream, shards, timeout)
             .await?
         {

@@ -22,7 +22,9 @@ use redis::{ErrorKind, ServerErrorKind, Value};
 
 use crate::batch::{Batch, EntryId, StreamEntry};
 use crate::error::{script_codes, RelayError};
-use crate::record::{origin_key, Origin, Records, StreamRecord};
+use crate::record::{
+    origin_key, other_layout_origin_key, recorded_shards, Origin, Records, StreamRecord,
+};
 use crate::redis_client::{RedisConn, RedisTarget};
 use crate::shard;
 
@@ -127,21 +129,9 @@ impl Publisher {
     /// of shard 0 of a sharded stream; with more: the plain stream's record), if there is
     /// one: the stream was set up with another count.
     pub async fn other_layout(&mut self) -> Result<Option<u32>, RelayError> {
-        let key = if self.shards.len() == 1 {
-            origin_key(&shard::shard_key(&self.base, 0, 2))
-        } else {
-            origin_key(&self.base)
-        };
-        let read: redis::RedisResult<(Option<String>, Option<String>)> = redis::cmd("HMGET")
-            .arg(&key)
-            .arg("system_id")
-            .arg("shards")
-            .query_async(&mut self.conn)
-            .await;
-        match read {
-            Ok((system_id, shards)) => {
-                Ok(system_id.and_then(|_| shard::recorded_count(shards.as_deref())))
-            }
+        let key = other_layout_origin_key(&self.base, self.shard_count());
+        match recorded_shards(&mut self.conn, &key).await {
+            Ok(count) => Ok(count),
             // An ACL from before shards existed: it cannot hold a record there either.
             Err(e) if e.code() == Some("NOPERM") => {
                 tracing::warn!(%key, "the Redis user may not read the other shard layout's record; load the current deploy/redis/users.acl");

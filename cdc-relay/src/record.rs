@@ -32,6 +32,32 @@ pub fn origin_key(stream: &str) -> String {
     format!("{stream}:origin")
 }
 
+/// Key of the record that only the other key layout of `base` has (with one shard: shard
+/// 0's of a sharded stream; with more: the plain stream's): if it exists, the stream was set
+/// up with another count.
+pub fn other_layout_origin_key(base: &str, shards: u32) -> String {
+    if shards == 1 {
+        origin_key(&crate::shard::shard_key(base, 0, 2))
+    } else {
+        origin_key(base)
+    }
+}
+
+/// The shard count the record at `key` states (`None`: no record there; 0: a count that
+/// cannot be read, which matches no configuration).
+pub async fn recorded_shards<C: redis::aio::ConnectionLike + Send>(
+    conn: &mut C,
+    key: &str,
+) -> redis::RedisResult<Option<u32>> {
+    let (system_id, shards): (Option<String>, Option<String>) = redis::cmd("HMGET")
+        .arg(key)
+        .arg("system_id")
+        .arg("shards")
+        .query_async(conn)
+        .await?;
+    Ok(system_id.map(|_| crate::shard::recorded_count(shards.as_deref()).unwrap_or(0)))
+}
+
 /// Key of the lock a relay holds while it rebuilds the stream (other relays stand by).
 pub fn rebuild_lock_key(stream: &str) -> String {
     format!("{stream}:rebuilding")

@@ -48,10 +48,6 @@ impl RedisTarget {
             }
         }
     }
-
-    pub fn is_cluster(&self) -> bool {
-        matches!(self, RedisTarget::Cluster(_))
-    }
 }
 
 impl RedisConn {

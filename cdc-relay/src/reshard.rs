@@ -18,9 +18,12 @@ use crate::batch::EntryId;
 use crate::config::RelayConfig;
 use crate::error::RelayError;
 use crate::publisher::Publisher;
-use crate::record::{offset_above, origin_key, read_all, NewRecord, Origin, RebuildLock};
+use crate::record::{
+    offset_above, origin_key, other_layout_origin_key, read_all, recorded_shards, NewRecord,
+    Origin, RebuildLock,
+};
 use crate::setup::slot_info;
-use crate::shard::{recorded_count, shard_key, shard_keys};
+use crate::shard::shard_keys;
 
 /// Resize `cfg.stream` to `cfg.stream_shards` shards; what was done, for the operator.
 pub async fn reshard(cfg: &RelayConfig) -> Result<String, RelayError> {
@@ -55,8 +58,8 @@ pub async fn reshard(cfg: &RelayConfig) -> Result<String, RelayError> {
 
     // The layout in use: the plain stream unless its record was retired, else the count
     // shard 0 of a sharded stream states.
-    let plain = record_count(&mut conn, &origin_key(base)).await?;
-    let tagged = record_count(&mut conn, &origin_key(&shard_key(base, 0, 2))).await?;
+    let plain = recorded_shards(&mut conn, &origin_key(base)).await?;
+    let tagged = recorded_shards(&mut conn, &other_layout_origin_key(base, 1)).await?;
     let current = match (plain, tagged) {
         (Some(1), _) => 1,
         (_, Some(n)) if n > 1 => n,
@@ -196,17 +199,6 @@ pub async fn reshard(cfg: &RelayConfig) -> Result<String, RelayError> {
     Ok(format!(
         "stream {base} resized from {current} to {target} shard(s) at the slot's position; start the receivers with --stream-shards {target}, then the relay"
     ))
-}
-
-/// The shard count the record at `key` states (`None`: no record).
-async fn record_count(conn: &mut RedisConn, key: &str) -> Result<Option<u32>, RelayError> {
-    let (system_id, shards): (Option<String>, Option<String>) = redis::cmd("HMGET")
-        .arg(key)
-        .arg("system_id")
-        .arg("shards")
-        .query_async(conn)
-        .await?;
-    Ok(system_id.and_then(|_| recorded_count(shards.as_deref())))
 }
 
 /// Every consumer group of `stream` read up to its top and acknowledged everything.

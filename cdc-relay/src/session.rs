@@ -72,7 +72,6 @@ pub(crate) async fn stream(
             acknowledged_lsn: Lsn(0),
             ack_only_not_before: tokio::time::Instant::now(),
             id_offset,
-            shards: cfg.stream_shards,
             shard_acked: vec![Lsn(0); cfg.stream_shards as usize],
             next_ack_all: tokio::time::Instant::now(),
             finishing: false,
@@ -103,7 +102,6 @@ struct State {
     ack_only_not_before: tokio::time::Instant,
     /// Added to commit LSNs to make stream ids.
     id_offset: u64,
-    shards: u32,
     /// Per shard, the highest acknowledgement its record holds from this session.
     shard_acked: Vec<Lsn>,
     /// When the next batch sends its acknowledgement to every shard.
@@ -113,6 +111,10 @@ struct State {
 }
 
 impl State {
+    fn shards(&self) -> u32 {
+        self.shard_acked.len() as u32
+    }
+
     /// The filling batch can take another event (otherwise: backpressure on the slot).
     fn has_room(&self) -> bool {
         self.filling.has_room(&self.limits)
@@ -234,6 +236,8 @@ impl Session<'_> {
                 }
                 PgOutput::Insert(insert) => match self.relations.on_insert(insert)? {
                     Row::Outbox(event) => {
+                        let shard =
+                            shard::shard_of(event.partition_key.as_deref(), self.state.shards());
                         let txn = self.state.open.as_mut().ok_or_else(|| {
                             RelayError::Protocol("insert outside a transaction".into())
                         })?;
@@ -242,8 +246,6 @@ impl Session<'_> {
                             seq: txn.next_seq,
                         };
                         txn.next_seq += 1;
-                        let shard =
-                            shard::shard_of(event.partition_key.as_deref(), self.state.shards);
                         self.state
                             .filling
                             .push(StreamEntry { id, shard, event }, txn.commit_time_micros);
@@ -292,7 +294,7 @@ impl Session<'_> {
         // shard gets it at most once per status interval (and with every batch that is only
         // an acknowledgement, or while stopping), which is as often as the slot hears.
         let now = tokio::time::Instant::now();
-        let ack_all = self.state.shard_acked.len() == 1
+        let ack_all = self.state.shards() == 1
             || !batch.has_entries()
             || self.state.finishing
             || now >= self.state.next_ack_all;

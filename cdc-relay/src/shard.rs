@@ -71,6 +71,15 @@ pub fn validate_count(flag: &str, shards: u32) -> Result<u32, String> {
     Ok(shards)
 }
 
+/// A Redis Cluster needs shard keys: a script touches a shard's stream and its record
+/// together, and only the `{k}` hash tag puts them on one node.
+pub fn check_cluster(cluster: bool, shards: u32) -> Result<(), String> {
+    if cluster && shards < 2 {
+        return Err("--redis-cluster needs --stream-shards 2 or more: a script touches a shard's stream and its record together, and only shard keys ({k}) put them on one cluster node".into());
+    }
+    Ok(())
+}
+
 /// The shard count a record states (records written before shards existed say nothing:
 /// one shard).
 pub fn recorded_count(field: Option<&str>) -> Option<u32> {

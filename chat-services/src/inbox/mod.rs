@@ -351,26 +351,14 @@ impl Inbox {
             return Ok(());
         }
         let shards = self.cfg.shards;
-        let mut keys = vec![cdc_relay::record::origin_key(&self.cfg.stream)];
-        // The other layout's record: the plain stream's, or shard 0 of a sharded one.
-        keys.push(cdc_relay::record::origin_key(&if shards == 1 {
-            cdc_relay::shard::shard_key(&base, 0, 2)
-        } else {
-            base.clone()
-        }));
+        let keys = [
+            cdc_relay::record::origin_key(&self.cfg.stream),
+            cdc_relay::record::other_layout_origin_key(&base, shards),
+        ];
         let mut recorded = Vec::new();
         for key in keys {
-            let read: redis::RedisResult<(Option<String>, Option<String>)> = redis::cmd("HMGET")
-                .arg(&key)
-                .arg("system_id")
-                .arg("shards")
-                .query_async(conn)
-                .await;
-            match read {
-                Ok((Some(_), count)) => {
-                    recorded.push(cdc_relay::shard::recorded_count(count.as_deref()).unwrap_or(0))
-                }
-                Ok((None, _)) => {}
+            match cdc_relay::record::recorded_shards(conn, &key).await {
+                Ok(count) => recorded.extend(count),
                 // An ACL from before shards existed (it allows the plain stream only): the
                 // check is skipped, not the consuming.
                 Err(e) if e.code() == Some("NOPERM") => {
