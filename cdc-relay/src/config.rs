@@ -216,8 +216,8 @@ pub struct RunArgs {
     /// Redis URL (redis://, rediss:// or redis+unix://).
     #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub redis_url: String,
-    /// The Redis URL names any node of a Redis Cluster (redis-rs's cluster client finds the
-    /// others and follows MOVED/ASK and failovers). Needs --stream-shards 2 or more: the
+    /// The Redis URL names any node of a Redis Cluster, or several comma-separated
+    /// (redis-rs's cluster client finds the others and follows MOVED/ASK and failovers). Needs --stream-shards 2 or more: the
     /// keys of a shard share a hash tag, which the plain one-shard keys do not have.
     #[arg(long, env = "REDIS_CLUSTER", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
     pub redis_cluster: bool,

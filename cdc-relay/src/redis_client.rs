@@ -8,6 +8,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterConfig;
 use redis::cluster_routing::{SingleNodeRoutingInfo, Slot, SlotAddr};
 use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisFuture, RedisResult, Value};
 
@@ -19,7 +20,12 @@ use crate::pg::read_secret_file;
 #[allow(clippy::large_enum_variant)] // built once per process, cloned rarely
 pub enum RedisTarget {
     Single(redis::Client),
-    Cluster(redis::cluster::ClusterClient),
+    /// The cluster's client, and the same speaking RESP3, whose connections carry sharded
+    /// pub/sub messages as pushes (commands keep RESP2's reply shapes).
+    Cluster {
+        client: redis::cluster::ClusterClient,
+        resp3: redis::cluster::ClusterClient,
+    },
 }
 
 /// A connection to either (cheap to clone; both reconnect by themselves).
@@ -43,10 +49,47 @@ impl RedisTarget {
                     .await
                     .map(RedisConn::Single)
             }
-            RedisTarget::Cluster(client) => {
-                client.get_async_connection().await.map(RedisConn::Cluster)
-            }
+            RedisTarget::Cluster { client, .. } => client
+                .get_async_connection_with_config(
+                    ClusterConfig::new()
+                        .set_response_timeout(timeout)
+                        .set_connection_timeout(timeout.min(Duration::from_secs(3))),
+                )
+                .await
+                .map(RedisConn::Cluster),
         }
+    }
+
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, RedisTarget::Cluster { .. })
+    }
+
+    /// A cluster connection subscribed to the sharded channel `channel` (`SSUBSCRIBE`),
+    /// whose messages, subscription confirmations and disconnections arrive on `pushes`.
+    /// redis-rs subscribes again wherever the channel's slot moves (failover, resharding)
+    /// once it notices, and confirms each time. `None` for a single server.
+    pub async fn subscribe_sharded(
+        &self,
+        channel: &str,
+        pushes: tokio::sync::mpsc::UnboundedSender<redis::PushInfo>,
+        timeout: Duration,
+    ) -> Option<RedisResult<redis::cluster_async::ClusterConnection>> {
+        let RedisTarget::Cluster { resp3, .. } = self else {
+            return None;
+        };
+        let connected = async {
+            let mut conn = resp3
+                .get_async_connection_with_config(
+                    ClusterConfig::new()
+                        .set_response_timeout(timeout)
+                        .set_connection_timeout(timeout.min(Duration::from_secs(3)))
+                        .set_push_sender(pushes),
+                )
+                .await?;
+            conn.ssubscribe(channel).await?;
+            Ok(conn)
+        };
+        Some(connected.await)
     }
 }
 
@@ -118,9 +161,10 @@ impl ConnectionLike for RedisConn {
     }
 }
 
-/// A target for `url`: a cluster client when `cluster` (the URL names any node), otherwise
-/// [`client`]'s single-server client. `timeout` bounds the cluster client's responses (a
-/// single-server connection sets its own when it connects).
+/// A target for `url`: a cluster client when `cluster` (the URL names any node, or several
+/// comma-separated, so that a process starting while one node is down finds the others),
+/// otherwise [`client`]'s single-server client. `timeout` bounds the cluster client's
+/// responses (each connection can set its own).
 pub fn target(
     url: &str,
     cluster: bool,
@@ -129,32 +173,57 @@ pub fn target(
     flag: &str,
     timeout: Duration,
 ) -> Result<RedisTarget, RelayError> {
-    let single = client(url, password_file, ca_file, flag)?;
     if !cluster {
-        return Ok(RedisTarget::Single(single));
+        return Ok(RedisTarget::Single(client(
+            url,
+            password_file,
+            ca_file,
+            flag,
+        )?));
     }
-    let info = single.get_connection_info().clone();
-    if matches!(info.addr(), redis::ConnectionAddr::Unix(_)) {
-        return Err(RelayError::Config(format!(
-            "{flag}: a Redis Cluster is reached over TCP (redis:// or rediss://), not a Unix socket"
-        )));
+    let mut nodes = Vec::new();
+    for node in url.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        let info = client(node, password_file, ca_file, flag)?
+            .get_connection_info()
+            .clone();
+        if matches!(info.addr(), redis::ConnectionAddr::Unix(_)) {
+            return Err(RelayError::Config(format!(
+                "{flag}: a Redis Cluster is reached over TCP (redis:// or rediss://), not a Unix socket"
+            )));
+        }
+        nodes.push(info);
     }
-    let mut builder = redis::cluster::ClusterClientBuilder::new(vec![info])
-        .response_timeout(timeout)
-        .connection_timeout(timeout);
-    if let Some(path) = ca_file {
-        let root_cert = std::fs::read(path)
-            .map_err(|e| RelayError::Config(format!("CA file {}: {e}", path.display())))?;
-        builder = builder.certs(redis::TlsCertificates {
-            client_tls: None,
-            root_cert: Some(root_cert),
-        });
+    if nodes.is_empty() {
+        return Err(RelayError::Config(format!("{flag} names no Redis node")));
     }
-    builder.build().map(RedisTarget::Cluster).map_err(|e| {
-        RelayError::Config(format!(
-            "{flag}: {}",
-            e.detail().unwrap_or("invalid cluster client configuration")
-        ))
+    let root_cert = match ca_file {
+        Some(path) => Some(
+            std::fs::read(path)
+                .map_err(|e| RelayError::Config(format!("CA file {}: {e}", path.display())))?,
+        ),
+        None => None,
+    };
+    let build = |protocol: redis::ProtocolVersion| {
+        let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+            .response_timeout(timeout)
+            .connection_timeout(timeout)
+            .use_protocol(protocol);
+        if let Some(root_cert) = &root_cert {
+            builder = builder.certs(redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(root_cert.clone()),
+            });
+        }
+        builder.build().map_err(|e| {
+            RelayError::Config(format!(
+                "{flag}: {}",
+                e.detail().unwrap_or("invalid cluster client configuration")
+            ))
+        })
+    };
+    Ok(RedisTarget::Cluster {
+        client: build(redis::ProtocolVersion::RESP2)?,
+        resp3: build(redis::ProtocolVersion::RESP3)?,
     })
 }
 

@@ -26,6 +26,11 @@ pub struct Cli {
     /// Redis URL (redis://, rediss:// or redis+unix://).
     #[arg(long, env = "REDIS_URL", hide_env_values = true)]
     pub redis_url: String,
+    /// The Redis URL names any node of a Redis Cluster, or several comma-separated (as
+    /// cdc-relay's --redis-cluster).
+    /// Needs --stream-shards 2 or more; live hints then use sharded pub/sub.
+    #[arg(long, env = "REDIS_CLUSTER", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
+    pub redis_cluster: bool,
     #[command(flatten)]
     pub database_secrets: cdc_relay::config::DatabaseSecrets,
     #[command(flatten)]
@@ -132,7 +137,7 @@ pub enum LogFormat {
 pub struct ServiceConfig {
     pub side: Side,
     pub postgres: cdc_relay::pg::PgEndpoint,
-    pub redis: redis::Client,
+    pub redis: cdc_relay::redis_client::RedisTarget,
     pub listen: SocketAddr,
     pub admin_addr: Option<SocketAddr>,
     pub consumer_name: String,
@@ -184,7 +189,7 @@ impl Cli {
             .map_err(|e| e.to_string())?;
         let redis = self
             .redis_secrets
-            .client(&self.redis_url)
+            .target(&self.redis_url, self.redis_cluster, Duration::from_secs(5))
             .map_err(|e| e.to_string())?;
         let listen = self.listen.parse().map_err(|_| {
             format!(
@@ -216,6 +221,7 @@ impl Cli {
         }
         let stream_shards =
             cdc_relay::shard::validate_count("--stream-shards", self.stream_shards)?;
+        cdc_relay::shard::check_cluster(self.redis_cluster, stream_shards)?;
         if self.dead_letter_max_len == 0 {
             return Err("--dead-letter-max-len must be at least 1".into());
         }

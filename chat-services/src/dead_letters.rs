@@ -2,7 +2,9 @@
 //! could not record. `list` shows them with their reasons; `replay` records them in the
 //! inbox once the cause is fixed (in their original stream order, each message once, shown
 //! live like any other) and removes them; `drop` removes them. Every replay and drop is
-//! written to `<dead-letter stream>:audit` with who did it.
+//! written to `<dead-letter stream>:audit` with who did it. A sharded stream's consumers
+//! dead-letter into one stream per shard (`<dead-letter stream>:{k}`, beside the shard's
+//! keys on a cluster): the commands work over all of them.
 //!
 //! Runs as the service's own Postgres role and Redis user, with the service's configuration
 //! (the same environment), beside running instances.
@@ -10,8 +12,8 @@
 use std::collections::HashMap;
 use std::io::Write;
 
+use cdc_relay::redis_client::RedisConn;
 use clap::{Args, Subcommand};
-use redis::aio::MultiplexedConnection;
 use serde_json::json;
 
 use crate::config::ServiceConfig;
@@ -34,7 +36,8 @@ pub enum DeadLetterCommand {
 
 #[derive(Debug, Clone, Args)]
 pub struct Selection {
-    /// Dead-letter entry ids, as `list` prints them.
+    /// Dead-letter entry ids, as `list` prints them (`<stream>@<id>` where the same id is
+    /// in two shards' dead-letter streams).
     #[arg(required_unless_present = "all", conflicts_with = "all")]
     pub ids: Vec<String>,
     /// Every dead letter.
@@ -53,6 +56,10 @@ pub enum DeadLetterError {
     Store(#[from] StoreError),
     #[error("no dead letter with id {0} (see `dead-letters list`)")]
     Unknown(String),
+    #[error(
+        "dead letter id {0} is in several dead-letter streams ({1}): name it as <stream>@<id>"
+    )]
+    Ambiguous(String, String),
     #[error("{0}")]
     Config(String),
     #[error("writing the output: {0}")]
@@ -71,6 +78,8 @@ pub struct Outcome {
 /// (`stream`, `id`, `reason`, `deliveries`, `entry.<field>` of the original entry).
 struct DeadLetter {
     id: String,
+    /// The dead-letter stream it is in.
+    stream: String,
     fields: HashMap<String, String>,
 }
 
@@ -106,6 +115,7 @@ impl DeadLetter {
             .unwrap_or_default();
         json!({
             "dead_letter_id": self.id,
+            "dead_letter_stream": self.stream,
             "stream": self.field("stream"),
             "stream_id": self.field("id"),
             "reason": self.field("reason"),
@@ -122,33 +132,44 @@ pub async fn run(
     command: DeadLetterCommand,
     out: &mut impl Write,
 ) -> Result<Outcome, DeadLetterError> {
-    let mut conn = config.redis.get_multiplexed_async_connection().await?;
-    let stream = &config.dead_letter_stream;
+    let mut conn = config
+        .redis
+        .connect(std::time::Duration::from_secs(5))
+        .await?;
+    let streams = streams(config);
     match command {
         DeadLetterCommand::List { count } => {
-            let letters = range(&mut conn, stream, "-", "+", count).await?;
-            for letter in &letters {
-                writeln!(out, "{}", letter.summary())?;
+            let mut listed = 0;
+            for stream in &streams {
+                let letters = range(&mut conn, stream, "-", "+", count - listed).await?;
+                for letter in &letters {
+                    writeln!(out, "{}", letter.summary())?;
+                }
+                listed += letters.len();
             }
             Ok(Outcome {
-                done: letters.len(),
+                done: listed,
                 left: 0,
             })
         }
         DeadLetterCommand::Drop(selection) => {
             let mut outcome = Outcome::default();
-            let mut from = None;
-            while let Some(letters) = next_page(&mut conn, stream, &selection, &mut from).await? {
-                for letter in &letters {
-                    if remove(&mut conn, stream, letter, &selection.by, "drop", &[]).await? {
-                        writeln!(out, "{}", json!({"dropped": letter.id}))?;
-                        outcome.done += 1;
-                    } else {
-                        writeln!(
-                            out,
-                            "{}",
-                            json!({"not_dropped": letter.id, "reason": "removed meanwhile by another command"})
-                        )?;
+            for (stream, ids) in pick(&mut conn, &streams, &selection).await? {
+                let mut from = None;
+                while let Some(letters) =
+                    next_page(&mut conn, &stream, ids.as_deref(), &mut from).await?
+                {
+                    for letter in &letters {
+                        if remove(&mut conn, &stream, letter, &selection.by, "drop", &[]).await? {
+                            writeln!(out, "{}", json!({"dropped": letter.id}))?;
+                            outcome.done += 1;
+                        } else {
+                            writeln!(
+                                out,
+                                "{}",
+                                json!({"not_dropped": letter.id, "reason": "removed meanwhile by another command"})
+                            )?;
+                        }
                     }
                 }
             }
@@ -159,47 +180,51 @@ pub async fn run(
                 Store::new(&config.postgres, config.side, 2).map_err(DeadLetterError::Config)?;
             let mut outcome = Outcome::default();
             let mut replayed = false;
-            let mut from = None;
-            while let Some(letters) = next_page(&mut conn, stream, &selection, &mut from).await? {
-                for letter in &letters {
-                    let recorded = match letter.message(config.side.other()) {
-                        Ok(message) => record(&store, letter, message).await?,
-                        Err(e) => Err(e.to_string()),
-                    };
-                    match recorded {
-                        Ok((message, pos, new)) => {
-                            let details = [
-                                ("message_id", message.id.to_string()),
-                                ("chat_id", message.chat_id.to_string()),
-                                ("pos", pos.to_string()),
-                                ("already_in_inbox", (!new).to_string()),
-                            ];
-                            // Recorded either way; if another command removed the letter
-                            // meanwhile, its audit entry is the one that stands.
-                            let removed = remove(
-                                &mut conn,
-                                stream,
-                                letter,
-                                &selection.by,
-                                "replay",
-                                &details,
-                            )
-                            .await?;
-                            writeln!(
-                                out,
-                                "{}",
-                                json!({"replayed": letter.id, "message_id": message.id, "chat_id": message.chat_id, "pos": pos, "already_in_inbox": !new, "removed_by_another_command": !removed})
-                            )?;
-                            outcome.done += 1;
-                            replayed = true;
-                        }
-                        Err(reason) => {
-                            writeln!(
-                                out,
-                                "{}",
-                                json!({"not_replayed": letter.id, "reason": reason})
-                            )?;
-                            outcome.left += 1;
+            for (stream, ids) in pick(&mut conn, &streams, &selection).await? {
+                let mut from = None;
+                while let Some(letters) =
+                    next_page(&mut conn, &stream, ids.as_deref(), &mut from).await?
+                {
+                    for letter in &letters {
+                        let recorded = match letter.message(config.side.other()) {
+                            Ok(message) => record(&store, letter, message).await?,
+                            Err(e) => Err(e.to_string()),
+                        };
+                        match recorded {
+                            Ok((message, pos, new)) => {
+                                let details = [
+                                    ("message_id", message.id.to_string()),
+                                    ("chat_id", message.chat_id.to_string()),
+                                    ("pos", pos.to_string()),
+                                    ("already_in_inbox", (!new).to_string()),
+                                ];
+                                // Recorded either way; if another command removed the letter
+                                // meanwhile, its audit entry is the one that stands.
+                                let removed = remove(
+                                    &mut conn,
+                                    &stream,
+                                    letter,
+                                    &selection.by,
+                                    "replay",
+                                    &details,
+                                )
+                                .await?;
+                                writeln!(
+                                    out,
+                                    "{}",
+                                    json!({"replayed": letter.id, "message_id": message.id, "chat_id": message.chat_id, "pos": pos, "already_in_inbox": !new, "removed_by_another_command": !removed})
+                                )?;
+                                outcome.done += 1;
+                                replayed = true;
+                            }
+                            Err(reason) => {
+                                writeln!(
+                                    out,
+                                    "{}",
+                                    json!({"not_replayed": letter.id, "reason": reason})
+                                )?;
+                                outcome.left += 1;
+                            }
                         }
                     }
                 }
@@ -215,36 +240,85 @@ pub async fn run(
     }
 }
 
+/// The side's dead-letter streams: one per shard of the consumed stream (the plain one too
+/// when sharded: consumers from before shards existed wrote there).
+fn streams(config: &ServiceConfig) -> Vec<String> {
+    let base = &config.dead_letter_stream;
+    let mut streams = cdc_relay::shard::shard_keys(base, config.stream_shards);
+    if config.stream_shards > 1 {
+        streams.insert(0, base.clone());
+    }
+    streams
+}
+
+/// The streams a selection touches, each with its named ids (`None`: every letter).
+async fn pick(
+    conn: &mut RedisConn,
+    streams: &[String],
+    selection: &Selection,
+) -> Result<Vec<(String, Option<Vec<String>>)>, DeadLetterError> {
+    if selection.all {
+        return Ok(streams.iter().map(|s| (s.clone(), None)).collect());
+    }
+    let mut picked: Vec<(String, Option<Vec<String>>)> = Vec::new();
+    for name in &selection.ids {
+        let (stream, id) = match name.rsplit_once('@') {
+            Some((stream, id)) if streams.iter().any(|s| s == stream) => {
+                (stream.to_string(), id.to_string())
+            }
+            Some(_) => return Err(DeadLetterError::Unknown(name.clone())),
+            None => {
+                let mut holding = Vec::new();
+                for stream in streams {
+                    if range(conn, stream, name, name, 1).await?.len() == 1 {
+                        holding.push(stream.clone());
+                    }
+                }
+                match holding.len() {
+                    0 => return Err(DeadLetterError::Unknown(name.clone())),
+                    1 => (holding.pop().expect("one"), name.clone()),
+                    _ => return Err(DeadLetterError::Ambiguous(name.clone(), holding.join(", "))),
+                }
+            }
+        };
+        match picked.iter_mut().find(|(s, _)| *s == stream) {
+            Some((_, Some(ids))) => ids.push(id),
+            _ => picked.push((stream, Some(vec![id]))),
+        }
+    }
+    Ok(picked)
+}
+
 /// The next page of the selection, in original stream order; `None` when done. Named ids
 /// come as one page (every one must exist); `--all` pages through the stream, so a large
 /// one is never held in memory at once.
 async fn next_page(
-    conn: &mut MultiplexedConnection,
+    conn: &mut RedisConn,
     stream: &str,
-    selection: &Selection,
+    ids: Option<&[String]>,
     from: &mut Option<String>,
 ) -> Result<Option<Vec<DeadLetter>>, DeadLetterError> {
     const PAGE: usize = 500;
-    let mut letters = if selection.all {
-        let start = from.clone().unwrap_or_else(|| "-".into());
-        let letters = range(conn, stream, &start, "+", PAGE).await?;
-        match letters.last() {
-            Some(last) => *from = Some(format!("({}", last.id)),
-            None => return Ok(None),
-        }
-        letters
-    } else {
+    let mut letters = if let Some(ids) = ids {
         if from.is_some() {
             return Ok(None);
         }
         *from = Some(String::new());
         let mut letters = Vec::new();
-        for id in &selection.ids {
+        for id in ids {
             let mut found = range(conn, stream, id, id, 1).await?;
             match found.pop() {
                 Some(letter) if letter.id == *id => letters.push(letter),
                 _ => return Err(DeadLetterError::Unknown(id.clone())),
             }
+        }
+        letters
+    } else {
+        let start = from.clone().unwrap_or_else(|| "-".into());
+        let letters = range(conn, stream, &start, "+", PAGE).await?;
+        match letters.last() {
+            Some(last) => *from = Some(format!("({}", last.id)),
+            None => return Ok(None),
         }
         letters
     };
@@ -287,7 +361,7 @@ async fn record(
 
 /// XRANGE `start`..`end` of the dead-letter stream, at most `count`, paging as it goes.
 async fn range(
-    conn: &mut MultiplexedConnection,
+    conn: &mut RedisConn,
     stream: &str,
     start: &str,
     end: &str,
@@ -319,6 +393,7 @@ async fn range(
             from = format!("({}", entry.id);
             letters.push(DeadLetter {
                 id: entry.id,
+                stream: stream.to_string(),
                 fields,
             });
         }
@@ -332,7 +407,7 @@ async fn range(
 /// Delete the dead letter and log the action to `<stream>:audit`, atomically, if it was
 /// still there (`false`: another command removed it meanwhile; nothing is logged).
 async fn remove(
-    conn: &mut MultiplexedConnection,
+    conn: &mut RedisConn,
     stream: &str,
     letter: &DeadLetter,
     by: &str,

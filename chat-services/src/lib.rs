@@ -145,7 +145,7 @@ impl Service {
                     attempts_key: key(&format!("inbox-attempts:{}", cfg.side)),
                     group: cfg.side.as_str().to_string(),
                     consumer: cfg.consumer_name.clone(),
-                    dead_letter_stream: cfg.dead_letter_stream.clone(),
+                    dead_letter_stream: key(&cfg.dead_letter_stream),
                     dead_letter_max_len: cfg.dead_letter_max_len,
                     claim_idle: cfg.claim_idle,
                     max_deliveries: cfg.max_deliveries,

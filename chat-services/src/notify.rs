@@ -16,8 +16,9 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use cdc_relay::backoff::Backoff;
+use cdc_relay::redis_client::{RedisConn, RedisTarget};
 use futures::StreamExt;
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -112,7 +113,7 @@ impl Announcer {
     /// An announcer and the publisher task that must run for its hints to leave.
     pub fn new(
         hub: Arc<Hub>,
-        client: redis::Client,
+        client: RedisTarget,
         side: Side,
         metrics: Arc<Metrics>,
     ) -> (Self, Publisher) {
@@ -176,28 +177,37 @@ fn resync_note() -> Notification {
 
 /// Tell every instance of `side` to re-read its chats' feeds (from outside a service: an
 /// operator's command that wrote to the feed).
-pub async fn publish_resync(client: &redis::Client, side: Side) -> redis::RedisResult<()> {
-    let mut conn = client.get_multiplexed_async_connection().await?;
+pub async fn publish_resync(client: &RedisTarget, side: Side) -> redis::RedisResult<()> {
+    let mut conn = client.connect(Duration::from_secs(5)).await?;
     let payload = serde_json::to_string(&resync_note()).expect("notification serializes");
-    let legacy =
-        serde_json::to_string(&LegacyNotification::resync()).expect("notification serializes");
-    let () = redis::pipe()
-        .cmd("PUBLISH")
-        .arg(channel(side))
+    publish(&mut conn, client.is_cluster(), &channel(side), &payload).await?;
+    if !client.is_cluster() {
+        let legacy =
+            serde_json::to_string(&LegacyNotification::resync()).expect("notification serializes");
+        publish(&mut conn, false, &legacy_channel(side), &legacy).await?;
+    }
+    Ok(())
+}
+
+/// `PUBLISH`, or on a cluster `SPUBLISH`: a sharded channel lives on the node of its slot
+/// (plain pub/sub there would copy every hint to every node of the cluster).
+async fn publish(
+    conn: &mut RedisConn,
+    sharded: bool,
+    channel: &str,
+    payload: &str,
+) -> redis::RedisResult<()> {
+    let _: i64 = redis::cmd(if sharded { "SPUBLISH" } else { "PUBLISH" })
+        .arg(channel)
         .arg(payload)
-        .ignore()
-        .cmd("PUBLISH")
-        .arg(legacy_channel(side))
-        .arg(legacy)
-        .ignore()
-        .query_async(&mut conn)
+        .query_async(conn)
         .await?;
     Ok(())
 }
 
 /// Publishes an [`Announcer`]'s hints to Redis, in order, until shutdown.
 pub struct Publisher {
-    client: redis::Client,
+    client: RedisTarget,
     side: Side,
     rx: mpsc::Receiver<Notification>,
     owed: Arc<AtomicBool>,
@@ -207,7 +217,7 @@ pub struct Publisher {
 impl Publisher {
     pub async fn run(mut self, shutdown: CancellationToken) {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
-        let mut conn: Option<ConnectionManager> = None;
+        let mut conn: Option<RedisConn> = None;
         // When instances of the previous version are owed a resync (see LEGACY_EVERY).
         let mut legacy_due: Option<Instant> = None;
         let mut legacy_sent = Instant::now() - LEGACY_EVERY;
@@ -246,7 +256,10 @@ impl Publisher {
                         debug!("resync published");
                     }
                     backoff.reset();
-                    legacy_due.get_or_insert(legacy_sent + LEGACY_EVERY);
+                    // No previous version ever ran on a cluster.
+                    if !self.client.is_cluster() {
+                        legacy_due.get_or_insert(legacy_sent + LEGACY_EVERY);
+                    }
                 }
                 Err(e) => {
                     self.metrics.live_hints_unpublished_total.inc();
@@ -264,63 +277,31 @@ impl Publisher {
 
     async fn publish(
         &self,
-        conn: &mut Option<ConnectionManager>,
+        conn: &mut Option<RedisConn>,
         channel: &str,
         payload: &str,
     ) -> redis::RedisResult<()> {
         if conn.is_none() {
-            let config = ConnectionManagerConfig::new()
-                .set_response_timeout(Some(Duration::from_secs(2)))
-                .set_connection_timeout(Some(Duration::from_secs(2)))
-                .set_number_of_retries(1);
-            *conn = Some(ConnectionManager::new_with_config(self.client.clone(), config).await?);
+            *conn = Some(self.client.connect(Duration::from_secs(2)).await?);
         }
         let conn = conn.as_mut().expect("connected above");
-        let _: i64 = redis::cmd("PUBLISH")
-            .arg(channel)
-            .arg(payload)
-            .query_async(conn)
-            .await?;
-        Ok(())
+        publish(conn, self.client.is_cluster(), channel, payload).await
     }
 }
 
 /// Feed other instances' hints into the local hub until `shutdown`.
-pub async fn follow(client: redis::Client, side: Side, hub: Arc<Hub>, shutdown: CancellationToken) {
+pub async fn follow(client: RedisTarget, side: Side, hub: Arc<Hub>, shutdown: CancellationToken) {
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
     loop {
         let session = async {
-            let mut pubsub = client.get_async_pubsub().await?;
-            pubsub.subscribe(channel(side)).await?;
-            pubsub.subscribe(legacy_channel(side)).await?;
-            // Anything published while we were not subscribed is in the database.
-            hub.resync_all();
-            backoff.reset();
-            let legacy = legacy_channel(side);
-            let mut messages = pubsub.on_message();
-            while let Some(msg) = messages.next().await {
-                let Ok(payload) = msg.get_payload::<String>() else {
-                    continue;
-                };
-                if msg.get_channel_name() == legacy {
-                    match serde_json::from_str::<LegacyNotification>(&payload) {
-                        Ok(note) if note.feed || note.from == instance_id() => {}
-                        Ok(note) if note.resync => hub.resync_all(),
-                        Ok(note) => hub.resync_chat(note.chat_id),
-                        Err(_) => {}
-                    }
-                    continue;
+            match &client {
+                RedisTarget::Single(single) => {
+                    follow_single(single, side, &hub, &mut backoff).await
                 }
-                let Ok(note) = serde_json::from_str::<Notification>(&payload) else {
-                    continue;
-                };
-                if note.resync {
-                    hub.resync_all();
-                } else if note.from != instance_id() {
-                    hub.publish(note.chat_id, note.pos, Bytes::from(note.frame));
+                RedisTarget::Cluster { .. } => {
+                    follow_sharded(&client, side, &hub, &mut backoff).await
                 }
             }
-            redis::RedisResult::Ok(())
         };
         tokio::select! {
             _ = shutdown.cancelled() => return,
@@ -333,6 +314,123 @@ pub async fn follow(client: redis::Client, side: Side, hub: Arc<Hub>, shutdown: 
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = tokio::time::sleep(backoff.next_delay()) => {}
+        }
+    }
+}
+
+/// Hand a hint read from the side's channel to the hub.
+fn take_note(hub: &Hub, payload: &str) {
+    let Ok(note) = serde_json::from_str::<Notification>(payload) else {
+        return;
+    };
+    if note.resync {
+        hub.resync_all();
+    } else if note.from != instance_id() {
+        hub.publish(note.chat_id, note.pos, Bytes::from(note.frame));
+    }
+}
+
+/// One subscription on a single server, until it breaks.
+async fn follow_single(
+    client: &redis::Client,
+    side: Side,
+    hub: &Hub,
+    backoff: &mut Backoff,
+) -> redis::RedisResult<()> {
+    let mut pubsub = client.get_async_pubsub().await?;
+    pubsub.subscribe(channel(side)).await?;
+    pubsub.subscribe(legacy_channel(side)).await?;
+    // Anything published while we were not subscribed is in the database.
+    hub.resync_all();
+    backoff.reset();
+    let legacy = legacy_channel(side);
+    let mut messages = pubsub.on_message();
+    while let Some(msg) = messages.next().await {
+        let Ok(payload) = msg.get_payload::<String>() else {
+            continue;
+        };
+        if msg.get_channel_name() == legacy {
+            match serde_json::from_str::<LegacyNotification>(&payload) {
+                Ok(note) if note.feed || note.from == instance_id() => {}
+                Ok(note) if note.resync => hub.resync_all(),
+                Ok(note) => hub.resync_chat(note.chat_id),
+                Err(_) => {}
+            }
+            continue;
+        }
+        take_note(hub, &payload);
+    }
+    Ok(())
+}
+
+/// How often the node of the sharded channel is asked whether it still answers.
+const PROBE_EVERY: Duration = Duration::from_secs(1);
+
+/// One sharded subscription on a cluster, until its node stops answering. redis-rs
+/// subscribes again where the channel's slot moves, but only notices a dead node when a
+/// command to it fails: the probe is that command, and a probe that fails ends the session
+/// (a fresh connection subscribes wherever the slot lives now). Every (re)subscription and
+/// disconnection re-reads the feeds, since hints may have gone by meanwhile.
+async fn follow_sharded(
+    client: &RedisTarget,
+    side: Side,
+    hub: &Hub,
+    backoff: &mut Backoff,
+) -> redis::RedisResult<()> {
+    let channel = channel(side);
+    let (pushes, mut received) = mpsc::unbounded_channel();
+    let mut conn = client
+        .subscribe_sharded(&channel, pushes, Duration::from_secs(2))
+        .await
+        .expect("a cluster target")?;
+    hub.resync_all();
+    backoff.reset();
+    let route = RoutingInfo::SingleNode(SingleNodeRoutingInfo::SpecificNode(Route::with_slot(
+        Slot::for_key(channel.as_bytes()),
+        SlotAddr::Master,
+    )));
+    let mut probe = tokio::time::interval(PROBE_EVERY);
+    probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            push = received.recv() => {
+                let Some(push) = push else {
+                    return Ok(());
+                };
+                match push.kind {
+                    redis::PushKind::SMessage => {
+                        if let Some(Ok(payload)) =
+                            push.data.get(1).map(redis::from_redis_value_ref::<String>)
+                        {
+                            take_note(hub, &payload);
+                        }
+                    }
+                    redis::PushKind::SSubscribe
+                    | redis::PushKind::SUnsubscribe
+                    | redis::PushKind::Disconnection => {
+                        debug!(kind = %push.kind, "sharded hint channel changed; re-reading the feeds");
+                        hub.resync_all();
+                    }
+                    _ => {}
+                }
+            }
+            _ = probe.tick() => {
+                let answered = tokio::time::timeout(
+                    PROBE_EVERY * 2,
+                    conn.route_command(redis::cmd("PING"), route.clone()),
+                )
+                .await;
+                match answered {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(e)) => return Err(e),
+                    Err(_) => {
+                        return Err(redis::RedisError::from((
+                            redis::ErrorKind::Io,
+                            "the sharded hint channel's node did not answer a probe",
+                        )))
+                    }
+                }
+            }
         }
     }
 }

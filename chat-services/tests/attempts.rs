@@ -61,7 +61,7 @@ async fn lease_handovers_while_an_entry_waits_on_the_database_do_not_count_as_de
 
     // WHEN the lease moves to the other instance and back, three times, each new holder
     // claiming the entry and retrying it
-    let mut redis = stack.redis.connect().await.unwrap();
+    let mut redis = stack.redis().connect().await.unwrap();
     for round in 0..3 {
         let (to, name) = if round % 2 == 0 {
             (&b, "workers-b")
@@ -125,7 +125,7 @@ async fn a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries
         send(consumers.addr, 52, body).await;
     }
     wait_until(Duration::from_secs(20), "all three published", || async {
-        let mut redis = stack.redis.connect().await.unwrap();
+        let mut redis = stack.redis().connect().await.unwrap();
         match redis::cmd("XLEN")
             .arg("outbox:consumers")
             .query_async::<usize>(&mut redis)
@@ -155,7 +155,7 @@ async fn a_message_that_kills_its_consumer_is_dead_lettered_after_max_deliveries
         }
     })
     .await;
-    let mut redis = stack.redis.connect().await.unwrap();
+    let mut redis = stack.redis().connect().await.unwrap();
     let dead: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
         .arg("deadletter:workers")
         .arg("-")

@@ -57,7 +57,7 @@ async fn dead_letters_are_listed_replayed_in_order_after_the_fix_and_dropped_wit
     let second = send(consumers.addr, 41, "refused two").await;
     wait_dead_letters(&stack, 2).await;
     common::append_after_top(
-        &stack.redis,
+        stack.redis(),
         "outbox:consumers",
         &[("event", "message.created"), ("payload", "{not json")],
     )
@@ -130,7 +130,7 @@ async fn dead_letters_are_listed_replayed_in_order_after_the_fix_and_dropped_wit
     assert!(ok);
     assert_eq!(report.len(), 1);
     assert_eq!(stack.dead_letters().await, 0);
-    let mut redis = stack.redis.connect().await.unwrap();
+    let mut redis = stack.redis().connect().await.unwrap();
     let audit: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
         .arg("deadletter:workers:audit")
         .arg("-")
@@ -187,7 +187,7 @@ async fn the_dead_letter_stream_is_capped_and_what_it_trims_is_counted() {
     // WHEN three poison entries arrive
     for _ in 0..3 {
         common::append_after_top(
-            &stack.redis,
+            stack.redis(),
             "outbox:consumers",
             &[("event", "message.created"), ("payload", "{not json")],
         )

@@ -54,7 +54,7 @@ async fn the_same_entry_delivered_twice_is_recorded_and_shown_once() {
 
     // WHEN the same entry is delivered again (a copy appended to the stream, as a replay
     // beyond the stream's own deduplication would)
-    let mut redis = stack.redis.connect().await.unwrap();
+    let mut redis = stack.redis().connect().await.unwrap();
     let entries: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
         .arg("outbox:consumers")
         .arg("-")
@@ -71,7 +71,7 @@ async fn the_same_entry_delivered_twice_is_recorded_and_shown_once() {
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
-    common::append_after_top(&stack.redis, "outbox:consumers", &fields).await;
+    common::append_after_top(stack.redis(), "outbox:consumers", &fields).await;
     // ... followed by a new message, so we know the copy was processed before it
     let after = send(consumers.addr, 3, "after the copy").await;
 
@@ -109,9 +109,9 @@ async fn a_poison_entry_is_dead_lettered_and_messages_after_it_flow() {
     // (the relay must have created the stream first)
     send(consumers.addr, 5, "before the poison").await;
     let _ = next_message(&mut client, Duration::from_secs(10)).await;
-    let mut redis = stack.redis.connect().await.unwrap();
+    let mut redis = stack.redis().connect().await.unwrap();
     let poison_id = common::append_after_top(
-        &stack.redis,
+        stack.redis(),
         "outbox:consumers",
         &[
             ("event", "message.created"),
@@ -164,7 +164,7 @@ async fn sends_succeed_while_redis_is_down_and_everything_arrives_in_order_after
 
     // WHEN Redis is down, sends keep succeeding (and quickly: nothing on the request path
     // talks to Redis)
-    stack.redis.stop().unwrap();
+    stack.redis().stop().unwrap();
     for i in 0..20 {
         let started = std::time::Instant::now();
         sent.push(send(consumers.addr, 9, &format!("during outage {i}")).await["id"].clone());
@@ -183,7 +183,7 @@ async fn sends_succeed_while_redis_is_down_and_everything_arrives_in_order_after
     );
 
     // THEN after Redis returns, every message arrives, in order, once
-    stack.redis.start_again().unwrap();
+    stack.redis().start_again().unwrap();
     for (i, expected) in sent.iter().enumerate().skip(1) {
         let (_, shown) = next_message(&mut client, Duration::from_secs(30)).await;
         assert_eq!(&shown["id"], expected, "message #{i}");
@@ -267,9 +267,9 @@ async fn after_redis_loses_its_data_every_message_is_shown_once() {
         assert_eq!(&shown["id"], expected);
     }
     // WHEN Redis comes back empty (no AOF): streams, groups and the relays' records are gone
-    stack.redis.kill().unwrap();
-    stack.redis.wipe_data().unwrap();
-    stack.redis.start_again().unwrap();
+    stack.redis().kill().unwrap();
+    stack.redis().wipe_data().unwrap();
+    stack.redis().start_again().unwrap();
     for i in 0..5 {
         sent.push(send(consumers.addr, 13, &format!("after {i}")).await["id"].clone());
     }

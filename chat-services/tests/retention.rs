@@ -10,7 +10,7 @@ use common::{send, Stack};
 use testkit::{shared_postgres, wait_until};
 
 async fn stream_len(stack: &Stack<'_>) -> usize {
-    let mut redis = stack.redis.connect().await.unwrap();
+    let mut redis = stack.redis().connect().await.unwrap();
     redis::cmd("XLEN")
         .arg("outbox:consumers")
         .query_async(&mut redis)

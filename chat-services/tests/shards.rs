@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use std::time::Duration;
 
 use chat_services::Side;
-use common::{send, ServiceProcess, Stack, Viewer};
+use common::{assert_received_in_sent_order, send, ServiceProcess, Stack, Viewer};
 use testkit::shared_postgres;
 
 const SHARDS: u32 = 8;
@@ -60,44 +60,6 @@ async fn wait_split(instances: &[&ServiceProcess], shards: u32) {
     .await;
 }
 
-/// Every message Consumers sent to `chat` is in Workers' inbox once, in the order it was
-/// sent (the chat's feed order on the sending side).
-async fn assert_received_in_sent_order(stack: &Stack<'_>, chat: i64) {
-    let db = stack.db.connect().await.unwrap();
-    let ids = |sql: &'static str| {
-        let db = &db;
-        async move {
-            db.query(sql, &[&chat])
-                .await
-                .unwrap()
-                .iter()
-                .map(|r| r.get::<_, String>(0))
-                .collect::<Vec<_>>()
-        }
-    };
-    let sent = ids("SELECT id::text FROM consumers.messages WHERE chat_id = $1 ORDER BY pos").await;
-    testkit::wait_until(
-        Duration::from_secs(60),
-        &format!("chat {chat}: all {} messages received", sent.len()),
-        || async {
-            let n = stack
-                .count(&format!(
-                    "SELECT count(*) FROM workers.inbox WHERE chat_id = {chat}"
-                ))
-                .await as usize;
-            if n >= sent.len() {
-                Ok(())
-            } else {
-                Err(format!("{n} received"))
-            }
-        },
-    )
-    .await;
-    let received =
-        ids("SELECT message_id::text FROM workers.inbox WHERE chat_id = $1 ORDER BY pos").await;
-    assert_eq!(received, sent, "chat {chat}: received once, in sent order");
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn instances_share_eight_shards_and_keep_each_chat_once_in_order_across_kills() {
     // GIVEN 8 shards per side, one Consumers instance sending and three Workers instances
@@ -147,7 +109,7 @@ async fn instances_share_eight_shards_and_keep_each_chat_once_in_order_across_ki
 
     // THEN every chat's messages were recorded once, in the order they were sent
     for chat in 1..=CHATS {
-        assert_received_in_sent_order(&stack, chat).await;
+        assert_received_in_sent_order(&stack, Side::Consumers, chat).await;
     }
     // AND the tabs on an instance that lived through it all, and the one that roamed, show
     // their feed
@@ -199,7 +161,7 @@ async fn an_instance_that_cannot_reach_postgres_gives_its_shards_to_the_others()
     // THEN the first takes every shard and records every message once, in order
     wait_held(&w1, 4).await;
     for chat in 1..=8 {
-        assert_received_in_sent_order(&stack, chat).await;
+        assert_received_in_sent_order(&stack, Side::Consumers, chat).await;
     }
 
     // AND when the partition heals, the shards are shared again
@@ -209,7 +171,7 @@ async fn an_instance_that_cannot_reach_postgres_gives_its_shards_to_the_others()
         send(c1.addr, 1 + i % 8, &format!("m{i}")).await;
     }
     for chat in 1..=8 {
-        assert_received_in_sent_order(&stack, chat).await;
+        assert_received_in_sent_order(&stack, Side::Consumers, chat).await;
     }
 }
 

@@ -48,7 +48,7 @@ async fn wait_metric_at_least(admin: std::net::SocketAddr, name: &str, at_least:
 }
 
 async fn acl(stack: &Stack<'_>, rule: &str) {
-    let mut redis = stack.redis.connect().await.unwrap();
+    let mut redis = stack.redis().connect().await.unwrap();
     let () = redis::cmd("ACL")
         .arg("SETUSER")
         .arg("default")
@@ -305,7 +305,7 @@ async fn during_a_rolling_deploy_the_two_versions_tell_each_other_to_re_read() {
     let stack = Stack::start(shared_postgres()).await;
     let consumers = stack.service(Side::Consumers, &NO_TIP_CHECK).await;
     let tab = Viewer::start("tab", consumers.addr, 36);
-    let mut previous = redis::Client::open(stack.redis.url())
+    let mut previous = redis::Client::open(stack.redis().url())
         .unwrap()
         .get_async_pubsub()
         .await
@@ -338,7 +338,7 @@ async fn during_a_rolling_deploy_the_two_versions_tell_each_other_to_re_read() {
     )
     .await
     .unwrap();
-    let mut redis = stack.redis.connect().await.unwrap();
+    let mut redis = stack.redis().connect().await.unwrap();
     let hint = serde_json::json!({"from": "old", "chat_id": 36, "seq": 99, "frame": "id: 99\n\n"});
     let _: i64 = redis::cmd("PUBLISH")
         .arg("inbox:consumers")

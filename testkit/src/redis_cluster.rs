@@ -32,10 +32,11 @@ impl RedisCluster {
     /// Six nodes (3 masters, 1 replica each), cluster state ok on every node.
     pub fn start() -> anyhow::Result<Self> {
         let mut nodes = Vec::new();
-        for i in 0..6 {
+        let ports = node_ports(6);
+        for (i, port) in ports.into_iter().enumerate() {
             let dir = scratch_dir(&format!("redis-cluster-{i}"));
             nodes.push(Node {
-                port: crate::http::free_port(),
+                port,
                 dir,
                 process: None,
                 starts: 0,
@@ -140,7 +141,8 @@ impl RedisCluster {
         let child = ChildProcess::spawn(&format!("redis-cluster-{i}"), cmd, &log)
             .context("start redis-server")?;
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !ping(node.port) {
+        // The node answering must be this child (not one that took the port meanwhile).
+        while !serves(node.port, child.pid()) {
             if child.try_status().is_some() || Instant::now() >= deadline {
                 bail!("cluster node {i} did not start: {}", child.log());
             }
@@ -268,9 +270,33 @@ impl RedisCluster {
     }
 }
 
-fn ping(port: u16) -> bool {
+/// Whether the Redis at `port` is the process `pid`.
+fn serves(port: u16, pid: u32) -> bool {
     Command::new("redis-cli")
-        .args(["-h", "127.0.0.1", "-p", &port.to_string(), "PING"])
+        .args(["-h", "127.0.0.1", "-p", &port.to_string(), "INFO", "server"])
         .output()
-        .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "PONG")
+        .is_ok_and(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .any(|l| l.trim() == format!("process_id:{pid}"))
+        })
+}
+
+/// `n` free ports whose cluster bus ports (port + 10000) are free too and collide with
+/// no other node's port or bus port.
+fn node_ports(n: usize) -> Vec<u16> {
+    let mut ports: Vec<u16> = Vec::new();
+    while ports.len() < n {
+        let port = crate::http::free_port();
+        let Some(bus) = port.checked_add(10_000) else {
+            continue;
+        };
+        let taken = ports
+            .iter()
+            .any(|p| [*p, p + 10_000].iter().any(|q| *q == port || *q == bus));
+        if !taken && std::net::TcpListener::bind(("127.0.0.1", bus)).is_ok() {
+            ports.push(port);
+        }
+    }
+    ports
 }

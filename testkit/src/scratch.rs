@@ -67,7 +67,12 @@ fn prune_stale(base: &Path) {
     }
 }
 
+/// Remove this process's scratch directory at exit, unless `TESTKIT_KEEP_SCRATCH` is set
+/// (to read a failed test's process logs; the next test run prunes it).
 pub(crate) fn remove_scratch_root() {
+    if std::env::var_os("TESTKIT_KEEP_SCRATCH").is_some() {
+        return;
+    }
     if let Some(root) = ROOT.get() {
         let _ = std::fs::remove_dir_all(root);
     }

@@ -22,13 +22,13 @@ pub(super) struct Entry {
 }
 
 impl Active<'_> {
-    /// Export the dead-letter stream's length (alerts fire while it is not empty).
+    /// Export the shard's dead-letter stream's length (alerts fire while it is not empty).
     pub(super) async fn count_dead_letters(&mut self) -> Result<(), ConsumeError> {
         let n: i64 = redis::cmd("XLEN")
             .arg(&self.cfg().dead_letter_stream)
             .query_async(&mut self.conn)
             .await?;
-        self.inbox.metrics.dead_letter_entries.set(n);
+        self.inbox.roles.set_dead_letters(self.cfg().shard, n);
         Ok(())
     }
 

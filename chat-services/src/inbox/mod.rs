@@ -26,8 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cdc_relay::backoff::{jitter, Backoff};
-use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
-use redis::AsyncConnectionConfig;
+use cdc_relay::redis_client::{RedisConn, RedisTarget};
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
@@ -139,7 +138,7 @@ enum Flow {
 
 pub struct Inbox {
     cfg: InboxConfig,
-    client: redis::Client,
+    client: RedisTarget,
     store: Store,
     announcer: Announcer,
     metrics: Arc<Metrics>,
@@ -161,7 +160,7 @@ pub struct Inbox {
 impl Inbox {
     pub fn new(
         cfg: InboxConfig,
-        client: redis::Client,
+        client: RedisTarget,
         store: Store,
         announcer: Announcer,
         metrics: Arc<Metrics>,
@@ -258,18 +257,11 @@ impl Inbox {
         lease: &Lease,
         shutdown: &CancellationToken,
     ) -> Result<Flow, ConsumeError> {
-        let config = ConnectionManagerConfig::new()
-            .set_response_timeout(Some(Duration::from_secs(5)))
-            .set_connection_timeout(Some(Duration::from_secs(3)))
-            .set_number_of_retries(1);
-        let mut conn = ConnectionManager::new_with_config(self.client.clone(), config).await?;
+        let mut conn = self.client.connect(Duration::from_secs(5)).await?;
+        // Its own connection: a blocking read holds up whatever follows it on one.
         let blocking = self
             .client
-            .get_multiplexed_async_connection_with_config(
-                &AsyncConnectionConfig::new()
-                    .set_response_timeout(Some(READ_BLOCK + Duration::from_secs(5)))
-                    .set_connection_timeout(Some(Duration::from_secs(3))),
-            )
+            .connect(READ_BLOCK + Duration::from_secs(5))
             .await?;
         self.set_redis(true, None);
         self.check_layout(&mut conn).await?;
@@ -333,18 +325,14 @@ impl Inbox {
         result
     }
 
-    async fn release(
-        &self,
-        lease: &Lease,
-        conn: &mut ConnectionManager,
-    ) -> Result<(), ConsumeError> {
+    async fn release(&self, lease: &Lease, conn: &mut RedisConn) -> Result<(), ConsumeError> {
         lease.release(conn).await?;
         Ok(())
     }
 
     /// Refuse to consume a stream whose records say it has another shard count (checked
     /// on every session; the relay writes the records).
-    async fn check_layout(&self, conn: &mut ConnectionManager) -> Result<(), ConsumeError> {
+    async fn check_layout(&self, conn: &mut RedisConn) -> Result<(), ConsumeError> {
         let base = self.cfg.side.other().outbox_stream();
         if !self.cfg.stream.starts_with(&base) {
             // A stream named by --inbound-stream: its layout is the operator's.
@@ -375,8 +363,8 @@ impl Inbox {
 struct Active<'a> {
     inbox: &'a Inbox,
     lease: &'a Lease,
-    conn: ConnectionManager,
-    blocking: MultiplexedConnection,
+    conn: RedisConn,
+    blocking: RedisConn,
     renew_at: Instant,
     /// This holder's inbox-writer epoch; writes with an older one are refused.
     epoch: i64,

@@ -19,7 +19,7 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use redis::aio::ConnectionManager;
+use cdc_relay::redis_client::{RedisConn, RedisTarget};
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -111,7 +111,7 @@ fn weight(member: &str, k: u32) -> u64 {
 
 /// What the membership task needs.
 pub struct Membership {
-    pub client: redis::Client,
+    pub client: RedisTarget,
     pub side: Side,
     pub me: String,
     pub shards: u32,
@@ -129,13 +129,13 @@ pub async fn run_membership(
 ) {
     let key = members_key(m.side);
     let window = m.ttl.as_millis() as u64;
-    let mut conn: Option<ConnectionManager> = None;
+    let mut conn: Option<RedisConn> = None;
     let mut last: Option<(Vec<String>, bool)> = None;
     // Pings failed in a row: one slow answer under load is not a reason to move shards.
     let mut failed_pings = 0u32;
     loop {
         if conn.is_none() {
-            conn = ConnectionManager::new(m.client.clone()).await.ok();
+            conn = m.client.connect(Duration::from_secs(2)).await.ok();
         }
         let ping = tokio::time::timeout(m.ttl / 3, m.store.ping()).await;
         failed_pings = if matches!(ping, Ok(Ok(()))) {
@@ -205,6 +205,9 @@ pub async fn run_membership(
 /// holds any shard.
 pub struct ShardRoles {
     roles: Mutex<Vec<ConsumerRole>>,
+    /// Entries in each held shard's dead-letter stream (0 for shards not held: their
+    /// holder reports them).
+    dead_letters: Mutex<Vec<i64>>,
     status: watch::Sender<ConsumerStatus>,
     metrics: Arc<Metrics>,
     /// The stream's records refused this instance's shard count (a configuration error).
@@ -216,6 +219,7 @@ impl ShardRoles {
         metrics.inbox_shards.set(i64::from(shards));
         Self {
             roles: Mutex::new(vec![ConsumerRole::Starting; shards as usize]),
+            dead_letters: Mutex::new(vec![0; shards as usize]),
             status,
             metrics,
             layout_refused: Default::default(),
@@ -251,12 +255,26 @@ impl ShardRoles {
             (summary, held)
         };
         self.metrics.consumer_active.set(held.len() as i64);
+        if role != ConsumerRole::Active {
+            self.set_dead_letters(shard, 0);
+        }
         self.status.send_if_modified(|s| {
             let changed = s.role != summary || s.shards != held;
             s.role = summary;
             s.shards = held;
             changed
         });
+    }
+
+    /// The length of a held shard's dead-letter stream; the gauge sums the held shards', so
+    /// summed over instances each shard counts once.
+    pub fn set_dead_letters(&self, shard: u32, entries: i64) {
+        let total = {
+            let mut counts = self.dead_letters.lock().unwrap();
+            counts[shard as usize] = entries;
+            counts.iter().sum()
+        };
+        self.metrics.dead_letter_entries.set(total);
     }
 
     /// This shard's role.

@@ -9,7 +9,7 @@ use std::time::Duration;
 use cdc_relay::Relay;
 use chat_services::{Service, Side};
 use clap::Parser;
-use testkit::{ChildProcess, PgServer, RedisServer, TestDb};
+use testkit::{ChildProcess, PgServer, RedisCluster, RedisServer, TestDb};
 use tokio_util::sync::CancellationToken;
 
 type RunningRelay = (
@@ -21,7 +21,9 @@ type RunningRelay = (
 pub struct Stack<'a> {
     pub pg: &'a PgServer,
     pub db: TestDb,
-    pub redis: RedisServer,
+    /// The single Redis, unless the stack runs on `cluster`.
+    redis: Option<RedisServer>,
+    pub cluster: Option<RedisCluster>,
     /// Shards of each side's stream.
     pub shards: u32,
     relays: Vec<RunningRelay>,
@@ -35,12 +37,29 @@ impl<'a> Stack<'a> {
 
     /// The same, with both sides' streams split into `shards` shards.
     pub async fn start_sharded(pg: &'a PgServer, shards: u32) -> Stack<'a> {
-        let db = pg.create_database().await.expect("test database");
         let redis = RedisServer::start().expect("redis");
+        Self::start_on(pg, shards, Some(redis), None).await
+    }
+
+    /// The same on a Redis Cluster (3 masters, 1 replica each); relays wait for a replica
+    /// to acknowledge each batch.
+    pub async fn start_cluster(pg: &'a PgServer, shards: u32) -> Stack<'a> {
+        let cluster = RedisCluster::start().expect("redis cluster");
+        Self::start_on(pg, shards, None, Some(cluster)).await
+    }
+
+    async fn start_on(
+        pg: &'a PgServer,
+        shards: u32,
+        redis: Option<RedisServer>,
+        cluster: Option<RedisCluster>,
+    ) -> Stack<'a> {
+        let db = pg.create_database().await.expect("test database");
         let mut stack = Stack {
             pg,
             db,
             redis,
+            cluster,
             shards,
             relays: Vec::new(),
         };
@@ -50,8 +69,45 @@ impl<'a> Stack<'a> {
         stack
     }
 
+    /// The single Redis (a stack on a cluster has none).
+    pub fn redis(&self) -> &RedisServer {
+        self.redis
+            .as_ref()
+            .expect("a single Redis (this stack runs on a cluster)")
+    }
+
+    /// `--redis-url` and, on a cluster, `--redis-cluster` (every node named, so a process
+    /// starting while one is down finds the others).
+    fn redis_flags(&self) -> Vec<String> {
+        match &self.cluster {
+            Some(cluster) => vec![
+                "--redis-url".into(),
+                cluster.urls().join(","),
+                "--redis-cluster".into(),
+            ],
+            None => vec!["--redis-url".into(), self.redis().url()],
+        }
+    }
+
+    /// A connection to the stack's Redis, single or cluster.
+    pub async fn redis_conn(&self) -> cdc_relay::redis_client::RedisConn {
+        let flags = self.redis_flags();
+        cdc_relay::redis_client::target(
+            &flags[1],
+            self.cluster.is_some(),
+            None,
+            None,
+            "--redis-url",
+            Duration::from_secs(5),
+        )
+        .expect("redis target")
+        .connect(Duration::from_secs(5))
+        .await
+        .expect("redis")
+    }
+
     fn relay_args(&self, side: Side) -> cdc_relay::config::RunArgs {
-        let argv = [
+        let mut argv = vec![
             "cdc-relay".to_string(),
             "run".into(),
             "--database-url".into(),
@@ -62,8 +118,6 @@ impl<'a> Stack<'a> {
             format!("{side}_outbox"),
             "--outbox-table".into(),
             format!("{side}.outbox"),
-            "--redis-url".into(),
-            self.redis.url(),
             "--stream".into(),
             side.outbox_stream(),
             "--stream-shards".into(),
@@ -73,6 +127,11 @@ impl<'a> Stack<'a> {
             "--reconnect-max-backoff".into(),
             "300ms".into(),
         ];
+        argv.extend(self.redis_flags());
+        if self.cluster.is_some() {
+            // A master's failover cannot lose what a replica acknowledged.
+            argv.extend(["--redis-wait-replicas".into(), "1".into()]);
+        }
         match cdc_relay::Cli::try_parse_from(argv)
             .expect("relay flags")
             .command
@@ -106,7 +165,7 @@ impl<'a> Stack<'a> {
 
     /// Entries of `stream` delivered to `group` and not yet acknowledged.
     pub async fn pending(&self, stream: &str, group: &str) -> usize {
-        let mut redis = self.redis.connect().await.unwrap();
+        let mut redis = self.redis_conn().await;
         let pending: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
             .arg(stream)
             .arg(group)
@@ -116,14 +175,19 @@ impl<'a> Stack<'a> {
         pending.count()
     }
 
-    /// Entries in Workers' dead-letter stream.
+    /// Entries in Workers' dead-letter streams (one per shard).
     pub async fn dead_letters(&self) -> usize {
-        let mut redis = self.redis.connect().await.unwrap();
-        redis::cmd("XLEN")
-            .arg("deadletter:workers")
-            .query_async(&mut redis)
-            .await
-            .unwrap()
+        let mut redis = self.redis_conn().await;
+        let mut total = 0;
+        for stream in cdc_relay::shard::shard_keys("deadletter:workers", self.shards) {
+            let n: usize = redis::cmd("XLEN")
+                .arg(&stream)
+                .query_async(&mut redis)
+                .await
+                .unwrap();
+            total += n;
+        }
+        total
     }
 
     /// The single `count(*)` a query returns.
@@ -139,8 +203,6 @@ impl<'a> Stack<'a> {
             side.as_str().into(),
             "--database-url".into(),
             self.db.url(side.as_str()),
-            "--redis-url".into(),
-            self.redis.url(),
             "--listen".into(),
             "127.0.0.1:0".into(),
             "--admin-addr".into(),
@@ -152,6 +214,7 @@ impl<'a> Stack<'a> {
             "--stream-shards".into(),
             self.shards.to_string(),
         ];
+        args.extend(self.redis_flags());
         // A flag given again in `extra` replaces the default's value (clap takes each once).
         let mut rest = extra.iter();
         while let Some(flag) = rest.next() {
@@ -500,4 +563,51 @@ pub async fn feed(db: &TestDb, side: Side, chat_id: i64) -> Vec<String> {
         .iter()
         .map(|r| r.get(0))
         .collect()
+}
+
+/// Every message `from` sent to `chat` is in the other side's inbox once, in the order it
+/// was sent (the chat's feed order on the sending side).
+pub async fn assert_received_in_sent_order(stack: &Stack<'_>, from: Side, chat: i64) {
+    let db = stack.db.connect().await.unwrap();
+    let to = from.other();
+    let ids = |sql: String| {
+        let db = &db;
+        async move {
+            db.query(&sql, &[&chat])
+                .await
+                .unwrap()
+                .iter()
+                .map(|r| r.get::<_, String>(0))
+                .collect::<Vec<_>>()
+        }
+    };
+    let sent = ids(format!(
+        "SELECT id::text FROM {from}.messages WHERE chat_id = $1 ORDER BY pos"
+    ))
+    .await;
+    testkit::wait_until(
+        Duration::from_secs(60),
+        &format!(
+            "chat {chat}: all {} messages from {from} received",
+            sent.len()
+        ),
+        || async {
+            let n = stack
+                .count(&format!(
+                    "SELECT count(*) FROM {to}.inbox WHERE chat_id = {chat}"
+                ))
+                .await as usize;
+            if n >= sent.len() {
+                Ok(())
+            } else {
+                Err(format!("{n} received"))
+            }
+        },
+    )
+    .await;
+    let received = ids(format!(
+        "SELECT message_id::text FROM {to}.inbox WHERE chat_id = $1 ORDER BY pos"
+    ))
+    .await;
+    assert_eq!(received, sent, "chat {chat}: received once, in sent order");
 }
