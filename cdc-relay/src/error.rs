@@ -171,7 +171,8 @@ fn redis_is_transient(e: &RedisError) -> bool {
         return true;
     }
     match e.kind() {
-        ErrorKind::Io => true,
+        // Every cluster node unreachable at once (a cluster restarting): it comes back.
+        ErrorKind::Io | ErrorKind::ClusterConnectionNotFound => true,
         ErrorKind::Server(kind) => matches!(
             kind,
             ServerErrorKind::BusyLoading
@@ -338,6 +339,11 @@ mod tests {
         assert!(RelayError::Redis(oom).is_transient());
         let origin = redis::make_extension_error(script_codes::ORIGIN.into(), None);
         assert!(!RelayError::Redis(origin).is_transient());
+        let no_node = RedisError::from((
+            redis::ErrorKind::ClusterConnectionNotFound,
+            "No connections found",
+        ));
+        assert!(RelayError::Redis(no_node).is_transient());
     }
 
     #[test]

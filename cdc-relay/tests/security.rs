@@ -606,6 +606,22 @@ async fn redis_acl_users_have_least_privilege() {
         ("consumers", "ZADD inbox-members:workers 1 me", false),
         ("consumers", "SET inbox-lease:workers:{3} me PX 1000", false),
         ("consumers", "XADD outbox:workers:{3} * k v", false),
+        // On a cluster: per-shard dead letters and sharded live hints, its own only.
+        (
+            "consumers",
+            "XADD deadletter:consumers:{3} * reason test",
+            true,
+        ),
+        (
+            "consumers",
+            "XADD deadletter:consumers:{3}:audit * action drop",
+            true,
+        ),
+        ("consumers", "XDEL deadletter:consumers:{3} 1-1", true),
+        ("consumers", "SPUBLISH feed:consumers hello", true),
+        ("consumers", "SPUBLISH feed:workers hello", false),
+        ("consumers", "XADD deadletter:workers:{3} * k v", false),
+        ("consumers", "DEL deadletter:consumers:{3}", false),
     ];
     let mut connections = std::collections::HashMap::new();
     for &(user, command, allowed) in cases {

@@ -4,6 +4,8 @@
 //! the receiving service crashes right after recording message 2 in its inbox, before
 //! acknowledging it (and is restarted, as an orchestrator would). An SSE client on the
 //! receiving side, reconnecting with `Last-Event-ID` like a browser, counts what was shown.
+//! Ours can run on sharded streams and on a Redis Cluster (`--shards`, `--cluster`), the
+//! timeline unchanged.
 
 use std::collections::{HashMap, HashSet};
 use std::time::{Duration, Instant};
@@ -42,6 +44,20 @@ pub struct Args {
     /// Postgres with fsync off (faster, not what production runs).
     #[arg(long)]
     pub no_fsync: bool,
+    /// Shards of both sides' streams (ours; the baseline has one stream).
+    #[arg(long, default_value_t = 1)]
+    pub shards: u32,
+    /// Ours on a Redis Cluster (3 masters, 1 replica each; needs --shards 2 or more and
+    /// --variant cdc): "Redis down" stops every node, "up" starts them on their data.
+    #[arg(long)]
+    pub cluster: bool,
+}
+
+/// Where our design's streams live.
+#[derive(Debug, Clone, Copy)]
+pub struct Topology {
+    pub shards: u32,
+    pub cluster: bool,
 }
 
 /// What one run counted.
@@ -127,9 +143,10 @@ pub async fn run_once(
     sender: Side,
     interval: Duration,
     durable: bool,
+    topology: Topology,
 ) -> anyhow::Result<Outcome> {
     let receiver = sender.other();
-    let system = System::new(durable, bins).await?;
+    let system = System::new_on(durable, bins, topology.shards, topology.cluster).await?;
     let (sender_name, receiver_name) = (sender.as_str(), receiver.as_str());
     let crash_flag = vec!["--crash-after-inbox-commit".to_string(), "2".to_string()];
     let sender_kind = match variant {
@@ -181,7 +198,10 @@ pub async fn run_once(
                 timeline.note("deploy:", format!("{receiver_name} stopped"));
             }
             7 => {
-                system.redis.stop()?;
+                match &system.cluster {
+                    Some(cluster) => tokio::task::block_in_place(|| cluster.stop_all())?,
+                    None => system.redis.stop()?,
+                }
                 timeline.note("redis:", "down");
             }
             _ => {}
@@ -208,7 +228,10 @@ pub async fn run_once(
                     .wait_accepting(sender, Duration::from_secs(30))
                     .await?;
                 timeline.note("deploy:", format!("{sender_name} started"));
-                system.redis.start_again()?;
+                match &system.cluster {
+                    Some(cluster) => tokio::task::block_in_place(|| cluster.start_all())?,
+                    None => system.redis.start_again()?,
+                }
                 timeline.note("redis:", "up");
             }
             _ => {}
@@ -339,15 +362,28 @@ async fn unpublished(
     saved: &HashMap<String, String>,
     received: &HashMap<String, String>,
 ) -> anyhow::Result<usize> {
-    let mut conn = system.redis.connect().await?;
-    let entries: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-        .arg(sender.outbox_stream())
-        .arg("-")
-        .arg("+")
-        .query_async(&mut conn)
-        .await?;
+    let mut conn = match &system.cluster {
+        Some(cluster) => cdc_relay::redis_client::RedisConn::Cluster(
+            redis::cluster::ClusterClient::new(cluster.urls())?
+                .get_async_connection()
+                .await?,
+        ),
+        None => cdc_relay::redis_client::RedisConn::Single(
+            redis::aio::ConnectionManager::new(redis::Client::open(system.redis.url())?).await?,
+        ),
+    };
+    let mut entries = Vec::new();
+    for stream in cdc_relay::shard::shard_keys(&sender.outbox_stream(), system.shards()) {
+        let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(stream)
+            .arg("-")
+            .arg("+")
+            .query_async(&mut conn)
+            .await?;
+        entries.extend(reply.ids);
+    }
     let mut in_stream = HashSet::new();
-    for entry in entries.ids {
+    for entry in entries {
         if let Some(payload) = entry
             .map
             .get("payload")
@@ -366,12 +402,20 @@ async fn unpublished(
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
+    anyhow::ensure!(
+        !args.cluster || (args.shards >= 2 && args.variant == Variant::Cdc),
+        "--cluster needs --shards 2 or more and --variant cdc (the baseline knows one Redis)"
+    );
     let outcomes = run_all(
         Bins::beside_this()?,
         args.variant,
         args.direction,
         args.interval,
         !args.no_fsync,
+        Topology {
+            shards: args.shards,
+            cluster: args.cluster,
+        },
     )
     .await?;
     let path = report::write_json(
@@ -401,6 +445,7 @@ pub async fn run_all(
     direction: Direction,
     interval: Duration,
     durable: bool,
+    topology: Topology,
 ) -> anyhow::Result<Vec<Outcome>> {
     let variants: &[Variant] = match variant {
         Variant::Both => &[Variant::Cdc, Variant::DualWrite],
@@ -416,7 +461,7 @@ pub async fn run_all(
     for &v in variants {
         for &sender in senders {
             eprintln!("[chaos] {v:?}, {} → {}", sender, sender.other());
-            let outcome = run_once(bins.clone(), v, sender, interval, durable).await?;
+            let outcome = run_once(bins.clone(), v, sender, interval, durable, topology).await?;
             println!("{}", outcome.summary());
             outcomes.push(outcome);
         }

@@ -53,6 +53,12 @@ pub struct Args {
     /// Shards of both sides' streams (the instances of a side share them).
     #[arg(long, default_value_t = 1)]
     pub shards: u32,
+    /// Run on a Redis Cluster (3 masters, 1 replica each; needs --shards 2 or more), relays
+    /// waiting for a replica on every batch. The Redis faults become a master SIGKILLed
+    /// (its replica promoted, the node restarted as a replica after the outage) and the
+    /// whole cluster stopped and started on its data.
+    #[arg(long)]
+    pub cluster: bool,
 }
 
 /// One verified property: how many cases held, and the first few that did not.
@@ -179,7 +185,11 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
     let seed = args.seed.unwrap_or_else(rand::random);
     let mut rng = StdRng::seed_from_u64(seed);
     eprintln!("[soak] seed {seed}");
-    let system = Arc::new(System::new_sharded(!args.no_fsync, bins, args.shards).await?);
+    anyhow::ensure!(
+        !args.cluster || args.shards >= 2,
+        "--cluster needs --shards 2 or more (a shard's keys share a hash tag; one plain stream has none)"
+    );
+    let system = Arc::new(System::new_on(!args.no_fsync, bins, args.shards, args.cluster).await?);
     let admin = system.db.connect().await?;
     for side in SIDES {
         admin
@@ -293,7 +303,8 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
             .pop()
             .unwrap_or_else(|| Fault::pick(&mut rng, instances));
         let outage = Duration::from_millis(rng.random_range(200..1500));
-        let line = inject(&system, &mut relays, fault, outage).await?;
+        let target = rng.random_range(0..args.shards);
+        let line = inject(&system, &mut relays, fault, outage, target).await?;
         let line = format!("{:>6.1}s  {line}", started.elapsed().as_secs_f64());
         eprintln!("  {line}");
         faults.push(line);
@@ -462,6 +473,8 @@ async fn inject(
     relays: &mut Relays,
     fault: Fault,
     outage: Duration,
+    // The shard whose master a cluster fault hits.
+    target: u32,
 ) -> anyhow::Result<String> {
     Ok(match fault {
         Fault::KillService(side, i) => {
@@ -485,6 +498,39 @@ async fn inject(
         Fault::RelayHandover(side) => handover(system, relays, side, Duration::ZERO).await?,
         Fault::StandbyUnderLoad(side) => {
             handover(system, relays, side, Duration::from_secs(3)).await?
+        }
+        Fault::KillRedis if system.cluster.is_some() => {
+            let system = system.clone();
+            tokio::task::spawn_blocking(move || {
+                let cluster = system.cluster.as_ref().expect("a cluster");
+                let key = format!("outbox:consumers:{{{target}}}");
+                let node = cluster.master_of(&key)?;
+                let t = Instant::now();
+                cluster.kill_node(node)?;
+                let failover = t.elapsed();
+                std::thread::sleep(outage);
+                cluster.restart_node(node)?;
+                anyhow::Ok(format!(
+                    "redis cluster: master {node} (of {key}) SIGKILLed, replica promoted in {} ms, node back as a replica after {} ms",
+                    failover.as_millis(),
+                    outage.as_millis()
+                ))
+            })
+            .await??
+        }
+        Fault::WipeRedis if system.cluster.is_some() => {
+            let system = system.clone();
+            tokio::task::spawn_blocking(move || {
+                let cluster = system.cluster.as_ref().expect("a cluster");
+                cluster.stop_all()?;
+                std::thread::sleep(outage);
+                cluster.start_all()?;
+                anyhow::Ok(format!(
+                    "redis cluster: every node stopped, started on its data after {} ms",
+                    outage.as_millis()
+                ))
+            })
+            .await??
         }
         Fault::KillRedis => {
             system.redis.kill()?;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use anyhow::{bail, Context};
 pub use chat_services::Side;
-use testkit::{ChildProcess, PgOptions, PgServer, RedisServer, Signal, TestDb};
+use testkit::{ChildProcess, PgOptions, PgServer, RedisCluster, RedisServer, Signal, TestDb};
 
 use crate::baseline::{RelayMode, SenderMode};
 use crate::report;
@@ -57,7 +57,11 @@ impl Bins {
 
 pub struct System {
     pub pg: PgServer,
+    /// The single Redis: relays' and services' unless `cluster`, and the baselines'.
     pub redis: RedisServer,
+    /// A Redis Cluster (3 masters, 1 replica each) that relays (waiting for a replica on
+    /// every batch) and services use instead.
+    pub cluster: Option<RedisCluster>,
     pub db: TestDb,
     bins: Bins,
     service_ports: HashMap<Side, u16>,
@@ -82,6 +86,21 @@ impl System {
 
     /// The same, with both sides' streams split into `shards` shards.
     pub async fn new_sharded(durable: bool, bins: Bins, shards: u32) -> anyhow::Result<Self> {
+        Self::new_on(durable, bins, shards, false).await
+    }
+
+    /// The same, on a Redis Cluster when `cluster` (`shards` must be 2 or more).
+    pub async fn new_on(
+        durable: bool,
+        bins: Bins,
+        shards: u32,
+        cluster: bool,
+    ) -> anyhow::Result<Self> {
+        let cluster = if cluster {
+            Some(RedisCluster::start()?)
+        } else {
+            None
+        };
         let pg = PgServer::start_with(PgOptions {
             durable,
             ..PgOptions::default()
@@ -110,6 +129,7 @@ impl System {
             admin_ports: Mutex::new(HashMap::new()),
             pg,
             redis,
+            cluster,
             db,
         };
         let system = Self { shards, ..system };
@@ -137,6 +157,24 @@ impl System {
             "--outbox-table".into(),
             format!("{s}.outbox"),
         ]
+    }
+
+    /// Shards of both sides' streams.
+    pub fn shards(&self) -> u32 {
+        self.shards
+    }
+
+    /// How relays and services reach Redis: the single server, or every node of the
+    /// cluster (so a process starting while one is down finds the others).
+    fn redis_flags(&self) -> Vec<String> {
+        match &self.cluster {
+            Some(cluster) => vec![
+                "--redis-url".into(),
+                cluster.urls().join(","),
+                "--redis-cluster".into(),
+            ],
+            None => vec!["--redis-url".into(), self.redis.url()],
+        }
     }
 
     pub fn service_addr(&self, side: Side) -> SocketAddr {
@@ -218,9 +256,8 @@ impl System {
                 let mut cmd = Command::new(&self.bins.relay);
                 cmd.arg("run")
                     .args(self.relay_connection(side))
+                    .args(self.redis_flags())
                     .args([
-                        "--redis-url",
-                        &self.redis.url(),
                         "--stream",
                         &format!("outbox:{}", side.as_str()),
                         "--stream-shards",
@@ -228,6 +265,10 @@ impl System {
                     ])
                     .args(["--admin-addr", &format!("127.0.0.1:{port}")])
                     .args(["--reconnect-max-backoff", "1s", "--standby-retry", "200ms"]);
+                if self.cluster.is_some() {
+                    // A master's failover cannot lose what a replica acknowledged.
+                    cmd.args(["--redis-wait-replicas", "1"]);
+                }
                 cmd
             }
             Kind::BaselineSender(side, mode) => {
@@ -270,7 +311,7 @@ impl System {
                 let mut cmd = Command::new(&self.bins.service);
                 cmd.args(["--side", side.as_str()])
                     .args(["--database-url", &self.db.url(side.as_str())])
-                    .args(["--redis-url", &self.redis.url()])
+                    .args(self.redis_flags())
                     .args(["--listen", &self.instance_addr(side, i).to_string()])
                     .args(["--admin-addr", &self.instance_admin(side, i).to_string()])
                     .args(["--consumer-name", &consumer])

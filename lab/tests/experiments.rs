@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
-use lab::chaos::{self, Direction, Variant};
+use lab::chaos::{self, Direction, Topology, Variant};
 use lab::soak;
 use lab::system::Bins;
 
@@ -43,6 +43,10 @@ async fn chaos_timeline_both_designs_both_directions() {
         Direction::Both,
         Duration::from_millis(400),
         false,
+        Topology {
+            shards: 1,
+            cluster: false,
+        },
     )
     .await
     .unwrap();
@@ -83,6 +87,7 @@ async fn a_sixty_second_fault_soak_with_two_instances_per_side_on_four_shards_fi
         no_fsync: true,
         instances: 2,
         shards: 4,
+        cluster: false,
     };
     let report = soak::run_soak(bins(), &args).await.unwrap();
     soak::print(&report);
@@ -90,6 +95,62 @@ async fn a_sixty_second_fault_soak_with_two_instances_per_side_on_four_shards_fi
     assert!(
         report.checks.iter().all(|c| c.passed > 0),
         "every check saw cases"
+    );
+    assert_eq!(
+        report.failures(),
+        0,
+        "violations; replay with --seed {}",
+        report.seed
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_timeline_on_a_redis_cluster_with_eight_shards_both_directions() {
+    // The same timeline; "Redis down" stops every node of the cluster.
+    let outcomes = chaos::run_all(
+        bins(),
+        Variant::Cdc,
+        Direction::Both,
+        Duration::from_millis(400),
+        false,
+        Topology {
+            shards: 8,
+            cluster: true,
+        },
+    )
+    .await
+    .unwrap();
+    assert_eq!(outcomes.len(), 2);
+    for o in &outcomes {
+        println!("{}", o.summary());
+        assert_eq!(o.saved, 10, "{}", o.summary());
+        assert_eq!(o.duplicates_skipped, 1, "{}", o.summary());
+        assert!(o.is_clean(), "{}", o.summary());
+        assert_eq!(o.received, 10);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_short_fault_soak_on_a_redis_cluster_with_master_failovers_finds_no_violation() {
+    // Eight shards on a cluster, relays waiting for a replica: the Redis faults are a
+    // master SIGKILLed (its replica promoted) and the whole cluster stopped and started.
+    let args = soak::Args {
+        seconds: 60,
+        seed: None,
+        rate: 10.0,
+        chats: 6,
+        fault_every: Duration::from_secs(3),
+        no_fsync: true,
+        instances: 2,
+        shards: 8,
+        cluster: true,
+    };
+    let report = soak::run_soak(bins(), &args).await.unwrap();
+    soak::print(&report);
+    assert!(
+        report.faults.iter().any(|f| f.contains("replica promoted")),
+        "a master failover among the faults: {:?}",
+        report.faults
     );
     assert_eq!(
         report.failures(),

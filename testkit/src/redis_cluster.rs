@@ -261,6 +261,36 @@ impl RedisCluster {
         self.wait_ok(Duration::from_secs(60))
     }
 
+    /// SIGTERM every node (each writes its data out): the whole cluster is down.
+    pub fn stop_all(&self) -> anyhow::Result<()> {
+        let children: Vec<ChildProcess> = self
+            .nodes
+            .lock()
+            .unwrap()
+            .iter_mut()
+            .filter_map(|n| n.process.take())
+            .collect();
+        for child in children {
+            child.stop_with(Signal::Term, Duration::from_secs(30))?;
+        }
+        Ok(())
+    }
+
+    /// Start every stopped node on its data and wait until the cluster is ok and in sync.
+    pub fn start_all(&self) -> anyhow::Result<()> {
+        let stopped: Vec<usize> = {
+            let nodes = self.nodes.lock().unwrap();
+            (0..nodes.len())
+                .filter(|i| nodes[*i].process.is_none())
+                .collect()
+        };
+        for i in stopped {
+            self.start_node(i)?;
+        }
+        self.wait_ok(Duration::from_secs(60))?;
+        self.wait_replicas_synced(Duration::from_secs(60))
+    }
+
     /// Start node `i` again on its data (it rejoins, as a replica if it was failed over)
     /// and wait until it is in sync.
     pub fn restart_node(&self, i: usize) -> anyhow::Result<()> {
