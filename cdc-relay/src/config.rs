@@ -410,6 +410,8 @@ impl RunArgs {
             .map_err(RelayError::Config)?;
         crate::shard::check_cluster(self.redis_cluster, stream_shards)
             .map_err(RelayError::Config)?;
+        crate::shard::check_cluster_key(self.redis_cluster, "--stream", &self.stream)
+            .map_err(RelayError::Config)?;
         let t = &self.tuning;
         let admin_addr = if t.admin_addr.is_empty() {
             None

@@ -42,6 +42,9 @@ async fn run_setup(args: &cdc_relay::config::SetupArgs) -> Result<(), cdc_relay:
         let shards = cdc_relay::shard::validate_count("--stream-shards", args.stream_shards)
             .map_err(cdc_relay::RelayError::Config)?;
         cdc_relay::shard::check_cluster(args.redis_cluster, shards)
+            .and_then(|()| {
+                cdc_relay::shard::check_cluster_key(args.redis_cluster, "--stream", stream)
+            })
             .map_err(cdc_relay::RelayError::Config)?;
         match cdc_relay::setup::init_stream_record(&pg, &outcome, redis, stream, shards, timeout)
             .await?

@@ -80,6 +80,17 @@ pub fn check_cluster(cluster: bool, shards: u32) -> Result<(), String> {
     Ok(())
 }
 
+/// On a cluster, a base key name must not carry a hash tag of its own: shard `k`'s keys
+/// (`<base>:{k}`, `<base>:{k}:…`) are kept on one node by `{k}` being their first tag.
+pub fn check_cluster_key(cluster: bool, flag: &str, base: &str) -> Result<(), String> {
+    if cluster && (base.contains('{') || base.contains('}')) {
+        return Err(format!(
+            "{flag} '{base}' must not contain '{{' or '}}' with --redis-cluster: the shard's {{k}} must be the first hash tag of its keys"
+        ));
+    }
+    Ok(())
+}
+
 /// The shard count a record states (records written before shards existed say nothing:
 /// one shard).
 pub fn recorded_count(field: Option<&str>) -> Option<u32> {
@@ -153,5 +164,20 @@ mod tests {
         assert_eq!(recorded_count(None), Some(1));
         assert_eq!(recorded_count(Some("8")), Some(8));
         assert!(validate_count("--stream-shards", 0).is_err());
+    }
+
+    #[test]
+    fn a_cluster_refuses_one_shard_and_names_with_their_own_hash_tag() {
+        assert!(check_cluster(true, 1)
+            .unwrap_err()
+            .contains("--stream-shards 2"));
+        assert!(check_cluster(false, 1).is_ok() && check_cluster(true, 2).is_ok());
+        let e = check_cluster_key(true, "--dead-letter-stream", "dl:{x}").unwrap_err();
+        assert!(
+            e.contains("--dead-letter-stream") && e.contains("first hash tag"),
+            "{e}"
+        );
+        assert!(check_cluster_key(false, "--stream", "s:{x}").is_ok());
+        assert!(check_cluster_key(true, "--stream", "outbox:consumers").is_ok());
     }
 }

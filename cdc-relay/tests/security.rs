@@ -619,6 +619,7 @@ async fn redis_acl_users_have_least_privilege() {
         ),
         ("consumers", "XDEL deadletter:consumers:{3} 1-1", true),
         ("consumers", "SPUBLISH feed:consumers hello", true),
+        ("consumers", "PUBSUB SHARDNUMSUB feed:consumers", true),
         ("consumers", "SPUBLISH feed:workers hello", false),
         ("consumers", "XADD deadletter:workers:{3} * k v", false),
         ("consumers", "DEL deadletter:consumers:{3}", false),

@@ -222,6 +222,14 @@ impl Cli {
         let stream_shards =
             cdc_relay::shard::validate_count("--stream-shards", self.stream_shards)?;
         cdc_relay::shard::check_cluster(self.redis_cluster, stream_shards)?;
+        for (flag, name) in [
+            ("--inbound-stream", &self.inbound_stream),
+            ("--dead-letter-stream", &self.dead_letter_stream),
+        ] {
+            if let Some(name) = name {
+                cdc_relay::shard::check_cluster_key(self.redis_cluster, flag, name)?;
+            }
+        }
         if self.dead_letter_max_len == 0 {
             return Err("--dead-letter-max-len must be at least 1".into());
         }

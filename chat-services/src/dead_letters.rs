@@ -161,13 +161,17 @@ pub async fn run(
                 {
                     for letter in &letters {
                         if remove(&mut conn, &stream, letter, &selection.by, "drop", &[]).await? {
-                            writeln!(out, "{}", json!({"dropped": letter.id}))?;
+                            writeln!(
+                                out,
+                                "{}",
+                                json!({"dropped": letter.id, "dead_letter_stream": stream})
+                            )?;
                             outcome.done += 1;
                         } else {
                             writeln!(
                                 out,
                                 "{}",
-                                json!({"not_dropped": letter.id, "reason": "removed meanwhile by another command"})
+                                json!({"not_dropped": letter.id, "dead_letter_stream": stream, "reason": "removed meanwhile by another command"})
                             )?;
                         }
                     }
@@ -212,7 +216,7 @@ pub async fn run(
                                 writeln!(
                                     out,
                                     "{}",
-                                    json!({"replayed": letter.id, "message_id": message.id, "chat_id": message.chat_id, "pos": pos, "already_in_inbox": !new, "removed_by_another_command": !removed})
+                                    json!({"replayed": letter.id, "dead_letter_stream": stream, "message_id": message.id, "chat_id": message.chat_id, "pos": pos, "already_in_inbox": !new, "removed_by_another_command": !removed})
                                 )?;
                                 outcome.done += 1;
                                 replayed = true;
@@ -221,7 +225,7 @@ pub async fn run(
                                 writeln!(
                                     out,
                                     "{}",
-                                    json!({"not_replayed": letter.id, "reason": reason})
+                                    json!({"not_replayed": letter.id, "dead_letter_stream": stream, "reason": reason})
                                 )?;
                                 outcome.left += 1;
                             }
@@ -240,12 +244,13 @@ pub async fn run(
     }
 }
 
-/// The side's dead-letter streams: one per shard of the consumed stream (the plain one too
-/// when sharded: consumers from before shards existed wrote there).
+/// The side's dead-letter streams: one per shard of the consumed stream, and first the
+/// plain one when sharded on a single Redis (consumers from before shards existed wrote
+/// there; none ever ran on a cluster, where its audit key would sit in another slot).
 fn streams(config: &ServiceConfig) -> Vec<String> {
     let base = &config.dead_letter_stream;
     let mut streams = cdc_relay::shard::shard_keys(base, config.stream_shards);
-    if config.stream_shards > 1 {
+    if config.stream_shards > 1 && !config.redis.is_cluster() {
         streams.insert(0, base.clone());
     }
     streams
@@ -286,6 +291,8 @@ async fn pick(
             _ => picked.push((stream, Some(vec![id]))),
         }
     }
+    // In the streams' order: the pre-shard letters, older than any shard's, go first.
+    picked.sort_by_key(|(stream, _)| streams.iter().position(|s| s == stream));
     Ok(picked)
 }
 

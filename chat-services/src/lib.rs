@@ -146,6 +146,10 @@ impl Service {
                     group: cfg.side.as_str().to_string(),
                     consumer: cfg.consumer_name.clone(),
                     dead_letter_stream: key(&cfg.dead_letter_stream),
+                    legacy_dead_letter_stream: (shards > 1
+                        && shard == 0
+                        && !cfg.redis.is_cluster())
+                    .then(|| cfg.dead_letter_stream.clone()),
                     dead_letter_max_len: cfg.dead_letter_max_len,
                     claim_idle: cfg.claim_idle,
                     max_deliveries: cfg.max_deliveries,

@@ -144,7 +144,7 @@ impl Metrics {
             ),
             dead_letter_entries: gauge(
                 "chat_dead_letter_entries",
-                "Entries in this side's dead-letter stream (read by the active consumer)",
+                "Entries in the dead-letter streams of the shards this instance consumes (summed over instances, each shard counts once)",
             ),
             registry,
         }

@@ -10,6 +10,7 @@
 //! - a process killed between its commit and its hint is covered by [`watch_tips`], which
 //!   compares every subscribed chat's newest position with what streams have sent.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -363,14 +364,17 @@ async fn follow_single(
     Ok(())
 }
 
-/// How often the node of the sharded channel is asked whether it still answers.
+/// How often the node of the sharded channel is asked whether it still has us subscribed.
 const PROBE_EVERY: Duration = Duration::from_secs(1);
 
-/// One sharded subscription on a cluster, until its node stops answering. redis-rs
-/// subscribes again where the channel's slot moves, but only notices a dead node when a
-/// command to it fails: the probe is that command, and a probe that fails ends the session
-/// (a fresh connection subscribes wherever the slot lives now). Every (re)subscription and
-/// disconnection re-reads the feeds, since hints may have gone by meanwhile.
+/// One sharded subscription on a cluster, until it is in doubt. redis-rs subscribes again
+/// where the channel's slot moves when it notices a node died, but not after the server
+/// dropped the subscription itself (the slot moved by a manual failover or a resharding:
+/// `sunsubscribe`), and it notices a dead node only when a command to it fails. So the
+/// session ends on a `sunsubscribe` and on a probe that finds the channel's master gone or
+/// without subscribers (a fresh connection subscribes wherever the slot lives now), and
+/// every (re)subscription and disconnection re-reads the feeds, since hints may have gone
+/// by meanwhile.
 async fn follow_sharded(
     client: &RedisTarget,
     side: Side,
@@ -391,6 +395,7 @@ async fn follow_sharded(
     )));
     let mut probe = tokio::time::interval(PROBE_EVERY);
     probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let doubt = |why: &'static str| redis::RedisError::from((redis::ErrorKind::Io, why));
     loop {
         tokio::select! {
             push = received.recv() => {
@@ -405,9 +410,11 @@ async fn follow_sharded(
                             take_note(hub, &payload);
                         }
                     }
-                    redis::PushKind::SSubscribe
-                    | redis::PushKind::SUnsubscribe
-                    | redis::PushKind::Disconnection => {
+                    redis::PushKind::SUnsubscribe => {
+                        hub.resync_all();
+                        return Err(doubt("the sharded hint channel's slot moved (sunsubscribe)"));
+                    }
+                    redis::PushKind::SSubscribe | redis::PushKind::Disconnection => {
                         debug!(kind = %push.kind, "sharded hint channel changed; re-reading the feeds");
                         hub.resync_all();
                     }
@@ -417,17 +424,28 @@ async fn follow_sharded(
             _ = probe.tick() => {
                 let answered = tokio::time::timeout(
                     PROBE_EVERY * 2,
-                    conn.route_command(redis::cmd("PING"), route.clone()),
+                    conn.route_command(
+                        redis::cmd("PUBSUB").arg("SHARDNUMSUB").arg(&channel).clone(),
+                        route.clone(),
+                    ),
                 )
                 .await;
                 match answered {
-                    Ok(Ok(_)) => {}
+                    Ok(Ok(reply)) => {
+                        let subscribers = redis::from_redis_value::<HashMap<String, i64>>(reply)
+                            .ok()
+                            .and_then(|counts| counts.get(&channel).copied())
+                            .unwrap_or(0);
+                        if subscribers == 0 {
+                            hub.resync_all();
+                            return Err(doubt(
+                                "the sharded hint channel's master has no subscriber: the slot moved",
+                            ));
+                        }
+                    }
                     Ok(Err(e)) => return Err(e),
                     Err(_) => {
-                        return Err(redis::RedisError::from((
-                            redis::ErrorKind::Io,
-                            "the sharded hint channel's node did not answer a probe",
-                        )))
+                        return Err(doubt("the sharded hint channel's node did not answer a probe"))
                     }
                 }
             }

@@ -1,8 +1,10 @@
 //! The whole system on a real Redis Cluster (3 masters with a replica each, on loopback):
 //! 8 shards per side spread over the masters, two instances per side sharing them, live
 //! hints over sharded pub/sub. A master SIGKILLed while both sides send (its replica takes
-//! over) and a receiving instance SIGKILLed lose nothing, show nothing twice and keep each
-//! chat's order, at the inboxes and at the tabs of every instance.
+//! over), a receiving instance SIGKILLed, a manual failover and a resharding of the hint
+//! channel's slot lose nothing, show
+//! nothing twice and keep each chat's order, at the inboxes and at the tabs of every
+//! instance, with hints as the only live path between instances.
 
 mod common;
 
@@ -11,6 +13,7 @@ use std::time::Duration;
 use chat_services::Side;
 use common::{assert_received_in_sent_order, send, Stack, Viewer};
 use testkit::shared_postgres;
+use tokio_util::sync::CancellationToken;
 
 const SHARDS: u32 = 8;
 const CHATS: i64 = 12;
@@ -38,39 +41,62 @@ async fn both_sides_keep_every_chat_once_in_order_across_a_master_failover_and_a
     let w3 = stack
         .service_process_standby(Side::Workers, "workers-3", &hints_only)
         .await;
-    // Tabs on an instance other than the sender's: what they show came by the inbox or by
-    // a hint over the sharded channel.
-    let worker_tabs: Vec<Viewer> = [2, 3]
-        .iter()
-        .map(|chat| Viewer::start(&format!("workers-3 tab on chat {chat}"), w3.addr, *chat))
-        .collect();
-    let consumer_tab = Viewer::start("consumers-2 tab on chat 4", c2.addr, 4);
+    // Tabs on two instances per chat: at most one of them holds the chat's shard, so the
+    // other is shown what comes in, and what the other side's instances send, by hints.
+    let mut tabs = Vec::new();
+    for (side, chat, instances) in [
+        (
+            Side::Workers,
+            2,
+            [("workers-2", w2.addr), ("workers-3", w3.addr)],
+        ),
+        (
+            Side::Workers,
+            3,
+            [("workers-2", w2.addr), ("workers-3", w3.addr)],
+        ),
+        (
+            Side::Consumers,
+            4,
+            [("consumers-1", c1.addr), ("consumers-2", c2.addr)],
+        ),
+    ] {
+        for (name, addr) in instances {
+            tabs.push((
+                side,
+                chat,
+                Viewer::start(&format!("{name} tab on chat {chat}"), addr, chat),
+            ));
+        }
+    }
     let roaming = Viewer::start_balanced("roaming tab", &[w2.addr, w1.addr, w3.addr], 5);
 
-    // WHEN both sides send to 12 chats all along (Consumers through both instances,
-    // Workers through workers-3), while the master holding Workers' hint channel and
-    // shards is SIGKILLed (its replica promoted), workers-1 is SIGKILLed, and the dead
-    // node comes back
-    let senders = [
-        tokio::spawn({
-            let addrs = [c1.addr, c2.addr];
-            async move {
-                for i in 0..300i64 {
-                    send(addrs[i as usize % 2], 1 + i % CHATS, &format!("c{i}")).await;
+    // WHEN both sides send to 12 chats all along (each through two instances), while the
+    // master holding Workers' hint channel and shards is SIGKILLed (its replica promoted),
+    // workers-1 is SIGKILLed, the dead node comes back as a replica, an operator fails the
+    // slot back over to it, and a resharding moves the channel's slot to another master
+    let sending = CancellationToken::new();
+    let senders: Vec<_> = [[c1.addr, c2.addr], [w2.addr, w3.addr]]
+        .into_iter()
+        .zip(["c", "w"])
+        .map(|(addrs, prefix)| {
+            let sending = sending.clone();
+            tokio::spawn(async move {
+                let mut i = 0i64;
+                while !sending.is_cancelled() {
+                    send(
+                        addrs[i as usize % 2],
+                        1 + i % CHATS,
+                        &format!("{prefix}{i}"),
+                    )
+                    .await;
+                    i += 1;
                     tokio::time::sleep(Duration::from_millis(10)).await;
                 }
-            }
-        }),
-        tokio::spawn({
-            let addr = w3.addr;
-            async move {
-                for i in 0..300i64 {
-                    send(addr, 1 + i % CHATS, &format!("w{i}")).await;
-                    tokio::time::sleep(Duration::from_millis(10)).await;
-                }
-            }
-        }),
-    ];
+                i
+            })
+        })
+        .collect();
     tokio::time::sleep(Duration::from_millis(800)).await;
     let cluster = stack.cluster.as_ref().unwrap();
     let master = cluster.master_of("feed:workers").unwrap();
@@ -79,8 +105,17 @@ async fn both_sides_keep_every_chat_once_in_order_across_a_master_failover_and_a
     // The promoted replica has no replica of its own, so WAIT 1 holds publishing (safety
     // over availability) until the dead node is back, as a replica: a pod restarted.
     tokio::task::block_in_place(|| cluster.restart_node(master)).unwrap();
+    tokio::task::block_in_place(|| cluster.failover_to(master)).unwrap();
+    assert_eq!(cluster.master_of("feed:workers").unwrap(), master);
+    // A resharding moves the channel's slot to another master: the server drops the
+    // channel's subscriptions there.
+    let elsewhere = *cluster.masters().iter().find(|m| **m != master).unwrap();
+    tokio::task::block_in_place(|| cluster.move_slot_of("feed:workers", elsewhere)).unwrap();
+    // Traffic after the last move, so hints must flow on the channel's new node.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    sending.cancel();
     for sender in senders {
-        sender.await.unwrap();
+        assert!(sender.await.unwrap() > 100, "messages sent all along");
     }
 
     // THEN every chat's messages, both ways, were recorded once in the order sent
@@ -89,13 +124,10 @@ async fn both_sides_keep_every_chat_once_in_order_across_a_master_failover_and_a
         assert_received_in_sent_order(&stack, Side::Workers, chat).await;
     }
     // AND every tab shows its chat's feed once, in order
-    for (tab, chat) in worker_tabs.iter().zip([2, 3]) {
-        tab.assert_shows_feed(&stack.db, Side::Workers, chat).await;
+    for (side, chat, tab) in &tabs {
+        tab.assert_shows_feed(&stack.db, *side, *chat).await;
     }
     roaming.assert_shows_feed(&stack.db, Side::Workers, 5).await;
-    consumer_tab
-        .assert_shows_feed(&stack.db, Side::Consumers, 4)
-        .await;
     // AND nothing is left pending in any shard, and nothing was dead-lettered
     for k in 0..SHARDS {
         for (stream, group) in [

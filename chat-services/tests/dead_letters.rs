@@ -216,3 +216,106 @@ async fn the_dead_letter_stream_is_capped_and_what_it_trims_is_counted() {
     consumers.stop().await;
     stack.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharded_dead_letters_are_counted_listed_and_acted_on_across_every_shard() {
+    // GIVEN 4 shards, a Workers inbox that refuses two messages of chats in two different
+    // shards, and a letter left in the one dead-letter stream of before shards (its id the
+    // same as a shard's letter)
+    let stack = Stack::start_sharded(shared_postgres(), 4).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let workers = stack.service(Side::Workers, &["--claim-idle", "1s"]).await;
+    let admin = stack.db.connect().await.unwrap();
+    admin
+        .batch_execute(
+            "ALTER TABLE workers.inbox ADD CONSTRAINT no_refused CHECK (body NOT LIKE 'refused%')",
+        )
+        .await
+        .unwrap();
+    let shard = |chat: i64| cdc_relay::shard::shard_of(Some(chat.to_string().as_bytes()), 4);
+    let (a, b) = (1, (2..100).find(|c| shard(*c) != shard(1)).unwrap());
+    let first = send(consumers.addr, a, "refused in one shard").await;
+    let second = send(consumers.addr, b, "refused in another").await;
+    wait_dead_letters(&stack, 2).await;
+    let (_, listed) = dead_letters(&stack, &["list"]);
+    let shared_id = listed[0]["dead_letter_id"].as_str().unwrap().to_string();
+    let mut redis = stack.redis().connect().await.unwrap();
+    let _: String = redis::cmd("XADD")
+        .arg("deadletter:workers")
+        .arg(&shared_id)
+        .arg("stream")
+        .arg("outbox:consumers")
+        .arg("id")
+        .arg("1-1")
+        .arg("reason")
+        .arg("left by the previous release")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+
+    // WHEN the operator lists them
+    let (ok, listed) = dead_letters(&stack, &["list"]);
+
+    // THEN all three are listed, the old stream's first, each naming its stream; and the
+    // gauge counts all three once
+    assert!(ok);
+    let streams: Vec<&str> = listed
+        .iter()
+        .map(|l| l["dead_letter_stream"].as_str().unwrap())
+        .collect();
+    assert_eq!(streams.len(), 3, "{listed:?}");
+    assert_eq!(streams[0], "deadletter:workers");
+    let mut shard_streams = [
+        format!("deadletter:workers:{{{}}}", shard(a)),
+        format!("deadletter:workers:{{{}}}", shard(b)),
+    ];
+    shard_streams.sort();
+    let mut listed_shards = [streams[1].to_string(), streams[2].to_string()];
+    listed_shards.sort();
+    assert_eq!(listed_shards, shard_streams);
+    testkit::wait_until(Duration::from_secs(20), "the gauge counts 3", || async {
+        let (_, metrics) = testkit::http::get(workers.admin, "/metrics").await.unwrap();
+        match testkit::http::metric_samples(&metrics).get("chat_dead_letter_entries") {
+            Some(n) if *n == 3.0 => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+
+    // AND an id in two streams is refused until named with its stream
+    let (ok, report) = dead_letters(&stack, &["drop", &shared_id, "--by", "alice"]);
+    assert!(!ok && report.is_empty(), "{report:?}");
+    let (ok, report) = dead_letters(
+        &stack,
+        &[
+            "drop",
+            &format!("deadletter:workers@{shared_id}"),
+            "--by",
+            "alice",
+        ],
+    );
+    assert!(ok, "{report:?}");
+    assert_eq!(report[0]["dead_letter_stream"], "deadletter:workers");
+
+    // AND once the cause is fixed, replaying everything records both shards' messages
+    admin
+        .batch_execute("ALTER TABLE workers.inbox DROP CONSTRAINT no_refused")
+        .await
+        .unwrap();
+    let (ok, report) = dead_letters(&stack, &["replay", "--all", "--by", "alice"]);
+    assert!(ok, "{report:?}");
+    let mut replayed: Vec<&str> = report
+        .iter()
+        .filter_map(|r| r["message_id"].as_str())
+        .collect();
+    replayed.sort_unstable();
+    let mut expected = [
+        first["id"].as_str().unwrap(),
+        second["id"].as_str().unwrap(),
+    ];
+    expected.sort_unstable();
+    assert_eq!(replayed, expected);
+    assert_eq!(stack.dead_letters().await, 0);
+    drop(consumers);
+    drop(workers);
+}

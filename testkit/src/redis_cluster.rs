@@ -261,6 +261,84 @@ impl RedisCluster {
         self.wait_ok(Duration::from_secs(60))
     }
 
+    /// `CLUSTER FAILOVER` on replica `i`: it and its master swap roles without data loss
+    /// (what an operator does before maintenance); waits until `i` is a master and the
+    /// cluster is ok.
+    pub fn failover_to(&self, i: usize) -> anyhow::Result<()> {
+        let port = self.ports()[i];
+        let reply = self.cli(port, &["CLUSTER", "FAILOVER"])?;
+        if reply.trim() != "OK" {
+            bail!("CLUSTER FAILOVER on node {i}: {reply}");
+        }
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !self.cli(port, &["ROLE"])?.starts_with("master") {
+            if Instant::now() >= deadline {
+                bail!("node {i} not promoted within 60 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.wait_ok(Duration::from_secs(60))?;
+        self.wait_replicas_synced(Duration::from_secs(60))
+    }
+
+    /// Move the (keyless) hash slot of `key` to master `to`, as a resharding would:
+    /// `IMPORTING`/`MIGRATING`, then `SETSLOT NODE` on every master. Fails if keys live in
+    /// that slot (moving them is not needed by any test).
+    pub fn move_slot_of(&self, key: &str, to: usize) -> anyhow::Result<()> {
+        let from = self.master_of(key)?;
+        let ports = self.ports();
+        let slot = self
+            .cli(ports[from], &["CLUSTER", "KEYSLOT", key])?
+            .trim()
+            .to_string();
+        let keys = self.cli(ports[from], &["CLUSTER", "COUNTKEYSINSLOT", &slot])?;
+        if keys.trim() != "0" {
+            bail!("slot {slot} of {key} holds keys ({})", keys.trim());
+        }
+        let id = |i: usize| -> anyhow::Result<String> {
+            Ok(self.cli(ports[i], &["CLUSTER", "MYID"])?.trim().to_string())
+        };
+        let (from_id, to_id) = (id(from)?, id(to)?);
+        let ok = |reply: String| -> anyhow::Result<()> {
+            if reply.trim() == "OK" {
+                Ok(())
+            } else {
+                bail!("moving slot {slot}: {reply}")
+            }
+        };
+        ok(self.cli(
+            ports[to],
+            &["CLUSTER", "SETSLOT", &slot, "IMPORTING", &from_id],
+        )?)?;
+        ok(self.cli(
+            ports[from],
+            &["CLUSTER", "SETSLOT", &slot, "MIGRATING", &to_id],
+        )?)?;
+        ok(self.cli(ports[to], &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id])?)?;
+        ok(self.cli(ports[from], &["CLUSTER", "SETSLOT", &slot, "NODE", &to_id])?)?;
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while self.master_of(key)? != to {
+            if Instant::now() >= deadline {
+                bail!("slot {slot} not served by node {to} within 60 s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        self.wait_ok(Duration::from_secs(60))
+    }
+
+    /// The running masters' node indexes.
+    pub fn masters(&self) -> Vec<usize> {
+        let ports = self.ports();
+        let running = self.running_ports();
+        (0..ports.len())
+            .filter(|i| running.contains(&ports[*i]))
+            .filter(|i| {
+                self.cli(ports[*i], &["ROLE"])
+                    .is_ok_and(|r| r.starts_with("master"))
+            })
+            .collect()
+    }
+
     /// SIGTERM every node (each writes its data out): the whole cluster is down.
     pub fn stop_all(&self) -> anyhow::Result<()> {
         let children: Vec<ChildProcess> = self

@@ -68,6 +68,9 @@ pub struct InboxConfig {
     /// This instance's stable consumer name.
     pub consumer: String,
     pub dead_letter_stream: String,
+    /// Also counted in the dead-letter gauge: the side's one dead-letter stream from before
+    /// the stream was sharded (shard 0's consumer counts it).
+    pub legacy_dead_letter_stream: Option<String>,
     /// Dead letters kept at most (the oldest are trimmed beyond it).
     pub dead_letter_max_len: u64,
     /// Pending entries idle this long are claimed (from a consumer that died).
