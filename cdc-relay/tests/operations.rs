@@ -1,5 +1,6 @@
 //! What operators see and what the relay recovers from: slot metrics that follow the world,
 //! the slot commands, a slot invalidated by max_slot_wal_keep_size, and Redis losing data.
+//! The slot metrics, the slot commands and the lost slot run on Postgres 16, 17 and 18 too.
 
 mod common;
 
@@ -24,9 +25,19 @@ fn args(list: &[&str]) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slot_metrics_follow_the_world_and_pass_promtool() {
+    slot_metrics(shared_postgres()).await
+}
+
+on_newer_versions!(server: slot_metrics,
+    slot_metrics_follow_the_world_and_pass_promtool_on_postgres_16 => 16,
+    slot_metrics_follow_the_world_and_pass_promtool_on_postgres_17 => 17,
+    slot_metrics_follow_the_world_and_pass_promtool_on_postgres_18 => 18,
+);
+
+async fn slot_metrics(pg: &PgServer) {
     // GIVEN a relay reading slot health every 100 ms
     let redis = RedisServer::start().unwrap();
-    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let fx = Fixture::new(pg, &redis).await;
     let relay = fx.spawn_relay("relay", &["--slot-metrics-interval", "100ms"]);
     relay.wait_streaming().await;
     wait_metric(
@@ -87,8 +98,12 @@ async fn slot_metrics_follow_the_world_and_pass_promtool() {
 
 /// A server whose slots are lost once 16 MB of WAL lie behind them and a checkpoint runs.
 fn small_wal_server() -> PgServer {
+    small_wal_server_with(PgOptions::default())
+}
+
+fn small_wal_server_with(options: PgOptions) -> PgServer {
     PgServer::start_with(
-        PgOptions::default()
+        options
             .setting("max_slot_wal_keep_size", "16MB")
             .setting("max_wal_size", "1GB")
             .setting("checkpoint_timeout", "1h"),
@@ -98,8 +113,18 @@ fn small_wal_server() -> PgServer {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_slot_is_rebuilt_from_the_outbox_with_recover() {
+    lost_slot_rebuilt(PgOptions::default()).await
+}
+
+on_newer_versions!(options: lost_slot_rebuilt,
+    a_lost_slot_is_rebuilt_from_the_outbox_with_recover_on_postgres_16 => 16,
+    a_lost_slot_is_rebuilt_from_the_outbox_with_recover_on_postgres_17 => 17,
+    a_lost_slot_is_rebuilt_from_the_outbox_with_recover_on_postgres_18 => 18,
+);
+
+async fn lost_slot_rebuilt(options: PgOptions) {
     // GIVEN a relay allowed to recover, on a server with a small max_slot_wal_keep_size
-    let pg = small_wal_server();
+    let pg = small_wal_server_with(options);
     let redis = RedisServer::start().unwrap();
     let fx = Fixture::new(&pg, &redis).await;
     let relay = fx.spawn_relay(
@@ -272,7 +297,17 @@ async fn a_deleted_stream_is_republished() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_exits_0_1_2_and_the_slot_commands_work() {
-    let fx = Fixture::new(shared_postgres(), shared_redis()).await;
+    check_and_slot_commands(shared_postgres()).await
+}
+
+on_newer_versions!(server: check_and_slot_commands,
+    check_exits_0_1_2_and_the_slot_commands_work_on_postgres_16 => 16,
+    check_exits_0_1_2_and_the_slot_commands_work_on_postgres_17 => 17,
+    check_exits_0_1_2_and_the_slot_commands_work_on_postgres_18 => 18,
+);
+
+async fn check_and_slot_commands(pg: &PgServer) {
+    let fx = Fixture::new(pg, shared_redis()).await;
     let url = fx.db.url("consumers_relay");
     let state = testkit::scratch_dir("check-state");
     let check = |max_lag: &str, warn_lag: &str| {

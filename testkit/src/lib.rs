@@ -23,7 +23,7 @@ mod scratch;
 pub mod tls;
 mod wait;
 
-pub use postgres::{shared_postgres, PgOptions, PgServer, TestDb};
+pub use postgres::{pg_bin_dir_of, shared_postgres, PgOptions, PgServer, TestDb, NEWER_VERSIONS};
 pub use process::{ChildProcess, Signal};
 pub use redis_cluster::RedisCluster;
 pub use redis_server::{shared_redis, RedisOptions, RedisServer};

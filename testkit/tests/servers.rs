@@ -3,7 +3,29 @@
 
 use std::time::Duration;
 
-use testkit::{shared_postgres, PgServer, RedisServer};
+use testkit::{shared_postgres, PgOptions, PgServer, RedisServer, NEWER_VERSIONS};
+
+#[tokio::test]
+async fn every_newer_postgres_starts_as_its_version_logical_and_migrated() {
+    for version in NEWER_VERSIONS {
+        let pg = PgServer::start_with(PgOptions::default().version(version)).unwrap();
+        let db = pg.create_database().await.unwrap();
+        let client = db.connect().await.unwrap();
+        let row = client
+            .query_one(
+                "SELECT current_setting('server_version_num')::int / 10000,
+                        current_setting('wal_level'),
+                        (SELECT count(*) FROM pg_available_extensions WHERE name = 'plpgsql')
+                          + (SELECT count(*) FROM pg_tables WHERE schemaname = 'workers')",
+                &[],
+            )
+            .await
+            .unwrap();
+        assert_eq!(row.get::<_, i32>(0) as u32, version);
+        assert_eq!(row.get::<_, String>(1), "logical");
+        assert!(row.get::<_, i64>(2) > 1, "migrated on {version}");
+    }
+}
 
 #[tokio::test]
 async fn postgres_starts_logical_and_migrated() {

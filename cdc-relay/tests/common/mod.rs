@@ -613,3 +613,25 @@ pub fn parse_stream_id(id: &str) -> (u64, u64) {
     let (ms, seq) = id.split_once('-').expect("a stream id");
     (ms.parse().unwrap(), seq.parse().unwrap())
 }
+
+/// Test functions running `body` on Postgres 16, 17 and 18 (the version matrix's focused
+/// subset; the default server, 15, runs every test). `server:` bodies take a fresh
+/// `&PgServer` of the version; `options:` bodies take `PgOptions` naming it, for servers
+/// with settings of their own.
+#[macro_export]
+macro_rules! on_newer_versions {
+    (server: $body:ident, $($name:ident => $version:expr),+ $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            let pg = testkit::PgServer::start_with(testkit::PgOptions::default().version($version))
+                .unwrap();
+            $body(&pg).await;
+        }
+    )+};
+    (options: $body:ident, $($name:ident => $version:expr),+ $(,)?) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $name() {
+            $body(testkit::PgOptions::default().version($version)).await;
+        }
+    )+};
+}
