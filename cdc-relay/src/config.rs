@@ -111,7 +111,7 @@ pub struct CheckArgs {
     /// WARNING when inactive longer than this (default: half of --max-inactive-seconds).
     #[arg(long)]
     pub warn_inactive_seconds: Option<u64>,
-    /// Where the check remembers since when the slot is inactive (Postgres 15 does not).
+    /// Where the check remembers since when the slot is inactive (before Postgres 17; 17+ says itself, `inactive_since`).
     #[arg(long, env = "CDC_CHECK_STATE_DIR", default_value = "/var/tmp")]
     pub state_dir: std::path::PathBuf,
 }

@@ -35,6 +35,10 @@ pub struct Metrics {
     pub slot_lag_bytes: IntGauge,
     pub slot_retained_wal_bytes: IntGauge,
     pub slot_safe_wal_size_bytes: Gauge,
+    pub slot_conflicting: Gauge,
+    pub slot_failover: Gauge,
+    pub slot_synced: Gauge,
+    pub slot_inactive_seconds: Gauge,
     pub slot_wal_status: IntGaugeVec,
     pub slot_active: IntGauge,
     pub slot_held: IntGauge,
@@ -104,6 +108,10 @@ impl Metrics {
             slot_lag_bytes: b.gauge("cdc_relay_slot_lag_bytes", "WAL between the server's current position and the slot's confirmed_flush_lsn"),
             slot_retained_wal_bytes: b.gauge("cdc_relay_slot_retained_wal_bytes", "WAL the slot keeps on disk: current position minus restart_lsn"),
             slot_safe_wal_size_bytes: b.register(Gauge::new("cdc_relay_slot_safe_wal_size_bytes", "WAL that can still be written before the slot is lost (NaN without max_slot_wal_keep_size)").expect("valid metric")),
+            slot_conflicting: b.register(Gauge::new("cdc_relay_slot_conflicting", "1 while the slot conflicts with recovery on a standby and cannot be used (NaN before Postgres 16)").expect("valid metric")),
+            slot_failover: b.register(Gauge::new("cdc_relay_slot_failover", "1 when the slot is a failover slot, synced to standbys (NaN before Postgres 17)").expect("valid metric")),
+            slot_synced: b.register(Gauge::new("cdc_relay_slot_synced", "1 when the slot was synced from a primary (on a standby; NaN before Postgres 17)").expect("valid metric")),
+            slot_inactive_seconds: b.register(Gauge::new("cdc_relay_slot_inactive_seconds", "Seconds since the slot became inactive, by the server's clock (0 while active; NaN before Postgres 17)").expect("valid metric")),
             slot_wal_status: b.register(IntGaugeVec::new(Opts::new("cdc_relay_slot_wal_status", "1 for the slot's current wal_status, 0 for the others"), &["status"]).expect("valid metric")),
             slot_active: b.gauge("cdc_relay_slot_active", "1 while some walsender holds the slot"),
             slot_held: b.gauge("cdc_relay_slot_held", "1 while this relay holds the slot"),
@@ -119,6 +127,14 @@ impl Metrics {
             metrics.slot_wal_status.with_label_values(&[status]).set(0);
         }
         metrics.slot_safe_wal_size_bytes.set(f64::NAN);
+        for unknown in [
+            &metrics.slot_conflicting,
+            &metrics.slot_failover,
+            &metrics.slot_synced,
+            &metrics.slot_inactive_seconds,
+        ] {
+            unknown.set(f64::NAN);
+        }
         metrics
     }
 

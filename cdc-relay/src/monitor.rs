@@ -1,5 +1,6 @@
 //! Slot health for /metrics: lag, retained WAL, wal_status, whether the slot is active and
-//! held by this relay, spill statistics. Read every `--slot-metrics-interval` by every relay,
+//! held by this relay, spill statistics, and where the server has them (16+: `conflicting`;
+//! 17+: `inactive_since`, `invalidation_reason`, `failover`, `synced`) those too. Read every `--slot-metrics-interval` by every relay,
 //! standbys included, so a dead active relay does not hide the slot it left behind.
 
 use std::sync::Arc;
@@ -25,6 +26,18 @@ pub struct SlotHealth {
     pub safe_wal_size: Option<i64>,
     pub spill_bytes: Option<i64>,
     pub spill_txns: Option<i64>,
+    /// The slot conflicts with recovery (16+, a slot on a standby): it cannot be used.
+    pub conflicting: Option<bool>,
+    /// Why the slot was invalidated (17+): `wal_removed`, `rows_removed`,
+    /// `wal_level_insufficient`, `idle_timeout` (18).
+    pub invalidation_reason: Option<String>,
+    /// Seconds since the slot became inactive, by the server's clock (17+; `None` while active
+    /// or before 17).
+    pub inactive_seconds: Option<f64>,
+    /// Created to be synced to standbys (17+).
+    pub failover: Option<bool>,
+    /// Synced from the primary (17+, on a standby).
+    pub synced: Option<bool>,
 }
 
 /// Every logical slot of the connected database (or only `slot`).
@@ -37,7 +50,13 @@ pub async fn read_slots(
             "SELECT s.slot_name::text, s.plugin::text, s.database::text, s.active, s.active_pid,
                     pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint,
                     pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint,
-                    s.wal_status, s.safe_wal_size, st.spill_bytes, st.spill_txns
+                    s.wal_status, s.safe_wal_size, st.spill_bytes, st.spill_txns,
+                    -- Columns of newer servers, read by name so one query fits 15 to 18.
+                    (to_jsonb(s) ->> 'conflicting')::boolean,
+                    to_jsonb(s) ->> 'invalidation_reason',
+                    extract(epoch FROM now() - (to_jsonb(s) ->> 'inactive_since')::timestamptz)::float8,
+                    (to_jsonb(s) ->> 'failover')::boolean,
+                    (to_jsonb(s) ->> 'synced')::boolean
                FROM pg_replication_slots s
                LEFT JOIN pg_stat_replication_slots st ON st.slot_name = s.slot_name
               WHERE s.slot_type = 'logical' AND s.database = current_database()
@@ -60,6 +79,11 @@ pub async fn read_slots(
             safe_wal_size: r.get(8),
             spill_bytes: r.get(9),
             spill_txns: r.get(10),
+            conflicting: r.get(11),
+            invalidation_reason: r.get(12),
+            inactive_seconds: r.get(13),
+            failover: r.get(14),
+            synced: r.get(15),
         })
         .collect())
 }
@@ -120,6 +144,17 @@ fn update(ctx: &Context, slot: Option<&SlotHealth>, spilled: &mut (i64, i64)) {
     if slot.wal_status.as_deref() == Some("lost") {
         ctx.set_slot_lost(true);
     }
+    let flag = |b: Option<bool>| b.map_or(f64::NAN, |b| f64::from(u8::from(b)));
+    m.slot_conflicting.set(flag(slot.conflicting));
+    m.slot_failover.set(flag(slot.failover));
+    m.slot_synced.set(flag(slot.synced));
+    // 17+ (which has `failover` too) leaves `inactive_since` empty while active.
+    m.slot_inactive_seconds
+        .set(match (slot.failover, slot.active) {
+            (None, _) => f64::NAN,
+            (Some(_), true) => 0.0,
+            (Some(_), false) => slot.inactive_seconds.unwrap_or(f64::NAN),
+        });
     m.slot_active.set(i64::from(slot.active));
     let streaming = ctx.status_snapshot().role == Role::Streaming;
     m.slot_held.set(i64::from(slot.active && streaming));

@@ -46,6 +46,12 @@ struct SlotJson<'a> {
     wal_status: Option<&'a str>,
     safe_wal_size_bytes: Option<i64>,
     spill_bytes: Option<i64>,
+    // Where the server has them (null before): 16+ and 17+.
+    conflicting: Option<bool>,
+    invalidation_reason: Option<&'a str>,
+    inactive_seconds: Option<f64>,
+    failover: Option<bool>,
+    synced: Option<bool>,
 }
 
 /// `cdc-relay slots`: the table (or JSON) to print.
@@ -66,18 +72,31 @@ pub async fn slots(args: &SlotsArgs) -> Result<String, RelayError> {
                 wal_status: s.wal_status.as_deref(),
                 safe_wal_size_bytes: s.safe_wal_size,
                 spill_bytes: s.spill_bytes,
+                conflicting: s.conflicting,
+                invalidation_reason: s.invalidation_reason.as_deref(),
+                inactive_seconds: s.inactive_seconds,
+                failover: s.failover,
+                synced: s.synced,
             })
             .collect();
         return Ok(serde_json::to_string_pretty(&rows).expect("serializes"));
     }
     let opt = |b: Option<i64>| b.map_or_else(|| "-".to_string(), human_bytes);
     let mut out = format!(
-        "{:<28} {:<9} {:<7} {:>8} {:>11} {:>13} {:<11} {:>13}\n",
-        "slot", "plugin", "active", "pid", "lag", "retained WAL", "wal_status", "safe_wal_size"
+        "{:<28} {:<9} {:<7} {:>8} {:>11} {:>13} {:<11} {:>13}  {}\n",
+        "slot",
+        "plugin",
+        "active",
+        "pid",
+        "lag",
+        "retained WAL",
+        "wal_status",
+        "safe_wal_size",
+        "notes"
     );
     for s in &slots {
         out.push_str(&format!(
-            "{:<28} {:<9} {:<7} {:>8} {:>11} {:>13} {:<11} {:>13}\n",
+            "{:<28} {:<9} {:<7} {:>8} {:>11} {:>13} {:<11} {:>13}  {}\n",
             s.name,
             s.plugin.as_deref().unwrap_or("-"),
             if s.active { "yes" } else { "no" },
@@ -88,12 +107,39 @@ pub async fn slots(args: &SlotsArgs) -> Result<String, RelayError> {
             s.wal_status.as_deref().unwrap_or("-"),
             s.safe_wal_size
                 .map_or_else(|| "unlimited".to_string(), human_bytes),
+            notes(s),
         ));
     }
     if slots.is_empty() {
         out.push_str("(no logical replication slots in this database)\n");
     }
     Ok(out)
+}
+
+/// What newer servers say of a slot beyond the common columns, for the table: `-` if
+/// nothing.
+fn notes(s: &SlotHealth) -> String {
+    let mut notes = Vec::new();
+    if let Some(reason) = &s.invalidation_reason {
+        notes.push(format!("invalidated: {reason}"));
+    }
+    if s.conflicting == Some(true) {
+        notes.push("conflicting".to_string());
+    }
+    if s.failover == Some(true) {
+        notes.push("failover".to_string());
+    }
+    if s.synced == Some(true) {
+        notes.push("synced".to_string());
+    }
+    if let (false, Some(secs)) = (s.active, s.inactive_seconds) {
+        notes.push(format!("inactive {:.0} s", secs));
+    }
+    if notes.is_empty() {
+        "-".to_string()
+    } else {
+        notes.join(", ")
+    }
 }
 
 /// Nagios plugin status.
@@ -137,7 +183,11 @@ pub async fn check(args: &CheckArgs) -> (CheckStatus, String) {
             format!("CDC-RELAY CRITICAL - slot {} does not exist", args.slot),
         );
     };
-    let inactive_for = track_inactivity(&args.state_dir, &args.slot, slot.active);
+    // Postgres 17+ knows since when the slot is inactive; older servers need our state file.
+    let inactive_for = match (slot.active, slot.inactive_seconds) {
+        (false, Some(secs)) => Some(Duration::from_secs_f64(secs.max(0.0))),
+        _ => track_inactivity(&args.state_dir, &args.slot, slot.active),
+    };
     evaluate(args, &slot, inactive_for)
 }
 
@@ -161,13 +211,25 @@ pub fn evaluate(
     match slot.wal_status.as_deref() {
         Some("lost") => raise(
             CheckStatus::Critical,
-            "wal_status lost (the slot was invalidated)".into(),
+            match &slot.invalidation_reason {
+                Some(reason) => format!("wal_status lost (the slot was invalidated: {reason})"),
+                None => "wal_status lost (the slot was invalidated)".into(),
+            },
         ),
         Some("unreserved") => raise(
             CheckStatus::Critical,
             "wal_status unreserved (WAL it needs is about to be removed)".into(),
         ),
         _ => {}
+    }
+    if slot.conflicting == Some(true) {
+        raise(
+            CheckStatus::Critical,
+            format!(
+                "conflicting with recovery ({}): the standby removed rows it needs; it cannot be used",
+                slot.invalidation_reason.as_deref().unwrap_or("rows_removed")
+            ),
+        );
     }
     if lag > args.max_lag_bytes {
         raise(

@@ -89,11 +89,36 @@ async fn slot_metrics(pg: &PgServer) {
     assert_eq!(m["cdc_relay_slot_active"], 1.0);
     assert_eq!(m["cdc_relay_postgres_up"], 1.0);
     assert!(m["cdc_relay_acknowledged_lsn"] > 0.0);
+    // The newer servers' slot columns: NaN where the server has none.
+    let major = server_major(&fx).await;
+    let known = |name: &str| !m[name].is_nan();
+    assert_eq!(known("cdc_relay_slot_conflicting"), major >= 16);
+    assert_eq!(known("cdc_relay_slot_failover"), major >= 17);
+    assert_eq!(known("cdc_relay_slot_inactive_seconds"), major >= 17);
+    if major >= 17 {
+        assert_eq!(m["cdc_relay_slot_failover"], 0.0);
+        assert_eq!(m["cdc_relay_slot_inactive_seconds"], 0.0, "active");
+    }
 
     // The exposition passes promtool's lint.
     let (_, body) = testkit::http::get(relay.admin, "/metrics").await.unwrap();
     testkit::http::promtool_check_metrics(&body).unwrap();
     relay.stop();
+}
+
+/// The server's major version (15, 16, ...).
+async fn server_major(fx: &Fixture<'_>) -> i32 {
+    fx.db
+        .connect()
+        .await
+        .unwrap()
+        .query_one(
+            "SELECT current_setting('server_version_num')::int / 10000",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0)
 }
 
 /// A server whose slots are lost once 16 MB of WAL lie behind them and a checkpoint runs.
@@ -174,6 +199,32 @@ async fn lost_slot_rebuilt(options: PgOptions) {
         |v| v == 1.0,
     )
     .await;
+    // Postgres 17+ says why; `slots` and `check` show it.
+    if server_major(&fx).await >= 17 {
+        let url = fx.db.url("consumers_relay");
+        let out = cli(&args(&["slots", "--database-url", &url, "--json"]));
+        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let ours = json
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|s| s["name"] == fx.slot.as_str())
+            .unwrap();
+        assert_eq!(ours["invalidation_reason"], "wal_removed", "{ours}");
+        let out = cli(&args(&[
+            "check",
+            "--database-url",
+            &url,
+            "--slot",
+            &fx.slot,
+            "--max-lag-bytes",
+            "1000000000000",
+            "--max-inactive-seconds",
+            "3600",
+        ]));
+        let line = String::from_utf8_lossy(&out.stdout);
+        assert!(line.contains("invalidated: wal_removed"), "{line}");
+    }
     wait_until(
         Duration::from_secs(10),
         "/readyz reports the lost slot",
@@ -308,6 +359,7 @@ on_newer_versions!(server: check_and_slot_commands,
 
 async fn check_and_slot_commands(pg: &PgServer) {
     let fx = Fixture::new(pg, shared_redis()).await;
+    let major = server_major(&fx).await;
     let url = fx.db.url("consumers_relay");
     let state = testkit::scratch_dir("check-state");
     let check = |max_lag: &str, warn_lag: &str| {
@@ -368,19 +420,38 @@ async fn check_and_slot_commands(pg: &PgServer) {
         String::from_utf8_lossy(&out.stdout)
     );
     assert!(String::from_utf8_lossy(&out.stdout).starts_with("CDC-RELAY CRITICAL - lag "));
-    // CRITICAL: inactive longer than allowed (the check remembers since when).
+    // CRITICAL: inactive longer than allowed. Before Postgres 17 the check remembers since
+    // when in its state file; 17+ says so itself (`inactive_since`) and the file is ignored.
     std::fs::write(
         state.join(format!("cdc-relay-check.{}.inactive-since", fx.slot)),
         "1000",
     )
     .unwrap();
     let out = cli(&check("100000000", "50000000"));
-    assert_eq!(out.status.code(), Some(2));
-    assert!(
-        String::from_utf8_lossy(&out.stdout).contains("inactive for"),
-        "{}",
-        String::from_utf8_lossy(&out.stdout)
-    );
+    let line = String::from_utf8_lossy(&out.stdout).to_string();
+    if major < 17 {
+        assert_eq!(out.status.code(), Some(2), "{line}");
+        assert!(line.contains("inactive for"), "{line}");
+    } else {
+        assert_eq!(out.status.code(), Some(0), "the server's own clock: {line}");
+        assert!(line.contains(" inactive for "), "{line}");
+        let mut short = check("100000000", "50000000");
+        let limit = short
+            .iter()
+            .position(|a| a == "--max-inactive-seconds")
+            .unwrap()
+            + 1;
+        short[limit] = "1".into();
+        wait_until(Duration::from_secs(10), "inactive past 1 s", || async {
+            let out = cli(&short);
+            let line = String::from_utf8_lossy(&out.stdout).to_string();
+            match out.status.code() {
+                Some(2) if line.contains("inactive for") => Ok(()),
+                _ => Err(line),
+            }
+        })
+        .await;
+    }
     // CRITICAL: no such slot.
     let out = cli(&args(&[
         "check",
@@ -414,6 +485,17 @@ async fn check_and_slot_commands(pg: &PgServer) {
     assert_eq!(ours["active"], false);
     assert!(ours["lag_bytes"].as_i64().unwrap() > 0);
     assert_eq!(ours["wal_status"], "reserved");
+    // The newer servers' columns: null where the server has none.
+    assert_eq!(ours["conflicting"].is_null(), major < 16, "{ours}");
+    assert_eq!(ours["failover"].is_null(), major < 17, "{ours}");
+    assert_eq!(ours["inactive_seconds"].is_null(), major < 17, "{ours}");
+    if major >= 16 {
+        assert_eq!(ours["conflicting"], false);
+    }
+    if major >= 17 {
+        assert_eq!(ours["failover"], false);
+        assert!(ours["inactive_seconds"].as_f64().unwrap() >= 0.0);
+    }
 
     // drop-slot: refused while active or without --yes; done otherwise.
     let relay = fx.spawn_relay("relay-2", &[]);
