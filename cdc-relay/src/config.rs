@@ -145,6 +145,11 @@ pub struct PostgresArgs {
     /// The outbox table, schema.table.
     #[arg(long, env = "CDC_OUTBOX_TABLE")]
     pub outbox_table: String,
+    /// A failover slot (Postgres 17+): `setup` creates it, and a rebuild recreates it, with
+    /// `failover => true`, so a standby with `sync_replication_slots` keeps a copy and a
+    /// promoted standby streams on where the primary left off (docs/deployment.md).
+    #[arg(long, env = "CDC_FAILOVER_SLOT", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
+    pub failover: bool,
     #[command(flatten)]
     pub secrets: DatabaseSecrets,
 }
@@ -321,6 +326,8 @@ pub struct PostgresConfig {
     pub slot: String,
     pub publication: String,
     pub outbox_table: OutboxTable,
+    /// Create (and recreate) the slot as a failover slot.
+    pub failover: bool,
 }
 
 /// Everything `run` needs, validated.
@@ -389,6 +396,7 @@ impl PostgresArgs {
             slot: self.slot.clone(),
             publication: self.publication.clone(),
             outbox_table,
+            failover: self.failover,
         })
     }
 }

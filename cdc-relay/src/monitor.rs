@@ -141,7 +141,7 @@ fn update(ctx: &Context, slot: Option<&SlotHealth>, spilled: &mut (i64, i64)) {
     m.slot_safe_wal_size_bytes
         .set(slot.safe_wal_size.map_or(f64::NAN, |b| b as f64));
     m.set_wal_status(slot.wal_status.as_deref());
-    if slot.wal_status.as_deref() == Some("lost") {
+    if slot.wal_status.as_deref() == Some("lost") || slot.invalidation_reason.is_some() {
         ctx.set_slot_lost(true);
     }
     let flag = |b: Option<bool>| b.map_or(f64::NAN, |b| f64::from(u8::from(b)));

@@ -144,8 +144,10 @@ pub(crate) async fn rebuild(
     // Waits for transactions open at this moment; the lock is extended meanwhile.
     let rows = client
         .simple_query(&format!(
-            "CREATE_REPLICATION_SLOT \"{}\" LOGICAL pgoutput (SNAPSHOT 'export')",
-            pg.slot
+            "CREATE_REPLICATION_SLOT \"{}\" LOGICAL pgoutput (SNAPSHOT 'export'{})",
+            pg.slot,
+            // A failover slot stays one across rebuilds (checked to be 17+ at takeover).
+            if pg.failover { ", FAILOVER true" } else { "" }
         ))
         .await
         .map_err(|e| replication_error(e, ReplicationPhase::Start, pg, true, None))?;

@@ -21,16 +21,38 @@ pub struct SlotInfo {
     pub active_pid: Option<i32>,
     pub wal_status: Option<String>,
     pub confirmed_flush_lsn: Option<pgwire_replication::Lsn>,
+    /// Why the server invalidated the slot (Postgres 17+; `idle_timeout` on 18 leaves
+    /// `wal_status` alone).
+    pub invalidation_reason: Option<String>,
+    /// A failover slot (Postgres 17+; `None` before).
+    pub failover: Option<bool>,
+}
+
+impl SlotInfo {
+    /// The slot can no longer be streamed from: its WAL was removed, or the server
+    /// invalidated it for another reason (17+: rows removed, wal_level lowered, idle).
+    pub fn is_lost(&self) -> bool {
+        self.wal_status.as_deref() == Some("lost") || self.invalidation_reason.is_some()
+    }
 }
 
 /// wal_level, and the publication publishing inserts of the outbox table.
 pub async fn check_prerequisites(client: &Client, cfg: &PostgresConfig) -> Result<(), RelayError> {
-    let wal_level: String = client
-        .query_one("SELECT current_setting('wal_level')", &[])
-        .await?
-        .get(0);
+    let row = client
+        .query_one(
+            "SELECT current_setting('wal_level'), current_setting('server_version_num')::int",
+            &[],
+        )
+        .await?;
+    let (wal_level, version): (String, i32) = (row.get(0), row.get(1));
     if wal_level != "logical" {
         return Err(RelayError::WalLevelNotLogical { actual: wal_level });
+    }
+    if cfg.failover && version < 170_000 {
+        return Err(RelayError::Config(format!(
+            "--failover needs Postgres 17 or newer (failover slots); this server is {}: drop the flag, or upgrade",
+            version / 10_000
+        )));
     }
     let row = client
         .query_opt(
@@ -63,8 +85,9 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, 
     let row = client
         .query_opt(
             "SELECT plugin::text, slot_type, database::text, active_pid, wal_status,
-                    confirmed_flush_lsn::text
-               FROM pg_replication_slots WHERE slot_name = $1",
+                    confirmed_flush_lsn::text, to_jsonb(s) ->> 'invalidation_reason',
+                    (to_jsonb(s) ->> 'failover')::boolean
+               FROM pg_replication_slots s WHERE slot_name = $1",
             &[&slot],
         )
         .await?;
@@ -77,6 +100,8 @@ pub async fn slot_info(client: &Client, slot: &str) -> Result<Option<SlotInfo>, 
         confirmed_flush_lsn: r
             .get::<_, Option<String>>(5)
             .and_then(|l| pgwire_replication::Lsn::parse(&l).ok()),
+        invalidation_reason: r.get(6),
+        failover: r.get(7),
     }))
 }
 
@@ -221,16 +246,31 @@ pub async fn setup(
 ) -> Result<SetupOutcome, RelayError> {
     let client = cfg.endpoint.connect(connect_timeout).await?;
     check_prerequisites(&client, cfg).await?;
-    if slot_info(&client, &cfg.slot).await?.is_some() {
+    if let Some(existing) = slot_info(&client, &cfg.slot).await? {
         check_slot(&client, cfg).await?;
+        if cfg.failover && existing.failover == Some(false) {
+            return Err(RelayError::Config(format!(
+                "slot {} exists but is not a failover slot: with its relays stopped, run `ALTER_REPLICATION_SLOT {} (FAILOVER true)` on a replication connection (or drop-slot and setup again, which rebuilds)",
+                cfg.slot, cfg.slot
+            )));
+        }
         return Ok(SetupOutcome::AlreadyExists);
     }
-    let created = client
-        .query_one(
-            "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
-            &[&cfg.slot],
-        )
-        .await;
+    let created = if cfg.failover {
+        client
+            .query_one(
+                "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput', false, false, true)",
+                &[&cfg.slot],
+            )
+            .await
+    } else {
+        client
+            .query_one(
+                "SELECT lsn::text FROM pg_create_logical_replication_slot($1, 'pgoutput')",
+                &[&cfg.slot],
+            )
+            .await
+    };
     match created {
         Ok(row) => Ok(SetupOutcome::Created {
             consistent_point: row.get(0),

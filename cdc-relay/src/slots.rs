@@ -208,15 +208,20 @@ pub fn evaluate(
         status = status.max(to);
         problems.push(why);
     };
-    match slot.wal_status.as_deref() {
-        Some("lost") => raise(
+    match (slot.wal_status.as_deref(), &slot.invalidation_reason) {
+        // 17+ says why; 18's idle_timeout leaves wal_status alone.
+        (_, Some(reason)) => raise(
             CheckStatus::Critical,
-            match &slot.invalidation_reason {
-                Some(reason) => format!("wal_status lost (the slot was invalidated: {reason})"),
-                None => "wal_status lost (the slot was invalidated)".into(),
-            },
+            format!(
+                "wal_status {} (the slot was invalidated: {reason})",
+                slot.wal_status.as_deref().unwrap_or("-")
+            ),
         ),
-        Some("unreserved") => raise(
+        (Some("lost"), None) => raise(
+            CheckStatus::Critical,
+            "wal_status lost (the slot was invalidated)".into(),
+        ),
+        (Some("unreserved"), None) => raise(
             CheckStatus::Critical,
             "wal_status unreserved (WAL it needs is about to be removed)".into(),
         ),

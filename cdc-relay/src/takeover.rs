@@ -63,7 +63,7 @@ pub(crate) fn decide(
             None => Decision::SlotMissing,
         };
     };
-    if slot.wal_status.as_deref() == Some("lost") {
+    if slot.is_lost() {
         return Decision::Rebuild(Reason::LostSlot);
     }
     if record.rebuilding.is_some() {
@@ -358,9 +358,7 @@ async fn read_slot(
     if let Some(pid) = slot.as_ref().and_then(|s| s.active_pid) {
         return Err(busy(ctx, Some(pid as u32)));
     }
-    let lost = slot
-        .as_ref()
-        .is_some_and(|s| s.wal_status.as_deref() == Some("lost"));
+    let lost = slot.as_ref().is_some_and(SlotInfo::is_lost);
     ctx.set_slot_lost(lost);
     if lost {
         // Said at once, whatever state Redis is in.
@@ -409,6 +407,8 @@ mod tests {
             active_pid: None,
             wal_status: Some("reserved".into()),
             confirmed_flush_lsn: Some(Lsn(confirmed)),
+            invalidation_reason: None,
+            failover: None,
         }
     }
 
@@ -485,6 +485,13 @@ mod tests {
         lost.wal_status = Some("lost".into());
         assert_eq!(
             decide(Some(&lost), &record(100, 1), &o, 500),
+            Decision::Rebuild(Reason::LostSlot)
+        );
+        // Postgres 18 invalidates an idle slot without touching wal_status.
+        let mut idle = slot(100);
+        idle.invalidation_reason = Some("idle_timeout".into());
+        assert_eq!(
+            decide(Some(&idle), &record(100, 1), &o, 500),
             Decision::Rebuild(Reason::LostSlot)
         );
     }

@@ -148,19 +148,22 @@ on_newer_versions!(options: lost_slot_rebuilt,
 );
 
 async fn lost_slot_rebuilt(options: PgOptions) {
-    // GIVEN a relay allowed to recover, on a server with a small max_slot_wal_keep_size
+    // GIVEN a relay allowed to recover, on a server with a small max_slot_wal_keep_size (on
+    // 17+ asked for a failover slot, which the rebuild must create)
     let pg = small_wal_server_with(options);
     let redis = RedisServer::start().unwrap();
     let fx = Fixture::new(&pg, &redis).await;
-    let relay = fx.spawn_relay(
-        "relay",
-        &[
-            "--on-lost-slot",
-            "recover",
-            "--slot-metrics-interval",
-            "100ms",
-        ],
-    );
+    let major = server_major(&fx).await;
+    let mut flags = vec![
+        "--on-lost-slot",
+        "recover",
+        "--slot-metrics-interval",
+        "100ms",
+    ];
+    if major >= 17 {
+        flags.extend(["--failover", "true"]);
+    }
+    let relay = fx.spawn_relay("relay", &flags);
     relay.wait_streaming().await;
     let mut writer = fx.writer().await;
     for txn in 0..10 {
@@ -262,6 +265,154 @@ async fn lost_slot_rebuilt(options: PgOptions) {
         |v| v == 1.0,
     )
     .await;
+    if major >= 17 {
+        let failover: bool = admin
+            .query_one(
+                "SELECT failover FROM pg_replication_slots WHERE slot_name = $1",
+                &[&fx.slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert!(failover, "the recreated slot is a failover slot");
+    }
+    relay.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_failover_creates_a_failover_slot_on_17_and_later_and_is_refused_before() {
+    for version in testkit::NEWER_VERSIONS {
+        let pg = PgServer::start_with(PgOptions::default().version(version)).unwrap();
+        let fx = Fixture::new(&pg, shared_redis()).await;
+        let url = fx.db.url("consumers_relay");
+        let setup = |slot: &str| {
+            cli(&args(&[
+                "setup",
+                "--database-url",
+                &url,
+                "--slot",
+                slot,
+                "--publication",
+                common::PUBLICATION,
+                "--outbox-table",
+                common::OUTBOX,
+                "--failover",
+            ]))
+        };
+        let out = setup("failover_slot");
+        let said = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if version < 17 {
+            assert!(!out.status.success(), "{said}");
+            assert!(said.contains("--failover needs Postgres 17"), "{said}");
+            continue;
+        }
+        assert!(out.status.success(), "{said}");
+        let admin = fx.db.connect().await.unwrap();
+        let failover: bool = admin
+            .query_one(
+                "SELECT failover FROM pg_replication_slots WHERE slot_name = 'failover_slot'",
+                &[],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert!(failover, "Postgres {version}");
+        // Again: nothing to do. On the fixture's ordinary slot: refused, saying how.
+        assert!(setup("failover_slot").status.success());
+        let out = setup(&fx.slot);
+        assert!(!out.status.success());
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("ALTER_REPLICATION_SLOT"),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_postgres_18_invalidates_as_idle_is_rebuilt_like_any_lost_slot() {
+    // GIVEN Postgres 18 invalidating slots idle for a second, and a relay allowed to recover
+    let pg = PgServer::start_with(
+        PgOptions::default()
+            .version(18)
+            .setting("idle_replication_slot_timeout", "1s"),
+    )
+    .unwrap();
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(&pg, &redis).await;
+    let flags = [
+        "--on-lost-slot",
+        "recover",
+        "--slot-metrics-interval",
+        "100ms",
+    ];
+    let relay = fx.spawn_relay("relay", &flags);
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    for txn in 0..10 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    fx.wait_stream_len(10, Duration::from_secs(10)).await;
+
+    // WHEN the relay is down long enough for a checkpoint to invalidate its idle slot while
+    // messages are written
+    relay.stop();
+    for txn in 10..20 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    let admin = fx.db.connect().await.unwrap();
+    wait_until(
+        Duration::from_secs(20),
+        "the slot invalidated as idle",
+        || async {
+            admin.batch_execute("CHECKPOINT").await.unwrap();
+            let reason: Option<String> = admin
+                .query_one(
+                    "SELECT invalidation_reason FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&fx.slot],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            match reason.as_deref() {
+                Some("idle_timeout") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    let out = cli(&args(&[
+        "check",
+        "--database-url",
+        &fx.db.url("consumers_relay"),
+        "--slot",
+        &fx.slot,
+        "--max-lag-bytes",
+        "1000000000000",
+        "--max-inactive-seconds",
+        "3600",
+    ]));
+    let line = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(2), "{line}");
+    assert!(line.contains("invalidated: idle_timeout"), "{line}");
+
+    // THEN the relay started again recreates the slot, rebuilds from the outbox, and every
+    // message is in the stream once
+    let relay = fx.spawn_relay("relay-2", &flags);
+    relay.wait_streaming().await;
+    for txn in 20..25 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    let committed = outbox_ids(&fx).await;
+    assert_eq!(committed.len(), 25);
+    wait_published(&fx, &committed, &relay).await;
+    let ids = stream_ids(&fx).await;
+    assert!(ids.values().all(|n| *n == 1), "none twice: {ids:?}");
+    common::wait_rebuild_counted(&relay, "lost_slot").await;
     relay.stop();
 }
 
