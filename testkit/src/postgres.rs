@@ -367,6 +367,38 @@ impl PgServer {
         primary.start_copy(root, &[])
     }
 
+    /// A streaming hot standby made without `pg_basebackup` (the newer versions' binaries
+    /// have none): this server is stopped cleanly, its data directory copied (without its
+    /// slots, as a base backup leaves them out), and started again; the copy starts with
+    /// `standby.signal`, `primary_conninfo` to this server's socket and database `dbname`
+    /// (slot sync needs one), and `settings` (`name=value`).
+    pub fn standby_by_copy(&self, dbname: &str, settings: &[&str]) -> anyhow::Result<Self> {
+        self.stop_fast()?;
+        let root = scratch_dir("pg-standby");
+        let data_dir = root.join("data");
+        let copied = Command::new("cp")
+            .arg("-a")
+            .arg(&self.data_dir)
+            .arg(&data_dir)
+            .status()?;
+        self.start_again()?;
+        if !copied.success() {
+            bail!("copying the data directory failed");
+        }
+        for entry in std::fs::read_dir(data_dir.join("pg_replslot"))? {
+            std::fs::remove_dir_all(entry?.path())?;
+        }
+        let _ = std::fs::remove_file(data_dir.join("postmaster.pid"));
+        std::fs::write(data_dir.join("standby.signal"), "")?;
+        let mut settings: Vec<String> = settings.iter().map(|s| s.to_string()).collect();
+        settings.push(format!(
+            "primary_conninfo=host={} port={} user=postgres dbname={dbname}",
+            self.socket_dir.display(),
+            self.port
+        ));
+        self.start_copy(root, &settings)
+    }
+
     /// A directory this server's `archive_command` copies finished WAL segments into:
     /// start the server with [`PgOptions::archiving`] pointing at it.
     pub fn archive_dir() -> anyhow::Result<PathBuf> {

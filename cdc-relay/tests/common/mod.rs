@@ -42,6 +42,16 @@ impl<'a> Fixture<'a> {
 
     /// The same, for a stream of `shards` shards.
     pub async fn sharded(pg: &'a PgServer, redis: &'a RedisServer, shards: u32) -> Fixture<'a> {
+        Self::with_setup(pg, redis, shards, &[]).await
+    }
+
+    /// The same, the slot set up with these relay flags (e.g. `--failover true`).
+    pub async fn with_setup(
+        pg: &'a PgServer,
+        redis: &'a RedisServer,
+        shards: u32,
+        setup_flags: &[&str],
+    ) -> Fixture<'a> {
         let db = pg.create_database().await.expect("create test database");
         let fixture = Fixture {
             pg,
@@ -60,7 +70,11 @@ impl<'a> Fixture<'a> {
             )
             .await
             .expect("create witness slot");
-        let pg = fixture.config_args(&[]).postgres.validate().unwrap();
+        let pg = fixture
+            .config_args(setup_flags)
+            .postgres
+            .validate()
+            .unwrap();
         let outcome = cdc_relay::setup::setup(&pg, Duration::from_secs(10))
             .await
             .expect("setup relay slot");
