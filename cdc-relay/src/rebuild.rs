@@ -117,6 +117,11 @@ pub(crate) async fn rebuild(
     }
     let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
     lock.confirm().await?;
+    // A failover slot stays one, whether or not this relay was told --failover.
+    let failover = pg.failover
+        || crate::setup::slot_info(&sql, &pg.slot)
+            .await?
+            .is_some_and(|s| s.failover == Some(true));
     let dropped = sql
         .execute(
             "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE slot_name = $1",
@@ -146,8 +151,8 @@ pub(crate) async fn rebuild(
         .simple_query(&format!(
             "CREATE_REPLICATION_SLOT \"{}\" LOGICAL pgoutput (SNAPSHOT 'export'{})",
             pg.slot,
-            // A failover slot stays one across rebuilds (checked to be 17+ at takeover).
-            if pg.failover { ", FAILOVER true" } else { "" }
+            // Only a 17+ server has failover slots (and --failover is refused before).
+            if failover { ", FAILOVER true" } else { "" }
         ))
         .await
         .map_err(|e| replication_error(e, ReplicationPhase::Start, pg, true, None))?;

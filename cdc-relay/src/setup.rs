@@ -21,8 +21,8 @@ pub struct SlotInfo {
     pub active_pid: Option<i32>,
     pub wal_status: Option<String>,
     pub confirmed_flush_lsn: Option<pgwire_replication::Lsn>,
-    /// Why the server invalidated the slot (Postgres 17+; `idle_timeout` on 18 leaves
-    /// `wal_status` alone).
+    /// Why the server invalidated the slot (Postgres 17+: `wal_removed`, `rows_removed`,
+    /// `wal_level_insufficient`, 18's `idle_timeout`).
     pub invalidation_reason: Option<String>,
     /// A failover slot (Postgres 17+; `None` before).
     pub failover: Option<bool>,

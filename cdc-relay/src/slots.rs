@@ -133,7 +133,7 @@ fn notes(s: &SlotHealth) -> String {
         notes.push("synced".to_string());
     }
     if let (false, Some(secs)) = (s.active, s.inactive_seconds) {
-        notes.push(format!("inactive {:.0} s", secs));
+        notes.push(format!("inactive {secs:.0} s"));
     }
     if notes.is_empty() {
         "-".to_string()
@@ -209,7 +209,7 @@ pub fn evaluate(
         problems.push(why);
     };
     match (slot.wal_status.as_deref(), &slot.invalidation_reason) {
-        // 17+ says why; 18's idle_timeout leaves wal_status alone.
+        // 17+ says why (wal_status says lost for any reason since 16; both are read).
         (_, Some(reason)) => raise(
             CheckStatus::Critical,
             format!(
@@ -230,10 +230,10 @@ pub fn evaluate(
     if slot.conflicting == Some(true) {
         raise(
             CheckStatus::Critical,
-            format!(
-                "conflicting with recovery ({}): the standby removed rows it needs; it cannot be used",
-                slot.invalidation_reason.as_deref().unwrap_or("rows_removed")
-            ),
+            match &slot.invalidation_reason {
+                Some(reason) => format!("conflicting with recovery ({reason}); it cannot be used"),
+                None => "conflicting with recovery; it cannot be used".to_string(),
+            },
         );
     }
     if lag > args.max_lag_bytes {

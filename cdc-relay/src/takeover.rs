@@ -360,6 +360,9 @@ async fn read_slot(
     }
     let lost = slot.as_ref().is_some_and(SlotInfo::is_lost);
     ctx.set_slot_lost(lost);
+    if pg.failover && slot.as_ref().is_some_and(|s| s.failover == Some(false)) {
+        warn!(slot = %pg.slot, "--failover is set but the slot is not a failover slot: a primary failover loses it (see `cdc-relay setup --failover`)");
+    }
     if lost {
         // Said at once, whatever state Redis is in.
         refuse_lost_slot(ctx, Reason::LostSlot)?;
@@ -487,7 +490,8 @@ mod tests {
             decide(Some(&lost), &record(100, 1), &o, 500),
             Decision::Rebuild(Reason::LostSlot)
         );
-        // Postgres 18 invalidates an idle slot without touching wal_status.
+        // Any reason the server gives (here 18's idle timeout) is a lost slot, whatever
+        // wal_status says.
         let mut idle = slot(100);
         idle.invalidation_reason = Some("idle_timeout".into());
         assert_eq!(

@@ -92,7 +92,7 @@ async fn slot_metrics(pg: &PgServer) {
     // The newer servers' slot columns: NaN where the server has none.
     let major = server_major(&fx).await;
     let known = |name: &str| !m[name].is_nan();
-    assert_eq!(known("cdc_relay_slot_conflicting"), major >= 16);
+    assert_eq!(known("cdc_relay_slot_conflicting"), major >= 17);
     assert_eq!(known("cdc_relay_slot_failover"), major >= 17);
     assert_eq!(known("cdc_relay_slot_inactive_seconds"), major >= 17);
     if major >= 17 {
@@ -549,6 +549,23 @@ async fn check_and_slot_commands(pg: &PgServer) {
 
     // With the relay stopped, writes make lag.
     relay.stop();
+    let admin = fx.db.connect().await.unwrap();
+    wait_until(Duration::from_secs(10), "the walsender gone", || async {
+        let active: bool = admin
+            .query_one(
+                "SELECT active FROM pg_replication_slots WHERE slot_name = $1",
+                &[&fx.slot],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        if active {
+            Err("still active".to_string())
+        } else {
+            Ok(())
+        }
+    })
+    .await;
     let mut writer = fx.writer().await;
     for txn in 0..20 {
         insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
@@ -637,13 +654,11 @@ async fn check_and_slot_commands(pg: &PgServer) {
     assert!(ours["lag_bytes"].as_i64().unwrap() > 0);
     assert_eq!(ours["wal_status"], "reserved");
     // The newer servers' columns: null where the server has none.
-    assert_eq!(ours["conflicting"].is_null(), major < 16, "{ours}");
+    assert_eq!(ours["conflicting"].is_null(), major < 17, "{ours}");
     assert_eq!(ours["failover"].is_null(), major < 17, "{ours}");
     assert_eq!(ours["inactive_seconds"].is_null(), major < 17, "{ours}");
-    if major >= 16 {
-        assert_eq!(ours["conflicting"], false);
-    }
     if major >= 17 {
+        assert_eq!(ours["conflicting"], false);
         assert_eq!(ours["failover"], false);
         assert!(ours["inactive_seconds"].as_f64().unwrap() >= 0.0);
     }
