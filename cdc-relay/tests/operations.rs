@@ -23,6 +23,17 @@ fn args(list: &[&str]) -> Vec<String> {
     list.iter().map(|s| s.to_string()).collect()
 }
 
+/// `slot` as `cdc-relay slots --json` shows it, if listed.
+fn slot_json(url: &str, slot: &str) -> Option<serde_json::Value> {
+    let out = cli(&args(&["slots", "--database-url", url, "--json"]));
+    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    json.as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["name"] == slot)
+        .cloned()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slot_metrics_follow_the_world_and_pass_promtool() {
     slot_metrics(shared_postgres()).await
@@ -205,14 +216,7 @@ async fn lost_slot_rebuilt(options: PgOptions) {
     // Postgres 17+ says why; `slots` and `check` show it.
     if server_major(&fx).await >= 17 {
         let url = fx.db.url("consumers_relay");
-        let out = cli(&args(&["slots", "--database-url", &url, "--json"]));
-        let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-        let ours = json
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|s| s["name"] == fx.slot.as_str())
-            .unwrap();
+        let ours = slot_json(&url, &fx.slot).expect("the slot in `slots --json`");
         assert_eq!(ours["invalidation_reason"], "wal_removed", "{ours}");
         let out = cli(&args(&[
             "check",
@@ -642,14 +646,7 @@ async fn check_and_slot_commands(pg: &PgServer) {
         table.contains(&fx.slot) && table.contains(&fx.witness) && table.contains("pgoutput"),
         "{table}"
     );
-    let out = cli(&args(&["slots", "--database-url", &url, "--json"]));
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    let ours = json
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|s| s["name"] == fx.slot.as_str())
-        .unwrap();
+    let ours = slot_json(&url, &fx.slot).expect("the slot in `slots --json`");
     assert_eq!(ours["active"], false);
     assert!(ours["lag_bytes"].as_i64().unwrap() > 0);
     assert_eq!(ours["wal_status"], "reserved");
@@ -702,11 +699,5 @@ async fn check_and_slot_commands(pg: &PgServer) {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let out = cli(&args(&["slots", "--database-url", &url, "--json"]));
-    let json: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert!(json
-        .as_array()
-        .unwrap()
-        .iter()
-        .all(|s| s["name"] != fx.slot.as_str()));
+    assert!(slot_json(&url, &fx.slot).is_none());
 }
