@@ -420,8 +420,17 @@ async fn restart_on_new_history(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failover_to_a_standby_behind_the_stream_loses_no_new_message() {
+    failover_behind(PgOptions::default()).await
+}
+
+// Without failover slots (16 has none): the same rebuild.
+on_newer_versions!(options: failover_behind,
+    failover_to_a_standby_behind_the_stream_loses_no_new_message_on_postgres_16 => 16,
+);
+
+async fn failover_behind(options: PgOptions) {
     // GIVEN a primary with a streaming standby, and a relay on the primary
-    let primary = PgServer::start().unwrap();
+    let primary = PgServer::start_with(options).unwrap();
     let redis = RedisServer::start().unwrap();
     let fx = Fixture::new(&primary, &redis).await;
     let relay = fx.spawn_relay("relay-primary", &[]);
@@ -431,6 +440,8 @@ async fn failover_to_a_standby_behind_the_stream_loses_no_new_message() {
         insert_txn(&mut writer, 1, txn, 1, true).await.unwrap();
     }
     let standby = PgServer::standby_of(&primary).unwrap();
+    // (Where the standby is a cold copy, the primary restarted meanwhile.)
+    let mut writer = fx.writer().await;
     let target = primary.wal_position().await.unwrap();
     wait_until(Duration::from_secs(30), "the standby caught up", || async {
         match standby.wal_position().await {

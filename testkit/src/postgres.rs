@@ -360,7 +360,12 @@ impl PgServer {
     /// template, but a base backup of the running primary): its own data directory and
     /// socket, the primary's settings. Slots are not copied (Postgres 15 has no failover
     /// slots), exactly as on a real standby.
+    /// Binaries without `pg_basebackup` (the newer versions') get a cold copy instead
+    /// ([`PgServer::standby_by_copy`]: the primary restarts once).
     pub fn standby_of(primary: &PgServer) -> anyhow::Result<Self> {
+        if !primary.bin.join("pg_basebackup").exists() {
+            return primary.standby_by_copy("postgres", &[]);
+        }
         let root = scratch_dir("pg-standby");
         chown_to_postgres(&root)?;
         primary.base_backup_into(&root.join("data"), &["-R"])?;
