@@ -1,7 +1,8 @@
 //! Postgres high availability: the primary SIGKILLed under load and its streaming standby
 //! promoted. With a failover slot (Postgres 17+) synced to the standby, the relay pointed at
 //! the new primary streams on from the synced slot: every committed message in the stream
-//! once, in order, no rebuild.
+//! once, in order, no rebuild. And a relay decoding on a standby (16+) streams, and goes on
+//! through that standby's promotion.
 
 mod common;
 
@@ -191,4 +192,88 @@ async fn a_primary_failover_with_failover_slots_loses_nothing_on_postgres_17() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_primary_failover_with_failover_slots_loses_nothing_on_postgres_18() {
     failover_with_failover_slots(18).await
+}
+
+/// Decoding on a standby (Postgres 16+): the relay reads its slot on the standby, and goes on
+/// reading it when that standby is promoted.
+async fn relay_on_a_standby(version: u32) {
+    // GIVEN a primary and its streaming standby (hot_standby_feedback, a physical slot), the
+    // relay's slot set up on the standby and the relay reading it there
+    let pg = PgServer::start_with(PgOptions::default().version(version)).unwrap();
+    let redis = RedisServer::start().unwrap();
+    let db = pg.create_database().await.unwrap();
+    let admin = db.connect().await.unwrap();
+    admin
+        .batch_execute("SELECT pg_create_physical_replication_slot('standby1')")
+        .await
+        .unwrap();
+    drop(admin);
+    let standby = pg
+        .standby_by_copy(
+            &db.name,
+            &["hot_standby_feedback=on", "primary_slot_name=standby1"],
+        )
+        .unwrap();
+    // A slot created on a standby waits for the primary's next running-transactions record.
+    let primary_admin = db.connect().await.unwrap();
+    let nudger = tokio::spawn(async move {
+        loop {
+            let _ = primary_admin
+                .batch_execute("SELECT pg_log_standby_snapshot()")
+                .await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    let fx = Fixture::on_database(&standby, &redis, db.on(&standby)).await;
+    nudger.abort();
+    let relay = fx.spawn_relay("relay", &[]);
+    relay.wait_streaming().await;
+
+    // WHEN messages are committed on the primary
+    let mut writer = db.connect_as("consumers").await.unwrap();
+    for txn in 0..50 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    // THEN the relay on the standby publishes them
+    fx.wait_stream_len(50, Duration::from_secs(30)).await;
+
+    // AND when the standby is promoted (the primary gone), it streams on, nothing twice
+    pg.kill().unwrap();
+    standby.promote().await.unwrap();
+    let mut writer = fx.db.connect_as("consumers").await.unwrap();
+    for txn in 50..70 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    let expected = outbox_ids_on(&fx, &standby).await;
+    assert_eq!(expected.len(), 70);
+    wait_until(
+        Duration::from_secs(30),
+        "every row in the stream",
+        || async {
+            let ids = stream_ids(&fx).await;
+            match expected.iter().filter(|id| !ids.contains_key(*id)).count() {
+                0 => Ok(()),
+                missing => Err(format!("{missing} missing")),
+            }
+        },
+    )
+    .await;
+    let ids = stream_ids(&fx).await;
+    assert!(ids.values().all(|n| *n == 1), "none twice");
+    relay.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_decoding_on_a_standby_streams_and_survives_its_promotion_on_postgres_16() {
+    relay_on_a_standby(16).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_decoding_on_a_standby_streams_and_survives_its_promotion_on_postgres_17() {
+    relay_on_a_standby(17).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_decoding_on_a_standby_streams_and_survives_its_promotion_on_postgres_18() {
+    relay_on_a_standby(18).await
 }

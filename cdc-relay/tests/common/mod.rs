@@ -53,6 +53,21 @@ impl<'a> Fixture<'a> {
         setup_flags: &[&str],
     ) -> Fixture<'a> {
         let db = pg.create_database().await.expect("create test database");
+        Self::set_up(pg, redis, db, shards, setup_flags).await
+    }
+
+    /// A fixture on a database that already exists on `pg` (a standby's copy).
+    pub async fn on_database(pg: &'a PgServer, redis: &'a RedisServer, db: TestDb) -> Fixture<'a> {
+        Self::set_up(pg, redis, db, 1, &[]).await
+    }
+
+    async fn set_up(
+        pg: &'a PgServer,
+        redis: &'a RedisServer,
+        db: TestDb,
+        shards: u32,
+        setup_flags: &[&str],
+    ) -> Fixture<'a> {
         let fixture = Fixture {
             pg,
             redis,
