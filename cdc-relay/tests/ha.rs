@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{insert_txn, metrics, stream_ids, Fixture};
-use testkit::{wait_until, PgOptions, PgServer, RedisServer};
+use testkit::{wait_until, PgOptions, PgServer, RedisServer, TestDb};
 
 /// The outbox ids `server` holds for the fixture's database, in commit (id) order.
 async fn outbox_ids_on(fx: &Fixture<'_>, server: &PgServer) -> Vec<String> {
@@ -31,28 +31,28 @@ async fn outbox_ids_on(fx: &Fixture<'_>, server: &PgServer) -> Vec<String> {
         .collect()
 }
 
+/// A streaming standby of `pg` with `hot_standby_feedback` through the physical slot
+/// `standby1` on the primary (what decoding on or syncing slots to a standby needs), plus
+/// `settings`.
+async fn standby_with_slot(pg: &PgServer, db: &TestDb, settings: &[&str]) -> PgServer {
+    db.connect()
+        .await
+        .unwrap()
+        .batch_execute("SELECT pg_create_physical_replication_slot('standby1')")
+        .await
+        .unwrap();
+    let mut all = vec!["hot_standby_feedback=on", "primary_slot_name=standby1"];
+    all.extend(settings);
+    pg.standby_by_copy(&db.name, &all).unwrap()
+}
+
 async fn failover_with_failover_slots(version: u32) {
     // GIVEN a primary whose relay slot is a failover slot, a standby syncing it (through a
     // physical slot the primary waits for), and the relay streaming under a steady writer
     let pg = PgServer::start_with(PgOptions::default().version(version)).unwrap();
     let redis = RedisServer::start().unwrap();
     let fx = Fixture::with_setup(&pg, &redis, 1, &["--failover", "true"]).await;
-    let admin = fx.db.connect().await.unwrap();
-    admin
-        .batch_execute("SELECT pg_create_physical_replication_slot('standby1')")
-        .await
-        .unwrap();
-    drop(admin);
-    let standby = pg
-        .standby_by_copy(
-            &fx.db.name,
-            &[
-                "sync_replication_slots=on",
-                "hot_standby_feedback=on",
-                "primary_slot_name=standby1",
-            ],
-        )
-        .unwrap();
+    let standby = standby_with_slot(&pg, &fx.db, &["sync_replication_slots=on"]).await;
     // Set on the primary only, after the copy: a promoted standby that inherited it would
     // hold logical decoding back for a slot it does not have.
     let admin = fx.db.connect().await.unwrap();
@@ -202,18 +202,7 @@ async fn relay_on_a_standby(version: u32) {
     let pg = PgServer::start_with(PgOptions::default().version(version)).unwrap();
     let redis = RedisServer::start().unwrap();
     let db = pg.create_database().await.unwrap();
-    let admin = db.connect().await.unwrap();
-    admin
-        .batch_execute("SELECT pg_create_physical_replication_slot('standby1')")
-        .await
-        .unwrap();
-    drop(admin);
-    let standby = pg
-        .standby_by_copy(
-            &db.name,
-            &["hot_standby_feedback=on", "primary_slot_name=standby1"],
-        )
-        .unwrap();
+    let standby = standby_with_slot(&pg, &db, &[]).await;
     // A slot created on a standby waits for the primary's next running-transactions record.
     let primary_admin = db.connect().await.unwrap();
     let nudger = tokio::spawn(async move {

@@ -168,11 +168,7 @@ impl System {
     /// cluster (so a process starting while one is down finds the others).
     fn redis_flags(&self) -> Vec<String> {
         match &self.cluster {
-            Some(cluster) => vec![
-                "--redis-url".into(),
-                cluster.urls().join(","),
-                "--redis-cluster".into(),
-            ],
+            Some(cluster) => cluster.client_flags(),
             None => vec!["--redis-url".into(), self.redis.url()],
         }
     }

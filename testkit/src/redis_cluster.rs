@@ -99,6 +99,17 @@ impl RedisCluster {
         format!("redis://127.0.0.1:{}", self.ports()[0])
     }
 
+    /// The flags that point a relay or a service at this cluster: `--redis-url` naming
+    /// every node (so a process starting while one is down finds the others) and
+    /// `--redis-cluster`.
+    pub fn client_flags(&self) -> Vec<String> {
+        vec![
+            "--redis-url".into(),
+            self.urls().join(","),
+            "--redis-cluster".into(),
+        ]
+    }
+
     /// Every node's URL.
     pub fn urls(&self) -> Vec<String> {
         self.ports()
