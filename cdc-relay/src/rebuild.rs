@@ -63,6 +63,9 @@ pub enum Reason {
     NoRecord,
     /// The server's history forked before what the stream acknowledged.
     Timeline,
+    /// The server is a promoted standby (its history holds all the stream has) without the
+    /// slot, or with one `setup` made after the failover.
+    Failover,
     /// A rebuild was interrupted.
     Resumed,
 }
@@ -74,6 +77,7 @@ impl Reason {
             Reason::LostRedisData => "lost_redis_data",
             Reason::NoRecord => "no_record",
             Reason::Timeline => "timeline",
+            Reason::Failover => "failover",
             Reason::Resumed => "resumed",
         }
     }
@@ -85,6 +89,7 @@ impl Reason {
             Reason::LostRedisData => "Redis acknowledges less than the slot confirmed, or lost entries the relay wrote (restarted without its AOF, a stale replica, or a slot made anew)",
             Reason::NoRecord => "the stream has no record: Redis lost everything, or the record was deleted to force a rebuild",
             Reason::Timeline => "Postgres is on a history that forked before what the stream acknowledged (failover to a lagging standby, or a point-in-time restore): the stream holds entries Postgres no longer has",
+            Reason::Failover => "Postgres failed over to a server without the slot (no failover slots before Postgres 17, or the slot was not synced to the standby): the slot is made here and the outbox rows the stream lacks (committed before the failover but not yet published) are republished",
             Reason::Resumed => "a rebuild was interrupted",
         }
     }
@@ -132,7 +137,7 @@ pub(crate) async fn rebuild(
         if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) {
             // Nothing done yet: a marker of ours would make the holder rebuild for nothing
             // (but a new timeline written beside it is evidence to keep).
-            if reason != Reason::Timeline {
+            if !matches!(reason, Reason::Timeline | Reason::Failover) {
                 for (r, record) in records.iter_mut().zip(shard_records) {
                     if record.exists() && record.rebuilding.is_none() {
                         r.clear_marker().await?;

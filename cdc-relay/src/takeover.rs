@@ -57,9 +57,20 @@ pub(crate) fn decide(
     {
         return Decision::OlderTimeline;
     }
+    // Written by this system on another timeline: the server is a promoted standby (or a
+    // restore), which has no slot before failover slots. A pod that only restarts its relay
+    // container never reruns `setup`, so the relay makes the slot itself, by a rebuild.
+    let failed_over = record.exists()
+        && record
+            .timeline
+            .is_some_and(|recorded| recorded != origin.timeline);
     let Some(slot) = slot else {
         return match record.rebuilding {
             Some(_) => Decision::Rebuild(Reason::Resumed),
+            None if failed_over && forked_below_stream(record, origin, server_lsn) => {
+                Decision::Rebuild(Reason::Timeline)
+            }
+            None if failed_over => Decision::Rebuild(Reason::Failover),
             None => Decision::SlotMissing,
         };
     };
@@ -73,19 +84,24 @@ pub(crate) fn decide(
         return Decision::Rebuild(Reason::NoRecord);
     }
     let acked = record.acked_through.unwrap_or(0);
-    if history_diverged(record, origin) || written_through(record) > server_lsn {
+    if forked_below_stream(record, origin, server_lsn) {
         return Decision::Rebuild(Reason::Timeline);
     }
     // Entries the relay wrote are gone (the stream was deleted or restored from older data).
     if record.last_id.is_some_and(|last| record.top < last) {
         return Decision::Rebuild(Reason::LostRedisData);
     }
-    // Redis knows less than the slot confirmed: it lost data, or the slot was made anew.
+    // Redis knows less than the slot confirmed: it lost data, or the slot was made anew
+    // (by `setup` on a promoted standby: the failover is the reason then).
     if slot
         .confirmed_flush_lsn
         .is_some_and(|confirmed| acked < confirmed.as_u64())
     {
-        return Decision::Rebuild(Reason::LostRedisData);
+        return Decision::Rebuild(if failed_over {
+            Reason::Failover
+        } else {
+            Reason::LostRedisData
+        });
     }
     if record.timeline != Some(origin.timeline) {
         return Decision::Adopt;
@@ -117,6 +133,12 @@ pub(crate) fn decide_shards(
         }
     }
     decision
+}
+
+/// Whether the stream holds entries this server's history does not: its history forked
+/// below them, or its WAL ends before them.
+fn forked_below_stream(record: &StreamRecord, origin: &Origin, server_lsn: u64) -> bool {
+    history_diverged(record, origin) || written_through(record) > server_lsn
 }
 
 /// Whether the stream holds (or may hold) entries of a history the server no longer has:
@@ -464,6 +486,42 @@ mod tests {
         assert_eq!(
             decide(Some(&slot(100)), &lost_entries, &o, 500),
             Decision::Rebuild(Reason::LostRedisData)
+        );
+    }
+
+    #[test]
+    fn a_promoted_standby_without_the_slot_is_rebuilt_whether_it_had_the_stream_or_not() {
+        // Timeline 1 switched to 2 at 300: the standby had everything acknowledged (100).
+        let promoted = origin(2, &[(1, 300)]);
+        assert_eq!(
+            decide(None, &record(100, 1), &promoted, 500),
+            Decision::Rebuild(Reason::Failover)
+        );
+        // ... it switched at 80, below what the stream acknowledged: the stream holds
+        // entries the new primary never had.
+        assert_eq!(
+            decide(None, &record(100, 1), &origin(2, &[(1, 80)]), 500),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        // `setup` made the slot there first (ahead of what Redis acknowledged): the failover
+        // is the reason, not Redis.
+        assert_eq!(
+            decide(Some(&slot(400)), &record(100, 1), &promoted, 500),
+            Decision::Rebuild(Reason::Failover)
+        );
+        // Same timeline, no slot: somebody dropped it; `setup` is for the operator to run.
+        assert_eq!(
+            decide(None, &record(100, 2), &promoted, 500),
+            Decision::SlotMissing
+        );
+        // The old primary, whatever it lacks, rewrites nothing.
+        let mut newer = record(100, 2);
+        newer.history = Some(TimelineHistory {
+            switches: vec![(1, 80)],
+        });
+        assert_eq!(
+            decide(None, &newer, &origin(1, &[]), 500),
+            Decision::OlderTimeline
         );
     }
 

@@ -363,20 +363,27 @@ impl PgServer {
     /// Binaries without `pg_basebackup` (the newer versions') get a cold copy instead
     /// ([`PgServer::standby_by_copy`]: the primary restarts once).
     pub fn standby_of(primary: &PgServer) -> anyhow::Result<Self> {
+        Self::standby_of_with(primary, &[])
+    }
+
+    /// [`PgServer::standby_of`] with `settings` (`name=value`) on top, e.g. a
+    /// `primary_conninfo` through a proxy that can stall the standby's WAL stream.
+    pub fn standby_of_with(primary: &PgServer, settings: &[&str]) -> anyhow::Result<Self> {
         if !primary.bin.join("pg_basebackup").exists() {
-            return primary.standby_by_copy("postgres", &[]);
+            return primary.standby_by_copy("postgres", settings);
         }
         let root = scratch_dir("pg-standby");
         chown_to_postgres(&root)?;
         primary.base_backup_into(&root.join("data"), &["-R"])?;
-        primary.start_copy(root, &[])
+        let settings: Vec<String> = settings.iter().map(|s| s.to_string()).collect();
+        primary.start_copy(root, &settings)
     }
 
     /// A streaming hot standby made without `pg_basebackup` (the newer versions' binaries
     /// have none): this server is stopped cleanly, its data directory copied (without its
     /// slots, as a base backup leaves them out), and started again; the copy starts with
     /// `standby.signal`, `primary_conninfo` to this server's socket and database `dbname`
-    /// (slot sync needs one), and `settings` (`name=value`).
+    /// (slot sync needs one), and `settings` (`name=value`, which may override that).
     pub fn standby_by_copy(&self, dbname: &str, settings: &[&str]) -> anyhow::Result<Self> {
         self.stop_fast()?;
         let root = scratch_dir("pg-standby");
@@ -395,13 +402,14 @@ impl PgServer {
         }
         let _ = std::fs::remove_file(data_dir.join("postmaster.pid"));
         std::fs::write(data_dir.join("standby.signal"), "")?;
-        let mut settings: Vec<String> = settings.iter().map(|s| s.to_string()).collect();
-        settings.push(format!(
+        // The last of two equal settings wins: the caller's come after.
+        let mut all = vec![format!(
             "primary_conninfo=host={} port={} user=postgres dbname={dbname}",
             self.socket_dir.display(),
             self.port
-        ));
-        self.start_copy(root, &settings)
+        )];
+        all.extend(settings.iter().map(|s| s.to_string()));
+        self.start_copy(root, &all)
     }
 
     /// A directory this server's `archive_command` copies finished WAL segments into:

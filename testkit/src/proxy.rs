@@ -2,7 +2,8 @@
 //! connection at the worst moment: right after the server answered a request the client
 //! sent, before the client sees the answer ("the connection died after COMMIT"); or cut
 //! every connection and refuse new ones until restored (a network partition of one
-//! client).
+//! client). [`Proxy::retarget`] points new connections at another socket: a DNS name
+//! switched to a promoted standby.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -15,6 +16,8 @@ use tokio::net::{TcpListener, UnixStream};
 pub struct Proxy {
     addr: SocketAddr,
     armed: Arc<Mutex<Option<Vec<u8>>>>,
+    /// Where new connections go.
+    target: Arc<Mutex<PathBuf>>,
     /// While true, every connection is cut and new ones are closed at once.
     severed: tokio::sync::watch::Sender<bool>,
     task: tokio::task::JoinHandle<()>,
@@ -26,15 +29,18 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await?;
         let addr = listener.local_addr()?;
         let armed: Arc<Mutex<Option<Vec<u8>>>> = Arc::default();
+        let target = Arc::new(Mutex::new(socket));
         let (severed, _) = tokio::sync::watch::channel(false);
         let task = tokio::spawn({
             let armed = armed.clone();
+            let target = target.clone();
             let severed = severed.clone();
             async move {
                 while let Ok((tcp, _)) = listener.accept().await {
                     if *severed.borrow() {
                         continue;
                     }
+                    let socket = target.lock().unwrap().clone();
                     let Ok(unix) = UnixStream::connect(&socket).await else {
                         continue;
                     };
@@ -52,6 +58,7 @@ impl Proxy {
         Ok(Self {
             addr,
             armed,
+            target,
             severed,
             task,
         })
@@ -64,6 +71,12 @@ impl Proxy {
 
     pub fn restore(&self) {
         self.severed.send_replace(false);
+    }
+
+    /// New connections go to `socket` from now on; open ones stay where they are (as with a
+    /// DNS switch, they end with the server they reached).
+    pub fn retarget(&self, socket: PathBuf) {
+        *self.target.lock().unwrap() = socket;
     }
 
     pub fn addr(&self) -> SocketAddr {
