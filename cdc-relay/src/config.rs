@@ -234,6 +234,17 @@ pub struct RunArgs {
     /// `<stream>:{0}` .. `<stream>:{N-1}`. Every binary of the side must say the same.
     #[arg(long, env = "CDC_STREAM_SHARDS", default_value_t = 1)]
     pub stream_shards: u32,
+    /// Standbys to watch for the failover slot's synced copy (`--failover`, Postgres 17+):
+    /// Postgres URLs, repeated or comma-separated, using the --database-url's password file
+    /// and CA. Exported as cdc_relay_standby_slot_ready{standby} (1 when a promotion there
+    /// would keep the slot) and cdc_relay_standby_slot_behind_bytes{standby}.
+    #[arg(
+        long = "standby-url",
+        env = "CDC_STANDBY_URLS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub standby_urls: Vec<String>,
     #[command(flatten)]
     pub redis_secrets: RedisSecrets,
     #[command(flatten)]
@@ -350,6 +361,8 @@ pub struct RelayConfig {
     pub slot_metrics_interval: Duration,
     pub rebuild_lock_ttl: Duration,
     pub redis_wait_replicas: u32,
+    /// Standbys whose copy of the failover slot the monitor watches.
+    pub standbys: Vec<PgEndpoint>,
 }
 
 impl std::fmt::Debug for RelayConfig {
@@ -420,6 +433,23 @@ impl RunArgs {
             .map_err(RelayError::Config)?;
         crate::shard::check_cluster_key(self.redis_cluster, "--stream", &self.stream)
             .map_err(RelayError::Config)?;
+        if !self.standby_urls.is_empty() && !self.postgres.failover {
+            return Err(RelayError::Config(
+                "--standby-url watches a failover slot's copy on a standby: add --failover (Postgres 17+), or drop --standby-url".into(),
+            ));
+        }
+        let standbys = self
+            .standby_urls
+            .iter()
+            .map(|url| {
+                self.postgres.secrets.endpoint(url).map_err(|e| match e {
+                    RelayError::Config(m) => {
+                        RelayError::Config(m.replace("--database-url", "--standby-url"))
+                    }
+                    e => e,
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         let t = &self.tuning;
         let admin_addr = if t.admin_addr.is_empty() {
             None
@@ -472,6 +502,7 @@ impl RunArgs {
             slot_metrics_interval: t.slot_metrics_interval,
             rebuild_lock_ttl: t.rebuild_lock_ttl,
             redis_wait_replicas: t.redis_wait_replicas,
+            standbys,
         })
     }
 }
@@ -531,5 +562,26 @@ mod tests {
         let e = err(&["--database-url", "postgres://:pw@/"]);
         assert!(e.contains("--database-url") && !e.contains("pw"), "{e}");
         assert!(run_args(&["--status-interval", "soon"]).is_err());
+        assert!(
+            err(&["--standby-url", "postgres://consumers_relay@pg-1/chat"])
+                .contains("add --failover")
+        );
+        let e = err(&["--failover", "true", "--standby-url", "postgres://:pw@/"]);
+        assert!(e.contains("--standby-url") && !e.contains("pw"), "{e}");
+    }
+
+    #[test]
+    fn standbys_are_watched_by_address() {
+        let config = run_args(&[
+            "--failover",
+            "true",
+            "--standby-url",
+            "postgres://consumers_relay@pg-1:5433/chat,postgres://consumers_relay@pg-2/chat",
+        ])
+        .unwrap()
+        .validate()
+        .unwrap();
+        let addresses: Vec<String> = config.standbys.iter().map(|e| e.address()).collect();
+        assert_eq!(addresses, ["pg-1:5433", "pg-2:5432"]);
     }
 }

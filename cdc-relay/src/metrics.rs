@@ -2,8 +2,8 @@
 //! `cdc_relay_<what>_<unit>[_total]`; slot health is `cdc_relay_slot_*`.
 
 use prometheus::{
-    Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
-    Opts, Registry, TextEncoder,
+    Encoder, Gauge, GaugeVec, Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
 
 use crate::status::Role;
@@ -39,6 +39,9 @@ pub struct Metrics {
     pub slot_failover: Gauge,
     pub slot_synced: Gauge,
     pub slot_inactive_seconds: Gauge,
+    pub standby_up: IntGaugeVec,
+    pub standby_slot_ready: IntGaugeVec,
+    pub standby_slot_behind_bytes: GaugeVec,
     pub slot_wal_status: IntGaugeVec,
     pub slot_active: IntGauge,
     pub slot_held: IntGauge,
@@ -112,6 +115,9 @@ impl Metrics {
             slot_failover: b.register(Gauge::new("cdc_relay_slot_failover", "1 when the slot is a failover slot, synced to standbys (NaN before Postgres 17)").expect("valid metric")),
             slot_synced: b.register(Gauge::new("cdc_relay_slot_synced", "1 when the slot was synced from a primary (on a standby; NaN before Postgres 17)").expect("valid metric")),
             slot_inactive_seconds: b.register(Gauge::new("cdc_relay_slot_inactive_seconds", "Seconds since the slot became inactive, by the server's clock (0 while active; NaN before Postgres 17)").expect("valid metric")),
+            standby_up: b.register(IntGaugeVec::new(Opts::new("cdc_relay_standby_up", "1 when the last query of the standby (--standby-url) succeeded"), &["standby"]).expect("valid metric")),
+            standby_slot_ready: b.register(IntGaugeVec::new(Opts::new("cdc_relay_standby_slot_ready", "1 when the standby (--standby-url) holds a synced, non-temporary, valid copy of the failover slot, so its promotion keeps the slot"), &["standby"]).expect("valid metric")),
+            standby_slot_behind_bytes: b.register(GaugeVec::new(Opts::new("cdc_relay_standby_slot_behind_bytes", "The slot's confirmed_flush_lsn on the primary minus its synced copy's on the standby (NaN without a copy)"), &["standby"]).expect("valid metric")),
             slot_wal_status: b.register(IntGaugeVec::new(Opts::new("cdc_relay_slot_wal_status", "1 for the slot's current wal_status, 0 for the others"), &["status"]).expect("valid metric")),
             slot_active: b.gauge("cdc_relay_slot_active", "1 while some walsender holds the slot"),
             slot_held: b.gauge("cdc_relay_slot_held", "1 while this relay holds the slot"),

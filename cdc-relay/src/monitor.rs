@@ -1,7 +1,8 @@
 //! Slot health for /metrics: lag, retained WAL, wal_status, whether the slot is active and
 //! held by this relay, spill statistics, and where the server has them (17+: `conflicting`,
 //! `inactive_since`, `invalidation_reason`, `failover`, `synced`) those too. Read every `--slot-metrics-interval` by every relay,
-//! standbys included, so a dead active relay does not hide the slot it left behind.
+//! standbys included, so a dead active relay does not hide the slot it left behind. With
+//! `--standby-url`, also whether each standby holds a usable copy of the failover slot.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -104,6 +105,8 @@ pub(crate) async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
     let cfg = &ctx.config;
     let mut client: Option<tokio_postgres::Client> = None;
     let mut spilled = (0i64, 0i64);
+    let mut standbys: Vec<Option<tokio_postgres::Client>> =
+        cfg.standbys.iter().map(|_| None).collect();
     let mut interval = tokio::time::interval(cfg.slot_metrics_interval);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -132,8 +135,100 @@ pub(crate) async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
                 debug!(error = %e, "slot health query failed");
                 ctx.metrics.postgres_up.set(0);
                 client = None;
+                continue;
             }
         }
+        if !cfg.standbys.is_empty() {
+            let primary = confirmed_flush(c, &cfg.postgres.slot).await.ok().flatten();
+            watch_standbys(&ctx, &mut standbys, primary).await;
+        }
+    }
+}
+
+/// The slot's `confirmed_flush_lsn` as a number (`None`: no slot, or none confirmed).
+async fn confirmed_flush(
+    client: &tokio_postgres::Client,
+    slot: &str,
+) -> Result<Option<i64>, tokio_postgres::Error> {
+    Ok(client
+        .query_opt(
+            "SELECT (confirmed_flush_lsn - '0/0')::bigint FROM pg_replication_slots WHERE slot_name = $1",
+            &[&slot],
+        )
+        .await?
+        .and_then(|r| r.get(0)))
+}
+
+/// One reading of the slot's copy on a standby.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct StandbyCopy {
+    /// A promotion of this server would keep the slot usable: it is a standby, and its copy
+    /// is synced, no longer temporary (a temporary one is dropped at promotion), valid.
+    ready: bool,
+    confirmed_flush: Option<i64>,
+}
+
+async fn read_standby_copy(
+    client: &tokio_postgres::Client,
+    slot: &str,
+) -> Result<StandbyCopy, tokio_postgres::Error> {
+    // Failover slots exist from 17 on, so the columns are read directly.
+    let row = client
+        .query_one(
+            "SELECT pg_is_in_recovery()
+                    AND coalesce(s.synced AND NOT s.temporary AND NOT s.conflicting
+                                 AND s.invalidation_reason IS NULL, false),
+                    (s.confirmed_flush_lsn - '0/0')::bigint
+               FROM (SELECT 1) one
+               LEFT JOIN pg_replication_slots s ON s.slot_name = $1",
+            &[&slot],
+        )
+        .await?;
+    Ok(StandbyCopy {
+        ready: row.get(0),
+        confirmed_flush: row.get(1),
+    })
+}
+
+async fn watch_standbys(
+    ctx: &Context,
+    clients: &mut [Option<tokio_postgres::Client>],
+    primary: Option<i64>,
+) {
+    let cfg = &ctx.config;
+    let m = &ctx.metrics;
+    for (endpoint, client) in cfg.standbys.iter().zip(clients.iter_mut()) {
+        let label = endpoint.address();
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            *client = endpoint
+                .connect(cfg.connect_timeout.min(Duration::from_secs(5)))
+                .await
+                .ok();
+        }
+        let reading = match client.as_ref() {
+            Some(c) => read_standby_copy(c, &cfg.postgres.slot).await.map_err(|e| {
+                debug!(standby = %label, error = %e, "standby slot query failed");
+            }),
+            None => Err(()),
+        };
+        if reading.is_err() {
+            *client = None;
+        }
+        // Unreachable counts as not ready: nobody can say a promotion keeps the slot.
+        let copy = reading.ok();
+        m.standby_up
+            .with_label_values(&[&label])
+            .set(i64::from(copy.is_some()));
+        m.standby_slot_ready
+            .with_label_values(&[&label])
+            .set(i64::from(copy.is_some_and(|c| c.ready)));
+        let behind = match (primary, copy.and_then(|c| c.confirmed_flush)) {
+            (Some(p), Some(s)) => (p - s) as f64,
+            _ => f64::NAN,
+        };
+        m.standby_slot_behind_bytes
+            .with_label_values(&[&label])
+            .set(behind);
     }
 }
 

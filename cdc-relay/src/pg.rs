@@ -187,6 +187,11 @@ impl PgEndpoint {
         )
     }
 
+    /// `host:port` (a socket directory for a Unix socket): what a metric label names.
+    pub fn address(&self) -> String {
+        format!("{}:{}", self.host().0, self.port())
+    }
+
     fn port(&self) -> u16 {
         self.config.get_ports().first().copied().unwrap_or(5432)
     }
