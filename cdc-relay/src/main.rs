@@ -34,6 +34,10 @@ async fn run_setup(args: &cdc_relay::config::SetupArgs) -> Result<(), cdc_relay:
             pg.slot
         ),
         SetupOutcome::AlreadyExists => println!("replication slot {} already exists", pg.slot),
+        SetupOutcome::MadeFailover => println!(
+            "replication slot {} already existed; it is a failover slot now",
+            pg.slot
+        ),
     }
     if let (Some(url), Some(stream)) = (&args.redis_url, &args.stream) {
         let redis = args

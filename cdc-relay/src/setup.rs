@@ -235,8 +235,12 @@ pub async fn server_origin(
 /// What `setup` did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum SetupOutcome {
-    Created { consistent_point: String },
+    Created {
+        consistent_point: String,
+    },
     AlreadyExists,
+    /// It existed as an ordinary slot and `--failover` made it a failover slot.
+    MadeFailover,
 }
 
 /// Create the slot if it is missing, after checking wal_level and the publication.
@@ -249,10 +253,43 @@ pub async fn setup(
     if let Some(existing) = slot_info(&client, &cfg.slot).await? {
         check_slot(&client, cfg).await?;
         if cfg.failover && existing.failover == Some(false) {
-            return Err(RelayError::Config(format!(
-                "slot {} exists but is not a failover slot: with its relays stopped, run `ALTER_REPLICATION_SLOT {} (FAILOVER true)` on a replication connection (or drop-slot and setup again, which rebuilds)",
-                cfg.slot, cfg.slot
-            )));
+            let refused = || {
+                RelayError::Config(format!(
+                    "slot {} exists but is not a failover slot, and a relay holds it: stop the side's relays and run `setup --failover` again, which makes it one (ALTER_REPLICATION_SLOT {} (FAILOVER true)); the position and the stream stay as they are",
+                    cfg.slot, cfg.slot
+                ))
+            };
+            if existing.active_pid.is_some() {
+                return Err(refused());
+            }
+            // Only a replication connection may alter a slot; it acquires the slot, so a
+            // relay taking it meanwhile makes this fail rather than race.
+            let replication = cfg.endpoint.replication_config(
+                &cfg.slot,
+                &cfg.publication,
+                Duration::from_secs(1),
+            )?;
+            let mut session =
+                pgwire_replication::ReplicationClient::connect_gated(replication).await?;
+            return match session
+                .simple_query(&format!(
+                    "ALTER_REPLICATION_SLOT \"{}\" (FAILOVER true)",
+                    cfg.slot
+                ))
+                .await
+            {
+                Ok(_) => Ok(SetupOutcome::MadeFailover),
+                Err(e) => match crate::error::replication_error(
+                    e,
+                    crate::error::ReplicationPhase::Start,
+                    cfg,
+                    false,
+                    None,
+                ) {
+                    RelayError::SlotBusy { .. } => Err(refused()),
+                    e => Err(e),
+                },
+            };
         }
         return Ok(SetupOutcome::AlreadyExists);
     }

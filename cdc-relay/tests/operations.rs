@@ -325,14 +325,46 @@ async fn setup_failover_creates_a_failover_slot_on_17_and_later_and_is_refused_b
             .unwrap()
             .get(0);
         assert!(failover, "Postgres {version}");
-        // Again: nothing to do. On the fixture's ordinary slot: refused, saying how.
+        // Again: nothing to do.
         assert!(setup("failover_slot").status.success());
+        // The fixture's ordinary slot, held by a relay: refused, saying how.
+        let relay = fx.spawn_relay("relay", &[]);
+        relay.wait_streaming().await;
         let out = setup(&fx.slot);
         assert!(!out.status.success());
         assert!(
-            String::from_utf8_lossy(&out.stderr).contains("ALTER_REPLICATION_SLOT"),
+            String::from_utf8_lossy(&out.stderr).contains("stop the side's relays"),
             "{}",
             String::from_utf8_lossy(&out.stderr)
+        );
+        // ... with its relay stopped: made a failover slot, where it stood.
+        relay.stop();
+        let is_failover = || async {
+            admin
+                .query_one(
+                    "SELECT failover, confirmed_flush_lsn::text FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&fx.slot],
+                )
+                .await
+                .unwrap()
+        };
+        let before = is_failover().await;
+        assert!(!before.get::<_, bool>(0));
+        wait_until(Duration::from_secs(10), "the walsender gone", || async {
+            let out = setup(&fx.slot);
+            if out.status.success() {
+                Ok(())
+            } else {
+                Err(String::from_utf8_lossy(&out.stderr).into_owned())
+            }
+        })
+        .await;
+        let after = is_failover().await;
+        assert!(after.get::<_, bool>(0), "Postgres {version}");
+        assert_eq!(
+            after.get::<_, String>(1),
+            before.get::<_, String>(1),
+            "position kept"
         );
     }
 }
