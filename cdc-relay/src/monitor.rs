@@ -102,11 +102,14 @@ pub async fn read_slots(
 
 /// Keep the slot gauges current until `shutdown`.
 pub(crate) async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
+    if !ctx.config.standbys.is_empty() {
+        // Apart: a standby that does not answer must not freeze the slot's own gauges, and
+        // the standbys' must stay true while the primary is down (when they matter most).
+        tokio::spawn(watch_standbys(ctx.clone(), shutdown.clone()));
+    }
     let cfg = &ctx.config;
     let mut client: Option<tokio_postgres::Client> = None;
     let mut spilled = (0i64, 0i64);
-    let mut standbys: Vec<Option<tokio_postgres::Client>> =
-        cfg.standbys.iter().map(|_| None).collect();
     let mut interval = tokio::time::interval(cfg.slot_metrics_interval);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -135,12 +138,7 @@ pub(crate) async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
                 debug!(error = %e, "slot health query failed");
                 ctx.metrics.postgres_up.set(0);
                 client = None;
-                continue;
             }
-        }
-        if !cfg.standbys.is_empty() {
-            let primary = confirmed_flush(c, &cfg.postgres.slot).await.ok().flatten();
-            watch_standbys(&ctx, &mut standbys, primary).await;
         }
     }
 }
@@ -190,45 +188,97 @@ async fn read_standby_copy(
     })
 }
 
-async fn watch_standbys(
-    ctx: &Context,
-    clients: &mut [Option<tokio_postgres::Client>],
-    primary: Option<i64>,
-) {
+/// Run `read` on `endpoint`'s connection (made when missing), all within `limit`; on any
+/// failure the connection is dropped and `None` returned.
+async fn read_within<T, F, Fut>(
+    endpoint: &crate::pg::PgEndpoint,
+    client: &mut Option<tokio_postgres::Client>,
+    limit: Duration,
+    read: F,
+) -> Option<T>
+where
+    F: FnOnce(tokio_postgres::Client) -> Fut,
+    Fut: std::future::Future<Output = (tokio_postgres::Client, Result<T, tokio_postgres::Error>)>,
+{
+    let attempt = async {
+        let c = match client.take() {
+            Some(c) if !c.is_closed() => c,
+            _ => endpoint.connect(limit).await.ok()?,
+        };
+        let (c, result) = read(c).await;
+        match result {
+            Ok(value) => {
+                *client = Some(c);
+                Some(value)
+            }
+            Err(e) => {
+                debug!(server = %endpoint.address(), error = %e, "query for slot metrics failed");
+                None
+            }
+        }
+    };
+    tokio::time::timeout(limit, attempt).await.ok().flatten()
+}
+
+/// Keep the standby gauges current until `shutdown`.
+async fn watch_standbys(ctx: Arc<Context>, shutdown: CancellationToken) {
     let cfg = &ctx.config;
     let m = &ctx.metrics;
-    for (endpoint, client) in cfg.standbys.iter().zip(clients.iter_mut()) {
-        let label = endpoint.address();
-        if client.as_ref().is_none_or(|c| c.is_closed()) {
-            *client = endpoint
-                .connect(cfg.connect_timeout.min(Duration::from_secs(5)))
-                .await
-                .ok();
+    let slot = cfg.postgres.slot.clone();
+    let limit = cfg.connect_timeout.min(Duration::from_secs(5));
+    let mut primary: Option<tokio_postgres::Client> = None;
+    let mut clients: Vec<Option<tokio_postgres::Client>> =
+        cfg.standbys.iter().map(|_| None).collect();
+    let mut interval = tokio::time::interval(cfg.slot_metrics_interval);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = interval.tick() => {}
         }
-        let reading = match client.as_ref() {
-            Some(c) => read_standby_copy(c, &cfg.postgres.slot).await.map_err(|e| {
-                debug!(standby = %label, error = %e, "standby slot query failed");
-            }),
-            None => Err(()),
-        };
-        if reading.is_err() {
-            *client = None;
+        let mut copies = Vec::with_capacity(clients.len());
+        for (endpoint, client) in cfg.standbys.iter().zip(clients.iter_mut()) {
+            let slot = slot.clone();
+            copies.push(
+                read_within(endpoint, client, limit, |c| async move {
+                    let r = read_standby_copy(&c, &slot).await;
+                    (c, r)
+                })
+                .await,
+            );
         }
-        // Unreachable counts as not ready: nobody can say a promotion keeps the slot.
-        let copy = reading.ok();
-        m.standby_up
-            .with_label_values(&[&label])
-            .set(i64::from(copy.is_some()));
-        m.standby_slot_ready
-            .with_label_values(&[&label])
-            .set(i64::from(copy.is_some_and(|c| c.ready)));
-        let behind = match (primary, copy.and_then(|c| c.confirmed_flush)) {
-            (Some(p), Some(s)) => (p - s) as f64,
-            _ => f64::NAN,
+        // Read after the copies: a copy is never ahead of the primary's slot then.
+        let confirmed = {
+            let slot = slot.clone();
+            read_within(
+                &cfg.postgres.endpoint,
+                &mut primary,
+                limit,
+                |c| async move {
+                    let r = confirmed_flush(&c, &slot).await;
+                    (c, r)
+                },
+            )
+            .await
+            .flatten()
         };
-        m.standby_slot_behind_bytes
-            .with_label_values(&[&label])
-            .set(behind);
+        for (endpoint, copy) in cfg.standbys.iter().zip(copies) {
+            let label = endpoint.address();
+            // Unreachable counts as not ready: nobody can say a promotion keeps the slot.
+            m.standby_up
+                .with_label_values(&[&label])
+                .set(i64::from(copy.is_some()));
+            m.standby_slot_ready
+                .with_label_values(&[&label])
+                .set(i64::from(copy.is_some_and(|c| c.ready)));
+            let behind = match (confirmed, copy.and_then(|c| c.confirmed_flush)) {
+                (Some(p), Some(s)) => (p - s) as f64,
+                _ => f64::NAN,
+            };
+            m.standby_slot_behind_bytes
+                .with_label_values(&[&label])
+                .set(behind);
+        }
     }
 }
 

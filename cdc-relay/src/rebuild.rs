@@ -136,7 +136,8 @@ pub(crate) async fn rebuild(
     if let Err(e) = dropped {
         if e.code() == Some(&tokio_postgres::error::SqlState::OBJECT_IN_USE) {
             // Nothing done yet: a marker of ours would make the holder rebuild for nothing
-            // (but a new timeline written beside it is evidence to keep).
+            // (but a new timeline written beside it is evidence to keep: a timeline or
+            // failover rebuild resumes from it).
             if !matches!(reason, Reason::Timeline | Reason::Failover) {
                 for (r, record) in records.iter_mut().zip(shard_records) {
                     if record.exists() && record.rebuilding.is_none() {
@@ -160,7 +161,17 @@ pub(crate) async fn rebuild(
             if failover { ", FAILOVER true" } else { "" }
         ))
         .await
-        .map_err(|e| replication_error(e, ReplicationPhase::Start, pg, true, None))?;
+        .map_err(|e| {
+            // A `setup` (an init container) made the slot since it was dropped: the marker
+            // stays, and the next attempt drops that one and rebuilds.
+            if crate::error::sqlstate(&e) == Some(crate::error::sqlstates::DUPLICATE_OBJECT) {
+                return RelayError::SlotBusy {
+                    slot: pg.slot.clone(),
+                    holder: None,
+                };
+            }
+            replication_error(e, ReplicationPhase::Start, pg, true, None)
+        })?;
     lock.check()?;
     let row = rows
         .first()

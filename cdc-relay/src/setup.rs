@@ -262,8 +262,9 @@ pub async fn setup(
             if existing.active_pid.is_some() {
                 return Err(refused());
             }
-            // Only a replication connection may alter a slot; it acquires the slot, so a
-            // relay taking it meanwhile makes this fail rather than race.
+            // Only a replication connection may alter a slot. It acquires the slot and waits
+            // while a relay that took it meanwhile holds it: give up after a while (closing
+            // the session cancels the wait) rather than hang an init container.
             let replication = cfg.endpoint.replication_config(
                 &cfg.slot,
                 &cfg.publication,
@@ -271,15 +272,18 @@ pub async fn setup(
             )?;
             let mut session =
                 pgwire_replication::ReplicationClient::connect_gated(replication).await?;
-            return match session
-                .simple_query(&format!(
+            let altered = tokio::time::timeout(
+                connect_timeout,
+                session.simple_query(&format!(
                     "ALTER_REPLICATION_SLOT \"{}\" (FAILOVER true)",
                     cfg.slot
-                ))
-                .await
-            {
-                Ok(_) => Ok(SetupOutcome::MadeFailover),
-                Err(e) => match crate::error::replication_error(
+                )),
+            )
+            .await;
+            return match altered {
+                Err(_) => Err(refused()),
+                Ok(Ok(_)) => Ok(SetupOutcome::MadeFailover),
+                Ok(Err(e)) => match crate::error::replication_error(
                     e,
                     crate::error::ReplicationPhase::Start,
                     cfg,

@@ -38,13 +38,21 @@ pub(crate) enum Decision {
     OlderTimeline,
 }
 
+/// Where the server's WAL stands, and whether it is a standby.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Server {
+    pub lsn: u64,
+    pub in_recovery: bool,
+}
+
 /// The decision, from the slot (read first), the record (read second) and the server.
 pub(crate) fn decide(
     slot: Option<&SlotInfo>,
     record: &StreamRecord,
     origin: &Origin,
-    server_lsn: u64,
+    server: Server,
 ) -> Decision {
+    let server_lsn = server.lsn;
     // First of all: a server on an ancestor of the stream's history is the old primary;
     // nothing it says (a lost slot, a marker) may rewrite the newer history.
     if record
@@ -57,13 +65,17 @@ pub(crate) fn decide(
     {
         return Decision::OlderTimeline;
     }
-    // Written by this system on another timeline: the server is a promoted standby (or a
-    // restore), which has no slot before failover slots. A pod that only restarts its relay
-    // container never reruns `setup`, so the relay makes the slot itself, by a rebuild.
+    // Written by this system on an earlier timeline (or an equal number with other
+    // ancestors), and the server is a primary now: a promoted standby or a restore, which has
+    // no slot before failover slots. A pod that only restarts its relay container never
+    // reruns `setup`, so the relay makes the slot itself, by a rebuild. A standby (a
+    // cascading one, or one not yet promoted) never takes the stream over.
     let failed_over = record.exists()
-        && record
-            .timeline
-            .is_some_and(|recorded| recorded != origin.timeline);
+        && !server.in_recovery
+        && record.timeline.is_some_and(|recorded| {
+            recorded < origin.timeline
+                || (recorded == origin.timeline && history_diverged(record, origin))
+        });
     let Some(slot) = slot else {
         return match record.rebuilding {
             Some(_) => Decision::Rebuild(Reason::Resumed),
@@ -116,7 +128,7 @@ pub(crate) fn decide_shards(
     slot: Option<&SlotInfo>,
     records: &[StreamRecord],
     origin: &Origin,
-    server_lsn: u64,
+    server: Server,
 ) -> Decision {
     let rank = |d: &Decision| match d {
         Decision::Stream => 0,
@@ -127,7 +139,7 @@ pub(crate) fn decide_shards(
     };
     let mut decision = Decision::Stream;
     for record in records {
-        let d = decide(slot, record, origin, server_lsn);
+        let d = decide(slot, record, origin, server);
         if rank(&d) > rank(&decision) {
             decision = d;
         }
@@ -197,6 +209,13 @@ pub(crate) async fn run(
             .replication_config(&pg.slot, &pg.publication, cfg.status_interval)?;
     let mut client = ReplicationClient::connect_gated(replication).await?;
     let (origin, server_lsn) = Origin::identify(&mut client, cfg.connect_timeout).await?;
+    let server = Server {
+        lsn: server_lsn,
+        in_recovery: sql
+            .query_one("SELECT pg_is_in_recovery()", &[])
+            .await?
+            .get(0),
+    };
     if let Some(recorded) = all
         .iter()
         .filter_map(|r| r.system_id.as_ref())
@@ -208,7 +227,7 @@ pub(crate) async fn run(
             server_system: origin.system_id.clone(),
         });
     }
-    let mut decision = decide_shards(slot.as_ref(), &all, &origin, server_lsn);
+    let mut decision = decide_shards(slot.as_ref(), &all, &origin, server);
     let mut start = Placement::of(&all);
     let mut lock = None;
     if let Decision::Rebuild(reason) = decision {
@@ -237,7 +256,7 @@ pub(crate) async fn run(
                 return Err(e);
             }
         };
-        decision = decide_shards(slot.as_ref(), &all, &origin, server_lsn);
+        decision = decide_shards(slot.as_ref(), &all, &origin, server);
         start = Placement::of(&all);
         if let Decision::Rebuild(reason) = decision {
             let rebuilt = match refuse_lost_slot(ctx, reason) {
@@ -455,6 +474,15 @@ mod tests {
         }
     }
 
+    const PRIMARY: Server = primary(500);
+
+    const fn primary(lsn: u64) -> Server {
+        Server {
+            lsn,
+            in_recovery: false,
+        }
+    }
+
     fn origin(timeline: u32, switches: &[(u32, u64)]) -> Origin {
         Origin {
             system_id: "7".into(),
@@ -469,22 +497,22 @@ mod tests {
     fn redis_ahead_of_the_slot_streams_and_behind_it_rebuilds() {
         let o = origin(1, &[]);
         assert_eq!(
-            decide(Some(&slot(100)), &record(100, 1), &o, 500),
+            decide(Some(&slot(100)), &record(100, 1), &o, PRIMARY),
             Decision::Stream
         );
         // The active relay acknowledged after we read the slot: Redis is ahead; fine.
         assert_eq!(
-            decide(Some(&slot(100)), &record(150, 1), &o, 500),
+            decide(Some(&slot(100)), &record(150, 1), &o, PRIMARY),
             Decision::Stream
         );
         assert_eq!(
-            decide(Some(&slot(100)), &record(99, 1), &o, 500),
+            decide(Some(&slot(100)), &record(99, 1), &o, PRIMARY),
             Decision::Rebuild(Reason::LostRedisData)
         );
         let mut lost_entries = record(100, 1);
         lost_entries.top = EntryId::default();
         assert_eq!(
-            decide(Some(&slot(100)), &lost_entries, &o, 500),
+            decide(Some(&slot(100)), &lost_entries, &o, PRIMARY),
             Decision::Rebuild(Reason::LostRedisData)
         );
     }
@@ -494,24 +522,43 @@ mod tests {
         // Timeline 1 switched to 2 at 300: the standby had everything acknowledged (100).
         let promoted = origin(2, &[(1, 300)]);
         assert_eq!(
-            decide(None, &record(100, 1), &promoted, 500),
+            decide(None, &record(100, 1), &promoted, PRIMARY),
             Decision::Rebuild(Reason::Failover)
         );
         // ... it switched at 80, below what the stream acknowledged: the stream holds
         // entries the new primary never had.
         assert_eq!(
-            decide(None, &record(100, 1), &origin(2, &[(1, 80)]), 500),
+            decide(None, &record(100, 1), &origin(2, &[(1, 80)]), PRIMARY),
             Decision::Rebuild(Reason::Timeline)
         );
         // `setup` made the slot there first (ahead of what Redis acknowledged): the failover
         // is the reason, not Redis.
         assert_eq!(
-            decide(Some(&slot(400)), &record(100, 1), &promoted, 500),
+            decide(Some(&slot(400)), &record(100, 1), &promoted, PRIMARY),
             Decision::Rebuild(Reason::Failover)
+        );
+        // A standby on the later timeline (cascading, or the relay decoding there) never
+        // takes the stream over.
+        let standby = Server {
+            lsn: 500,
+            in_recovery: true,
+        };
+        assert_eq!(
+            decide(None, &record(100, 1), &promoted, standby),
+            Decision::SlotMissing
+        );
+        // A restore that reused the timeline number on another history is a new history too.
+        let mut other = record(100, 2);
+        other.history = Some(TimelineHistory {
+            switches: vec![(1, 90)],
+        });
+        assert_eq!(
+            decide(None, &other, &origin(2, &[(1, 95)]), PRIMARY),
+            Decision::Rebuild(Reason::Timeline)
         );
         // Same timeline, no slot: somebody dropped it; `setup` is for the operator to run.
         assert_eq!(
-            decide(None, &record(100, 2), &promoted, 500),
+            decide(None, &record(100, 2), &promoted, PRIMARY),
             Decision::SlotMissing
         );
         // The old primary, whatever it lacks, rewrites nothing.
@@ -520,7 +567,7 @@ mod tests {
             switches: vec![(1, 80)],
         });
         assert_eq!(
-            decide(None, &newer, &origin(1, &[]), 500),
+            decide(None, &newer, &origin(1, &[]), PRIMARY),
             Decision::OlderTimeline
         );
     }
@@ -529,23 +576,23 @@ mod tests {
     fn no_record_a_marker_or_no_slot_decide_before_anything_else() {
         let o = origin(1, &[]);
         assert_eq!(
-            decide(Some(&slot(100)), &StreamRecord::default(), &o, 500),
+            decide(Some(&slot(100)), &StreamRecord::default(), &o, PRIMARY),
             Decision::Rebuild(Reason::NoRecord)
         );
         assert_eq!(
-            decide(None, &record(100, 1), &o, 500),
+            decide(None, &record(100, 1), &o, PRIMARY),
             Decision::SlotMissing
         );
         let mut marked = record(100, 1);
         marked.rebuilding = Some("lost_slot".into());
         assert_eq!(
-            decide(None, &marked, &o, 500),
+            decide(None, &marked, &o, PRIMARY),
             Decision::Rebuild(Reason::Resumed)
         );
         let mut lost = slot(100);
         lost.wal_status = Some("lost".into());
         assert_eq!(
-            decide(Some(&lost), &record(100, 1), &o, 500),
+            decide(Some(&lost), &record(100, 1), &o, PRIMARY),
             Decision::Rebuild(Reason::LostSlot)
         );
         // Any reason the server gives (here 18's idle timeout) is a lost slot, whatever
@@ -553,7 +600,7 @@ mod tests {
         let mut idle = slot(100);
         idle.invalidation_reason = Some("idle_timeout".into());
         assert_eq!(
-            decide(Some(&idle), &record(100, 1), &o, 500),
+            decide(Some(&idle), &record(100, 1), &o, PRIMARY),
             Decision::Rebuild(Reason::LostSlot)
         );
     }
@@ -566,7 +613,7 @@ mod tests {
                 Some(&slot(100)),
                 &record(100, 1),
                 &origin(2, &[(1, 120)]),
-                500
+                PRIMARY
             ),
             Decision::Adopt
         );
@@ -576,7 +623,7 @@ mod tests {
                 Some(&slot(50)),
                 &record(100, 1),
                 &origin(2, &[(1, 80)]),
-                500
+                PRIMARY
             ),
             Decision::Rebuild(Reason::Timeline)
         );
@@ -588,7 +635,7 @@ mod tests {
         });
         newer.rebuilding = Some("timeline".into());
         assert_eq!(
-            decide(Some(&slot(50)), &newer, &origin(2, &[(1, 80)]), 500),
+            decide(Some(&slot(50)), &newer, &origin(2, &[(1, 80)]), PRIMARY),
             Decision::OlderTimeline
         );
         // A lower timeline number that is no ancestor (a restore without the archive's
@@ -598,7 +645,7 @@ mod tests {
                 Some(&slot(50)),
                 &record(100, 3),
                 &origin(2, &[(1, 80)]),
-                500
+                PRIMARY
             ),
             Decision::Rebuild(Reason::Timeline)
         );
@@ -608,7 +655,7 @@ mod tests {
                 Some(&slot(50)),
                 &record(100, 2),
                 &origin(3, &[(1, 80)]),
-                500
+                PRIMARY
             ),
             Decision::Rebuild(Reason::Timeline)
         );
@@ -616,7 +663,7 @@ mod tests {
         let mut chunked = record(100, 1);
         chunked.top.commit_lsn = 130;
         assert_eq!(
-            decide(Some(&slot(100)), &chunked, &origin(2, &[(1, 120)]), 500),
+            decide(Some(&slot(100)), &chunked, &origin(2, &[(1, 120)]), PRIMARY),
             Decision::Rebuild(Reason::Timeline)
         );
         // Same timeline number, another history (two restores): diverged.
@@ -625,12 +672,17 @@ mod tests {
             switches: vec![(1, 90)],
         });
         assert_eq!(
-            decide(Some(&slot(100)), &other, &origin(2, &[(1, 95)]), 500),
+            decide(Some(&slot(100)), &other, &origin(2, &[(1, 95)]), PRIMARY),
             Decision::Rebuild(Reason::Timeline)
         );
         // WAL ends before what the stream acknowledged (restored, same timeline).
         assert_eq!(
-            decide(Some(&slot(50)), &record(100, 1), &origin(1, &[]), 60),
+            decide(
+                Some(&slot(50)),
+                &record(100, 1),
+                &origin(1, &[]),
+                primary(60)
+            ),
             Decision::Rebuild(Reason::Timeline)
         );
         // Recorded ancestors differ from the server's.
@@ -639,7 +691,12 @@ mod tests {
             switches: vec![(1, 70)],
         });
         assert_eq!(
-            decide(Some(&slot(100)), &r, &origin(3, &[(1, 60), (2, 200)]), 500),
+            decide(
+                Some(&slot(100)),
+                &r,
+                &origin(3, &[(1, 60), (2, 200)]),
+                PRIMARY
+            ),
             Decision::Rebuild(Reason::Timeline)
         );
     }
