@@ -5,6 +5,7 @@
 pub mod baseline;
 pub mod chaos;
 pub mod clients;
+pub mod cpu;
 pub mod knee;
 pub mod latency;
 pub mod rebuild;

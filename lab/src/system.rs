@@ -194,6 +194,27 @@ impl System {
     }
 
     /// User plus system CPU seconds process `name` used so far (0 when it is gone).
+    /// The running processes this system started, by name.
+    pub fn pids(&self) -> Vec<(String, u32)> {
+        let processes = self.processes.lock().unwrap();
+        let mut pids: Vec<(String, u32)> = processes
+            .iter()
+            .filter(|(_, p)| p.is_running())
+            .map(|(name, p)| (name.clone(), p.pid()))
+            .collect();
+        pids.sort();
+        pids
+    }
+
+    /// What accounts for the CPU of everything running now (see `cpu`).
+    pub fn cpu_sampler(&self) -> crate::cpu::Sampler {
+        crate::cpu::Sampler {
+            named: self.pids(),
+            postmaster: self.pg.pid(),
+            redis: self.redis.pid().into_iter().collect(),
+        }
+    }
+
     pub fn cpu_seconds(&self, name: &str) -> f64 {
         self.processes
             .lock()

@@ -159,3 +159,66 @@ async fn a_short_fault_soak_on_a_redis_cluster_with_master_failovers_finds_no_vi
         report.seed
     );
 }
+
+/// `chat-lab throughput`'s end-to-end part, briefly: the send-only floor and the climb both
+/// run, and every step says where its CPU went, process group by process group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_end_to_end_climb_reports_the_floor_and_each_steps_cpu_by_process() {
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        knee: lab::knee::Args,
+    }
+    let cli = <Cli as clap::Parser>::parse_from([
+        "knee",
+        "--e2e-rates",
+        "50,100",
+        "--e2e-max-rate",
+        "100",
+        "--e2e-seconds",
+        "2",
+        "--e2e-warmup-seconds",
+        "1",
+        "--e2e-p99-limit-ms",
+        "1000",
+    ]);
+    let knee = lab::knee::measure_with(&cli.knee, bins()).await.unwrap();
+    lab::knee::print(&knee);
+    let floor = knee.floor.as_ref().expect("the floor was measured");
+    assert_eq!(floor.knee_per_second, Some(100));
+    assert_eq!(knee.knee_per_second, Some(100));
+    assert_eq!(knee.steps.len(), 2, "the climb stopped at the cap");
+    for step in &knee.steps {
+        assert_eq!(step.shown, step.sent);
+        let groups: Vec<&str> = step.cpu.iter().map(|g| g.group.as_str()).collect();
+        for expected in [
+            "consumers",
+            "workers-1",
+            "relay-consumers",
+            "postgres backends",
+            "postgres walsenders",
+            "redis",
+            "load generator (chat-lab)",
+        ] {
+            assert!(
+                groups.contains(&expected),
+                "{expected} missing from {groups:?}"
+            );
+        }
+        let backends = step
+            .cpu
+            .iter()
+            .find(|g| g.group == "postgres backends")
+            .unwrap();
+        assert!(backends.seconds > 0.0, "Postgres did work: {backends:?}");
+    }
+    // The floor ran nothing but the sending service.
+    let floor_groups: Vec<&str> = floor.steps[0]
+        .cpu
+        .iter()
+        .map(|g| g.group.as_str())
+        .collect();
+    assert!(!floor_groups
+        .iter()
+        .any(|g| g.starts_with("relay") || g.starts_with("workers")));
+}
