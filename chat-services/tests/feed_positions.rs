@@ -33,6 +33,16 @@ async fn a_duplicate_racing_its_original_is_skipped_and_leaves_no_hole() {
     for (insert, chat) in [(SEND, 1i64), (RECEIVE, 2)] {
         let mut first = db.connect_as("consumers").await.unwrap();
         let second = db.connect_as("consumers").await.unwrap();
+        // The chat has a message already, so the race meets its existing counter row (the
+        // path of every message but a chat's first).
+        let earlier = uuid::Uuid::now_v7();
+        let earlier_key = format!("k-{earlier}");
+        let params: Vec<&(dyn tokio_postgres::types::ToSql + Sync)> = if insert == SEND {
+            vec![&earlier, &chat, &earlier_key]
+        } else {
+            vec![&earlier, &chat]
+        };
+        first.execute(insert, &params).await.unwrap();
         let id = uuid::Uuid::now_v7();
         let key = format!("k-{id}");
         // GIVEN the original inserted in a transaction still open
@@ -43,8 +53,9 @@ async fn a_duplicate_racing_its_original_is_skipped_and_leaves_no_hole() {
             vec![&id, &chat]
         };
         let original = tx.query_opt(insert, &params).await.unwrap();
-        assert_eq!(original.map(|r| r.get::<_, i64>(0)), Some(1));
-        // WHEN the duplicate runs meanwhile (it waits on the chat's counter row) ...
+        assert_eq!(original.map(|r| r.get::<_, i64>(0)), Some(2));
+        // WHEN the duplicate runs meanwhile (it waits on the chat's counter row, locked by
+        // the original's bump) ...
         let pid: i32 = second
             .query_one("SELECT pg_backend_pid()", &[])
             .await
@@ -85,7 +96,7 @@ async fn a_duplicate_racing_its_original_is_skipped_and_leaves_no_hole() {
         // ... and the original commits
         tx.commit().await.unwrap();
         let (second, duplicate) = racing.await.unwrap();
-        // THEN the duplicate wrote nothing, and the next message takes position 2
+        // THEN the duplicate wrote nothing, and the next message takes position 3
         assert_eq!(duplicate, None, "the duplicate was skipped");
         let next = uuid::Uuid::now_v7();
         let next_key = format!("k-{next}");
@@ -95,8 +106,8 @@ async fn a_duplicate_racing_its_original_is_skipped_and_leaves_no_hole() {
             vec![&next, &chat]
         };
         let row = second.query_opt(insert, &params).await.unwrap();
-        assert_eq!(row.map(|r| r.get::<_, i64>(0)), Some(2), "no hole");
-        assert_eq!(positions(&second, chat).await, [1, 2]);
+        assert_eq!(row.map(|r| r.get::<_, i64>(0)), Some(3), "no hole");
+        assert_eq!(positions(&second, chat).await, [1, 2, 3]);
     }
 }
 

@@ -1,7 +1,8 @@
 //! Where the CPU goes: user + system time of every process in a run, grouped the way the
 //! performance questions are asked (each relay and service by name, Postgres backends,
-//! walsenders and background processes, Redis, and the load generator itself), read from
-//! /proc before and after a step so each step reports its own cost per message.
+//! walsenders and background processes, Redis, and the load generator itself: the lab
+//! process, its SSE readers and this sampling included), read from /proc per process before
+//! and after a step so each step reports its own cost per message.
 
 use std::collections::BTreeMap;
 
@@ -9,9 +10,13 @@ use serde::Serialize;
 
 use crate::report::cpu_seconds;
 
-/// CPU seconds by group at one moment.
+/// CPU seconds of every process accounted for at one moment, with its group; and what the
+/// postmaster's exited children used in all.
 #[derive(Debug, Clone, Default)]
-pub struct Snapshot(BTreeMap<String, f64>);
+pub struct Snapshot {
+    processes: BTreeMap<u32, (String, f64)>,
+    reaped: f64,
+}
 
 /// One group's CPU over a step.
 #[derive(Debug, Clone, Serialize)]
@@ -82,19 +87,25 @@ pub fn postgres_group(title: &str) -> &'static str {
 
 impl Sampler {
     pub fn snapshot(&self) -> Snapshot {
-        let mut groups: BTreeMap<String, f64> = BTreeMap::new();
+        let mut processes = BTreeMap::new();
         for (name, pid) in &self.named {
-            *groups.entry(name.clone()).or_default() += cpu_seconds(*pid);
+            processes.insert(*pid, (name.clone(), cpu_seconds(*pid)));
         }
         for pid in &self.redis {
-            *groups.entry("redis".into()).or_default() += cpu_seconds(*pid);
+            processes.insert(*pid, ("redis".to_string(), cpu_seconds(*pid)));
         }
-        *groups
-            .entry("load generator (chat-lab)".into())
-            .or_default() += cpu_seconds(std::process::id());
+        let me = std::process::id();
+        processes.insert(
+            me,
+            ("load generator (chat-lab)".to_string(), cpu_seconds(me)),
+        );
+        let mut reaped = 0.0;
         if let Some(postmaster) = self.postmaster {
-            *groups.entry("postgres background".into()).or_default() +=
-                cpu_seconds(postmaster) + children_cpu_seconds(postmaster);
+            processes.insert(
+                postmaster,
+                ("postgres background".to_string(), cpu_seconds(postmaster)),
+            );
+            reaped = children_cpu_seconds(postmaster);
             for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
                 let Some(pid) = entry
                     .file_name()
@@ -109,30 +120,50 @@ impl Sampler {
                 let title = std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
                     .unwrap_or_default()
                     .replace('\0', " ");
-                *groups
-                    .entry(postgres_group(title.trim()).to_string())
-                    .or_default() += cpu_seconds(pid);
+                processes.insert(
+                    pid,
+                    (postgres_group(title.trim()).to_string(), cpu_seconds(pid)),
+                );
             }
         }
-        Snapshot(groups)
+        Snapshot { processes, reaped }
     }
 }
 
 impl Snapshot {
     /// What each group used since `before`, per 1,000 of `messages` too, largest first.
+    /// Each process counts what it used since `before` (all of it if it started since); a
+    /// Postgres child that exited meanwhile counts in its last known group, with what the
+    /// postmaster's reaped children grew by beyond what the exited ones had used before.
     pub fn since(&self, before: &Snapshot, messages: usize) -> Vec<GroupCpu> {
-        let mut groups: Vec<GroupCpu> = self
-            .0
+        let mut groups: BTreeMap<String, f64> = BTreeMap::new();
+        for (pid, (group, now)) in &self.processes {
+            let then = before.processes.get(pid).map_or(0.0, |(_, t)| *t);
+            *groups.entry(group.clone()).or_default() += (now - then).max(0.0);
+        }
+        let exited: Vec<&(String, f64)> = before
+            .processes
             .iter()
-            .map(|(group, now)| {
-                // A backend that exited meanwhile moves its time to the postmaster's
-                // children; a group never goes below zero.
-                let seconds = (now - before.0.get(group).copied().unwrap_or(0.0)).max(0.0);
-                GroupCpu {
-                    group: group.clone(),
-                    seconds,
-                    per_1000_messages: seconds * 1000.0 / messages.max(1) as f64,
-                }
+            .filter(|(pid, _)| !self.processes.contains_key(pid))
+            .map(|(_, p)| p)
+            .collect();
+        let used_before: f64 = exited.iter().map(|(_, t)| t).sum();
+        let used_since = (self.reaped - before.reaped - used_before).max(0.0);
+        if used_since > 0.0 {
+            // Exited children of one kind (the usual case: backends of a pool) get it all.
+            let group = match exited.first() {
+                Some((g, _)) if exited.iter().all(|(other, _)| other == g) => g.clone(),
+                Some(_) => "postgres (exited during the step)".to_string(),
+                None => "postgres background".to_string(),
+            };
+            *groups.entry(group).or_default() += used_since;
+        }
+        let mut groups: Vec<GroupCpu> = groups
+            .into_iter()
+            .map(|(group, seconds)| GroupCpu {
+                group,
+                seconds,
+                per_1000_messages: seconds * 1000.0 / messages.max(1) as f64,
             })
             .collect();
         groups.sort_by(|a, b| b.seconds.total_cmp(&a.seconds));
@@ -160,6 +191,48 @@ pub fn print(title: &str, groups: &[GroupCpu]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn snapshot(processes: &[(u32, &str, f64)], reaped: f64) -> Snapshot {
+        Snapshot {
+            processes: processes
+                .iter()
+                .map(|(pid, g, t)| (*pid, (g.to_string(), *t)))
+                .collect(),
+            reaped,
+        }
+    }
+
+    #[test]
+    fn a_backend_exiting_mid_step_counts_in_its_group_once() {
+        let before = snapshot(
+            &[
+                (1, "postgres background", 1.0),
+                (2, "postgres backends", 3.0),
+                (3, "postgres backends", 5.0),
+            ],
+            10.0,
+        );
+        // Backend 3 used 0.5 more and exited: the reaped time grew by all of its 5.5.
+        let after = snapshot(
+            &[
+                (1, "postgres background", 1.0),
+                (2, "postgres backends", 4.0),
+                (4, "postgres backends", 0.25),
+            ],
+            15.5,
+        );
+        let groups = after.since(&before, 1000);
+        let backends = groups
+            .iter()
+            .find(|g| g.group == "postgres backends")
+            .unwrap();
+        assert!((backends.seconds - 1.75).abs() < 1e-9, "{groups:?}");
+        let background = groups
+            .iter()
+            .find(|g| g.group == "postgres background")
+            .unwrap();
+        assert_eq!(background.seconds, 0.0);
+    }
 
     #[test]
     fn postgres_children_are_grouped_by_their_title() {

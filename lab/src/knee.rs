@@ -343,7 +343,14 @@ pub async fn measure_with(args: &Args, bins: Bins) -> anyhow::Result<Knee> {
     let until = Until::Shown(arrivals);
     let (steps, knee) = climb("e2e", consumers, args, &until, &sampler).await?;
     let flamegraphs = match (args.flamegraphs, knee) {
-        (true, Some(rate)) => flamegraphs(&system, consumers, args, &until, rate).await?,
+        // Best effort: a machine where perf may not record still gets its figures.
+        (true, Some(rate)) => match flamegraphs(&system, consumers, args, &until, rate).await {
+            Ok(written) => written,
+            Err(e) => {
+                eprintln!("[e2e] no flame graphs: {e:#}");
+                Vec::new()
+            }
+        },
         _ => Vec::new(),
     };
     for r in readers {
@@ -441,6 +448,12 @@ async fn flamegraphs(
             .arg(&data)
             .args(["--pid", &pid.to_string()])
             .output()?;
+        if !script.status.success() || script.stdout.is_empty() {
+            anyhow::bail!(
+                "perf script found no samples of {name}: {}",
+                String::from_utf8_lossy(&script.stderr).trim()
+            );
+        }
         let mut folded = Vec::new();
         inferno::collapse::perf::Folder::from(inferno::collapse::perf::Options::default())
             .collapse(&script.stdout[..], &mut folded)?;
@@ -578,12 +591,17 @@ pub fn print(knee: &Knee) {
                 "knee: {rate} messages/s with p99 under {} ms",
                 knee.p99_limit_ms
             );
-            match knee.floor.as_ref().and_then(|f| f.knee_per_second) {
+            // Only a floor whose climb broke is a floor (not one stopped by --e2e-max-rate).
+            let floor = knee
+                .floor
+                .as_ref()
+                .filter(|f| f.steps.last().map(|s| s.target_per_second) != f.knee_per_second);
+            match floor.and_then(|f| f.knee_per_second) {
                 Some(floor) => println!(
                     " ({:.0}% of the send-only floor)",
                     f64::from(rate) * 100.0 / f64::from(floor)
                 ),
-                None => println!(),
+                None => println!(" (the send-only floor was not reached)"),
             }
         }
         None => println!("knee: below the first step ({} ms p99)", knee.p99_limit_ms),

@@ -193,7 +193,6 @@ impl System {
         }
     }
 
-    /// User plus system CPU seconds process `name` used so far (0 when it is gone).
     /// The running processes this system started, by name.
     pub fn pids(&self) -> Vec<(String, u32)> {
         let processes = self.processes.lock().unwrap();
@@ -215,6 +214,7 @@ impl System {
         }
     }
 
+    /// User plus system CPU seconds process `name` used so far (0 when it is gone).
     pub fn cpu_seconds(&self, name: &str) -> f64 {
         self.processes
             .lock()

@@ -2,8 +2,9 @@
 -- four statements in the trigger (insert-if-missing the chat's counter, lock it, check for a
 -- duplicate, bump it). The counter is now bumped first, which locks it just the same; the
 -- insert runs only for a chat's first message, and a duplicate found after the bump gives
--- its position back. Same positions, same waits, no holes. And its lookups always use their
--- indexes (see below).
+-- its position back. Same positions and waits as V7, no new holes (V7's one remains: a row
+-- the insert's ON CONFLICT skips after the trigger ran, such as one key sent to two chats
+-- at once). And its lookups always use their indexes (see below).
 
 CREATE OR REPLACE FUNCTION consumers.assign_feed_position() RETURNS trigger
 LANGUAGE plpgsql
