@@ -35,6 +35,36 @@ async fn outbox_ids_on(fx: &Fixture<'_>, server: &PgServer) -> Vec<String> {
         .collect()
 }
 
+/// A writer committing single-row transactions of writer 0 (txn 0, 1, ...) on the fixture's
+/// primary every 2 ms until `stop` or its first error; `committed` counts them, and the task
+/// hands its connection back.
+async fn steady_writer(
+    fx: &Fixture<'_>,
+) -> (
+    Arc<AtomicBool>,
+    Arc<AtomicU32>,
+    tokio::task::JoinHandle<tokio_postgres::Client>,
+) {
+    let stop = Arc::new(AtomicBool::new(false));
+    let committed = Arc::new(AtomicU32::new(0));
+    let writer = tokio::spawn({
+        let (stop, committed, mut client) = (stop.clone(), committed.clone(), fx.writer().await);
+        async move {
+            while !stop.load(Ordering::SeqCst) {
+                let txn = committed.load(Ordering::SeqCst);
+                if insert_txn(&mut client, 0, txn, 1, true).await.is_err() {
+                    break;
+                }
+                committed.fetch_add(1, Ordering::SeqCst);
+                // The pace of the load (the scenario), not a wait for something.
+                tokio::time::sleep(Duration::from_millis(2)).await;
+            }
+            client
+        }
+    });
+    (stop, committed, writer)
+}
+
 /// A streaming standby of `pg` with `hot_standby_feedback` through the physical slot
 /// `standby1` on the primary (what decoding on or syncing slots to a standby needs), plus
 /// `settings`.
@@ -73,22 +103,7 @@ async fn failover_with_failover_slots(version: u32) {
         &["--failover", "true", "--standby-url", &standby_url],
     );
     relay.wait_streaming().await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let committed = Arc::new(AtomicU32::new(0));
-    let writer = tokio::spawn({
-        let (stop, committed, mut client) = (stop.clone(), committed.clone(), fx.writer().await);
-        async move {
-            let mut txn = 0;
-            while !stop.load(Ordering::SeqCst) {
-                if insert_txn(&mut client, 0, txn, 1, true).await.is_err() {
-                    break;
-                }
-                committed.fetch_add(1, Ordering::SeqCst);
-                txn += 1;
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-        }
-    });
+    let (stop, committed, writer) = steady_writer(&fx).await;
     let on_standby = fx.db.on(&standby).connect().await.unwrap();
     wait_until(
         Duration::from_secs(60),
@@ -378,22 +393,7 @@ async fn failover_without_failover_slots(options: PgOptions, standby_state: Stan
         Err(common::tail(&relays[0].child.log()))
     })
     .await;
-    let stop = Arc::new(AtomicBool::new(false));
-    let committed = Arc::new(AtomicU32::new(0));
-    let writer = tokio::spawn({
-        let (stop, committed, mut client) = (stop.clone(), committed.clone(), fx.writer().await);
-        async move {
-            while !stop.load(Ordering::SeqCst) {
-                let txn = committed.load(Ordering::SeqCst);
-                if insert_txn(&mut client, 0, txn, 1, true).await.is_err() {
-                    break;
-                }
-                committed.fetch_add(1, Ordering::SeqCst);
-                tokio::time::sleep(Duration::from_millis(2)).await;
-            }
-            client
-        }
-    });
+    let (stop, committed, writer) = steady_writer(&fx).await;
     fx.wait_stream_len(200, Duration::from_secs(60)).await;
 
     // WHEN the standby is left where the scenario says

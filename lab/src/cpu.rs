@@ -8,7 +8,7 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::report::cpu_seconds;
+use crate::report::{cpu_seconds, proc_stat, stat_seconds};
 
 /// CPU seconds of every process accounted for at one moment, with its group; and what the
 /// postmaster's exited children used in all.
@@ -33,29 +33,6 @@ pub struct Sampler {
     /// The postmaster: its children are classified by their process title.
     pub postmaster: Option<u32>,
     pub redis: Vec<u32>,
-}
-
-/// User and system time of the reaped children of `pid` (what exited backends used).
-fn children_cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
-        return 0.0;
-    };
-    let fields: Vec<&str> = rest.split(' ').collect();
-    // cutime and cstime follow utime and stime.
-    [13, 14]
-        .iter()
-        .filter_map(|i| fields.get(*i)?.parse::<f64>().ok())
-        .sum::<f64>()
-        / 100.0
-}
-
-fn parent_of(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = &stat[stat.rfind(')')? + 2..];
-    rest.split(' ').nth(1)?.parse().ok()
 }
 
 /// The group of a Postgres child by its process title (`postgres: walsender ...`,
@@ -105,7 +82,8 @@ impl Sampler {
                 postmaster,
                 ("postgres background".to_string(), cpu_seconds(postmaster)),
             );
-            reaped = children_cpu_seconds(postmaster);
+            // What exited backends used lands in the postmaster's cutime and cstime.
+            reaped = proc_stat(postmaster).map_or(0.0, |f| stat_seconds(&f, &[13, 14]));
             for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
                 let Some(pid) = entry
                     .file_name()
@@ -114,7 +92,10 @@ impl Sampler {
                 else {
                     continue;
                 };
-                if parent_of(pid) != Some(postmaster) {
+                let Some(stat) = proc_stat(pid) else {
+                    continue;
+                };
+                if stat.get(1).and_then(|p| p.parse::<u32>().ok()) != Some(postmaster) {
                     continue;
                 }
                 let title = std::fs::read_to_string(format!("/proc/{pid}/cmdline"))
@@ -122,7 +103,10 @@ impl Sampler {
                     .replace('\0', " ");
                 processes.insert(
                     pid,
-                    (postgres_group(title.trim()).to_string(), cpu_seconds(pid)),
+                    (
+                        postgres_group(title.trim()).to_string(),
+                        stat_seconds(&stat, &[11, 12]),
+                    ),
                 );
             }
         }

@@ -76,24 +76,25 @@ pub fn write_json(name: &str, value: &impl Serialize) -> anyhow::Result<PathBuf>
     Ok(path)
 }
 
+/// The fields of `/proc/<pid>/stat` after the command name (state is field 0, the parent
+/// pid field 1, utime and stime fields 11 and 12, cutime and cstime 13 and 14); `None` when
+/// the process is gone.
+pub fn proc_stat(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    Some(rest.split(' ').map(str::to_string).collect())
+}
+
+/// Seconds of the clock-tick fields `at` of a `proc_stat` reading (Linux reports them in
+/// USER_HZ, 100 per second).
+pub fn stat_seconds(fields: &[String], at: &[usize]) -> f64 {
+    at.iter()
+        .filter_map(|i| fields.get(*i)?.parse::<f64>().ok())
+        .sum::<f64>()
+        / 100.0
+}
+
 /// User plus system CPU time of a process so far, from /proc (0 when gone).
 pub fn cpu_seconds(pid: u32) -> f64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0.0;
-    };
-    let Some(rest) = stat.rfind(')').map(|i| &stat[i + 2..]) else {
-        return 0.0;
-    };
-    let fields: Vec<&str> = rest.split(' ').collect();
-    // After the command name: state is field 0, utime field 11, stime field 12 (clock ticks).
-    let ticks: f64 = fields
-        .get(11)
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap_or(0.0)
-        + fields
-            .get(12)
-            .and_then(|v| v.parse::<f64>().ok())
-            .unwrap_or(0.0);
-    // Linux reports in USER_HZ, 100 per second.
-    ticks / 100.0
+    proc_stat(pid).map_or(0.0, |fields| stat_seconds(&fields, &[11, 12]))
 }
