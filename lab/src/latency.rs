@@ -56,7 +56,7 @@ pub struct Args {
     no_fsync: bool,
 }
 
-#[derive(Debug, Serialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct Summary {
     pub variant: String,
     pub samples: usize,

@@ -160,8 +160,9 @@ async fn a_short_fault_soak_on_a_redis_cluster_with_master_failovers_finds_no_vi
     );
 }
 
-/// `chat-lab throughput`'s end-to-end part, briefly: the send-only floor and the climb both
-/// run, and every step says where its CPU went, process group by process group.
+/// `chat-lab throughput`'s end-to-end part, briefly: the send-only floor, the latency one
+/// message at a time and the climb all run, and every step says where its CPU went, process
+/// group by process group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_end_to_end_climb_reports_the_floor_and_each_steps_cpu_by_process() {
     #[derive(clap::Parser)]
@@ -188,6 +189,9 @@ async fn the_end_to_end_climb_reports_the_floor_and_each_steps_cpu_by_process() 
     assert_eq!(floor.knee_per_second, Some(100));
     assert_eq!(knee.knee_per_second, Some(100));
     assert_eq!(knee.steps.len(), 2, "the climb stopped at the cap");
+    // One at a time on the same system, to hold the lowest step against.
+    assert_eq!(knee.sequential.samples, 200);
+    assert!(knee.sequential.p50_ms > 0.0 && knee.sequential.p50_ms <= knee.sequential.p99_ms);
     for step in &knee.steps {
         assert_eq!(step.shown, step.sent);
         let groups: Vec<&str> = step.cpu.iter().map(|g| g.group.as_str()).collect();
