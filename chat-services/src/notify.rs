@@ -33,8 +33,6 @@ use crate::store::Store;
 
 /// Hints queued for the Redis publisher before new ones are dropped (and a resync owed).
 const QUEUE: usize = 4096;
-/// Hints sent per round trip to Redis at most.
-const HINTS_PER_CALL: usize = 256;
 /// Chats asked about per tip query.
 const TIPS_PER_QUERY: usize = 10_000;
 
@@ -251,24 +249,9 @@ impl Publisher {
                     }
                 }
             };
-            // Whatever else is queued goes in the same round trip (in order): at a high
-            // rate one write and one wakeup per batch instead of per message.
-            let mut notes = vec![note];
-            while notes.len() < HINTS_PER_CALL {
-                match self.rx.try_recv() {
-                    Ok(note) => notes.push(note),
-                    Err(_) => break,
-                }
-            }
-            let resync = notes.iter().any(|n| n.resync);
-            let payloads: Vec<String> = notes
-                .iter()
-                .map(|n| serde_json::to_string(n).expect("notification serializes"))
-                .collect();
-            match self
-                .publish_all(&mut conn, &channel(self.side), &payloads)
-                .await
-            {
+            let resync = note.resync;
+            let payload = serde_json::to_string(&note).expect("notification serializes");
+            match self.publish(&mut conn, &channel(self.side), &payload).await {
                 Ok(()) => {
                     if resync {
                         debug!("resync published");
@@ -291,30 +274,6 @@ impl Publisher {
                 }
             }
         }
-    }
-
-    /// Publish `payloads` on `channel` in one round trip, in order.
-    async fn publish_all(
-        &self,
-        conn: &mut Option<RedisConn>,
-        channel: &str,
-        payloads: &[String],
-    ) -> redis::RedisResult<()> {
-        if conn.is_none() {
-            *conn = Some(self.client.connect(Duration::from_secs(2)).await?);
-        }
-        let conn = conn.as_mut().expect("connected above");
-        let command = if self.client.is_cluster() {
-            "SPUBLISH"
-        } else {
-            "PUBLISH"
-        };
-        let mut pipe = redis::pipe();
-        for payload in payloads {
-            pipe.cmd(command).arg(channel).arg(payload).ignore();
-        }
-        let () = pipe.query_async(conn).await?;
-        Ok(())
     }
 
     async fn publish(
