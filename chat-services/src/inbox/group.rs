@@ -73,15 +73,7 @@ impl Active<'_> {
     pub(super) async fn took_older_entries(
         &mut self,
         batch: &[Entry],
-        pending: &PendingSummary,
     ) -> Result<bool, ConsumeError> {
-        // The usual case, decided by the summary read with the batch: the group's pending
-        // entries are exactly this batch, all this consumer's. (XAUTOCLAIM would also
-        // re-assign the batch to itself: a write per entry, appended to the AOF and
-        // fsynced, and a round trip, on every batch.)
-        if pending.is_exactly(batch, &self.cfg().consumer) {
-            return Ok(false);
-        }
         let claimed = self.claim_ids(Duration::ZERO).await?;
         let ours: std::collections::HashSet<&str> = batch.iter().map(|e| e.id.as_str()).collect();
         let others = claimed
@@ -170,46 +162,9 @@ impl Active<'_> {
         Ok(claimed)
     }
 
-    /// XREADGROUP of new entries, blocking briefly, with the group's pending summary as
-    /// it stands right after the read (in the same round trip: Redis runs the summary once
-    /// the read is served, after any other consumer's outstanding read was served first).
-    pub(super) async fn read_new(&mut self) -> Result<(Vec<Entry>, PendingSummary), ConsumeError> {
-        let mut pipe = redis::pipe();
-        pipe.add_command(self.read_command(">"))
-            .cmd("XPENDING")
-            .arg(&self.cfg().stream)
-            .arg(&self.cfg().group);
-        let (reply, pending): (Value, Value) = pipe.query_async(&mut self.blocking).await?;
-        let entries = parse_read_reply(reply)?;
-        // First deliveries, to this run: if it reads them again (a session restart, a claim
-        // of its own late read), they are its own, not a crashed run's.
-        let mut delivered = self.inbox.delivered.lock().unwrap();
-        for e in &entries {
-            delivered.entry(e.id.clone()).or_insert(1);
-        }
-        Ok((entries, PendingSummary::parse(pending)?))
-    }
-
-    /// XREADGROUP of this consumer's own pending entries after `id`, with their delivery
-    /// counts.
-    pub(super) async fn read_pending(&mut self, id: &str) -> Result<Vec<Entry>, ConsumeError> {
-        let reply: Value = self
-            .read_command(id)
-            .query_async(&mut self.blocking)
-            .await?;
-        let mut entries = parse_read_reply(reply)?;
-        if !entries.is_empty() {
-            let counts = self.delivery_counts(&entries).await?;
-            for e in &mut entries {
-                e.deliveries = counts.get(&e.id).copied().unwrap_or(1);
-            }
-        }
-        Ok(entries)
-    }
-
     /// XREADGROUP from `id` (`>`: new entries, blocking briefly; otherwise own pending
-    /// entries after `id`).
-    fn read_command(&self, id: &str) -> redis::Cmd {
+    /// entries after `id`, with their delivery counts).
+    pub(super) async fn read(&mut self, id: &str) -> Result<Vec<Entry>, ConsumeError> {
         let mut cmd = redis::cmd("XREADGROUP");
         cmd.arg("GROUP")
             .arg(&self.cfg().group)
@@ -220,7 +175,23 @@ impl Active<'_> {
             cmd.arg("BLOCK").arg(READ_BLOCK.as_millis() as u64);
         }
         cmd.arg("STREAMS").arg(&self.cfg().stream).arg(id);
-        cmd
+        let reply: Value = cmd.query_async(&mut self.blocking).await?;
+        let mut entries = parse_read_reply(reply)?;
+        if id == ">" {
+            // First deliveries, to this run: if it reads them again (a session restart, a
+            // claim of its own late read), they are its own, not a crashed run's.
+            let mut delivered = self.inbox.delivered.lock().unwrap();
+            for e in &entries {
+                delivered.entry(e.id.clone()).or_insert(1);
+            }
+        }
+        if id != ">" && !entries.is_empty() {
+            let counts = self.delivery_counts(&entries).await?;
+            for e in &mut entries {
+                e.deliveries = counts.get(&e.id).copied().unwrap_or(1);
+            }
+        }
+        Ok(entries)
     }
 
     pub(super) async fn delivery_counts(
@@ -468,54 +439,6 @@ impl Active<'_> {
     }
 }
 
-/// The summary form of XPENDING: how many entries are pending in the group, the lowest and
-/// highest id, and how many each consumer has.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub(super) struct PendingSummary {
-    count: u64,
-    lowest: Option<String>,
-    highest: Option<String>,
-    consumers: Vec<(String, u64)>,
-}
-
-impl PendingSummary {
-    fn parse(reply: Value) -> Result<Self, ConsumeError> {
-        let Value::Array(parts) = reply else {
-            return Err(ConsumeError::Reply(format!("XPENDING: {reply:?}")));
-        };
-        let id = |v: Option<&Value>| v.and_then(|v| redis::from_redis_value_ref::<String>(v).ok());
-        Ok(Self {
-            count: parts
-                .first()
-                .and_then(|v| redis::from_redis_value_ref(v).ok())
-                .unwrap_or(0),
-            lowest: id(parts.get(1)),
-            highest: id(parts.get(2)),
-            consumers: match parts.get(3) {
-                Some(Value::Array(rows)) => rows
-                    .iter()
-                    .filter_map(|row| redis::from_redis_value_ref::<(String, u64)>(row).ok())
-                    .collect(),
-                _ => Vec::new(),
-            },
-        })
-    }
-
-    /// Whether the pending entries are `batch` and nothing else, all `consumer`'s: as many,
-    /// from its first id to its last, and nobody else has any.
-    fn is_exactly(&self, batch: &[Entry], consumer: &str) -> bool {
-        let (Some(first), Some(last)) = (batch.first(), batch.last()) else {
-            return false;
-        };
-        self.count == batch.len() as u64
-            && self.lowest.as_deref() == Some(first.id.as_str())
-            && self.highest.as_deref() == Some(last.id.as_str())
-            && self.consumers.len() == 1
-            && self.consumers[0].0 == consumer
-            && self.consumers[0].1 == self.count
-    }
-}
-
 /// Release attempt records still naming the run `ARGV[1]` (or absent): pairs of entry id
 /// and attempt number follow.
 static RELEASE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
@@ -577,64 +500,4 @@ fn parse_read_reply(reply: Value) -> Result<Vec<Entry>, ConsumeError> {
         }
     }
     Ok(entries)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn entry(id: &str) -> Entry {
-        Entry {
-            id: id.into(),
-            fields: None,
-            deliveries: 1,
-        }
-    }
-
-    fn summary(count: i64, lowest: &str, highest: &str, consumers: &[(&str, &str)]) -> Value {
-        let text = |s: &str| Value::BulkString(s.as_bytes().to_vec());
-        Value::Array(vec![
-            Value::Int(count),
-            text(lowest),
-            text(highest),
-            Value::Array(
-                consumers
-                    .iter()
-                    .map(|(name, n)| Value::Array(vec![text(name), text(n)]))
-                    .collect(),
-            ),
-        ])
-    }
-
-    #[test]
-    fn only_a_batch_pending_alone_under_this_consumer_skips_the_claim() {
-        let batch = [entry("5-0"), entry("6-0"), entry("7-0")];
-        let exactly = |reply| {
-            PendingSummary::parse(reply)
-                .unwrap()
-                .is_exactly(&batch, "me")
-        };
-        assert!(exactly(summary(3, "5-0", "7-0", &[("me", "3")])));
-        // A previous holder was handed entries too, older or not.
-        assert!(!exactly(summary(
-            5,
-            "3-0",
-            "7-0",
-            &[("me", "3"), ("old", "2")]
-        )));
-        assert!(!exactly(summary(
-            4,
-            "5-0",
-            "7-0",
-            &[("me", "3"), ("old", "1")]
-        )));
-        // This consumer has older entries pending (its own earlier read).
-        assert!(!exactly(summary(4, "4-0", "7-0", &[("me", "4")])));
-        // As many, but not the same ones.
-        assert!(!exactly(summary(3, "5-0", "8-0", &[("me", "3")])));
-        // Nothing pending (the batch was taken over meanwhile) and an empty batch.
-        let empty = Value::Array(vec![Value::Int(0), Value::Nil, Value::Nil, Value::Nil]);
-        assert!(!exactly(empty.clone()));
-        assert!(!PendingSummary::parse(empty).unwrap().is_exactly(&[], "me"));
-    }
 }

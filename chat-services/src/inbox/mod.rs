@@ -410,9 +410,9 @@ impl Active<'_> {
                 // view was stale): finish here and let it take over.
                 return Ok(Flow::Handover);
             }
-            let (entries, pending) = tokio::select! {
+            let entries = tokio::select! {
                 _ = shutdown.cancelled() => return Ok(Flow::Shutdown),
-                read = self.read_new() => read?,
+                read = self.read(">") => read?,
             };
             // A read that outlasted its block was paused (a stall, SIGSTOP): another
             // instance may hold the lease now. Check before claiming or re-reading
@@ -422,7 +422,7 @@ impl Active<'_> {
             {
                 return Err(ConsumeError::LeaseLost);
             }
-            if !entries.is_empty() && self.took_older_entries(&entries, &pending).await? {
+            if !entries.is_empty() && self.took_older_entries(&entries).await? {
                 // A previous holder, paused while its blocking read was outstanding, was
                 // handed entries older than these: they are ours now; record all in order.
                 if let Flow::Shutdown = self.drain_own_pending(shutdown).await? {
@@ -455,7 +455,7 @@ impl Active<'_> {
     ) -> Result<Flow, ConsumeError> {
         let mut after = "0".to_string();
         loop {
-            let entries = self.read_pending(&after).await?;
+            let entries = self.read(&after).await?;
             let Some(last) = entries.last() else {
                 return Ok(Flow::Continue);
             };
