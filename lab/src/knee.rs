@@ -160,7 +160,8 @@ async fn send_at(
                 tokio::time::sleep_until(scheduled).await;
                 let woke = tokio::time::Instant::now();
                 let from = if free_since <= scheduled {
-                    woke.min(scheduled + TIMER_RESOLUTION).max(scheduled)
+                    // (never before the schedule: the sleep ended there)
+                    woke.min(scheduled + TIMER_RESOLUTION)
                 } else {
                     scheduled
                 };
@@ -407,14 +408,7 @@ async fn one_at_a_time(
     let mut samples = Vec::with_capacity(SEQUENTIAL_MESSAGES);
     for i in 0..SEQUENTIAL_MESSAGES + 5 {
         let started = Instant::now();
-        let reply = conn
-            .post_json(
-                "/chats/1/messages",
-                &serde_json::json!({ "body": format!("one {i}") }),
-            )
-            .await?;
-        anyhow::ensure!(reply.status == 201, "send failed: {}", reply.body);
-        let id = reply.json()["id"].as_str().unwrap_or_default().to_string();
+        let id = crate::latency::post(&mut conn, &format!("one {i}")).await?;
         let deadline = Instant::now() + Duration::from_secs(10);
         let shown = loop {
             if let Some(at) = arrivals.lock().unwrap().get(&id) {

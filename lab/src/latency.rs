@@ -218,7 +218,10 @@ pub async fn measure(
 }
 
 /// POST one message; its id.
-async fn post(consumers: &mut testkit::http::Connection, body: &str) -> anyhow::Result<String> {
+pub(crate) async fn post(
+    consumers: &mut testkit::http::Connection,
+    body: &str,
+) -> anyhow::Result<String> {
     let reply = consumers
         .post_json("/chats/1/messages", &serde_json::json!({"body": body}))
         .await?;
