@@ -18,6 +18,9 @@ use crate::latency::summarize;
 use crate::system::{Bins, Kind, Side, System};
 
 #[derive(Debug, Clone, clap::Args)]
+// Its own group name: flattened into `throughput`'s arguments, the default ("Args") clashes,
+// which clap refuses in debug builds.
+#[group(id = "end_to_end")]
 pub struct Args {
     /// Target rates of the climb (messages/s), in order; past the last, the climb goes on a
     /// quarter higher each step until p99 passes the limit.
