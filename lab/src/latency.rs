@@ -290,11 +290,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             s.commit_to_published_ms, s.publish_call_ms, s.outbox_write_to_shown_ms
         );
     }
+    let machine = report::machine();
+    println!("machine: {}", machine.describe());
     let path = report::write_json(
         "latency",
         &Report {
             command: std::env::args().collect::<Vec<_>>().join(" "),
-            machine: report::machine(),
+            machine,
             messages_per_round: args.messages,
             interval_ms: args.interval.as_millis(),
             rounds: args.rounds,

@@ -38,6 +38,17 @@ pub struct Machine {
     pub kernel: String,
     pub postgres: String,
     pub redis: String,
+    /// How fast this box wakes a sleeping thread: round trips over a Unix socket pair, each
+    /// after a pause long enough for the cores to go idle (`None`: could not be measured).
+    /// Every hop of a message wakes a process, so a virtual machine whose idle cores wake
+    /// slowly (host contention) shows it in every end-to-end figure: compare this before
+    /// comparing runs of two machines.
+    pub wakeup_round_trip: Option<crate::latency::Summary>,
+}
+
+/// The cores this process may run on.
+pub fn cpus() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
 }
 
 pub fn machine() -> Machine {
@@ -57,14 +68,64 @@ pub fn machine() -> Machine {
             .unwrap_or_default()
     };
     Machine {
-        cpus: std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
+        cpus: cpus(),
         cpu_model,
         kernel: output("uname", &["-r"]),
         postgres: output("/usr/lib/postgresql/15/bin/postgres", &["--version"]),
         redis: output("redis-server", &["--version"]),
+        wakeup_round_trip: wakeup_round_trip(),
     }
+}
+
+impl Machine {
+    /// One line for a report's header.
+    pub fn describe(&self) -> String {
+        let model = if self.cpu_model.is_empty() {
+            String::new()
+        } else {
+            format!(" ({})", self.cpu_model)
+        };
+        let wakeup = self.wakeup_round_trip.as_ref().map_or_else(
+            || "not measured".to_string(),
+            |w| format!("p50 {:.0} µs, p99 {:.0} µs", w.p50_ms * 1e3, w.p99_ms * 1e3),
+        );
+        format!(
+            "{} cores{model}; a sleeping thread's wake-up round trip {wakeup}",
+            self.cpus
+        )
+    }
+}
+
+/// 1,000 round trips between two threads over a Unix socket pair, 1 ms apart (see
+/// [`Machine::wakeup_round_trip`]). The pause is well past KVM's halt polling (200 µs by
+/// default), so a virtual core is really asleep when the byte arrives.
+pub fn wakeup_round_trip() -> Option<crate::latency::Summary> {
+    use std::io::{Read, Write};
+    use std::os::unix::net::UnixStream;
+    let measure = || -> std::io::Result<Vec<f64>> {
+        let (mut near, mut far) = UnixStream::pair()?;
+        let echo = std::thread::Builder::new()
+            .name("wakeup-echo".into())
+            .spawn(move || {
+                let mut byte = [0u8; 1];
+                while far.read_exact(&mut byte).is_ok() && far.write_all(&byte).is_ok() {}
+            })?;
+        let mut samples = Vec::with_capacity(1_000);
+        let mut byte = [0u8; 1];
+        for _ in 0..1_000 {
+            std::thread::sleep(std::time::Duration::from_millis(1));
+            let started = std::time::Instant::now();
+            near.write_all(&byte)?;
+            near.read_exact(&mut byte)?;
+            samples.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+        drop(near);
+        let _ = echo.join();
+        Ok(samples)
+    };
+    measure()
+        .ok()
+        .map(|samples| crate::latency::summarize("wake-up round trip", samples))
 }
 
 /// Write `value` as pretty JSON to `target/lab/<name>.json`; returns the path.

@@ -28,7 +28,7 @@ pub struct Args {
     #[arg(long, default_value_t = 1_000)]
     rows_per_batch_txn: u32,
     /// Drains of each consumer per shape (fresh slots each time); the best is reported.
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u32).range(1..))]
     rounds: u32,
     /// Extra flag for the relay, repeatable (e.g. --relay-arg=--batch-max-entries=1).
     #[arg(long = "relay-arg", allow_hyphen_values = true)]
@@ -44,18 +44,62 @@ pub struct Args {
 }
 
 #[derive(Debug, Serialize)]
-struct ShapeResult {
-    shape: String,
-    transactions: u32,
+pub struct ShapeResult {
+    pub shape: String,
+    pub transactions: u32,
+    pub events: u64,
+    pub wal_bytes: i64,
+    pub relay_seconds: Vec<f64>,
+    pub pg_recvlogical_seconds: Vec<f64>,
+    pub notify_seconds: Vec<f64>,
+    pub relay_events_per_second: f64,
+    pub pg_recvlogical_events_per_second: f64,
+    pub notify_events_per_second: Option<f64>,
+    pub relay_percent_of_ceiling: f64,
+    /// CPU seconds each process spent in each relay round.
+    pub relay_cpu: Vec<DrainCpu>,
+    /// An upper bound on the relay's drain from the CPU its fastest round spent (see
+    /// [`cpu_bound_percent`]), as a percentage of pg_recvlogical's rate: a drain close to
+    /// it is bound by CPU, not by waiting. `None` when no CPU could be read.
+    pub cpu_bound_percent_of_ceiling: Option<f64>,
+}
+
+/// The most a drain could reach, as a percentage of `ceiling` (events/s), given the CPU its
+/// fastest round spent: its processes can together use at most `cores`, and the walsender,
+/// Redis's main thread and the relay (one thread each) at most one core each, so the drain
+/// takes at least `max(total / cores, walsender, redis, relay)` seconds. Not counted: Redis's
+/// AOF-rewrite child (a separate process) and the little the lab's own polling costs Redis.
+pub fn cpu_bound_percent(
+    cores: usize,
     events: u64,
-    wal_bytes: i64,
-    relay_seconds: Vec<f64>,
-    pg_recvlogical_seconds: Vec<f64>,
-    notify_seconds: Vec<f64>,
-    relay_events_per_second: f64,
-    pg_recvlogical_events_per_second: f64,
-    notify_events_per_second: Option<f64>,
-    relay_percent_of_ceiling: f64,
+    relay_seconds: &[f64],
+    relay_cpu: &[DrainCpu],
+    ceiling: f64,
+) -> Option<f64> {
+    let fastest = relay_seconds
+        .iter()
+        .enumerate()
+        .min_by(|a, b| a.1.total_cmp(b.1))
+        .and_then(|(i, _)| relay_cpu.get(i))?;
+    let seconds = (fastest.total() / cores as f64)
+        .max(fastest.walsender)
+        .max(fastest.redis)
+        .max(fastest.relay);
+    (seconds > 0.0).then(|| 100.0 * events as f64 / seconds / ceiling)
+}
+
+/// CPU seconds of the processes a relay drain keeps busy.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct DrainCpu {
+    pub relay: f64,
+    pub redis: f64,
+    pub walsender: f64,
+}
+
+impl DrainCpu {
+    pub fn total(&self) -> f64 {
+        self.relay + self.redis + self.walsender
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -67,7 +111,61 @@ struct Result {
 }
 
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let relay_bin = report::workspace_binary("cdc-relay")?;
+    // Read before the runs: after them the disk is still writing back what they wrote.
+    let machine = report::machine();
+    let results = drains(&args, &report::workspace_binary("cdc-relay")?).await?;
+    println!();
+    println!("machine: {}", machine.describe());
+    println!(
+        "Relay drain throughput (events/s; best of {} rounds; Redis appendfsync always)",
+        args.rounds
+    );
+    println!(
+        "{:<26} {:>9} {:>12} {:>12} {:>16} {:>9} {:>11}",
+        "shape", "events", "cdc-relay", "notify", "pg_recvlogical", "relay %", "CPU bound"
+    );
+    for r in &results {
+        println!(
+            "{:<26} {:>9} {:>12.0} {:>12} {:>16.0} {:>8.1}% {:>11}",
+            r.shape,
+            r.events,
+            r.relay_events_per_second,
+            r.notify_events_per_second
+                .map_or_else(|| "-".to_string(), |n| format!("{n:.0}")),
+            r.pg_recvlogical_events_per_second,
+            r.relay_percent_of_ceiling,
+            r.cpu_bound_percent_of_ceiling
+                .map_or_else(|| "-".to_string(), |p| format!("{p:.1}%"))
+        );
+    }
+    println!(
+        "(CPU bound: the most the drain could reach at the CPU the relay's fastest round spent in relay + Redis + walsender, on {} cores with one core at most for each of them, against pg_recvlogical)",
+        machine.cpus
+    );
+    let end_to_end = if args.skip_e2e {
+        None
+    } else {
+        let knee = crate::knee::measure(&args.knee).await?;
+        crate::knee::print(&knee);
+        Some(knee)
+    };
+    let result = Result {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        machine,
+        shapes: results,
+        end_to_end,
+    };
+    let path = report::write_json("throughput", &result)?;
+    println!("\nwritten to {}", path.display());
+    Ok(())
+}
+
+/// Drain each shape's pre-filled outbox with the relay and with pg_recvlogical (and the
+/// NOTIFY relay unless skipped: it runs this executable's `baseline relay`, so only
+/// chat-lab itself can include it), `args.rounds` times each, on servers of their own.
+pub async fn drains(args: &Args, relay_bin: &std::path::Path) -> anyhow::Result<Vec<ShapeResult>> {
+    // Dropped on return: they hold hundreds of MB of WAL and stream data, and the
+    // end-to-end run that may follow should have the machine to itself.
     let pg = PgServer::start()?;
     let redis = RedisServer::start()?;
     let shapes = [
@@ -82,50 +180,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     for (name, txns, rows) in shapes {
         eprintln!("[throughput] {name}: filling {txns} transactions of {rows} rows");
         let shape = Shape { name, txns, rows };
-        results.push(measure_shape(&pg, &redis, &relay_bin, &shape, &args).await?);
+        results.push(measure_shape(&pg, &redis, relay_bin, &shape, args).await?);
     }
-
-    println!();
-    println!(
-        "Relay drain throughput (events/s; best of {} rounds; Redis appendfsync always)",
-        args.rounds
-    );
-    println!(
-        "{:<26} {:>9} {:>12} {:>12} {:>16} {:>9}",
-        "shape", "events", "cdc-relay", "notify", "pg_recvlogical", "relay %"
-    );
-    for r in &results {
-        println!(
-            "{:<26} {:>9} {:>12.0} {:>12} {:>16.0} {:>8.1}%",
-            r.shape,
-            r.events,
-            r.relay_events_per_second,
-            r.notify_events_per_second
-                .map_or_else(|| "-".to_string(), |n| format!("{n:.0}")),
-            r.pg_recvlogical_events_per_second,
-            r.relay_percent_of_ceiling
-        );
-    }
-    // The drain's servers hold hundreds of MB of WAL and stream data; stop them so the
-    // end-to-end run has the machine to itself.
-    drop(pg);
-    drop(redis);
-    let end_to_end = if args.skip_e2e {
-        None
-    } else {
-        let knee = crate::knee::measure(&args.knee).await?;
-        crate::knee::print(&knee);
-        Some(knee)
-    };
-    let result = Result {
-        command: std::env::args().collect::<Vec<_>>().join(" "),
-        machine: report::machine(),
-        shapes: results,
-        end_to_end,
-    };
-    let path = report::write_json("throughput", &result)?;
-    println!("\nwritten to {}", path.display());
-    Ok(())
+    Ok(results)
 }
 
 struct Shape {
@@ -234,6 +291,7 @@ async fn measure_shape(
     );
 
     let mut relay_seconds = Vec::new();
+    let mut relay_cpu = Vec::new();
     let mut recv_seconds = Vec::new();
     for round in 0..rounds as usize {
         let t = drain_with_pg_recvlogical(pg, &db, &recv_slots[round], &end_lsn)?;
@@ -245,7 +303,7 @@ async fn measure_shape(
         );
         recv_seconds.push(t);
         let stream = streams[round].clone();
-        let t = drain_with_relay(
+        let (t, cpu) = drain_with_relay(
             relay_bin,
             &args.relay_args,
             &db,
@@ -265,6 +323,7 @@ async fn measure_shape(
             events as f64 / t
         );
         relay_seconds.push(t);
+        relay_cpu.push(cpu);
         let mut conn = redis.connect().await?;
         let _: () = redis::cmd("DEL")
             .arg(&stream)
@@ -291,8 +350,16 @@ async fn measure_shape(
         }
     }
     let best = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+    // Rounds >= 1 (clap), so every vector here has at least one value.
     let relay_rate = events as f64 / best(&relay_seconds);
     let recv_rate = events as f64 / best(&recv_seconds);
+    let cpu_bound = cpu_bound_percent(
+        report::cpus(),
+        events,
+        &relay_seconds,
+        &relay_cpu,
+        recv_rate,
+    );
     Ok(ShapeResult {
         shape: shape.name.to_string(),
         transactions: txns,
@@ -306,6 +373,8 @@ async fn measure_shape(
         relay_events_per_second: relay_rate,
         pg_recvlogical_events_per_second: recv_rate,
         relay_percent_of_ceiling: 100.0 * relay_rate / recv_rate,
+        relay_cpu,
+        cpu_bound_percent_of_ceiling: cpu_bound,
     })
 }
 
@@ -402,7 +471,7 @@ async fn drain_with_relay(
     redis: &RedisServer,
     target: RelayTarget<'_>,
     events: u64,
-) -> anyhow::Result<f64> {
+) -> anyhow::Result<(f64, DrainCpu)> {
     let RelayTarget {
         slot,
         stream,
@@ -454,11 +523,14 @@ async fn drain_with_relay(
         )
         .await?
         .get(0);
+    let cpu = DrainCpu {
+        relay: crate::report::cpu_seconds(relay.pid()),
+        redis: crate::report::cpu_seconds(redis.pid().unwrap_or(0)) - redis_cpu_start,
+        walsender: crate::report::cpu_seconds(walsender as u32),
+    };
     eprintln!(
         "[throughput]   CPU seconds: relay {:.2}, redis {:.2}, walsender {:.2}",
-        crate::report::cpu_seconds(relay.pid()),
-        crate::report::cpu_seconds(redis.pid().unwrap_or(0)) - redis_cpu_start,
-        crate::report::cpu_seconds(walsender as u32),
+        cpu.relay, cpu.redis, cpu.walsender
     );
     let (_, metrics) = testkit::http::get(admin, "/metrics").await?;
     let value = |name: &str| testkit::http::metric_value(&metrics, name).unwrap_or(f64::NAN);
@@ -470,7 +542,7 @@ async fn drain_with_relay(
             / value("cdc_relay_publish_batch_duration_seconds_count"),
     );
     relay.stop_with(Signal::Term, Duration::from_secs(30))?;
-    Ok(elapsed)
+    Ok((elapsed, cpu))
 }
 
 /// Poll the streams' lengths until they hold `events` between them, failing if the relay
@@ -504,5 +576,42 @@ async fn wait_drained(
             );
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cpu(relay: f64, redis: f64, walsender: f64) -> DrainCpu {
+        DrainCpu {
+            relay,
+            redis,
+            walsender,
+        }
+    }
+
+    #[test]
+    fn the_cpu_bound_uses_the_fastest_rounds_cpu_and_the_busiest_single_thread() {
+        // Round 2 was fastest; its 3 CPU-s on 2 cores take at least 1.5 s: 100,000 events
+        // in 1.5 s against a ceiling of 100,000/s is 66.7%.
+        let bound = cpu_bound_percent(
+            2,
+            100_000,
+            &[4.0, 2.0],
+            &[cpu(1.0, 5.0, 1.0), cpu(0.5, 1.0, 1.5)],
+            100_000.0,
+        )
+        .unwrap();
+        assert!((bound - 100.0 / 1.5).abs() < 1e-9, "{bound}");
+        // Redis's one thread needs 1.8 s, more than the 2.5 CPU-s spread over 2 cores.
+        let bound = cpu_bound_percent(2, 90_000, &[3.0], &[cpu(0.3, 1.8, 0.4)], 100_000.0);
+        assert!((bound.unwrap() - 50.0).abs() < 1e-9);
+        assert_eq!(
+            cpu_bound_percent(2, 1, &[1.0], &[cpu(0.0, 0.0, 0.0)], 1.0),
+            None,
+            "no CPU read, no bound"
+        );
+        assert_eq!(cpu_bound_percent(2, 1, &[], &[], 1.0), None);
     }
 }

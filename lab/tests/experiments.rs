@@ -226,3 +226,59 @@ async fn the_end_to_end_climb_reports_the_floor_and_each_steps_cpu_by_process() 
         .iter()
         .any(|g| g.starts_with("relay") || g.starts_with("workers")));
 }
+
+/// `chat-lab throughput`'s drains, briefly: the relay and pg_recvlogical each drain both
+/// shapes, and the report says what the relay's drain cost in CPU per process and the rate
+/// the machine's cores allow at that cost (the bound the issue asks to show where the drain
+/// falls short).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drain_reports_its_cpu_by_process_and_the_rate_the_cores_allow() {
+    // As chat-lab parses it: a subcommand (flattened, its group would clash with the
+    // end-to-end arguments' own).
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(subcommand)]
+        command: Lab,
+    }
+    #[derive(clap::Subcommand)]
+    enum Lab {
+        Throughput(lab::throughput::Args),
+    }
+    let cli = <Cli as clap::Parser>::parse_from([
+        "chat-lab",
+        "throughput",
+        "--single-row-txns",
+        "2000",
+        "--batch-txns",
+        "5",
+        "--rounds",
+        "1",
+        "--skip-notify",
+        "--skip-e2e",
+    ]);
+    let Lab::Throughput(args) = cli.command;
+    let shapes = lab::throughput::drains(&args, &bins().relay).await.unwrap();
+    assert_eq!(shapes.len(), 2);
+    for shape in &shapes {
+        println!("{shape:?}");
+        assert_eq!(shape.relay_seconds.len(), 1);
+        assert_eq!(shape.relay_cpu.len(), 1);
+        let cpu = shape.relay_cpu[0];
+        // /proc counts CPU in 10 ms ticks, so a small share may read 0; the relay and the
+        // walsender decode every event and cannot.
+        assert!(
+            cpu.relay > 0.0 && cpu.walsender > 0.0,
+            "the drain's processes did work: {cpu:?}"
+        );
+        // What the processes spent fits in what the cores had during the drain (one tick
+        // of rounding per process): the figures are CPU seconds of this drain.
+        let cores = lab::report::cpus() as f64;
+        assert!(
+            cpu.total() <= cores * shape.relay_seconds[0] + 0.03,
+            "{cpu:?} in {} s",
+            shape.relay_seconds[0]
+        );
+        let bound = shape.cpu_bound_percent_of_ceiling.expect("a bound");
+        assert!(bound.is_finite() && bound > 0.0, "{bound}");
+    }
+}
