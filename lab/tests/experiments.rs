@@ -233,8 +233,8 @@ async fn the_end_to_end_climb_reports_the_floor_and_each_steps_cpu_by_process() 
 /// falls short).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_drain_reports_its_cpu_by_process_and_the_rate_the_cores_allow() {
-    // As chat-lab parses it: a subcommand (flattened, its group would clash with the
-    // end-to-end arguments' own).
+    // As chat-lab parses it, a subcommand: clap's debug checks then see the same command
+    // the binary builds (they caught two argument groups sharing one name).
     #[derive(clap::Parser)]
     struct Cli {
         #[command(subcommand)]
