@@ -12,7 +12,7 @@ use crate::metrics::Metrics;
 use crate::status::{RelayStatus, Role};
 
 /// State shared by the relay's tasks.
-pub struct Context {
+pub(crate) struct Context {
     pub config: RelayConfig,
     pub metrics: Arc<Metrics>,
     status: watch::Sender<RelayStatus>,

@@ -4,20 +4,24 @@
 //! Classification uses SQLSTATE codes and Redis error kinds/codes, never message text where
 //! a code exists. A permanent error stops the relay with a message that says what to change.
 
+use outbox_core::error::{
+    describe_postgres, describe_redis, postgres_is_transient, redis_is_transient,
+    sqlstate_is_transient,
+};
+use outbox_core::ConfigError;
 use pgwire_replication::PgWireError;
-use redis::{ErrorKind, RedisError, ServerErrorKind};
+use redis::RedisError;
 
-use crate::outbox::OutboxError;
-use crate::pgoutput::DecodeError;
+use crate::decode::{DecodeError, OutboxError};
 
 /// Error codes the publish script returns (see `publish.lua`).
 pub(crate) mod script_codes {
-    pub const ORIGIN: &str = "ORIGIN";
-    pub const DIVERGED: &str = "DIVERGED";
-    pub const GAP: &str = "GAP";
-    pub const NORECORD: &str = "NORECORD";
-    pub const TIMELINE: &str = "TIMELINE";
-    pub const SHARDS: &str = "SHARDS";
+    pub(crate) const ORIGIN: &str = "ORIGIN";
+    pub(crate) const DIVERGED: &str = "DIVERGED";
+    pub(crate) const GAP: &str = "GAP";
+    pub(crate) const NORECORD: &str = "NORECORD";
+    pub(crate) const TIMELINE: &str = "TIMELINE";
+    pub(crate) const SHARDS: &str = "SHARDS";
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -100,13 +104,6 @@ pub enum RelayError {
     Protocol(String),
 }
 
-/// Broad classes of SQLSTATE that mean "try again later": connection exceptions (08),
-/// insufficient resources (53), operator intervention such as a shutdown (57), system
-/// errors (58) and transaction rollbacks (40).
-fn sqlstate_is_transient(code: &str) -> bool {
-    matches!(&code[..code.len().min(2)], "08" | "53" | "57" | "58" | "40")
-}
-
 impl RelayError {
     /// Whether retrying the same operation later can succeed.
     pub fn is_transient(&self) -> bool {
@@ -123,13 +120,8 @@ impl RelayError {
             // The URL may point at the old primary for a moment (DNS or VIP lag): retry.
             RelayError::OlderTimeline { .. } => true,
             RelayError::StreamEnded | RelayError::ConnectTimeout(_) => true,
-            RelayError::Postgres(e) => match e.code() {
-                Some(code) => sqlstate_is_transient(code.code()),
-                // A certificate the TLS settings refuse will be refused again.
-                None if crate::tls::is_certificate_error(e) => false,
-                // No SQLSTATE: the connection broke or could not be made.
-                None => true,
-            },
+            // A transient SQLSTATE, or the connection broke; never a refused certificate.
+            RelayError::Postgres(e) => postgres_is_transient(e),
             RelayError::Replication(e) => match e {
                 PgWireError::Io(_) | PgWireError::Task(_) | PgWireError::Internal(_) => true,
                 PgWireError::Server(_) => sqlstate(e).is_some_and(sqlstate_is_transient),
@@ -163,34 +155,9 @@ impl RelayError {
     }
 }
 
-fn redis_is_transient(e: &RedisError) -> bool {
-    if crate::tls::is_certificate_error(e) {
-        return false;
-    }
-    if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal() {
-        return true;
-    }
-    match e.kind() {
-        // Every cluster node unreachable at once (a cluster restarting): it comes back.
-        ErrorKind::Io | ErrorKind::ClusterConnectionNotFound => true,
-        ErrorKind::Server(kind) => matches!(
-            kind,
-            ServerErrorKind::BusyLoading
-                | ServerErrorKind::TryAgain
-                | ServerErrorKind::MasterDown
-                | ServerErrorKind::ReadOnly
-                | ServerErrorKind::ClusterDown
-        ),
-        // `OOM`: maxmemory reached under noeviction; consumers trimming frees memory.
-        // `BUSY`: a long script is running.
-        ErrorKind::Extension => matches!(e.code(), Some("OOM" | "BUSY")),
-        _ => false,
-    }
-}
-
 /// The SQLSTATE of a server error reported by `pgwire-replication`, which formats it as a
 /// structured `(SQLSTATE xxxxx)` suffix of its message.
-pub fn sqlstate(e: &PgWireError) -> Option<&str> {
+pub(crate) fn sqlstate(e: &PgWireError) -> Option<&str> {
     let PgWireError::Server(message) = e else {
         return None;
     };
@@ -201,101 +168,31 @@ pub fn sqlstate(e: &PgWireError) -> Option<&str> {
         .then_some(code)
 }
 
-/// Where on a replication session an error came from: the same SQLSTATE means a missing
-/// slot at START_REPLICATION and a missing publication at the first decoded change.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum ReplicationPhase {
-    Start,
-    Streaming,
-}
-
-/// The one mapping of a replication-session error to what it means for the relay.
-pub(crate) fn replication_error(
-    e: PgWireError,
-    phase: ReplicationPhase,
-    cfg: &crate::config::PostgresConfig,
-    recover: bool,
-    holder: Option<u32>,
-) -> RelayError {
-    match (sqlstate(&e), phase) {
-        (Some(sqlstates::OBJECT_IN_USE), _) => RelayError::SlotBusy {
-            slot: cfg.slot.clone(),
-            holder,
-        },
-        (Some(sqlstates::UNDEFINED_OBJECT), ReplicationPhase::Start) => RelayError::SlotMissing {
-            slot: cfg.slot.clone(),
-        },
-        (Some(sqlstates::UNDEFINED_OBJECT), ReplicationPhase::Streaming) => {
-            RelayError::PublicationMissing {
-                publication: cfg.publication.clone(),
-            }
-        }
-        // "cannot read from logical replication slot": invalidated.
-        (Some(sqlstates::OBJECT_NOT_IN_PREREQUISITE_STATE), _) => RelayError::SlotLost {
-            slot: cfg.slot.clone(),
-            recover,
-        },
-        _ => RelayError::Replication(e),
-    }
-}
-
 /// SQLSTATE codes the relay acts on.
-pub mod sqlstates {
+pub(crate) mod sqlstates {
     /// `object_in_use`: the replication slot is active for another walsender.
-    pub const OBJECT_IN_USE: &str = "55006";
+    pub(crate) const OBJECT_IN_USE: &str = "55006";
     /// `object_not_in_prerequisite_state`: among others, an invalidated (lost) slot.
-    pub const OBJECT_NOT_IN_PREREQUISITE_STATE: &str = "55000";
+    pub(crate) const OBJECT_NOT_IN_PREREQUISITE_STATE: &str = "55000";
     /// `undefined_object`: missing slot (at start) or publication (at first change).
-    pub const UNDEFINED_OBJECT: &str = "42704";
+    pub(crate) const UNDEFINED_OBJECT: &str = "42704";
     /// `duplicate_object`: a slot created concurrently.
-    pub const DUPLICATE_OBJECT: &str = "42710";
+    pub(crate) const DUPLICATE_OBJECT: &str = "42710";
 }
 
-/// tokio-postgres' Display for server errors is only "db error"; show the server's message.
-/// Other errors (TLS, I/O) keep their cause in `source()`, which says what actually failed.
-fn describe_postgres(e: &tokio_postgres::Error) -> String {
-    match e.as_db_error() {
-        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
-        None if crate::tls::is_certificate_error(e) => format!(
-            "{}; the server's certificate was refused: give the CA that signed it (--database-ca-file or sslrootcert), connect by the name the certificate carries, or use sslmode=verify-ca to check the chain only",
-            with_causes(e)
-        ),
-        None => {
-            let text = with_causes(e);
-            // tokio-postgres has no error kind for this; the text is only used for the hint.
-            if text.contains("server does not support TLS") {
-                format!("{text}; enable ssl on the server, or put sslmode=disable in the URL to connect without TLS (the default is verify-full)")
-            } else {
-                text
-            }
+impl From<ConfigError> for RelayError {
+    fn from(e: ConfigError) -> Self {
+        RelayError::Config(e.0)
+    }
+}
+
+impl From<outbox_core::Error> for RelayError {
+    fn from(e: outbox_core::Error) -> Self {
+        match e {
+            outbox_core::Error::Config(e) => e.into(),
+            outbox_core::Error::Postgres(e) => RelayError::Postgres(e),
         }
     }
-}
-
-fn describe_redis(e: &RedisError) -> String {
-    if crate::tls::is_certificate_error(e) {
-        format!(
-            "{}; Redis's certificate was refused: give the CA that signed it (--redis-ca-file) and connect by the name the certificate carries",
-            with_causes(e)
-        )
-    } else {
-        with_causes(e)
-    }
-}
-
-/// An error's message followed by each cause that adds something.
-pub(crate) fn with_causes(e: &dyn std::error::Error) -> String {
-    let mut text = e.to_string();
-    let mut source = e.source();
-    while let Some(cause) = source {
-        let part = cause.to_string();
-        if !text.contains(&part) {
-            text.push_str(": ");
-            text.push_str(&part);
-        }
-        source = cause.source();
-    }
-    text
 }
 
 #[cfg(test)]

@@ -9,7 +9,7 @@ use prometheus::{
 use crate::status::Role;
 
 /// `wal_status` values of `pg_replication_slots` (PG 15).
-pub const WAL_STATUSES: [&str; 4] = ["reserved", "extended", "unreserved", "lost"];
+pub(crate) const WAL_STATUSES: [&str; 4] = ["reserved", "extended", "unreserved", "lost"];
 
 pub struct Metrics {
     registry: Registry,

@@ -3,12 +3,10 @@
 //! committed loses nothing with --redis-wait-replicas 1 (no rebuild needed); the relay
 //! refuses a cluster with a one-shard stream.
 
-mod common;
-
 use std::time::Duration;
 
-use cdc_relay::shard::shard_key;
-use common::{tail, Entry, Fixture};
+use crate::support::{tail, Entry, Fixture};
+use outbox_core::stream::shard_key;
 use testkit::{shared_postgres, wait_until, RedisCluster, RedisServer};
 
 const SHARDS: u32 = 8;
@@ -106,7 +104,7 @@ async fn a_master_failover_with_wait_replicas_loses_nothing() {
     write_rows(&fx, 2, 30).await;
 
     // THEN every shard holds exactly what committed, in commit order, once
-    let expected = common::expected_by_shard(&fx.witness().await, SHARDS);
+    let expected = crate::support::expected_by_shard(&fx.witness().await, SHARDS);
     let want: usize = expected.iter().map(Vec::len).sum();
     wait_until(
         Duration::from_secs(90),
@@ -130,7 +128,7 @@ async fn a_master_failover_with_wait_replicas_loses_nothing() {
     .await;
     assert_eq!(cluster_entries(&cluster, &fx.stream).await, expected);
     // AND no shard had to be rebuilt for lost data (only the first start found no record)
-    let metrics = common::metrics(&relay).await;
+    let metrics = crate::support::metrics(&relay).await;
     let lost: f64 = metrics
         .iter()
         .filter(|(k, _)| k.starts_with("cdc_relay_rebuilds_total") && !k.contains("no_record"))
@@ -154,7 +152,7 @@ async fn a_cluster_with_a_one_shard_stream_is_refused() {
         ]))
         .output()
         .unwrap();
-    common::assert_refused(
+    crate::support::assert_refused(
         &output,
         &["--redis-cluster needs --stream-shards 2 or more"],
     );

@@ -2,13 +2,11 @@
 //! restarted, a second relay waiting for the slot, and one very large transaction. The
 //! SIGKILL runs on Postgres 16, 17 and 18 too.
 
-mod common;
-
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{assert_same_entries, insert_txn, Fixture};
+use crate::support::{assert_same_entries, insert_txn, Fixture};
 use testkit::{shared_postgres, shared_redis, wait_until, PgServer, RedisServer, Signal};
 
 /// Inserts single-row outbox transactions in a loop until stopped, reconnecting after

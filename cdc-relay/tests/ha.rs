@@ -7,13 +7,11 @@
 //! stream stalled while the relay published. And a relay decoding on a standby (16+)
 //! streams, and goes on through that standby's promotion.
 
-mod common;
-
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{insert_txn, metrics, stream_ids, Fixture, RelayProcess};
+use crate::support::{insert_txn, metrics, stream_ids, Fixture, RelayProcess};
 use testkit::proxy::Proxy;
 use testkit::{wait_until, PgOptions, PgServer, RedisServer, Signal, TestDb};
 
@@ -390,7 +388,7 @@ async fn failover_without_failover_slots(options: PgOptions, standby_state: Stan
                 return Ok(());
             }
         }
-        Err(common::tail(&relays[0].child.log()))
+        Err(crate::support::tail(&relays[0].child.log()))
     })
     .await;
     let (stop, committed, writer) = steady_writer(&fx).await;
@@ -457,8 +455,8 @@ async fn failover_without_failover_slots(options: PgOptions, standby_state: Stan
             } else {
                 Err(format!(
                     "relay-a: {}\nrelay-b: {}",
-                    common::tail(&relays[0].child.log()),
-                    common::tail(&relays[1].child.log())
+                    crate::support::tail(&relays[0].child.log()),
+                    crate::support::tail(&relays[1].child.log())
                 ))
             }
         },
@@ -549,7 +547,7 @@ async fn failover_without_failover_slots(options: PgOptions, standby_state: Stan
         assert!(
             relay.child.is_running(),
             "{}",
-            common::tail(&relay.child.log())
+            crate::support::tail(&relay.child.log())
         );
     }
     println!(
@@ -607,7 +605,7 @@ async fn relay_on_a_standby(version: u32) {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
     });
-    let fx = Fixture::on_database(&standby, &redis, db.on(&standby)).await;
+    let fx = Fixture::on_database(&redis, db.on(&standby)).await;
     nudger.abort();
     let relay = fx.spawn_relay("relay", &[]);
     relay.wait_streaming().await;

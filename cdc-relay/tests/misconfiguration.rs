@@ -1,12 +1,10 @@
 //! Misconfiguration is refused at start with one line that says what to change; `setup`
 //! creates the slot once and refuses to create it before the publication exists.
 
-mod common;
-
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::{assert_refused, Fixture};
+use crate::support::{assert_refused, Fixture};
 use testkit::{shared_postgres, shared_redis, unique_name, wait_until, PgOptions, PgServer};
 
 fn relay(args: &[String]) -> Output {
@@ -17,14 +15,14 @@ fn relay(args: &[String]) -> Output {
         .expect("run cdc-relay")
 }
 
-fn run_args(fx: &Fixture, overrides: &[&str]) -> Vec<String> {
+fn run_args(fx: &Fixture<'_>, overrides: &[&str]) -> Vec<String> {
     let mut args = vec!["run".to_string()];
     args.extend(fx.flags(overrides));
     args
 }
 
 /// `setup` with the connection flags `run` takes (tuning flags are `run`'s alone).
-fn setup_args(fx: &Fixture, overrides: &[&str]) -> Vec<String> {
+fn setup_args(fx: &Fixture<'_>, overrides: &[&str]) -> Vec<String> {
     let mut args = vec!["setup".to_string()];
     let flags = fx.flags(overrides);
     for pair in flags.chunks(2) {
@@ -133,7 +131,10 @@ async fn unreachable_redis_at_start_keeps_retrying_and_says_so() {
         if retries >= 2 {
             Ok(())
         } else {
-            Err(format!("{retries} retries; log: {}", common::tail(&log)))
+            Err(format!(
+                "{retries} retries; log: {}",
+                crate::support::tail(&log)
+            ))
         }
     })
     .await;
@@ -157,7 +158,7 @@ async fn publication_dropped_while_streaming_stops_the_relay_with_the_hint() {
         .await
         .unwrap();
     let mut writer = fx.writer().await;
-    common::insert_txn(&mut writer, 0, 0, 1, true)
+    crate::support::insert_txn(&mut writer, 0, 0, 1, true)
         .await
         .unwrap();
     let status = relay.child.wait_exit(Duration::from_secs(20)).unwrap();
@@ -169,7 +170,7 @@ async fn publication_dropped_while_streaming_stops_the_relay_with_the_hint() {
             "cdc-relay: publication consumers_outbox does not exist: run the migrations"
         ),
         "{}",
-        common::tail(&log)
+        crate::support::tail(&log)
     );
     assert_eq!(fx.stream_len().await, 0);
 }
@@ -180,7 +181,7 @@ async fn a_foreign_writer_moving_the_stream_top_stops_the_relay_instead_of_dropp
     let relay = fx.spawn_relay("relay", &[]);
     relay.wait_streaming().await;
     let mut writer = fx.writer().await;
-    common::insert_txn(&mut writer, 0, 0, 1, true)
+    crate::support::insert_txn(&mut writer, 0, 0, 1, true)
         .await
         .unwrap();
     fx.wait_stream_len(1, Duration::from_secs(10)).await;
@@ -194,7 +195,7 @@ async fn a_foreign_writer_moving_the_stream_top_stops_the_relay_instead_of_dropp
         .query_async(&mut conn)
         .await
         .unwrap();
-    common::insert_txn(&mut writer, 0, 1, 1, true)
+    crate::support::insert_txn(&mut writer, 0, 1, 1, true)
         .await
         .unwrap();
     let status = relay.child.wait_exit(Duration::from_secs(20)).unwrap();
@@ -204,6 +205,6 @@ async fn a_foreign_writer_moving_the_stream_top_stops_the_relay_instead_of_dropp
     assert!(
         last.contains("diverged from the replication slot") && last.contains("another writer"),
         "{}",
-        common::tail(&log)
+        crate::support::tail(&log)
     );
 }

@@ -2,12 +2,10 @@
 //! the slot commands, a slot invalidated by max_slot_wal_keep_size, and Redis losing data.
 //! The slot metrics, the slot commands and the lost slot run on Postgres 16, 17 and 18 too.
 
-mod common;
-
 use std::process::{Command, Output};
 use std::time::Duration;
 
-use common::{
+use crate::support::{
     insert_txn, metrics, outbox_ids, stream_ids, wait_metric, wait_published, write_noise, Fixture,
 };
 use testkit::{shared_postgres, shared_redis, wait_until, PgOptions, PgServer, RedisServer};
@@ -258,7 +256,7 @@ async fn lost_slot_rebuilt(options: PgOptions) {
         ids.values().all(|n| *n == 1),
         "none published twice: {ids:?}"
     );
-    common::wait_rebuild_counted(&relay, "lost_slot").await;
+    crate::support::wait_rebuild_counted(&relay, "lost_slot").await;
     let m = metrics(&relay).await;
     assert_eq!(m["cdc_relay_rebuilds_total{reason=\"lost_slot\"}"], 1.0);
     assert_eq!(m["cdc_relay_republished_events_total"], 20.0);
@@ -297,9 +295,9 @@ async fn setup_failover_creates_a_failover_slot_on_17_and_later_and_is_refused_b
                 "--slot",
                 slot,
                 "--publication",
-                common::PUBLICATION,
+                crate::support::PUBLICATION,
                 "--outbox-table",
-                common::OUTBOX,
+                crate::support::OUTBOX,
                 "--failover",
             ]))
         };
@@ -448,7 +446,7 @@ async fn a_slot_postgres_18_invalidates_as_idle_is_rebuilt_like_any_lost_slot() 
     wait_published(&fx, &committed, &relay).await;
     let ids = stream_ids(&fx).await;
     assert!(ids.values().all(|n| *n == 1), "none twice: {ids:?}");
-    common::wait_rebuild_counted(&relay, "lost_slot").await;
+    crate::support::wait_rebuild_counted(&relay, "lost_slot").await;
     relay.stop();
 }
 
@@ -474,7 +472,7 @@ async fn a_lost_slot_stops_the_relay_naming_the_recovery_option_by_default() {
     assert!(
         last.contains("is lost") && last.contains("--on-lost-slot recover"),
         "{}",
-        common::tail(&log)
+        crate::support::tail(&log)
     );
 }
 
@@ -500,7 +498,7 @@ async fn redis_restarted_without_its_data_gets_every_message_again() {
     let committed = outbox_ids(&fx).await;
     wait_published(&fx, &committed, &relay).await;
     assert!(stream_ids(&fx).await.values().all(|n| *n == 1));
-    common::wait_rebuild_counted(&relay, "no_record").await;
+    crate::support::wait_rebuild_counted(&relay, "no_record").await;
     let m = metrics(&relay).await;
     // Redis lost everything, its record included.
     assert_eq!(m["cdc_relay_rebuilds_total{reason=\"no_record\"}"], 1.0);

@@ -4,14 +4,12 @@
 //! the relay published, a point-in-time restore below the stream's top, and a rebuild
 //! slowed past its lock's TTL.
 
-mod common;
-
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::{
+use crate::support::{
     insert_txn, metrics, outbox_ids, stream_ids, wait_published, write_noise, Fixture, RelayProcess,
 };
 use testkit::{shared_postgres, wait_until, PgOptions, PgServer, RedisServer};
@@ -25,9 +23,9 @@ fn setup_cli(fx: &Fixture<'_>, database_url: &str) -> std::process::Output {
             "--slot",
             &fx.slot,
             "--publication",
-            common::PUBLICATION,
+            crate::support::PUBLICATION,
             "--outbox-table",
-            common::OUTBOX,
+            crate::support::OUTBOX,
             "--redis-url",
             &fx.redis.url(),
             "--stream",
@@ -91,7 +89,7 @@ async fn redis_emptied_while_the_relay_is_quiet_gets_every_row_back() {
     // THEN all 25 rows are in the stream, once, and the rebuild says why
     assert_every_row_once(&fx, &relay).await;
     assert_eq!(stream_ids(&fx).await.len(), 25);
-    common::wait_rebuild_counted(&relay, "no_record").await;
+    crate::support::wait_rebuild_counted(&relay, "no_record").await;
     let m = metrics(&relay).await;
     assert_eq!(m["cdc_relay_rebuilds_total{reason=\"no_record\"}"], 1.0);
     relay.stop();
@@ -217,7 +215,7 @@ async fn a_standby_beside_a_loaded_relay_never_rebuilds() {
             record_field(&fx, "rebuilding").await,
             None,
             "a rebuild marker appeared; standby log: {}",
-            common::tail(&standby.child.log())
+            crate::support::tail(&standby.child.log())
         );
         // (the scenario's sampling period: the marker is watched for the whole load)
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -246,7 +244,7 @@ async fn a_standby_beside_a_loaded_relay_never_rebuilds() {
     assert_eq!(expected.len(), committed as usize);
     fx.wait_stream_len(expected.len(), Duration::from_secs(60))
         .await;
-    common::assert_same_entries(&fx.stream_entries().await, &expected);
+    crate::support::assert_same_entries(&fx.stream_entries().await, &expected);
     assert_eq!(record_field(&fx, "rebuilding").await, None);
     for relay in [&standby] {
         let m = metrics(relay).await;
@@ -261,7 +259,7 @@ async fn a_standby_beside_a_loaded_relay_never_rebuilds() {
         assert!(
             !log.contains("rebuilding the stream"),
             "{}",
-            common::tail(&log)
+            crate::support::tail(&log)
         );
     }
     eprintln!("standby under load: {committed} commits in {seconds} s, handover clean");
@@ -399,7 +397,7 @@ async fn restart_on_new_history(
             } else {
                 Err(format!(
                     "{missing} of 100 missing; log: {}",
-                    common::tail(&relay.child.log())
+                    crate::support::tail(&relay.child.log())
                 ))
             }
         },
@@ -414,7 +412,10 @@ async fn restart_on_new_history(
         .iter()
         .position(|e| e.payload["writer"] == 3)
         .unwrap();
-    assert!(common::parse_stream_id(&entries[first_new].id) > common::parse_stream_id(top_before));
+    assert!(
+        crate::support::parse_stream_id(&entries[first_new].id)
+            > crate::support::parse_stream_id(top_before)
+    );
     relay
 }
 
@@ -472,7 +473,7 @@ async fn failover_behind(options: PgOptions) {
     for txn in 0..50 {
         assert!(payloads.contains_key(&(1, txn)), "old message {txn} lost");
     }
-    common::wait_rebuild_counted(&relay, "timeline").await;
+    crate::support::wait_rebuild_counted(&relay, "timeline").await;
     let m = metrics(&relay).await;
     assert_eq!(m["cdc_relay_rebuilds_total{reason=\"timeline\"}"], 1.0);
     assert!(relay
@@ -521,7 +522,7 @@ async fn a_point_in_time_restore_below_the_stream_loses_no_new_message() {
     // THEN every message committed after the restore is in the stream, once, above the
     // old top, and the rebuild says why
     let relay = restart_on_new_history(&fx, &db, "relay-restored", &top_before).await;
-    common::wait_rebuild_counted(&relay, "timeline").await;
+    crate::support::wait_rebuild_counted(&relay, "timeline").await;
     let m = metrics(&relay).await;
     assert_eq!(m["cdc_relay_rebuilds_total{reason=\"timeline\"}"], 1.0);
     relay.stop();
@@ -554,7 +555,7 @@ async fn a_rebuild_slowed_past_its_lock_ttl_keeps_the_lock() {
         if first.child.log().contains("rebuilding the stream") {
             Ok(())
         } else {
-            Err(common::tail(&first.child.log()))
+            Err(crate::support::tail(&first.child.log()))
         }
     })
     .await;
@@ -573,9 +574,9 @@ async fn a_rebuild_slowed_past_its_lock_ttl_keeps_the_lock() {
     assert!(
         !second.child.log().contains("rebuilding the stream"),
         "{}",
-        common::tail(&second.child.log())
+        crate::support::tail(&second.child.log())
     );
-    common::wait_rebuild_counted(&first, "no_record").await;
+    crate::support::wait_rebuild_counted(&first, "no_record").await;
     let m = metrics(&first).await;
     assert_eq!(m["cdc_relay_rebuilds_total{reason=\"no_record\"}"], 1.0);
     first.stop();

@@ -2,14 +2,12 @@
 //! throwaway CA) and SCRAM passwords, Redis with a TLS port and the ACL users rendered from
 //! `deploy/redis/users.acl`; and secrets kept out of every log line.
 
-mod common;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use common::{assert_refused, assert_same_entries, insert_txn, read_stream, tail, Fixture};
+use crate::support::{assert_refused, assert_same_entries, insert_txn, read_stream, tail, Fixture};
 use testkit::tls::{ServerCert, TestCa};
 use testkit::{
     scratch_dir, wait_until, ChildProcess, PgOptions, PgServer, RedisOptions, RedisServer, Signal,
@@ -269,9 +267,9 @@ async fn postgres_certificates_are_verified_as_sslmode_says() {
             "--slot",
             &testkit::unique_name("relay"),
             "--publication",
-            common::PUBLICATION,
+            crate::support::PUBLICATION,
             "--outbox-table",
-            common::OUTBOX,
+            crate::support::OUTBOX,
         ]);
         if with_ca {
             args.extend(s(&["--database-ca-file", &ca]));

@@ -3,13 +3,11 @@
 //! stream would have; a shard that lost its data is rebuilt without duplicating the others;
 //! a relay configured with another shard count is refused.
 
-mod common;
-
 use std::collections::HashSet;
 use std::time::Duration;
 
-use cdc_relay::shard::shard_key;
-use common::{read_stream, tail, Entry, Fixture, RelayProcess};
+use crate::support::{read_stream, tail, Entry, Fixture, RelayProcess};
+use outbox_core::stream::shard_key;
 use testkit::{shared_postgres, wait_until, RedisServer};
 
 const SHARDS: u32 = 8;
@@ -48,7 +46,7 @@ async fn shard_entries(fx: &Fixture<'_>) -> Vec<Vec<Entry>> {
 
 /// Wait until every shard holds exactly what committed (the shard's rows, once, in order).
 async fn assert_shards_hold_exactly_what_committed(fx: &Fixture<'_>, relay: &RelayProcess) {
-    let expected = common::expected_by_shard(&fx.witness().await, SHARDS);
+    let expected = crate::support::expected_by_shard(&fx.witness().await, SHARDS);
     assert!(
         expected.iter().filter(|s| !s.is_empty()).count() >= SHARDS as usize - 1,
         "the chats spread over the shards: {:?}",
@@ -198,8 +196,8 @@ async fn assert_shards_hold_exactly_after_rebuild(
     reason: &str,
     rebuilt: &[usize],
 ) {
-    common::wait_rebuild_counted(relay, reason).await;
-    let expected = common::expected_by_shard(&fx.witness().await, SHARDS);
+    crate::support::wait_rebuild_counted(relay, reason).await;
+    let expected = crate::support::expected_by_shard(&fx.witness().await, SHARDS);
     wait_until(
         Duration::from_secs(60),
         "every shard holds its rows",
@@ -257,7 +255,7 @@ async fn a_relay_with_another_shard_count_is_refused_with_what_to_change() {
             .output()
             .unwrap();
         // THEN it stops at once, saying what the stream has and which flag to change
-        common::assert_refused(&output, &["set up with 8 shard(s)", "--stream-shards"]);
+        crate::support::assert_refused(&output, &["set up with 8 shard(s)", "--stream-shards"]);
     }
     // AND nothing was written under the other layout
     let mut conn = redis.connect().await.unwrap();
@@ -325,14 +323,14 @@ async fn a_drained_stream_is_resized_and_streams_on_without_republishing() {
     let relay = fx.spawn_relay("relay-1", &[]);
     relay.wait_streaming().await;
     write_concurrently(&fx, 0, 10).await;
-    let published = common::outbox_ids(&fx).await;
-    common::wait_published(&fx, &published, &relay).await;
+    let published = crate::support::outbox_ids(&fx).await;
+    crate::support::wait_published(&fx, &published, &relay).await;
     assert_eq!(consume(&redis, &fx.stream, 5).await, 5);
     relay.stop();
     write_concurrently(&fx, 1, 10).await;
 
     // WHEN the operator resizes to 8 before the group read everything: refused, saying why
-    common::assert_refused(
+    crate::support::assert_refused(
         &reshard(&fx, "8"),
         &["group g has not finished", "reshard again"],
     );
@@ -353,7 +351,7 @@ async fn a_drained_stream_is_resized_and_streams_on_without_republishing() {
         .args(fx.flags(&["--admin-addr", ""]))
         .output()
         .unwrap();
-    common::assert_refused(&old, &["set up with 8 shard(s)", "--stream-shards"]);
+    crate::support::assert_refused(&old, &["set up with 8 shard(s)", "--stream-shards"]);
 
     // AND the relay with 8 streams on from the slot: the rows committed while it was
     // stopped, and every later one, land in their shards in commit order, nothing
@@ -368,7 +366,7 @@ async fn a_drained_stream_is_resized_and_streams_on_without_republishing() {
         .map(|e| e.outbox_id)
         .collect();
     assert_eq!(old_stream.len(), published.len(), "old stream untouched");
-    let expected: Vec<Vec<Entry>> = common::expected_by_shard(&fx.witness().await, SHARDS)
+    let expected: Vec<Vec<Entry>> = crate::support::expected_by_shard(&fx.witness().await, SHARDS)
         .into_iter()
         .map(|shard| {
             shard
@@ -395,7 +393,7 @@ async fn a_drained_stream_is_resized_and_streams_on_without_republishing() {
     )
     .await;
     assert_eq!(shard_entries(&fx).await, expected);
-    let rebuilds: f64 = common::metrics(&relay)
+    let rebuilds: f64 = crate::support::metrics(&relay)
         .await
         .iter()
         .filter(|(k, _)| k.starts_with("cdc_relay_rebuilds_total"))
@@ -413,17 +411,17 @@ async fn a_stream_resized_twice_streams_on_with_the_last_count() {
     let relay = fx.spawn_relay("relay-1", &[]);
     relay.wait_streaming().await;
     write_concurrently(&fx, 0, 5).await;
-    common::wait_published(&fx, &common::outbox_ids(&fx).await, &relay).await;
+    crate::support::wait_published(&fx, &crate::support::outbox_ids(&fx).await, &relay).await;
     relay.stop();
     consume(&redis, &fx.stream, 10_000).await;
     assert!(reshard(&fx, "4").status.success());
     let relay = fx.spawn_relay("relay-2", &["--stream-shards", "4"]);
     relay.wait_streaming().await;
     write_concurrently(&fx, 1, 5).await;
-    let want = common::outbox_ids(&fx).await.len();
+    let want = crate::support::outbox_ids(&fx).await.len();
     wait_until(Duration::from_secs(60), "rows in the 4 shards", || async {
         let mut have = read_stream(&redis, &fx.stream).await.unwrap().len();
-        for key in cdc_relay::shard::shard_keys(&fx.stream, 4) {
+        for key in outbox_core::stream::shard_keys(&fx.stream, 4) {
             have += read_stream(&redis, &key).await.unwrap().len();
         }
         if have >= want {
@@ -436,7 +434,7 @@ async fn a_stream_resized_twice_streams_on_with_the_last_count() {
     relay.stop();
 
     // WHEN it is drained and resized again, to 8
-    for key in cdc_relay::shard::shard_keys(&fx.stream, 4) {
+    for key in outbox_core::stream::shard_keys(&fx.stream, 4) {
         consume(&redis, &key, 10_000).await;
     }
     let output = reshard(&fx, "8");
@@ -455,5 +453,5 @@ async fn a_stream_resized_twice_streams_on_with_the_last_count() {
         .args(fx.flags(&["--stream-shards", "4", "--admin-addr", ""]))
         .output()
         .unwrap();
-    common::assert_refused(&old, &["set up with 8 shard(s)"]);
+    crate::support::assert_refused(&old, &["set up with 8 shard(s)"]);
 }

@@ -1,11 +1,9 @@
 //! The relay in-process against real Postgres and Redis: what reaches the stream, in which
 //! order, and what the slot is acknowledged at.
 
-mod common;
-
 use std::time::Duration;
 
-use common::{assert_same_entries, insert_txn, Fixture};
+use crate::support::{assert_same_entries, insert_txn, Fixture};
 use testkit::{shared_postgres, shared_redis, wait_until, PgServer};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

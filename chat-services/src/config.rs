@@ -5,6 +5,10 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
+use outbox_core::connect::{DatabaseSecrets, PgEndpoint, RedisSecrets, RedisTarget};
+use outbox_core::logging::LogFormat;
+use outbox_core::stream::{keys, validate_layout};
+use outbox_core::ConfigError;
 
 use crate::side::Side;
 
@@ -32,9 +36,9 @@ pub struct Cli {
     #[arg(long, env = "REDIS_CLUSTER", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
     pub redis_cluster: bool,
     #[command(flatten)]
-    pub database_secrets: cdc_relay::config::DatabaseSecrets,
+    pub database_secrets: DatabaseSecrets,
     #[command(flatten)]
-    pub redis_secrets: cdc_relay::config::RedisSecrets,
+    pub redis_secrets: RedisSecrets,
     /// HTTP listen address (the API, the page, event streams, /healthz).
     #[arg(long, env = "LISTEN_ADDR", default_value = "127.0.0.1:8080")]
     pub listen: String,
@@ -123,21 +127,44 @@ pub enum Command {
     /// Act on this side's dead letters (with the service's configuration), e.g.
     /// `chat-service dead-letters list`.
     #[command(subcommand)]
-    DeadLetters(crate::dead_letters::DeadLetterCommand),
+    DeadLetters(DeadLetterCommand),
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum LogFormat {
-    Text,
-    Json,
+/// `chat-service dead-letters ...` (see `dead_letters` for what each does).
+#[derive(Debug, Clone, clap::Subcommand)]
+pub enum DeadLetterCommand {
+    /// Print the dead letters, oldest first, one JSON object per line.
+    List {
+        /// Print at most this many.
+        #[arg(long, default_value_t = 100)]
+        count: usize,
+    },
+    /// Record dead letters in the inbox (after fixing their cause) and remove them.
+    Replay(Selection),
+    /// Remove dead letters without recording them.
+    Drop(Selection),
+}
+
+#[derive(Debug, Clone, clap::Args)]
+pub struct Selection {
+    /// Dead-letter entry ids, as `list` prints them (`<stream>@<id>` where the same id is
+    /// in two shards' dead-letter streams).
+    #[arg(required_unless_present = "all", conflicts_with = "all")]
+    pub ids: Vec<String>,
+    /// Every dead letter.
+    #[arg(long)]
+    pub all: bool,
+    /// Who does it, for the audit log.
+    #[arg(long, env = "CHAT_OPERATOR")]
+    pub by: String,
 }
 
 /// Everything a service needs, validated.
 #[derive(Clone)]
 pub struct ServiceConfig {
     pub side: Side,
-    pub postgres: cdc_relay::pg::PgEndpoint,
-    pub redis: cdc_relay::redis_client::RedisTarget,
+    pub postgres: PgEndpoint,
+    pub redis: RedisTarget,
     pub listen: SocketAddr,
     pub admin_addr: Option<SocketAddr>,
     pub consumer_name: String,
@@ -182,86 +209,18 @@ fn hostname() -> String {
 }
 
 impl Cli {
-    pub fn validate(&self) -> Result<ServiceConfig, String> {
-        let postgres = self
-            .database_secrets
-            .endpoint(&self.database_url)
-            .map_err(|e| e.to_string())?;
-        let redis = self
-            .redis_secrets
-            .target(&self.redis_url, self.redis_cluster, Duration::from_secs(5))
-            .map_err(|e| e.to_string())?;
-        let listen = self.listen.parse().map_err(|_| {
-            format!(
-                "--listen '{}' is not host:port (e.g. 0.0.0.0:8080)",
-                self.listen
-            )
-        })?;
-        let admin_addr = if self.admin_addr.is_empty() {
-            None
-        } else {
-            Some(self.admin_addr.parse().map_err(|_| {
-                format!(
-                    "--admin-addr '{}' is not host:port (e.g. 0.0.0.0:9090), or empty to disable",
-                    self.admin_addr
-                )
-            })?)
-        };
-        let consumer_name = self
-            .consumer_name
-            .clone()
-            .unwrap_or_else(|| format!("{}-{}", self.side, hostname()));
-        if consumer_name.is_empty()
-            || consumer_name.contains('/')
-            || consumer_name.chars().any(char::is_whitespace)
-        {
-            return Err(format!(
-                "--consumer-name '{consumer_name}' must be non-empty, without '/' or whitespace"
-            ));
-        }
-        let stream_shards =
-            cdc_relay::shard::validate_count("--stream-shards", self.stream_shards)?;
-        cdc_relay::shard::check_cluster(self.redis_cluster, stream_shards)?;
-        for (flag, name) in [
-            ("--inbound-stream", &self.inbound_stream),
-            ("--dead-letter-stream", &self.dead_letter_stream),
-        ] {
-            if let Some(name) = name {
-                cdc_relay::shard::check_cluster_key(self.redis_cluster, flag, name)?;
-            }
-        }
-        if self.dead_letter_max_len == 0 {
-            return Err("--dead-letter-max-len must be at least 1".into());
-        }
-        if self.max_deliveries == 0 {
-            return Err("--max-deliveries must be at least 1".into());
-        }
-        if self.lease_ttl < Duration::from_secs(1) {
-            return Err("--lease-ttl must be at least 1s".into());
-        }
-        if self.sse_heartbeat.is_zero() || self.claim_idle.is_zero() {
-            return Err("--sse-heartbeat and --claim-idle must be greater than zero".into());
-        }
-        if self.sse_client_buffer < 64 * 1024 {
-            return Err("--sse-client-buffer must be at least 65536 bytes (one message's frame can reach ~24 KiB)".into());
-        }
-        if self.feed_check_interval < Duration::from_millis(100) {
-            return Err("--feed-check-interval must be at least 100ms".into());
-        }
-        if self.outbox_retention < Duration::from_secs(60)
-            || self.outbox_retention_interval.is_zero()
-        {
-            return Err("--outbox-retention must be at least 1m and --outbox-retention-interval greater than zero".into());
-        }
-        if self.db_pool_size == 0 {
-            return Err("--db-pool-size must be at least 1".into());
-        }
-        if self.max_connections == 0 || self.max_event_streams == 0 {
-            return Err("--max-connections and --max-event-streams must be at least 1".into());
-        }
-        if self.header_read_timeout.is_zero() {
-            return Err("--header-read-timeout must be greater than zero".into());
-        }
+    /// Everything the service needs, or what to change.
+    pub fn validate(&self) -> Result<ServiceConfig, ConfigError> {
+        let postgres = self.database_secrets.endpoint(&self.database_url)?;
+        let redis = self.redis_secrets.target(
+            &self.redis_url,
+            self.redis_cluster,
+            Duration::from_secs(5),
+        )?;
+        let (listen, admin_addr) = self.addresses()?;
+        let consumer_name = self.consumer_name()?;
+        let stream_shards = self.stream_layout()?;
+        self.check_bounds()?;
         Ok(ServiceConfig {
             side: self.side,
             postgres,
@@ -277,7 +236,7 @@ impl Cli {
             dead_letter_stream: self
                 .dead_letter_stream
                 .clone()
-                .unwrap_or_else(|| format!("deadletter:{}", self.side)),
+                .unwrap_or_else(|| keys::dead_letter_base(self.side.as_str())),
             dead_letter_max_len: self.dead_letter_max_len,
             claim_idle: self.claim_idle,
             max_deliveries: self.max_deliveries,
@@ -301,6 +260,99 @@ impl Cli {
             crash_on_body: None,
         })
     }
+
+    /// The public and admin listen addresses.
+    fn addresses(&self) -> Result<(SocketAddr, Option<SocketAddr>), ConfigError> {
+        let listen = self.listen.parse().map_err(|_| {
+            ConfigError(format!(
+                "--listen '{}' is not host:port (e.g. 0.0.0.0:8080)",
+                self.listen
+            ))
+        })?;
+        let admin_addr = if self.admin_addr.is_empty() {
+            None
+        } else {
+            Some(self.admin_addr.parse().map_err(|_| {
+                ConfigError(format!(
+                    "--admin-addr '{}' is not host:port (e.g. 0.0.0.0:9090), or empty to disable",
+                    self.admin_addr
+                ))
+            })?)
+        };
+        Ok((listen, admin_addr))
+    }
+
+    /// This instance's stable consumer name.
+    fn consumer_name(&self) -> Result<String, ConfigError> {
+        let consumer_name = self
+            .consumer_name
+            .clone()
+            .unwrap_or_else(|| format!("{}-{}", self.side, hostname()));
+        if consumer_name.is_empty()
+            || consumer_name.contains('/')
+            || consumer_name.chars().any(char::is_whitespace)
+        {
+            return Err(ConfigError(format!(
+                "--consumer-name '{consumer_name}' must be non-empty, without '/' or whitespace"
+            )));
+        }
+        Ok(consumer_name)
+    }
+
+    /// The inbound stream's shard count, checked with the key names it splits.
+    fn stream_layout(&self) -> Result<u32, ConfigError> {
+        let named: Vec<(&str, &str)> = [
+            ("--inbound-stream", &self.inbound_stream),
+            ("--dead-letter-stream", &self.dead_letter_stream),
+        ]
+        .into_iter()
+        .filter_map(|(flag, name)| name.as_deref().map(|n| (flag, n)))
+        .collect();
+        validate_layout(
+            "--stream-shards",
+            self.stream_shards,
+            self.redis_cluster,
+            &named,
+        )
+    }
+
+    /// Bounds every knob must respect.
+    fn check_bounds(&self) -> Result<(), ConfigError> {
+        let refuse = |message: &str| Err(ConfigError::new(message));
+        if self.dead_letter_max_len == 0 {
+            return refuse("--dead-letter-max-len must be at least 1");
+        }
+        if self.max_deliveries == 0 {
+            return refuse("--max-deliveries must be at least 1");
+        }
+        if self.lease_ttl < Duration::from_secs(1) {
+            return refuse("--lease-ttl must be at least 1s");
+        }
+        if self.sse_heartbeat.is_zero() || self.claim_idle.is_zero() {
+            return refuse("--sse-heartbeat and --claim-idle must be greater than zero");
+        }
+        if self.sse_client_buffer < 64 * 1024 {
+            return refuse("--sse-client-buffer must be at least 65536 bytes (one message's frame can reach ~24 KiB)");
+        }
+        if self.feed_check_interval < Duration::from_millis(100) {
+            return refuse("--feed-check-interval must be at least 100ms");
+        }
+        if self.outbox_retention < Duration::from_secs(60)
+            || self.outbox_retention_interval.is_zero()
+        {
+            return refuse("--outbox-retention must be at least 1m and --outbox-retention-interval greater than zero");
+        }
+        if self.db_pool_size == 0 {
+            return refuse("--db-pool-size must be at least 1");
+        }
+        if self.max_connections == 0 || self.max_event_streams == 0 {
+            return refuse("--max-connections and --max-event-streams must be at least 1");
+        }
+        if self.header_read_timeout.is_zero() {
+            return refuse("--header-read-timeout must be greater than zero");
+        }
+        Ok(())
+    }
 }
 
 // `migrate`'s command line (the binary is src/bin/migrate.rs), here so tests can inspect it.
@@ -313,7 +365,7 @@ pub struct MigrateCli {
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     #[command(flatten)]
-    pub secrets: cdc_relay::config::DatabaseSecrets,
+    pub secrets: DatabaseSecrets,
     /// Set a role's password from a file, `ROLE=FILE` (repeatable), e.g.
     /// consumers=/run/secrets/consumers-password. Postgres stores it hashed (SCRAM).
     #[arg(long = "role-password", value_parser = parse_role_password)]

@@ -12,41 +12,14 @@
 use std::collections::HashMap;
 use std::io::Write;
 
-use cdc_relay::redis_client::RedisConn;
-use clap::{Args, Subcommand};
+use outbox_core::connect::RedisConn;
+use outbox_core::stream::entry::{self, dead_letter};
+use outbox_core::stream::{keys, shard_keys, shard_of_key};
 use serde_json::json;
 
-use crate::config::ServiceConfig;
+use crate::config::{DeadLetterCommand, Selection, ServiceConfig};
 use crate::model::{self, Message, PoisonError};
 use crate::store::{Received, Store, StoreError};
-
-#[derive(Debug, Clone, Subcommand)]
-pub enum DeadLetterCommand {
-    /// Print the dead letters, oldest first, one JSON object per line.
-    List {
-        /// Print at most this many.
-        #[arg(long, default_value_t = 100)]
-        count: usize,
-    },
-    /// Record dead letters in the inbox (after fixing their cause) and remove them.
-    Replay(Selection),
-    /// Remove dead letters without recording them.
-    Drop(Selection),
-}
-
-#[derive(Debug, Clone, Args)]
-pub struct Selection {
-    /// Dead-letter entry ids, as `list` prints them (`<stream>@<id>` where the same id is
-    /// in two shards' dead-letter streams).
-    #[arg(required_unless_present = "all", conflicts_with = "all")]
-    pub ids: Vec<String>,
-    /// Every dead letter.
-    #[arg(long)]
-    pub all: bool,
-    /// Who does it, for the audit log.
-    #[arg(long, env = "CHAT_OPERATOR")]
-    pub by: String,
-}
 
 #[derive(Debug, thiserror::Error)]
 pub enum DeadLetterError {
@@ -60,8 +33,10 @@ pub enum DeadLetterError {
         "dead letter id {0} is in several dead-letter streams ({1}): name it as <stream>@<id>"
     )]
     Ambiguous(String, String),
-    #[error("{0}")]
-    Config(String),
+    #[error(transparent)]
+    Config(#[from] outbox_core::ConfigError),
+    #[error("message {0} was recorded but has no feed position")]
+    NoPosition(uuid::Uuid),
     #[error("writing the output: {0}")]
     Output(#[from] std::io::Error),
 }
@@ -90,7 +65,7 @@ impl DeadLetter {
 
     /// The original entry's stream id as numbers, for ordering (unparsable ones last).
     fn stream_order(&self) -> (u64, u64) {
-        self.field("id")
+        self.field(dead_letter::ID)
             .split_once('-')
             .and_then(|(ms, seq)| Some((ms.parse().ok()?, seq.parse().ok()?)))
             .unwrap_or((u64::MAX, u64::MAX))
@@ -98,29 +73,31 @@ impl DeadLetter {
 
     /// The message it carries, parsed as the consumer would.
     fn message(&self, from: crate::side::Side) -> Result<Message, PoisonError> {
-        match (
-            self.fields.get("entry.event"),
-            self.fields.get("entry.payload"),
-        ) {
-            (Some(event), Some(payload)) => model::parse_event(event, payload, from),
-            (None, _) => Err(PoisonError::MissingField("event")),
-            (_, None) => Err(PoisonError::MissingField("payload")),
-        }
+        model::parse_entry(
+            |name| {
+                self.fields
+                    .get(&dead_letter::entry_field(name))
+                    .map(String::as_str)
+            },
+            from,
+        )
     }
 
     fn summary(&self) -> serde_json::Value {
-        let body: String = serde_json::from_str::<serde_json::Value>(self.field("entry.payload"))
-            .ok()
-            .and_then(|p| p["body"].as_str().map(|b| b.chars().take(80).collect()))
-            .unwrap_or_default();
+        let body: String = serde_json::from_str::<serde_json::Value>(
+            self.field(&dead_letter::entry_field(entry::PAYLOAD)),
+        )
+        .ok()
+        .and_then(|p| p["body"].as_str().map(|b| b.chars().take(80).collect()))
+        .unwrap_or_default();
         json!({
             "dead_letter_id": self.id,
             "dead_letter_stream": self.stream,
-            "stream": self.field("stream"),
-            "stream_id": self.field("id"),
-            "reason": self.field("reason"),
-            "deliveries": self.field("deliveries"),
-            "event": self.field("entry.event"),
+            "stream": self.field(dead_letter::STREAM),
+            "stream_id": self.field(dead_letter::ID),
+            "reason": self.field(dead_letter::REASON),
+            "deliveries": self.field(dead_letter::DELIVERIES),
+            "event": self.field(&dead_letter::entry_field(entry::EVENT)),
             "body": body,
         })
     }
@@ -180,8 +157,7 @@ pub async fn run(
             Ok(outcome)
         }
         DeadLetterCommand::Replay(selection) => {
-            let store =
-                Store::new(&config.postgres, config.side, 2).map_err(DeadLetterError::Config)?;
+            let store = Store::new(&config.postgres, config.side, 2)?;
             let mut outcome = Outcome::default();
             let mut replayed = false;
             for (stream, ids) in pick(&mut conn, &streams, &selection).await? {
@@ -249,7 +225,7 @@ pub async fn run(
 /// there; none ever ran on a cluster, where its audit key would sit in another slot).
 fn streams(config: &ServiceConfig) -> Vec<String> {
     let base = &config.dead_letter_stream;
-    let mut streams = cdc_relay::shard::shard_keys(base, config.stream_shards);
+    let mut streams = shard_keys(base, config.stream_shards);
     if config.stream_shards > 1 && !config.redis.is_cluster() {
         streams.insert(0, base.clone());
     }
@@ -341,9 +317,9 @@ async fn record(
     message: Message,
 ) -> Result<Result<(Message, i64, bool), String>, DeadLetterError> {
     // Recorded beside the writer of the shard the entry came from.
-    let shard = cdc_relay::shard::shard_of_key(letter.field("stream"));
+    let shard = shard_of_key(letter.field(dead_letter::STREAM));
     let batch = [Received {
-        stream_id: letter.field("id").to_string(),
+        stream_id: letter.field(dead_letter::ID).to_string(),
         message,
     }];
     // The writer's epoch can move on between reading and writing it (a takeover); then read
@@ -354,9 +330,10 @@ async fn record(
         match store.record_inbox(&batch, shard, epoch).await {
             Ok(positions) => {
                 let [Received { message, .. }] = batch;
-                let position = positions.get(&message.id).copied().ok_or_else(|| {
-                    DeadLetterError::Config("recorded message has no position".into())
-                })?;
+                let position = positions
+                    .get(&message.id)
+                    .copied()
+                    .ok_or_else(|| DeadLetterError::NoPosition(message.id))?;
                 return Ok(Ok((message, position.pos, position.new)));
             }
             Err(StoreError::Fenced { .. }) if attempts < 5 => attempts += 1,
@@ -435,7 +412,7 @@ return 1
         .expect("formats");
     let mut invocation = REMOVE.key(stream);
     invocation
-        .key(format!("{stream}:audit"))
+        .key(keys::dead_letter_audit_key(stream))
         .arg(&letter.id)
         .arg("action")
         .arg(action)
@@ -444,9 +421,9 @@ return 1
         .arg("dead_letter_id")
         .arg(&letter.id)
         .arg("stream_id")
-        .arg(letter.field("id"))
+        .arg(letter.field(dead_letter::ID))
         .arg("reason")
-        .arg(letter.field("reason"))
+        .arg(letter.field(dead_letter::REASON))
         .arg("at")
         .arg(at);
     for (k, v) in details {
@@ -454,7 +431,7 @@ return 1
     }
     let removed: i64 = invocation.invoke_async(conn).await?;
     if removed == 1 {
-        tracing::info!(action, by, dead_letter_id = %letter.id, stream_id = %letter.field("id"), "dead letter removed");
+        tracing::info!(action, by, dead_letter_id = %letter.id, stream_id = %letter.field(dead_letter::ID), "dead letter removed");
     }
     Ok(removed == 1)
 }

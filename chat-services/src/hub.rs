@@ -21,7 +21,7 @@ use tokio::sync::broadcast;
 /// `p` tells it from the side-wide inbox sequence that ids were before migration V7). Made
 /// here, below the inbox consumer, the send handler (which announce) and the SSE handler
 /// (which replays), so none imports another.
-pub fn frame(item: &crate::model::HistoryItem) -> Bytes {
+pub(crate) fn frame(item: &crate::model::HistoryItem) -> Bytes {
     let data = serde_json::to_string(item).expect("message serializes");
     Bytes::from(format!(
         "id: p{}\nevent: message\ndata: {data}\n\n",
@@ -33,7 +33,7 @@ pub fn frame(item: &crate::model::HistoryItem) -> Bytes {
 const CHAT_BUFFER: usize = 256;
 
 #[derive(Debug, Clone)]
-pub enum Live {
+pub(crate) enum Live {
     /// A message committed at feed position `pos`, as a ready SSE frame.
     Message { pos: i64, frame: Bytes },
     /// The chat's feed reaches position `pos`: a stream behind it reads what it missed.
@@ -44,16 +44,16 @@ pub enum Live {
 }
 
 #[derive(Default)]
-pub struct Hub {
+pub(crate) struct Hub {
     chats: Mutex<HashMap<i64, broadcast::Sender<Live>>>,
 }
 
 impl Hub {
-    pub fn new() -> Arc<Self> {
+    pub(crate) fn new() -> Arc<Self> {
         Arc::new(Self::default())
     }
 
-    pub fn subscribe(self: &Arc<Self>, chat_id: i64) -> Subscription {
+    pub(crate) fn subscribe(self: &Arc<Self>, chat_id: i64) -> Subscription {
         let mut chats = self.chats.lock().unwrap();
         let receiver = chats
             .entry(chat_id)
@@ -67,17 +67,17 @@ impl Hub {
     }
 
     /// Chats with at least one subscriber on this instance.
-    pub fn chats(&self) -> usize {
+    pub(crate) fn chats(&self) -> usize {
         self.chats.lock().unwrap().len()
     }
 
     /// Hand a committed message to the chat's subscribers, if any (never blocks).
-    pub fn publish(&self, chat_id: i64, pos: i64, frame: Bytes) {
+    pub(crate) fn publish(&self, chat_id: i64, pos: i64, frame: Bytes) {
         self.send(chat_id, Live::Message { pos, frame });
     }
 
     /// Tell the chat's subscribers how far its feed reaches.
-    pub fn tip(&self, chat_id: i64, pos: i64) {
+    pub(crate) fn tip(&self, chat_id: i64, pos: i64) {
         self.send(chat_id, Live::Tip(pos));
     }
 
@@ -92,30 +92,24 @@ impl Hub {
     }
 
     /// The chats with subscribers on this instance.
-    pub fn chat_ids(&self) -> Vec<i64> {
+    pub(crate) fn chat_ids(&self) -> Vec<i64> {
         self.chats.lock().unwrap().keys().copied().collect()
     }
 
     /// Tell the chat's subscribers to re-read its feed.
-    pub fn resync_chat(&self, chat_id: i64) {
+    pub(crate) fn resync_chat(&self, chat_id: i64) {
         self.send(chat_id, Live::Resync);
     }
 
     /// Tell every subscriber to re-read the inbox.
-    pub fn resync_all(&self) {
+    pub(crate) fn resync_all(&self) {
         let mut chats = self.chats.lock().unwrap();
         chats.retain(|_, sender| sender.send(Live::Resync).is_ok());
-    }
-
-    /// Clients connected to this instance.
-    pub fn subscribers(&self) -> usize {
-        let chats = self.chats.lock().unwrap();
-        chats.values().map(|s| s.receiver_count()).sum()
     }
 }
 
 /// One subscriber's live feed of a chat.
-pub struct Subscription {
+pub(crate) struct Subscription {
     hub: Arc<Hub>,
     chat_id: i64,
     /// `Some` until dropped.
@@ -123,7 +117,7 @@ pub struct Subscription {
 }
 
 impl Subscription {
-    pub async fn recv(&mut self) -> Result<Live, broadcast::error::RecvError> {
+    pub(crate) async fn recv(&mut self) -> Result<Live, broadcast::error::RecvError> {
         match self.receiver.as_mut() {
             Some(receiver) => receiver.recv().await,
             None => Err(broadcast::error::RecvError::Closed),

@@ -3,19 +3,28 @@
 //! path), consumes the other side's stream into its inbox exactly once per message, and
 //! shows each chat's feed (sent and received) live over Server-Sent Events, replayable from
 //! the database.
+//!
+//! - `http`: the API, the page, event streams; `hub`: the live channels of this instance;
+//! - `store`: every statement (outbox writes, inbox writes, feeds, the writer fence);
+//! - `inbox`: the consumer of the other side's stream, one per shard, and who holds which;
+//! - `notify`: live hints between this side's instances, and the safety nets behind them;
+//! - `dead_letters`: the operator's command for entries the consumer could not record;
+//! - `retention`, `metrics`, `model`, `side`, `config`.
+//!
+//! Connecting, the stream's format and key names, the lease and the admin endpoints are
+//! `outbox_core`'s; the services do not depend on the relay.
 
-pub mod config;
-pub mod dead_letters;
-pub mod http;
-pub mod hub;
-pub mod inbox;
-pub mod lease;
-pub mod metrics;
-pub mod model;
-pub mod notify;
-pub mod retention;
-pub mod side;
-pub mod store;
+mod config;
+mod dead_letters;
+mod http;
+mod hub;
+mod inbox;
+mod metrics;
+mod model;
+mod notify;
+mod retention;
+mod side;
+mod store;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -23,11 +32,34 @@ use std::time::Duration;
 
 use tokio::net::TcpListener;
 use tokio::sync::watch;
+use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-pub use config::{Cli, ServiceConfig};
+pub use config::{Cli, Command, DeadLetterCommand, MigrateCli, ServiceConfig};
+pub use dead_letters::{run as dead_letters, Outcome as DeadLetterOutcome};
+pub use inbox::{ConsumerRole, ConsumerStatus};
+pub use model::{parse_chat_id, parse_send_request, Message, MESSAGE_CREATED};
 pub use side::Side;
+
+/// Internals the integration tests drive directly.
+#[cfg(any(test, feature = "test-support"))]
+pub mod test_support {
+    pub use crate::store::{Received, Store, StoreError};
+}
+
+/// Why a service does not start: what to change.
+#[derive(Debug, thiserror::Error)]
+pub enum StartError {
+    #[error(transparent)]
+    Config(#[from] outbox_core::ConfigError),
+    #[error("{flag} {addr}: cannot listen: {source}")]
+    Listen {
+        flag: &'static str,
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
+}
 
 /// A chat service bound to its listen address, ready to [`Service::run`].
 pub struct Service {
@@ -39,18 +71,21 @@ pub struct Service {
     status_tx: watch::Sender<inbox::ConsumerStatus>,
 }
 
+async fn listen(flag: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
+    TcpListener::bind(addr)
+        .await
+        .map_err(|source| StartError::Listen { flag, addr, source })
+}
+
 impl Service {
     /// Bind the HTTP listener (port 0 picks a free one) and build the state.
-    pub async fn bind(config: ServiceConfig, shutdown: CancellationToken) -> Result<Self, String> {
-        let listener = TcpListener::bind(config.listen)
-            .await
-            .map_err(|e| format!("--listen {}: cannot listen: {e}", config.listen))?;
+    pub async fn bind(
+        config: ServiceConfig,
+        shutdown: CancellationToken,
+    ) -> Result<Self, StartError> {
+        let listener = listen("--listen", config.listen).await?;
         let admin = match config.admin_addr {
-            Some(addr) => Some(
-                TcpListener::bind(addr)
-                    .await
-                    .map_err(|e| format!("--admin-addr {addr}: cannot listen: {e}"))?,
-            ),
+            Some(addr) => Some(listen("--admin-addr", addr).await?),
             None => None,
         };
         let (status_tx, status_rx) = watch::channel(inbox::ConsumerStatus::default());
@@ -98,23 +133,67 @@ impl Service {
         self.status_tx.subscribe()
     }
 
-    /// Serve HTTP and consume the inbox until the shutdown token given to `bind`.
+    /// Serve HTTP and consume the inbox until the shutdown token given to `bind`; then stop
+    /// in order: listeners, the consumers (they release their leases), the rest.
     pub async fn run(self) {
-        let cfg = &self.config;
         let shutdown = self.app.shutdown.clone();
+        let cfg = &self.config;
         info!(side = %cfg.side, addr = %self.local_addr(), consumer = %cfg.consumer_name, "chat service listening");
+        let consumers = Consumers::start(cfg, &self.app, self.status_tx, &shutdown);
+        let background = Background::start(cfg, &self.app, self.publisher, &shutdown);
+        let admin = self.admin.map(|listener| {
+            info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listener (healthz, readyz, metrics)");
+            tokio::spawn(outbox_core::admin::serve(
+                listener,
+                Arc::new(http::ServiceProbe(self.app.clone())),
+                shutdown.clone(),
+            ))
+        });
+        http::serve(self.listener, self.app.clone(), shutdown).await;
+        if let Some(admin) = admin {
+            let _ = admin.await;
+        }
+        let Background {
+            follower,
+            publisher,
+            tips,
+            retention,
+        } = background;
+        let _ = retention.await;
+        consumers.stop().await;
+        for task in [follower, publisher, tips] {
+            let _ = task.await;
+        }
+        info!("stopped");
+    }
+}
+
+/// The inbox consumers, one per shard, and the membership that shares the shards out.
+struct Consumers {
+    shards: Vec<JoinHandle<()>>,
+    membership: Option<JoinHandle<()>>,
+    /// Kept as long as the consumers run (a dropped sender would wake them for ever).
+    _fixed_assignment: Option<watch::Sender<inbox::Assignment>>,
+}
+
+impl Consumers {
+    fn start(
+        cfg: &ServiceConfig,
+        app: &Arc<http::App>,
+        status_tx: watch::Sender<inbox::ConsumerStatus>,
+        shutdown: &CancellationToken,
+    ) -> Self {
         let shards = cfg.stream_shards;
         let roles = Arc::new(inbox::ShardRoles::new(
             shards,
-            self.status_tx,
-            self.app.metrics.clone(),
+            status_tx,
+            app.metrics.clone(),
         ));
         // One shard: every instance competes for the one lease, as before shards existed.
         // More: instances split them (see `inbox::shards`).
         let (assignment_tx, assignment) =
             watch::channel::<inbox::Assignment>(Arc::new(vec![shards == 1; shards as usize]));
-        // The sender lives as long as the consumers (a dropped one would wake them for ever).
-        let (membership, _fixed_assignment) = if shards > 1 {
+        let (membership, fixed_assignment) = if shards > 1 {
             let task = tokio::spawn(inbox::shards::run_membership(
                 inbox::shards::Membership {
                     client: cfg.redis.clone(),
@@ -122,7 +201,7 @@ impl Service {
                     me: cfg.consumer_name.clone(),
                     shards,
                     ttl: cfg.lease_ttl,
-                    store: self.app.store.clone(),
+                    store: app.store.clone(),
                     roles: roles.clone(),
                 },
                 assignment_tx,
@@ -132,105 +211,89 @@ impl Service {
         } else {
             (None, Some(assignment_tx))
         };
-        let mut consumers = Vec::with_capacity(shards as usize);
-        for shard in 0..shards {
-            let key = |base: &str| cdc_relay::shard::shard_key(base, shard, shards);
-            let inbox = inbox::Inbox::new(
-                inbox::InboxConfig {
-                    side: cfg.side,
-                    stream: key(&cfg.inbound_stream),
-                    shard,
-                    shards,
-                    lease_key: key(&format!("inbox-lease:{}", cfg.side)),
-                    attempts_key: key(&format!("inbox-attempts:{}", cfg.side)),
-                    group: cfg.side.as_str().to_string(),
-                    consumer: cfg.consumer_name.clone(),
-                    dead_letter_stream: key(&cfg.dead_letter_stream),
-                    legacy_dead_letter_stream: (shards > 1
-                        && shard == 0
-                        && !cfg.redis.is_cluster())
-                    .then(|| cfg.dead_letter_stream.clone()),
-                    dead_letter_max_len: cfg.dead_letter_max_len,
-                    claim_idle: cfg.claim_idle,
-                    max_deliveries: cfg.max_deliveries,
-                    lease_ttl: cfg.lease_ttl,
-                    crash_after_inbox_commit: cfg.crash_after_inbox_commit,
-                    crash_on_body: cfg.crash_on_body.clone(),
-                },
-                cfg.redis.clone(),
-                self.app.store.clone(),
-                self.app.announcer.clone(),
-                self.app.metrics.clone(),
-                roles.clone(),
-                assignment.clone(),
-            );
-            let shutdown = shutdown.clone();
-            consumers.push(tokio::spawn(async move {
-                // A panic in the consumer is a crash: end the process, so the entry that
-                // caused it is redelivered and counted (and dead-lettered if it does it
-                // again), instead of a process that serves but no longer consumes.
-                let run = tokio::spawn(async move { inbox.run(shutdown).await });
-                if let Err(e) = run.await {
-                    if e.is_panic() {
-                        error!(error = %e, "inbox consumer panicked; aborting the process");
-                        std::process::abort();
+        let shards = (0..shards)
+            .map(|shard| {
+                let inbox = inbox::Inbox::new(
+                    inbox::InboxConfig::for_shard(cfg, shard),
+                    cfg.redis.clone(),
+                    app.store.clone(),
+                    app.announcer.clone(),
+                    app.metrics.clone(),
+                    roles.clone(),
+                    assignment.clone(),
+                );
+                let shutdown = shutdown.clone();
+                tokio::spawn(async move {
+                    // A panic in the consumer is a crash: end the process, so the entry that
+                    // caused it is redelivered and counted (and dead-lettered if it does it
+                    // again), instead of a process that serves but no longer consumes.
+                    let run = tokio::spawn(async move { inbox.run(shutdown).await });
+                    if let Err(e) = run.await {
+                        if e.is_panic() {
+                            error!(error = %e, "inbox consumer panicked; aborting the process");
+                            std::process::abort();
+                        }
                     }
-                }
-            }));
+                })
+            })
+            .collect();
+        Self {
+            shards,
+            membership,
+            _fixed_assignment: fixed_assignment,
         }
-        let consumer = futures::future::join_all(consumers);
-        let follower = tokio::spawn(notify::follow(
-            cfg.redis.clone(),
-            cfg.side,
-            self.app.hub.clone(),
-            shutdown.clone(),
-        ));
-        let publisher = tokio::spawn(self.publisher.run(shutdown.clone()));
-        let tips = tokio::spawn(notify::watch_tips(
-            self.app.store.clone(),
-            self.app.hub.clone(),
-            cfg.feed_check_interval,
-            shutdown.clone(),
-        ));
-        let retention = tokio::spawn(retention::run(
-            self.app.store.clone(),
-            self.app.metrics.clone(),
-            cfg.outbox_retention,
-            cfg.outbox_retention_interval,
-            shutdown.clone(),
-        ));
-        let admin = self.admin.map(|listener| {
-            info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listener (healthz, readyz, metrics)");
-            tokio::spawn(http::serve(
-                listener,
-                self.app.clone(),
-                shutdown.clone(),
-                http::Surface::Admin,
-            ))
-        });
-        http::serve(
-            self.listener,
-            self.app.clone(),
-            shutdown,
-            http::Surface::Public,
-        )
-        .await;
-        if let Some(admin) = admin {
-            let _ = admin.await;
-        }
-        let _ = retention.await;
-        if tokio::time::timeout(Duration::from_secs(10), consumer)
+    }
+
+    async fn stop(self) {
+        let consumers = futures::future::join_all(self.shards);
+        if tokio::time::timeout(Duration::from_secs(10), consumers)
             .await
             .is_err()
         {
             warn!("inbox consumer did not stop within 10 s");
         }
-        if let Some(membership) = membership {
+        if let Some(membership) = self.membership {
             let _ = membership.await;
         }
-        let _ = follower.await;
-        let _ = publisher.await;
-        let _ = tips.await;
-        info!("stopped");
+    }
+}
+
+/// The tasks beside the consumers: live hints (in and out), the feed check, retention.
+struct Background {
+    follower: JoinHandle<()>,
+    publisher: JoinHandle<()>,
+    tips: JoinHandle<()>,
+    retention: JoinHandle<()>,
+}
+
+impl Background {
+    fn start(
+        cfg: &ServiceConfig,
+        app: &Arc<http::App>,
+        publisher: notify::Publisher,
+        shutdown: &CancellationToken,
+    ) -> Self {
+        Self {
+            follower: tokio::spawn(notify::follow(
+                cfg.redis.clone(),
+                cfg.side,
+                app.hub.clone(),
+                shutdown.clone(),
+            )),
+            publisher: tokio::spawn(publisher.run(shutdown.clone())),
+            tips: tokio::spawn(notify::watch_tips(
+                app.store.clone(),
+                app.hub.clone(),
+                cfg.feed_check_interval,
+                shutdown.clone(),
+            )),
+            retention: tokio::spawn(retention::run(
+                app.store.clone(),
+                app.metrics.clone(),
+                cfg.outbox_retention,
+                cfg.outbox_retention_interval,
+                shutdown.clone(),
+            )),
+        }
     }
 }

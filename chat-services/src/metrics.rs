@@ -5,7 +5,7 @@ use prometheus::{
     TextEncoder,
 };
 
-pub struct Metrics {
+pub(crate) struct Metrics {
     registry: Registry,
     pub messages_sent_total: IntCounter,
     pub messages_received_total: IntCounter,
@@ -31,7 +31,7 @@ pub struct Metrics {
 
 impl Metrics {
     /// Metrics labelled with the service's side.
-    pub fn new(side: crate::side::Side) -> Self {
+    pub(crate) fn new(side: crate::side::Side) -> Self {
         let labels = [("side".to_string(), side.as_str().to_string())]
             .into_iter()
             .collect();
@@ -150,7 +150,7 @@ impl Metrics {
         }
     }
 
-    pub fn encode(&self) -> String {
+    pub(crate) fn encode(&self) -> String {
         let mut out = Vec::new();
         TextEncoder::new()
             .encode(&self.registry.gather(), &mut out)

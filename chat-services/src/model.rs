@@ -1,6 +1,7 @@
 //! Chat messages: what clients send, what the API returns, what travels in the outbox event,
 //! and the validation of each, with errors that name the problem.
 
+use outbox_core::stream::entry::{EntryFields, MissingField};
 use serde::{Deserialize, Serialize};
 use time::OffsetDateTime;
 use uuid::Uuid;
@@ -8,7 +9,7 @@ use uuid::Uuid;
 use crate::side::Side;
 
 /// Longest message body, in characters (Unicode scalar values).
-pub const MAX_BODY_CHARS: usize = 4000;
+pub(crate) const MAX_BODY_CHARS: usize = 4000;
 /// The outbox event type of a sent message.
 pub const MESSAGE_CREATED: &str = "message.created";
 
@@ -27,7 +28,7 @@ pub struct Message {
 
 /// A message in a chat's feed as one side shows it (history, SSE, a send's answer).
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct HistoryItem {
+pub(crate) struct HistoryItem {
     #[serde(flatten)]
     pub message: Message,
     /// Its position in the chat's feed on this side (sent and received messages share
@@ -109,7 +110,7 @@ pub fn parse_send_request(raw: &[u8]) -> Result<String, InputError> {
 
 /// Why a stream entry cannot become an inbox row (it goes to the dead-letter stream).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-pub enum PoisonError {
+pub(crate) enum PoisonError {
     #[error("entry has no '{0}' field")]
     MissingField(&'static str),
     #[error("unknown event type '{0}'")]
@@ -122,8 +123,23 @@ pub enum PoisonError {
     Invalid(String),
 }
 
+impl From<MissingField> for PoisonError {
+    fn from(e: MissingField) -> Self {
+        PoisonError::MissingField(e.0)
+    }
+}
+
+/// Parse a stream entry of the other side's stream, from a lookup of its fields.
+pub(crate) fn parse_entry<'a>(
+    field: impl Fn(&str) -> Option<&'a str>,
+    from: Side,
+) -> Result<Message, PoisonError> {
+    let fields = EntryFields::decode(field)?;
+    parse_event(fields.event, fields.payload, from)
+}
+
 /// Parse an outbox event from the other side's stream.
-pub fn parse_event(event: &str, payload: &str, from: Side) -> Result<Message, PoisonError> {
+pub(crate) fn parse_event(event: &str, payload: &str, from: Side) -> Result<Message, PoisonError> {
     if event != MESSAGE_CREATED {
         return Err(PoisonError::UnknownEvent(event.chars().take(100).collect()));
     }

@@ -16,9 +16,10 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use cdc_relay::backoff::Backoff;
-use cdc_relay::redis_client::{RedisConn, RedisTarget};
 use futures::StreamExt;
+use outbox_core::backoff::Backoff;
+use outbox_core::connect::{RedisConn, RedisTarget};
+use outbox_core::stream::keys;
 use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, SlotAddr};
 use tokio::sync::mpsc;
 use tokio::time::Instant;
@@ -46,7 +47,7 @@ fn instance_id() -> &'static str {
 /// version, which sent side-wide inbox positions, use [`legacy_channel`], so neither
 /// misreads the other's positions.
 fn channel(side: Side) -> String {
-    format!("feed:{side}")
+    keys::feed_channel(side.as_str())
 }
 
 /// The previous version's channel. During a rolling deploy the two versions tell each
@@ -102,7 +103,7 @@ struct Notification {
 /// Hands committed feed items to this instance's streams and, through Redis, to the other
 /// instances'. Never blocks and never fails: what it cannot deliver is owed as a resync.
 #[derive(Clone)]
-pub struct Announcer {
+pub(crate) struct Announcer {
     hub: Arc<Hub>,
     queue: mpsc::Sender<Notification>,
     /// A hint was dropped or not published: a resync must go out.
@@ -112,7 +113,7 @@ pub struct Announcer {
 
 impl Announcer {
     /// An announcer and the publisher task that must run for its hints to leave.
-    pub fn new(
+    pub(crate) fn new(
         hub: Arc<Hub>,
         client: RedisTarget,
         side: Side,
@@ -139,7 +140,7 @@ impl Announcer {
     }
 
     /// Show a committed item on every instance.
-    pub fn announce(&self, item: &HistoryItem) {
+    pub(crate) fn announce(&self, item: &HistoryItem) {
         let frame = frame(item);
         self.hub
             .publish(item.message.chat_id, item.pos, frame.clone());
@@ -158,7 +159,7 @@ impl Announcer {
 
     /// Make every stream on every instance re-read its chat's feed (a new inbox writer took
     /// over: what the previous one recorded and never announced is shown now).
-    pub fn resync(&self) {
+    pub(crate) fn resync(&self) {
         self.hub.resync_all();
         self.owed.store(true, Ordering::SeqCst);
         // Wake the publisher; if the queue is full it is busy and will see the flag.
@@ -178,7 +179,7 @@ fn resync_note() -> Notification {
 
 /// Tell every instance of `side` to re-read its chats' feeds (from outside a service: an
 /// operator's command that wrote to the feed).
-pub async fn publish_resync(client: &RedisTarget, side: Side) -> redis::RedisResult<()> {
+pub(crate) async fn publish_resync(client: &RedisTarget, side: Side) -> redis::RedisResult<()> {
     let mut conn = client.connect(Duration::from_secs(5)).await?;
     let payload = serde_json::to_string(&resync_note()).expect("notification serializes");
     publish(&mut conn, client.is_cluster(), &channel(side), &payload).await?;
@@ -207,7 +208,7 @@ async fn publish(
 }
 
 /// Publishes an [`Announcer`]'s hints to Redis, in order, until shutdown.
-pub struct Publisher {
+pub(crate) struct Publisher {
     client: RedisTarget,
     side: Side,
     rx: mpsc::Receiver<Notification>,
@@ -216,7 +217,7 @@ pub struct Publisher {
 }
 
 impl Publisher {
-    pub async fn run(mut self, shutdown: CancellationToken) {
+    pub(crate) async fn run(mut self, shutdown: CancellationToken) {
         let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
         let mut conn: Option<RedisConn> = None;
         // When instances of the previous version are owed a resync (see LEGACY_EVERY).
@@ -291,7 +292,12 @@ impl Publisher {
 }
 
 /// Feed other instances' hints into the local hub until `shutdown`.
-pub async fn follow(client: RedisTarget, side: Side, hub: Arc<Hub>, shutdown: CancellationToken) {
+pub(crate) async fn follow(
+    client: RedisTarget,
+    side: Side,
+    hub: Arc<Hub>,
+    shutdown: CancellationToken,
+) {
     let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
     loop {
         let session = async {
@@ -456,7 +462,12 @@ async fn follow_sharded(
 /// Every `every`, tell each subscribed chat's streams how far its feed reaches, so a
 /// message whose hint never came (its writer killed between commit and hint, a hint lost
 /// with Redis) is shown within `every` at the latest. One query per `TIPS_PER_QUERY` chats.
-pub async fn watch_tips(store: Store, hub: Arc<Hub>, every: Duration, shutdown: CancellationToken) {
+pub(crate) async fn watch_tips(
+    store: Store,
+    hub: Arc<Hub>,
+    every: Duration,
+    shutdown: CancellationToken,
+) {
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut failing = false;

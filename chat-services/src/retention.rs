@@ -15,7 +15,7 @@ use crate::store::Store;
 /// Rows deleted per statement: short transactions, no long locks on the outbox.
 const BATCH: i64 = 1000;
 
-pub async fn run(
+pub(crate) async fn run(
     store: Store,
     metrics: Arc<Metrics>,
     retention: Duration,

@@ -32,7 +32,7 @@ impl Side {
 
     /// The stream this side's relay writes.
     pub fn outbox_stream(self) -> String {
-        format!("outbox:{}", self.as_str())
+        outbox_core::stream::keys::outbox_stream(self.as_str())
     }
 }
 

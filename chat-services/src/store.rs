@@ -107,7 +107,7 @@ impl Send<'_> {
     /// One statement, so one round trip and atomic without an explicit transaction: the
     /// outbox row exists exactly when the message row does. `ON CONFLICT DO NOTHING` covers
     /// both the message id and the key, so running it again never writes twice. The outbox
-    /// row's partition key is the chat (its stream shard, see `cdc_relay::shard`). The chat
+    /// row's partition key is the chat (its stream shard, see `outbox_core::stream`). The chat
     /// feed position comes back when the message was written now (the trigger of migration
     /// V7 assigns it).
     async fn execute(&self, store: &Store) -> Attempt {
@@ -177,7 +177,7 @@ enum Attempt {
 
 /// A sent message with its place in the chat's feed.
 #[derive(Debug, Clone)]
-pub struct Sent {
+pub(crate) struct Sent {
     pub item: HistoryItem,
     /// The Idempotency-Key was used before: this is the original, nothing was written.
     pub replayed: bool,
@@ -185,6 +185,7 @@ pub struct Sent {
 
 /// Where [`Store::record_inbox`] put a message in its chat's feed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
 pub struct Position {
     pub pos: i64,
     /// Recorded by this call (`false`: it was in the inbox already).
@@ -193,12 +194,14 @@ pub struct Position {
 
 /// A message to record into the inbox by [`Store::record_inbox`].
 #[derive(Debug, Clone)]
+#[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
 pub struct Received {
     pub stream_id: String,
     pub message: Message,
 }
 
 #[derive(Clone)]
+#[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
 pub struct Store {
     pool: Pool,
     side: Side,
@@ -206,14 +209,13 @@ pub struct Store {
 
 impl Store {
     /// A pool of connections to `endpoint` (with its TLS settings) as this side's role.
+    #[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
     pub fn new(
-        endpoint: &cdc_relay::pg::PgEndpoint,
+        endpoint: &outbox_core::connect::PgEndpoint,
         side: Side,
         max_connections: usize,
-    ) -> Result<Self, String> {
-        let (mut config, tls) = endpoint
-            .pool_parts(&format!("chat-{side}"))
-            .map_err(|e| e.to_string())?;
+    ) -> Result<Self, outbox_core::ConfigError> {
+        let (mut config, tls) = endpoint.pool_parts(&format!("chat-{side}"))?;
         config.connect_timeout(Duration::from_secs(3));
         // Every statement here goes by an index, and a prepared statement keeps the plan it
         // settled on for the connection's life: one made while a table was nearly empty and
@@ -247,12 +249,8 @@ impl Store {
         Ok(Self { pool, side })
     }
 
-    pub fn side(&self) -> Side {
-        self.side
-    }
-
     /// Postgres answers.
-    pub async fn ping(&self) -> Result<(), StoreError> {
+    pub(crate) async fn ping(&self) -> Result<(), StoreError> {
         let client = self.pool.get().await?;
         client.simple_query("SELECT 1").await?;
         Ok(())
@@ -261,7 +259,7 @@ impl Store {
     /// Write the message and its outbox event in one transaction. With an idempotency key
     /// already used for the same chat and body, return the original (a replay) and write
     /// nothing.
-    pub async fn send(
+    pub(crate) async fn send(
         &self,
         chat_id: i64,
         body: &str,
@@ -373,7 +371,7 @@ impl Store {
 
     /// The chat as this side shows it, oldest first: sent and received messages in feed
     /// order (their per-chat position); `before` pages back from a message id.
-    pub async fn history(
+    pub(crate) async fn history(
         &self,
         chat_id: i64,
         limit: i64,
@@ -435,7 +433,7 @@ impl Store {
     }
 
     /// The chat's feed after position `after`, in order (sent and received).
-    pub async fn feed(
+    pub(crate) async fn feed(
         &self,
         chat_id: i64,
         after: i64,
@@ -464,7 +462,7 @@ impl Store {
 
     /// The newest position of each chat's feed (chats with no message are absent). Every
     /// position up to it is final: readers that reach it missed nothing.
-    pub async fn tips(&self, chats: &[i64]) -> Result<Vec<(i64, i64)>, StoreError> {
+    pub(crate) async fn tips(&self, chats: &[i64]) -> Result<Vec<(i64, i64)>, StoreError> {
         let s = self.side.schema();
         let client = self.pool.get().await?;
         let statement = client
@@ -482,7 +480,11 @@ impl Store {
     /// by their sender's timestamp, not `seq` order) put that one lower; 0 if the client had
     /// seen nothing (`0` meant "from the beginning" then too). Messages sent after it are sent again; what a client already has, pages
     /// drop by message id.
-    pub async fn position_of_inbox_seq(&self, chat_id: i64, seq: i64) -> Result<i64, StoreError> {
+    pub(crate) async fn position_of_inbox_seq(
+        &self,
+        chat_id: i64,
+        seq: i64,
+    ) -> Result<i64, StoreError> {
         let s = self.side.schema();
         let client = self.pool.get().await?;
         let row = client
@@ -503,6 +505,7 @@ impl Store {
     /// Become the inbox's writer for `shard` (after taking its consumer lease): bump the
     /// shard's fencing epoch. Waits for a previous holder's in-flight write, whose epoch it
     /// then invalidates.
+    #[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
     pub async fn claim_inbox_writer(&self, holder: &str, shard: u32) -> Result<i64, StoreError> {
         let s = self.side.schema();
         let client = self.pool.get().await?;
@@ -521,7 +524,7 @@ impl Store {
 
     /// The current epoch of `shard`'s inbox writer (for a write beside the writer: an
     /// operator's replay); 0 before any writer claimed the shard.
-    pub async fn inbox_writer_epoch(&self, shard: u32) -> Result<i64, StoreError> {
+    pub(crate) async fn inbox_writer_epoch(&self, shard: u32) -> Result<i64, StoreError> {
         let s = self.side.schema();
         let client = self.pool.get().await?;
         let row = client
@@ -553,6 +556,7 @@ impl Store {
     /// [`Store::claim_inbox_writer`]); `Fenced` otherwise, with nothing written. Returns
     /// every message's feed position, whether recorded now or found there (a redelivery,
     /// to be announced again: its first announcement may never have gone out).
+    #[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
     pub async fn record_inbox(
         &self,
         received: &[Received],
@@ -642,7 +646,7 @@ impl Store {
     /// Delete up to `batch` outbox rows older than `older_than`; returns how many. Deletes
     /// are not published (the publication sends inserts only); rows locked by someone else
     /// are skipped, so concurrent instances share the work instead of waiting.
-    pub async fn delete_old_outbox(
+    pub(crate) async fn delete_old_outbox(
         &self,
         older_than: Duration,
         batch: i64,

@@ -1,12 +1,10 @@
 //! The HTTP API's contract: what it accepts, what it refuses (one assertion per bad input),
 //! idempotent retries, history, and the database roles behind it.
 
-mod common;
-
 use std::net::SocketAddr;
 
+use crate::support::{send, Stack};
 use chat_services::Side;
-use common::{send, Stack};
 use testkit::http::{post_json, request, Reply};
 use testkit::{shared_postgres, PgServer};
 

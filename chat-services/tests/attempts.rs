@@ -2,12 +2,10 @@
 //! (a crash on the entry), never a session restart, a lease handover or a claim, which raise
 //! Redis's delivery count through no fault of the entry.
 
-mod common;
-
 use std::time::Duration;
 
+use crate::support::{send, ServiceProcess, Stack};
 use chat_services::Side;
-use common::{send, ServiceProcess, Stack};
 use testkit::{shared_postgres, wait_until, PgServer};
 
 /// A metric summed over its labels.

@@ -1,13 +1,11 @@
 //! The chat page in a real headless Chromium (driven through ChromeDriver): a message typed
 //! on the Consumers page appears on the Workers page, as text.
 
-mod common;
-
 use std::process::Command;
 use std::time::Duration;
 
+use crate::support::Stack;
 use chat_services::Side;
-use common::Stack;
 use fantoccini::{Client, ClientBuilder, Locator};
 use testkit::{shared_postgres, wait_until, ChildProcess};
 

@@ -6,12 +6,10 @@
 //! nothing twice and keep each chat's order, at the inboxes and at the tabs of every
 //! instance, with hints as the only live path between instances.
 
-mod common;
-
 use std::time::Duration;
 
+use crate::support::{assert_received_in_sent_order, send, Stack, Viewer};
 use chat_services::Side;
-use common::{assert_received_in_sent_order, send, Stack, Viewer};
 use testkit::shared_postgres;
 use tokio_util::sync::CancellationToken;
 
@@ -134,7 +132,7 @@ async fn both_sides_keep_every_chat_once_in_order_across_a_master_failover_and_a
             ("outbox:consumers", "workers"),
             ("outbox:workers", "consumers"),
         ] {
-            let stream = cdc_relay::shard::shard_key(stream, k, SHARDS);
+            let stream = outbox_core::stream::shard_key(stream, k, SHARDS);
             assert_eq!(stack.pending(&stream, group).await, 0, "{stream}");
         }
     }

@@ -1,12 +1,10 @@
 //! The case the original design lost: the receiver crashes after recording a message in its
 //! inbox and before acknowledging it (so before showing it live).
 
-mod common;
-
 use std::time::Duration;
 
+use crate::support::{next_message, send, Stack};
 use chat_services::Side;
-use common::{next_message, send, Stack};
 use testkit::http::SseClient;
 use testkit::shared_postgres;
 

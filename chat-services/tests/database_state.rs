@@ -2,12 +2,10 @@
 //! is retried in place while INSERT is revoked or the database is read-only (a failover onto
 //! a demoted primary), and every message arrives once the database is repaired.
 
-mod common;
-
 use std::time::Duration;
 
+use crate::support::{next_message, send, Stack};
 use chat_services::Side;
-use common::{next_message, send, Stack};
 use testkit::http::SseClient;
 use testkit::{wait_until, PgServer};
 

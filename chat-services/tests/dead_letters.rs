@@ -2,13 +2,11 @@
 //! a process with the service's configuration beside a running service, and the cap on the
 //! dead-letter stream.
 
-mod common;
-
 use std::process::Command;
 use std::time::Duration;
 
+use crate::support::{send, Stack, Viewer};
 use chat_services::Side;
-use common::{send, Stack, Viewer};
 use testkit::shared_postgres;
 
 /// Run `chat-service <service flags> dead-letters <args>`: (exit success, stdout lines).
@@ -56,7 +54,7 @@ async fn dead_letters_are_listed_replayed_in_order_after_the_fix_and_dropped_wit
     let first = send(consumers.addr, 41, "refused one").await;
     let second = send(consumers.addr, 41, "refused two").await;
     wait_dead_letters(&stack, 2).await;
-    common::append_after_top(
+    crate::support::append_after_top(
         stack.redis(),
         "outbox:consumers",
         &[("event", "message.created"), ("payload", "{not json")],
@@ -186,7 +184,7 @@ async fn the_dead_letter_stream_is_capped_and_what_it_trims_is_counted() {
 
     // WHEN three poison entries arrive
     for _ in 0..3 {
-        common::append_after_top(
+        crate::support::append_after_top(
             stack.redis(),
             "outbox:consumers",
             &[("event", "message.created"), ("payload", "{not json")],
@@ -232,7 +230,7 @@ async fn sharded_dead_letters_are_counted_listed_and_acted_on_across_every_shard
         )
         .await
         .unwrap();
-    let shard = |chat: i64| cdc_relay::shard::shard_of(Some(chat.to_string().as_bytes()), 4);
+    let shard = |chat: i64| outbox_core::stream::shard_of(Some(chat.to_string().as_bytes()), 4);
     let (a, b) = (1, (2..100).find(|c| shard(*c) != shard(1)).unwrap());
     let first = send(consumers.addr, a, "refused in one shard").await;
     let second = send(consumers.addr, b, "refused in another").await;

@@ -1,11 +1,9 @@
 //! Messages from one side to the other: live over SSE, once, in order, through faults.
 
-mod common;
-
 use std::time::Duration;
 
+use crate::support::{next_message, send, Stack};
 use chat_services::Side;
-use common::{next_message, send, Stack};
 use testkit::http::SseClient;
 use testkit::shared_postgres;
 
@@ -71,7 +69,7 @@ async fn the_same_entry_delivered_twice_is_recorded_and_shown_once() {
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
         .collect();
-    common::append_after_top(stack.redis(), "outbox:consumers", &fields).await;
+    crate::support::append_after_top(stack.redis(), "outbox:consumers", &fields).await;
     // ... followed by a new message, so we know the copy was processed before it
     let after = send(consumers.addr, 3, "after the copy").await;
 
@@ -110,7 +108,7 @@ async fn a_poison_entry_is_dead_lettered_and_messages_after_it_flow() {
     send(consumers.addr, 5, "before the poison").await;
     let _ = next_message(&mut client, Duration::from_secs(10)).await;
     let mut redis = stack.redis().connect().await.unwrap();
-    let poison_id = common::append_after_top(
+    let poison_id = crate::support::append_after_top(
         stack.redis(),
         "outbox:consumers",
         &[

@@ -10,15 +10,13 @@
 //! - workers.yaml is consumers.yaml with the sides swapped;
 //! - docs/deployment.md's configuration reference is what the binaries' --help says.
 
-mod common;
-
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use crate::support::Stack;
 use clap::CommandFactory;
-use common::Stack;
 use testkit::shared_postgres;
 use tokio_util::sync::CancellationToken;
 use yaml_rust2::{Yaml, YamlLoader};
@@ -57,7 +55,7 @@ fn accepts(cmd: &clap::Command, inherited: &Accepts) -> Accepts {
 /// Each binary's commands: "" for a binary without subcommands.
 fn binaries() -> BTreeMap<&'static str, BTreeMap<String, Accepts>> {
     let mut all = BTreeMap::new();
-    let relay = cdc_relay::config::Cli::command();
+    let relay = cdc_relay::cli::Cli::command();
     let globals = accepts(&relay, &Accepts::default());
     let subcommands = relay
         .get_subcommands()
@@ -65,8 +63,8 @@ fn binaries() -> BTreeMap<&'static str, BTreeMap<String, Accepts>> {
         .collect();
     all.insert("cdc-relay", subcommands);
     for (name, cmd) in [
-        ("chat-service", chat_services::config::Cli::command()),
-        ("migrate", chat_services::config::MigrateCli::command()),
+        ("chat-service", chat_services::Cli::command()),
+        ("migrate", chat_services::MigrateCli::command()),
     ] {
         all.insert(
             name,
@@ -91,7 +89,7 @@ struct Invocation<'a> {
 /// Check an invocation against what the binary accepts; returns the problems found.
 fn check_invocation(
     place: &str,
-    inv: &Invocation,
+    inv: &Invocation<'_>,
     bins: &BTreeMap<&str, BTreeMap<String, Accepts>>,
 ) -> Vec<String> {
     let mut problems = Vec::new();
@@ -380,10 +378,10 @@ const UPSTREAM_IMAGES: &[&str] = &["postgres:15", "redis:7.0"];
 // ---------------------------------------------------------------------------------------
 
 /// A chat service and a relay admin server, running, to ask for the routes the files probe.
-async fn running_servers(stack: &Stack<'_>) -> (Routes, common::RunningService, CancellationToken) {
-    let service = stack
-        .service(chat_services::side::Side::Consumers, &[])
-        .await;
+async fn running_servers(
+    stack: &Stack<'_>,
+) -> (Routes, crate::support::RunningService, CancellationToken) {
+    let service = stack.service(chat_services::Side::Consumers, &[]).await;
     // A relay whose database is unreachable still serves its admin routes.
     let argv = [
         "cdc-relay",
@@ -403,12 +401,12 @@ async fn running_servers(stack: &Stack<'_>) -> (Routes, common::RunningService, 
         "--admin-addr",
         "127.0.0.1:0",
     ];
-    let args = match <cdc_relay::config::Cli as clap::Parser>::try_parse_from(argv)
-        .unwrap()
-        .command
-    {
-        cdc_relay::config::Command::Run(args) => args,
-        _ => unreachable!(),
+    let cdc_relay::cli::Command::Run(args) =
+        <cdc_relay::cli::Cli as clap::Parser>::try_parse_from(argv)
+            .unwrap()
+            .command
+    else {
+        unreachable!()
     };
     let relay = cdc_relay::Relay::new(args.validate().unwrap());
     let stop = CancellationToken::new();
@@ -900,7 +898,7 @@ fn reference_table(title: &str, cmd: &clap::Command, globals: &[&clap::Arg]) -> 
 
 fn configuration_reference() -> String {
     let mut out = String::new();
-    let relay = cdc_relay::config::Cli::command();
+    let relay = cdc_relay::cli::Cli::command();
     let globals: Vec<&clap::Arg> = relay
         .get_arguments()
         .filter(|a| !matches!(a.get_long(), Some("help" | "version")))
@@ -915,13 +913,13 @@ fn configuration_reference() -> String {
     }
     out.push_str(&reference_table(
         "chat-service",
-        &chat_services::config::Cli::command(),
+        &chat_services::Cli::command(),
         &[],
     ));
     out.push('\n');
     out.push_str(&reference_table(
         "migrate",
-        &chat_services::config::MigrateCli::command(),
+        &chat_services::MigrateCli::command(),
         &[],
     ));
     out.push_str(
@@ -945,7 +943,7 @@ fn the_configuration_reference_matches_the_binaries() {
         } else {
             panic!(
                 "docs/deployment.md's configuration reference is out of date; regenerate it with\n  \
-                 UPDATE_DOCS=1 cargo test -p chat-services --test deployment the_configuration_reference"
+                 UPDATE_DOCS=1 cargo test -p chat-services --test main deployment::the_configuration_reference"
             );
         }
     }
@@ -957,11 +955,11 @@ fn help_output_lists_every_environment_variable() {
     for (bin, cmd) in [
         (
             env!("CARGO_BIN_EXE_chat-service"),
-            chat_services::config::Cli::command(),
+            chat_services::Cli::command(),
         ),
         (
             env!("CARGO_BIN_EXE_migrate"),
-            chat_services::config::MigrateCli::command(),
+            chat_services::MigrateCli::command(),
         ),
     ] {
         let out = std::process::Command::new(bin)

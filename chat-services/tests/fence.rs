@@ -3,14 +3,12 @@
 //! with nothing written. Then the whole thing with real processes: the holder SIGSTOPped
 //! past its lease, again and again, while messages stream in.
 
-mod common;
-
 use std::time::Duration;
 
-use chat_services::model::Message;
-use chat_services::store::{Received, Store, StoreError};
+use crate::support::{send, Stack, Viewer};
+use chat_services::test_support::{Received, Store, StoreError};
+use chat_services::Message;
 use chat_services::Side;
-use common::{send, Stack, Viewer};
 use testkit::{shared_postgres, wait_until, Signal};
 
 fn message(chat_id: i64, body: &str) -> Received {
@@ -29,7 +27,7 @@ fn message(chat_id: i64, body: &str) -> Received {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stale_writer_is_refused_and_a_claim_waits_for_its_write() {
     let db = shared_postgres().create_database().await.unwrap();
-    let endpoint = cdc_relay::pg::PgEndpoint::parse(&db.url("workers")).unwrap();
+    let endpoint = outbox_core::connect::PgEndpoint::parse(&db.url("workers")).unwrap();
     let old = Store::new(&endpoint, Side::Workers, 2).unwrap();
     let new = Store::new(&endpoint, Side::Workers, 2).unwrap();
     let old_epoch = old.claim_inbox_writer("old", 0).await.unwrap();

@@ -2,12 +2,10 @@
 //! 503 and idle connections are closed, and running out of file descriptors neither spins
 //! nor floods the log. The service runs as a real process (its memory and CPU are measured).
 
-mod common;
-
 use std::time::Duration;
 
+use crate::support::{ServiceProcess, Stack};
 use chat_services::Side;
-use common::{ServiceProcess, Stack};
 use testkit::http::SseClient;
 use testkit::{shared_postgres, wait_until};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -243,7 +241,7 @@ async fn a_client_that_stops_reading_is_dropped_at_its_byte_budget() {
         let batch: Vec<_> = (0..50)
             .map(|_| {
                 let (addr, body) = (workers.addr, body.clone());
-                tokio::spawn(async move { common::send(addr, 61, &body).await })
+                tokio::spawn(async move { crate::support::send(addr, 61, &body).await })
             })
             .collect();
         for send in batch {

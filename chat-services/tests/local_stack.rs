@@ -2,8 +2,6 @@
 //! migrations, both relays, both services), a message crosses it, and Ctrl-C (SIGINT) stops
 //! everything cleanly.
 
-mod common;
-
 use std::process::Command;
 use std::time::Duration;
 
@@ -84,8 +82,8 @@ async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
     let mut client = SseClient::connect(workers, "/chats/1/events", None)
         .await
         .unwrap();
-    let sent = common::send(consumers, 1, "through the local stack").await;
-    let (_, shown) = common::next_message(&mut client, Duration::from_secs(20)).await;
+    let sent = crate::support::send(consumers, 1, "through the local stack").await;
+    let (_, shown) = crate::support::next_message(&mut client, Duration::from_secs(20)).await;
     assert_eq!(shown["id"], sent["id"]);
     drop(client);
 

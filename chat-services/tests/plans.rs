@@ -6,8 +6,8 @@
 
 use std::time::Duration;
 
-use chat_services::model::Message;
-use chat_services::store::{Received, Store};
+use chat_services::test_support::{Received, Store};
+use chat_services::Message;
 use chat_services::Side;
 use testkit::{shared_postgres, wait_until};
 
@@ -40,7 +40,7 @@ async fn scans(admin: &tokio_postgres::Client) -> (i64, i64) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_inbox_write_keeps_its_index_plan_after_the_inbox_grew() {
     let db = shared_postgres().create_database().await.unwrap();
-    let endpoint = cdc_relay::pg::PgEndpoint::parse(&db.url("workers")).unwrap();
+    let endpoint = outbox_core::connect::PgEndpoint::parse(&db.url("workers")).unwrap();
     // One connection, so every call runs the statement prepared on it.
     let store = Store::new(&endpoint, Side::Workers, 1).unwrap();
     let epoch = store.claim_inbox_writer("writer", 0).await.unwrap();

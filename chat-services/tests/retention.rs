@@ -1,12 +1,10 @@
 //! Outbox retention: old rows are deleted by the service that owns them, and the deletes
 //! never reach the stream.
 
-mod common;
-
 use std::time::Duration;
 
+use crate::support::{send, Stack};
 use chat_services::Side;
-use common::{send, Stack};
 use testkit::{shared_postgres, wait_until};
 
 async fn stream_len(stack: &Stack<'_>) -> usize {

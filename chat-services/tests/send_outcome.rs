@@ -1,10 +1,8 @@
 //! A send whose connection dies right after Postgres committed it: the service learns the
 //! outcome instead of guessing, answers 201 with the message, and nothing is written twice.
 
-mod common;
-
+use crate::support::Stack;
 use chat_services::Side;
-use common::Stack;
 use testkit::proxy::Proxy;
 use testkit::PgServer;
 
@@ -25,7 +23,7 @@ async fn a_connection_lost_after_commit_answers_the_message_once() {
         stack.db.name
     );
     let consumers = stack.service_with(args).await;
-    let ok = common::send(consumers.addr, 4, "before the cut").await;
+    let ok = crate::support::send(consumers.addr, 4, "before the cut").await;
     assert_eq!(ok["body"], "before the cut");
 
     // WHEN the connection carrying a send is cut right after Postgres committed it

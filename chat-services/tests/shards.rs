@@ -2,13 +2,11 @@
 //! per shard, a fair split that follows instances joining and dying, and per-chat order
 //! kept because a chat lives in one shard. Real processes, SIGKILL among them.
 
-mod common;
-
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use crate::support::{assert_received_in_sent_order, send, ServiceProcess, Stack, Viewer};
 use chat_services::Side;
-use common::{assert_received_in_sent_order, send, ServiceProcess, Stack, Viewer};
 use testkit::shared_postgres;
 
 const SHARDS: u32 = 8;
@@ -120,7 +118,7 @@ async fn instances_share_eight_shards_and_keep_each_chat_once_in_order_across_ki
     roaming.assert_shows_feed(&stack.db, Side::Workers, 5).await;
     // AND nothing is left pending in any shard
     for k in 0..SHARDS {
-        let stream = cdc_relay::shard::shard_key("outbox:consumers", k, SHARDS);
+        let stream = outbox_core::stream::shard_key("outbox:consumers", k, SHARDS);
         assert_eq!(stack.pending(&stream, "workers").await, 0, "{stream}");
     }
     drop(w3);

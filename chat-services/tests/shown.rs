@@ -3,12 +3,10 @@
 //! happens between a commit and its live hint. `--feed-check-interval` is set far out where
 //! a test is about another mechanism, so the safety net cannot hide that mechanism failing.
 
-mod common;
-
 use std::time::Duration;
 
+use crate::support::{send, Stack, Viewer};
 use chat_services::Side;
-use common::{send, Stack, Viewer};
 use testkit::proxy::Proxy;
 use testkit::shared_postgres;
 
@@ -379,7 +377,8 @@ async fn a_last_event_id_of_the_previous_version_resumes_without_a_loss() {
     // THEN it gets the two after it, with ids of this version
     let mut shown = Vec::new();
     for _ in 0..2 {
-        let (id, message) = common::next_message(&mut client, Duration::from_secs(10)).await;
+        let (id, message) =
+            crate::support::next_message(&mut client, Duration::from_secs(10)).await;
         shown.push((id, message["body"].as_str().unwrap().to_string()));
     }
     assert_eq!(
@@ -400,7 +399,7 @@ async fn a_last_event_id_of_the_previous_version_resumes_without_a_loss() {
     let mut client = testkit::http::SseClient::connect(workers.addr, "/chats/37/events", Some("3"))
         .await
         .unwrap();
-    let (id, message) = common::next_message(&mut client, Duration::from_secs(10)).await;
+    let (id, message) = crate::support::next_message(&mut client, Duration::from_secs(10)).await;
     assert_eq!(
         (id.as_str(), message["body"].as_str().unwrap()),
         ("p4", "d")
@@ -420,7 +419,8 @@ async fn a_last_event_id_of_the_previous_version_resumes_without_a_loss() {
             .await
             .unwrap();
     for (id, body) in [("p1", "sent"), ("p2", "received")] {
-        let (got, message) = common::next_message(&mut client, Duration::from_secs(10)).await;
+        let (got, message) =
+            crate::support::next_message(&mut client, Duration::from_secs(10)).await;
         assert_eq!(
             (got.as_str(), message["body"].as_str().unwrap()),
             (id, body)

@@ -18,8 +18,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use chat_services::model::{parse_chat_id, parse_send_request, Message, MESSAGE_CREATED};
 use chat_services::Side;
+use chat_services::{parse_chat_id, parse_send_request, Message, MESSAGE_CREATED};
 use futures::StreamExt;
 use http_body_util::{BodyExt, Full};
 use hyper::body::Incoming;

@@ -363,17 +363,17 @@ async fn unpublished(
     received: &HashMap<String, String>,
 ) -> anyhow::Result<usize> {
     let mut conn = match &system.cluster {
-        Some(cluster) => cdc_relay::redis_client::RedisConn::Cluster(
+        Some(cluster) => outbox_core::connect::RedisConn::Cluster(
             redis::cluster::ClusterClient::new(cluster.urls())?
                 .get_async_connection()
                 .await?,
         ),
-        None => cdc_relay::redis_client::RedisConn::Single(
+        None => outbox_core::connect::RedisConn::Single(
             redis::aio::ConnectionManager::new(redis::Client::open(system.redis.url())?).await?,
         ),
     };
     let mut entries = Vec::new();
-    for stream in cdc_relay::shard::shard_keys(&sender.outbox_stream(), system.shards()) {
+    for stream in outbox_core::stream::shard_keys(&sender.outbox_stream(), system.shards()) {
         let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
             .arg(stream)
             .arg("-")

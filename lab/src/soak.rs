@@ -14,8 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use cdc_relay::outbox::{RelationCache, Row};
-use cdc_relay::pgoutput::{self, PgOutput};
+use cdc_relay::decode::{self as pgoutput, PgOutput, RelationCache, Row};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;

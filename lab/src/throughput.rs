@@ -507,7 +507,7 @@ async fn drain_with_relay(
     let redis_cpu_start = crate::report::cpu_seconds(redis.pid().unwrap_or(0));
     wait_drained(
         &mut conn,
-        &cdc_relay::shard::shard_keys(stream, shards),
+        &outbox_core::stream::shard_keys(stream, shards),
         events,
         &relay,
         started,

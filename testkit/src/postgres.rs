@@ -128,7 +128,7 @@ pub fn pg_bin_dir_of(version: Option<u32>) -> anyhow::Result<PathBuf> {
 }
 
 /// The Postgres binaries directory (override with `PG_BIN`).
-pub fn pg_bin_dir() -> anyhow::Result<PathBuf> {
+pub(crate) fn pg_bin_dir() -> anyhow::Result<PathBuf> {
     if let Ok(dir) = std::env::var("PG_BIN") {
         return Ok(PathBuf::from(dir));
     }

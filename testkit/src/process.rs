@@ -201,7 +201,7 @@ impl Drop for ChildProcess {
 }
 
 /// A readable summary of how a process ended.
-pub fn describe_exit(status: ExitStatus) -> String {
+pub(crate) fn describe_exit(status: ExitStatus) -> String {
     match (status.code(), status.signal()) {
         (Some(code), _) => format!("exit code {code}"),
         (None, Some(sig)) => format!("signal {sig}"),

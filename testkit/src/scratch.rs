@@ -15,7 +15,7 @@ fn base() -> PathBuf {
 
 /// This process's scratch directory, created on first use (world-readable, so a Postgres
 /// running as the `postgres` user can reach its data directory inside it).
-pub fn scratch_root() -> &'static Path {
+pub(crate) fn scratch_root() -> &'static Path {
     ROOT.get_or_init(|| {
         let base = base();
         std::fs::create_dir_all(&base).expect("create testkit base directory");

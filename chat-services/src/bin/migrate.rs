@@ -1,18 +1,27 @@
 //! `migrate`: apply the chat services' SQL migrations to one database, and optionally set
 //! the roles' passwords (from files, never from the command line).
 
-use chat_services::config::MigrateCli as Cli;
+use chat_services::MigrateCli as Cli;
 use clap::Parser;
+use outbox_core::logging::{self, LogFormat};
+
+/// Why `migrate` stopped.
+#[derive(Debug, thiserror::Error)]
+enum Error {
+    #[error(transparent)]
+    Config(#[from] outbox_core::ConfigError),
+    #[error("cannot connect to Postgres: {0}")]
+    Connect(outbox_core::Error),
+    #[error(transparent)]
+    Migrate(#[from] outbox_migrations::MigrateError),
+    #[error("setting the password of {role}: {message}")]
+    Password { role: String, message: String },
+}
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> std::process::ExitCode {
     let _ = rustls::crypto::ring::default_provider().install_default();
-    tracing_subscriber::fmt()
-        .with_writer(std::io::stderr)
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .init();
+    logging::init(LogFormat::Text, "info");
     let cli = Cli::parse();
     match run(&cli).await {
         Ok(report) => {
@@ -23,38 +32,32 @@ async fn main() -> std::process::ExitCode {
             }
             std::process::ExitCode::SUCCESS
         }
-        Err(message) => {
-            eprintln!("migrate: {message}");
+        Err(e) => {
+            eprintln!("migrate: {e}");
             std::process::ExitCode::FAILURE
         }
     }
 }
 
-async fn run(cli: &Cli) -> Result<outbox_migrations::Report, String> {
-    let endpoint = cli
-        .secrets
-        .endpoint(&cli.database_url)
-        .map_err(|e| e.to_string())?;
+async fn run(cli: &Cli) -> Result<outbox_migrations::Report, Error> {
+    let endpoint = cli.secrets.endpoint(&cli.database_url)?;
     let mut client = endpoint
         .connect_as(std::time::Duration::from_secs(10), "migrate")
         .await
-        .map_err(|e| format!("cannot connect to Postgres: {e}"))?;
-    let report = outbox_migrations::apply(&mut client)
-        .await
-        .map_err(|e| e.to_string())?;
+        .map_err(Error::Connect)?;
+    let report = outbox_migrations::apply(&mut client).await?;
     for (role, file) in &cli.role_passwords {
-        let password = cdc_relay::pg::read_secret_file(file).map_err(|e| e.to_string())?;
+        let password = outbox_core::connect::read_secret_file(file)?;
         // The password travels as a literal (ALTER ROLE takes no parameters); quote it.
         let literal = password.replace('\'', "''");
         client
             .batch_execute(&format!("ALTER ROLE {role} PASSWORD '{literal}'"))
             .await
-            .map_err(|e| {
-                format!(
-                    "setting the password of {role}: {}",
-                    e.as_db_error()
-                        .map_or(e.to_string(), |d| d.message().to_string())
-                )
+            .map_err(|e| Error::Password {
+                role: role.clone(),
+                message: e
+                    .as_db_error()
+                    .map_or(e.to_string(), |d| d.message().to_string()),
             })?;
         tracing::info!(%role, "password set");
     }

@@ -1,7 +1,6 @@
 //! The route handlers.
 
 use std::sync::Arc;
-use std::time::Duration;
 
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
@@ -22,7 +21,7 @@ const MAX_HISTORY: i64 = 500;
 
 const PAGE: &str = include_str!("../page.html");
 
-pub fn page(app: &App) -> Response<Body> {
+pub(super) fn page(app: &App) -> Response<Body> {
     let html = PAGE
         .replace("{{SIDE}}", app.side.as_str())
         .replace("{{OTHER}}", app.side.other().as_str());
@@ -37,38 +36,6 @@ pub fn page(app: &App) -> Response<Body> {
         HeaderValue::from_static("default-src 'self'; script-src 'unsafe-inline' 'self'; style-src 'unsafe-inline' 'self'"),
     );
     resp
-}
-
-pub fn metrics(app: &App) -> Response<Body> {
-    app.metrics.live_chats.set(app.hub.chats() as i64);
-    let mut resp = Response::new(reply::full(app.metrics.encode()));
-    resp.headers_mut().insert(
-        CONTENT_TYPE,
-        HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
-    );
-    resp
-}
-
-/// Ready while Postgres answers (sends need nothing else); Redis and the inbox consumer are
-/// reported, but a Redis outage does not stop sends.
-pub async fn readyz(app: &App) -> Response<Body> {
-    let consumer = app.consumer.borrow().clone();
-    let postgres = tokio::time::timeout(Duration::from_secs(2), app.store.ping()).await;
-    let redis = if consumer.redis_reachable {
-        "up"
-    } else {
-        "down"
-    };
-    match postgres {
-        Ok(Ok(())) => reply::json(
-            StatusCode::OK,
-            &serde_json::json!({"status": "ready", "postgres": "up", "redis": redis, "consumer": consumer.role, "shards": consumer.shards, "last_error": consumer.last_error}),
-        ),
-        _ => reply::json(
-            StatusCode::SERVICE_UNAVAILABLE,
-            &serde_json::json!({"status": "not_ready", "reason": "postgres_unavailable", "postgres": "down", "redis": redis, "consumer": consumer.role}),
-        ),
-    }
 }
 
 fn input_error(e: InputError) -> Response<Body> {
@@ -109,7 +76,7 @@ fn store_error(e: StoreError) -> Response<Body> {
 }
 
 /// `POST /chats/{chat_id}/messages`.
-pub async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Response<Body> {
+pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Response<Body> {
     let chat_id = match model::parse_chat_id(chat_id) {
         Ok(id) => id,
         Err(e) => return input_error(e),
@@ -185,7 +152,7 @@ pub async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Response<
 }
 
 /// `GET /chats/{chat_id}/messages?limit=&before=`.
-pub async fn history(app: &App, chat_id: &str, query: Option<&str>) -> Response<Body> {
+pub(super) async fn history(app: &App, chat_id: &str, query: Option<&str>) -> Response<Body> {
     let chat_id = match model::parse_chat_id(chat_id) {
         Ok(id) => id,
         Err(e) => return input_error(e),
@@ -227,7 +194,7 @@ pub async fn history(app: &App, chat_id: &str, query: Option<&str>) -> Response<
 }
 
 /// `GET /chats/{chat_id}/events`.
-pub fn events(app: Arc<App>, chat_id: &str, req: &Request<Incoming>) -> Response<Body> {
+pub(super) fn events(app: Arc<App>, chat_id: &str, req: &Request<Incoming>) -> Response<Body> {
     let chat_id = match model::parse_chat_id(chat_id) {
         Ok(id) => id,
         Err(e) => return input_error(e),

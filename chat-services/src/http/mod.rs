@@ -1,9 +1,12 @@
 //! The HTTP server (hyper 1, HTTP/1.1): routing, graceful shutdown, and the shared state
 //! handlers see. JSON everywhere; every error is `{"error": "..."}` naming the problem.
 
+mod admin;
 mod api;
 pub(crate) mod reply;
-pub mod sse;
+pub(crate) mod sse;
+
+pub(crate) use admin::ServiceProbe;
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -29,7 +32,7 @@ use crate::store::Store;
 use reply::Body;
 
 /// What every handler can reach.
-pub struct App {
+pub(crate) struct App {
     pub side: Side,
     pub store: Store,
     pub hub: Arc<Hub>,
@@ -45,7 +48,7 @@ pub struct App {
 
 /// What one instance holds open at most, so a flood of connections or streams costs a 503,
 /// not the process.
-pub struct Limits {
+pub(crate) struct Limits {
     pub connections: Arc<Semaphore>,
     pub event_streams: Arc<Semaphore>,
     /// Event streams reading the database at once (half the pool).
@@ -56,7 +59,7 @@ pub struct Limits {
 }
 
 impl Limits {
-    pub fn new(config: &crate::config::ServiceConfig) -> Self {
+    pub(crate) fn new(config: &crate::config::ServiceConfig) -> Self {
         Self {
             connections: Arc::new(Semaphore::new(config.max_connections)),
             event_streams: Arc::new(Semaphore::new(config.max_event_streams)),
@@ -70,21 +73,9 @@ impl Limits {
 /// Written to a connection past `--max-connections` before closing it.
 const OVER_CAPACITY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: 68\r\n\r\n{\"error\":\"too many connections to this instance; retry in a moment\"}";
 
-/// Which routes a listener serves: the public one the API, the page and event streams; the
-/// admin one probes and metrics (kept off the public port).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Surface {
-    Public,
-    Admin,
-}
-
-/// Serve until `shutdown`, then let in-flight requests finish (bounded).
-pub async fn serve(
-    listener: TcpListener,
-    app: Arc<App>,
-    shutdown: CancellationToken,
-    surface: Surface,
-) {
+/// Serve the API, the page and event streams until `shutdown`, then let in-flight requests
+/// finish (bounded). Probes and metrics are on the admin listener ([`ServiceProbe`]).
+pub(crate) async fn serve(listener: TcpListener, app: Arc<App>, shutdown: CancellationToken) {
     let graceful = GracefulShutdown::new();
     // Accept errors (EMFILE above all) back off instead of spinning on the same error.
     let mut accept_pause = Duration::ZERO;
@@ -123,12 +114,7 @@ pub async fn serve(
         let app = app.clone();
         let service = hyper::service::service_fn(move |req| {
             let app = app.clone();
-            async move {
-                Ok::<_, Infallible>(match surface {
-                    Surface::Public => route(app, req).await,
-                    Surface::Admin => route_admin(app, req).await,
-                })
-            }
+            async move { Ok::<_, Infallible>(route(app, req).await) }
         });
         let conn = hyper::server::conn::http1::Builder::new()
             .timer(TokioTimer::new())
@@ -145,23 +131,6 @@ pub async fn serve(
     tokio::select! {
         _ = graceful.shutdown() => {}
         _ = tokio::time::sleep(Duration::from_secs(10)) => warn!("connections still open 10 s after shutdown; closing"),
-    }
-}
-
-async fn route_admin(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
-    let path = req.uri().path().to_string();
-    let method = req.method().clone();
-    match path.as_str() {
-        "/healthz" | "/readyz" | "/metrics" if method != Method::GET => {
-            reply::method_not_allowed(&method, &path, "GET")
-        }
-        "/healthz" => reply::json(StatusCode::OK, &serde_json::json!({"status": "alive"})),
-        "/readyz" => api::readyz(&app).await,
-        "/metrics" => api::metrics(&app),
-        _ => reply::error(
-            StatusCode::NOT_FOUND,
-            format!("no route {path} on the admin listener (healthz, readyz, metrics)"),
-        ),
     }
 }
 

@@ -9,13 +9,13 @@ use http_body_util::{BodyExt, Full};
 use hyper::header::{HeaderValue, CONTENT_TYPE};
 use hyper::{Response, StatusCode};
 
-pub type Body = BoxBody<Bytes, Infallible>;
+pub(crate) type Body = BoxBody<Bytes, Infallible>;
 
-pub fn full(bytes: impl Into<Bytes>) -> Body {
+pub(crate) fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into()).boxed()
 }
 
-pub fn json(status: StatusCode, value: &impl serde::Serialize) -> Response<Body> {
+pub(crate) fn json(status: StatusCode, value: &impl serde::Serialize) -> Response<Body> {
     let body = serde_json::to_vec(value).expect("response serializes");
     let mut resp = Response::new(full(body));
     *resp.status_mut() = status;
@@ -24,11 +24,11 @@ pub fn json(status: StatusCode, value: &impl serde::Serialize) -> Response<Body>
     resp
 }
 
-pub fn error(status: StatusCode, message: impl std::fmt::Display) -> Response<Body> {
+pub(crate) fn error(status: StatusCode, message: impl std::fmt::Display) -> Response<Body> {
     json(status, &serde_json::json!({ "error": message.to_string() }))
 }
 
-pub fn method_not_allowed(
+pub(crate) fn method_not_allowed(
     method: &hyper::Method,
     path: &str,
     allow: &'static str,
@@ -43,7 +43,7 @@ pub fn method_not_allowed(
 }
 
 /// 503 with `Retry-After`: the request wrote nothing and may be retried.
-pub fn unavailable(message: impl std::fmt::Display) -> Response<Body> {
+pub(crate) fn unavailable(message: impl std::fmt::Display) -> Response<Body> {
     let mut resp = error(StatusCode::SERVICE_UNAVAILABLE, message);
     resp.headers_mut()
         .insert("retry-after", HeaderValue::from_static("1"));

@@ -11,7 +11,6 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use futures::stream;
@@ -30,7 +29,7 @@ use crate::store::StoreError;
 
 /// Where a client resumes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Cursor {
+pub(crate) enum Cursor {
     /// After this feed position (event ids `p<pos>`).
     Pos(i64),
     /// After this side-wide inbox position: an event id from before migration V7 (a
@@ -40,7 +39,7 @@ pub enum Cursor {
 
 impl Cursor {
     /// `p<n>`, or a bare `<n>` of the previous scheme; `None` if neither.
-    pub fn parse(raw: &str) -> Option<Self> {
+    pub(crate) fn parse(raw: &str) -> Option<Self> {
         let raw = raw.trim();
         let number = |s: &str| {
             (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
@@ -60,7 +59,7 @@ const REPLAY_PAGE: i64 = 500;
 const CLIENT_QUEUE: usize = 64;
 
 /// Start streaming chat `chat_id` after `after` (`None`: from now on).
-pub fn respond(app: Arc<App>, chat_id: i64, after: Option<Cursor>) -> Response<Body> {
+pub(crate) fn respond(app: Arc<App>, chat_id: i64, after: Option<Cursor>) -> Response<Body> {
     let Ok(permit) = app.limits.event_streams.clone().try_acquire_owned() else {
         app.metrics.event_streams_refused_total.inc();
         let mut resp = super::reply::error(
@@ -219,6 +218,3 @@ async fn catch_up(
         }
     }
 }
-
-/// How long between heartbeat comments.
-pub const DEFAULT_HEARTBEAT: Duration = Duration::from_secs(15);

@@ -6,6 +6,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
+use outbox_core::stream::entry::dead_letter;
 use redis::Value;
 use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
@@ -394,17 +395,17 @@ impl Active<'_> {
             .arg("=")
             .arg(max_len)
             .arg("*")
-            .arg("stream")
+            .arg(dead_letter::STREAM)
             .arg(&self.cfg().stream)
-            .arg("id")
+            .arg(dead_letter::ID)
             .arg(&entry.id)
-            .arg("reason")
+            .arg(dead_letter::REASON)
             .arg(reason)
-            .arg("deliveries")
+            .arg(dead_letter::DELIVERIES)
             .arg(entry.deliveries);
         if let Some(fields) = &entry.fields {
             for (k, v) in fields {
-                xadd.arg(format!("entry.{k}")).arg(v);
+                xadd.arg(dead_letter::entry_field(k)).arg(v);
             }
         }
         let mut pipe = redis::pipe();

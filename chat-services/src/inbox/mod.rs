@@ -25,14 +25,18 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
-use cdc_relay::backoff::{jitter, Backoff};
-use cdc_relay::redis_client::{RedisConn, RedisTarget};
+use outbox_core::backoff::{jitter, Backoff};
+use outbox_core::connect::{RedisConn, RedisTarget};
+use outbox_core::lease::Lease;
+use outbox_core::stream::entry;
+use outbox_core::stream::keys::{self, origin_key};
+use outbox_core::stream::record::{check_layout, recorded_shards};
+use outbox_core::stream::shard_key;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
-use crate::lease::Lease;
 use crate::metrics::Metrics;
 use crate::model::{self, HistoryItem};
 use crate::notify::Announcer;
@@ -41,9 +45,9 @@ use crate::store::{Position, Received, Store, StoreError};
 use group::Entry;
 
 mod group;
-pub mod shards;
+pub(crate) mod shards;
 
-pub use shards::{Assignment, ShardRoles};
+pub(crate) use shards::{Assignment, ShardRoles};
 
 /// Entries read per call.
 const READ_COUNT: usize = 100;
@@ -51,7 +55,7 @@ const READ_COUNT: usize = 100;
 const READ_BLOCK: Duration = Duration::from_secs(1);
 
 #[derive(Debug, Clone)]
-pub struct InboxConfig {
+pub(crate) struct InboxConfig {
     /// The receiving side (this service).
     pub side: Side,
     /// The stream read: this shard of the other side's outbox stream.
@@ -83,6 +87,35 @@ pub struct InboxConfig {
     pub crash_after_inbox_commit: Option<u64>,
     /// Test hook: SIGKILL this process when about to record a message with this body.
     pub crash_on_body: Option<String>,
+}
+
+impl InboxConfig {
+    /// The consumer of `shard`, from the service's configuration: every key of the shard
+    /// derives from the side's base names (`outbox_core::stream::keys`).
+    pub(crate) fn for_shard(cfg: &crate::ServiceConfig, shard: u32) -> Self {
+        let shards = cfg.stream_shards;
+        let key = |base: &str| shard_key(base, shard, shards);
+        let group = cfg.side.as_str();
+        Self {
+            side: cfg.side,
+            stream: key(&cfg.inbound_stream),
+            shard,
+            shards,
+            lease_key: key(&keys::inbox_lease_base(group)),
+            attempts_key: key(&keys::inbox_attempts_base(group)),
+            group: group.to_string(),
+            consumer: cfg.consumer_name.clone(),
+            dead_letter_stream: key(&cfg.dead_letter_stream),
+            legacy_dead_letter_stream: (shards > 1 && shard == 0 && !cfg.redis.is_cluster())
+                .then(|| cfg.dead_letter_stream.clone()),
+            dead_letter_max_len: cfg.dead_letter_max_len,
+            claim_idle: cfg.claim_idle,
+            max_deliveries: cfg.max_deliveries,
+            lease_ttl: cfg.lease_ttl,
+            crash_after_inbox_commit: cfg.crash_after_inbox_commit,
+            crash_on_body: cfg.crash_on_body.clone(),
+        }
+    }
 }
 
 /// What the consumer is doing, for /readyz and tests.
@@ -139,7 +172,7 @@ enum Flow {
     Handover,
 }
 
-pub struct Inbox {
+pub(crate) struct Inbox {
     cfg: InboxConfig,
     client: RedisTarget,
     store: Store,
@@ -161,7 +194,7 @@ pub struct Inbox {
 }
 
 impl Inbox {
-    pub fn new(
+    pub(crate) fn new(
         cfg: InboxConfig,
         client: RedisTarget,
         store: Store,
@@ -213,7 +246,7 @@ impl Inbox {
     }
 
     /// Consume until `shutdown`.
-    pub async fn run(&self, shutdown: CancellationToken) {
+    pub(crate) async fn run(&self, shutdown: CancellationToken) {
         let lease = Lease::new(
             self.cfg.lease_key.clone(),
             &self.cfg.consumer,
@@ -341,24 +374,20 @@ impl Inbox {
             // A stream named by --inbound-stream: its layout is the operator's.
             return Ok(());
         }
-        let shards = self.cfg.shards;
-        let keys = [
-            cdc_relay::record::origin_key(&self.cfg.stream),
-            cdc_relay::record::other_layout_origin_key(&base, shards),
-        ];
-        let mut recorded = Vec::new();
-        for key in keys {
-            match cdc_relay::record::recorded_shards(conn, &key).await {
-                Ok(count) => recorded.extend(count),
-                // An ACL from before shards existed (it allows the plain stream only): the
-                // check is skipped, not the consuming.
-                Err(e) if e.code() == Some("NOPERM") => {
-                    warn!(%key, "the Redis user may not read the stream's record, so the shard count is not checked; load the current deploy/redis/users.acl")
-                }
-                Err(e) => return Err(e.into()),
+        let key = origin_key(&self.cfg.stream);
+        let recorded = match recorded_shards(conn, &key).await {
+            Ok(count) => count.into_iter().collect(),
+            // An ACL from before shards existed (it allows the plain stream only): the
+            // check is skipped, not the consuming.
+            Err(e) if e.code() == Some("NOPERM") => {
+                warn!(%key, "the Redis user may not read the stream's record, so the shard count is not checked; load the current deploy/redis/users.acl");
+                Vec::new()
             }
-        }
-        cdc_relay::shard::check_recorded(&base, shards, recorded).map_err(ConsumeError::Layout)
+            Err(e) => return Err(e.into()),
+        };
+        check_layout(conn, &base, self.cfg.shards, recorded)
+            .await?
+            .map_err(|e| ConsumeError::Layout(e.0))
     }
 }
 
@@ -522,13 +551,10 @@ impl Active<'_> {
                 dead.push((entry, reason));
                 continue;
             }
-            let parsed = match (fields.get("event"), fields.get("payload")) {
-                (Some(event), Some(payload)) => {
-                    model::parse_event(event, payload, self.cfg().side.other())
-                }
-                (None, _) => Err(model::PoisonError::MissingField("event")),
-                (_, None) => Err(model::PoisonError::MissingField("payload")),
-            };
+            let parsed = model::parse_entry(
+                |name| fields.get(name).map(String::as_str),
+                self.cfg().side.other(),
+            );
             match parsed {
                 Ok(message) => received.push((entry, message)),
                 Err(e) => dead.push((entry, e.to_string())),
@@ -710,7 +736,7 @@ impl Active<'_> {
             let written = entry
                 .fields
                 .as_ref()
-                .and_then(|f| f.get("created_at"))
+                .and_then(|f| f.get(entry::CREATED_AT))
                 .and_then(|t| {
                     time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339)
                         .ok()

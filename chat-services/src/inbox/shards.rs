@@ -19,7 +19,8 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use cdc_relay::redis_client::{RedisConn, RedisTarget};
+use outbox_core::connect::{RedisConn, RedisTarget};
+use outbox_core::stream::keys;
 use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -30,7 +31,7 @@ use crate::side::Side;
 use crate::store::Store;
 
 /// Which shards this instance should try to hold (index: shard).
-pub type Assignment = Arc<Vec<bool>>;
+pub(crate) type Assignment = Arc<Vec<bool>>;
 
 /// Heartbeat (join) or leave, then the live members. KEYS[1]: the members' sorted set;
 /// ARGV: member, liveness window (ms), '1' to heartbeat or '0' to leave.
@@ -52,8 +53,8 @@ return redis.call('ZRANGEBYSCORE', KEYS[1], now - window, '+inf')
 });
 
 /// The key of `side`'s member set.
-pub fn members_key(side: Side) -> String {
-    format!("inbox-members:{side}")
+pub(crate) fn members_key(side: Side) -> String {
+    keys::inbox_members_key(side.as_str())
 }
 
 /// The shards `me` wants among `members` (any order); with no members at all, every shard
@@ -62,7 +63,7 @@ pub fn members_key(side: Side) -> String {
 /// room for ⌊N/m⌋ and the ⌊N⌋ mod m left over go one each to their first members with no
 /// extra yet. So counts differ by at most one, and a member joining or leaving moves little
 /// more than its own share (plain `k mod m` would move most shards).
-pub fn assign(shards: u32, members: &[String], me: &str) -> Vec<bool> {
+pub(crate) fn assign(shards: u32, members: &[String], me: &str) -> Vec<bool> {
     if members.is_empty() {
         return vec![true; shards as usize];
     }
@@ -110,7 +111,7 @@ fn weight(member: &str, k: u32) -> u64 {
 }
 
 /// What the membership task needs.
-pub struct Membership {
+pub(crate) struct Membership {
     pub client: RedisTarget,
     pub side: Side,
     pub me: String,
@@ -122,7 +123,7 @@ pub struct Membership {
 
 /// Keep this instance in the member set while it can consume, and `assignment` up to date,
 /// until `shutdown`; then leave, so the others take its shards at once.
-pub async fn run_membership(
+pub(crate) async fn run_membership(
     m: Membership,
     assignment: watch::Sender<Assignment>,
     shutdown: CancellationToken,
@@ -203,7 +204,7 @@ pub async fn run_membership(
 
 /// The roles of an instance's shard consumers, summed up in one status: active while it
 /// holds any shard.
-pub struct ShardRoles {
+pub(crate) struct ShardRoles {
     roles: Mutex<Vec<ConsumerRole>>,
     /// Entries in each held shard's dead-letter stream (0 for shards not held: their
     /// holder reports them).
@@ -215,7 +216,11 @@ pub struct ShardRoles {
 }
 
 impl ShardRoles {
-    pub fn new(shards: u32, status: watch::Sender<ConsumerStatus>, metrics: Arc<Metrics>) -> Self {
+    pub(crate) fn new(
+        shards: u32,
+        status: watch::Sender<ConsumerStatus>,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         metrics.inbox_shards.set(i64::from(shards));
         Self {
             roles: Mutex::new(vec![ConsumerRole::Starting; shards as usize]),
@@ -226,17 +231,17 @@ impl ShardRoles {
         }
     }
 
-    pub fn set_layout_refused(&self, refused: bool) {
+    pub(crate) fn set_layout_refused(&self, refused: bool) {
         self.layout_refused
             .store(refused, std::sync::atomic::Ordering::SeqCst);
     }
 
-    pub fn layout_refused(&self) -> bool {
+    pub(crate) fn layout_refused(&self) -> bool {
         self.layout_refused
             .load(std::sync::atomic::Ordering::SeqCst)
     }
 
-    pub fn set(&self, shard: u32, role: ConsumerRole) {
+    pub(crate) fn set(&self, shard: u32, role: ConsumerRole) {
         let (summary, held) = {
             let mut roles = self.roles.lock().unwrap();
             roles[shard as usize] = role;
@@ -268,7 +273,7 @@ impl ShardRoles {
 
     /// The length of a held shard's dead-letter stream; the gauge sums the held shards', so
     /// summed over instances each shard counts once.
-    pub fn set_dead_letters(&self, shard: u32, entries: i64) {
+    pub(crate) fn set_dead_letters(&self, shard: u32, entries: i64) {
         let total = {
             let mut counts = self.dead_letters.lock().unwrap();
             counts[shard as usize] = entries;
@@ -278,11 +283,11 @@ impl ShardRoles {
     }
 
     /// This shard's role.
-    pub fn get(&self, shard: u32) -> ConsumerRole {
+    pub(crate) fn get(&self, shard: u32) -> ConsumerRole {
         self.roles.lock().unwrap()[shard as usize]
     }
 
-    pub fn status(&self) -> &watch::Sender<ConsumerStatus> {
+    pub(crate) fn status(&self) -> &watch::Sender<ConsumerStatus> {
         &self.status
     }
 }

@@ -1,0 +1,269 @@
+//! `run`'s flags: the connection group, the standbys to watch, and the knobs with
+//! production defaults; validated into a [`RelayConfig`].
+
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use clap::Args;
+use outbox_core::connect::PgEndpoint;
+use outbox_core::stream::validate_layout;
+
+use super::ConnectionArgs;
+use crate::config::{BatchLimits, OnLostSlot, RelayConfig};
+use crate::error::RelayError;
+
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
+    /// Standbys to watch for the failover slot's synced copy (`--failover`, Postgres 17+):
+    /// Postgres URLs, repeated or comma-separated, using the --database-url's password file
+    /// and CA. Exported as cdc_relay_standby_slot_ready{standby} (1 when a promotion there
+    /// would keep the slot) and cdc_relay_standby_slot_behind_bytes{standby}.
+    #[arg(
+        long = "standby-url",
+        env = "CDC_STANDBY_URLS",
+        value_delimiter = ',',
+        hide_env_values = true
+    )]
+    pub standby_urls: Vec<String>,
+    #[command(flatten)]
+    pub tuning: Tuning,
+}
+
+/// Knobs with production defaults.
+#[derive(Debug, Clone, Args)]
+pub struct Tuning {
+    /// Address of the admin HTTP server (/healthz, /readyz, /metrics); empty to disable.
+    #[arg(long, env = "CDC_ADMIN_ADDR", default_value = "127.0.0.1:9187")]
+    pub admin_addr: String,
+    /// Most entries in one Redis call.
+    #[arg(long, env = "CDC_BATCH_MAX_ENTRIES", default_value_t = 2000)]
+    pub batch_max_entries: usize,
+    /// Most bytes of entry data in one Redis call.
+    #[arg(long, env = "CDC_BATCH_MAX_BYTES", default_value_t = 4 << 20)]
+    pub batch_max_bytes: usize,
+    /// Last-resort cap on the stream's length (0: none). Entries are trimmed once every
+    /// consumer group acknowledged them; only at this cap are unread entries trimmed too,
+    /// counted in cdc_relay_unread_entries_trimmed_total. Keep it well above consumer lag.
+    #[arg(long, env = "CDC_STREAM_MAX_LEN", default_value_t = 1_000_000)]
+    pub stream_max_len: u64,
+    /// How often acknowledgements are reported to Postgres at most.
+    #[arg(long, env = "CDC_STATUS_INTERVAL", value_parser = humantime::parse_duration, default_value = "200ms")]
+    pub status_interval: Duration,
+    /// Redis response timeout; a timed-out batch is sent again (ids make that safe).
+    #[arg(long, env = "CDC_REDIS_TIMEOUT", value_parser = humantime::parse_duration, default_value = "5s")]
+    pub redis_timeout: Duration,
+    /// Postgres connect timeout.
+    #[arg(long, env = "CDC_CONNECT_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10s")]
+    pub connect_timeout: Duration,
+    /// How often a standby relay tries to take the slot (jittered).
+    #[arg(long, env = "CDC_STANDBY_RETRY", value_parser = humantime::parse_duration, default_value = "500ms")]
+    pub standby_retry: Duration,
+    /// Longest pause between reconnect attempts (exponential backoff with jitter up to it).
+    #[arg(long, env = "CDC_RECONNECT_MAX_BACKOFF", value_parser = humantime::parse_duration, default_value = "5s")]
+    pub reconnect_max_backoff: Duration,
+    /// What to do when the slot is lost (invalidated by max_slot_wal_keep_size): `fail` stops
+    /// with an error; `recover` recreates the slot and republishes from the outbox table the
+    /// rows the stream may be missing.
+    #[arg(long, env = "CDC_ON_LOST_SLOT", value_enum, default_value_t = OnLostSlot::Fail)]
+    pub on_lost_slot: OnLostSlot,
+    /// How often slot health (lag, retained WAL, wal_status) is read for /metrics.
+    #[arg(long, env = "CDC_SLOT_METRICS_INTERVAL", value_parser = humantime::parse_duration, default_value = "5s")]
+    pub slot_metrics_interval: Duration,
+    /// On SIGTERM, how long to wait for the in-flight batch before leaving anyway (nothing
+    /// unconfirmed was acknowledged, so nothing is lost).
+    #[arg(long, env = "CDC_SHUTDOWN_GRACE", value_parser = humantime::parse_duration, default_value = "10s")]
+    pub shutdown_grace: Duration,
+    /// Replicas that must acknowledge each write (Redis `WAIT`) before a batch counts as
+    /// confirmed and the slot may be acknowledged: with 1 or more, a Redis failover cannot
+    /// lose what the slot was told was delivered; with 0, such a loss is detected and the
+    /// stream (shard) rebuilt from the outbox.
+    #[arg(long, env = "CDC_REDIS_WAIT_REPLICAS", default_value_t = 0)]
+    pub redis_wait_replicas: u32,
+    /// TTL of the rebuild lock in Redis; the rebuilding relay extends it every third of it,
+    /// and other relays stand by while it lives.
+    #[arg(long, env = "CDC_REBUILD_LOCK_TTL", value_parser = humantime::parse_duration, default_value = "30s")]
+    pub rebuild_lock_ttl: Duration,
+}
+
+impl RunArgs {
+    /// Everything `run` needs, or what to change.
+    pub fn validate(&self) -> Result<RelayConfig, RelayError> {
+        let c = &self.connection;
+        let postgres = c.postgres()?;
+        let t = &self.tuning;
+        let redis = c.redis(t.redis_timeout)?;
+        let stream = c.stream()?.to_string();
+        let stream_shards = validate_layout(
+            "--stream-shards",
+            c.stream_shards,
+            c.redis_cluster,
+            &[("--stream", &stream)],
+        )?;
+        let standbys = self.standbys()?;
+        let admin_addr = t.admin_addr()?;
+        t.check()?;
+        Ok(RelayConfig {
+            postgres,
+            redis,
+            stream,
+            stream_shards,
+            admin_addr,
+            batch: BatchLimits {
+                max_entries: t.batch_max_entries,
+                max_bytes: t.batch_max_bytes,
+            },
+            stream_max_len: t.stream_max_len,
+            status_interval: t.status_interval,
+            redis_timeout: t.redis_timeout,
+            connect_timeout: t.connect_timeout,
+            standby_retry: t.standby_retry,
+            reconnect_max_backoff: t.reconnect_max_backoff,
+            shutdown_grace: t.shutdown_grace,
+            on_lost_slot: t.on_lost_slot,
+            slot_metrics_interval: t.slot_metrics_interval,
+            rebuild_lock_ttl: t.rebuild_lock_ttl,
+            redis_wait_replicas: t.redis_wait_replicas,
+            standbys,
+        })
+    }
+
+    /// The standbys to watch (only beside a failover slot).
+    fn standbys(&self) -> Result<Vec<PgEndpoint>, RelayError> {
+        if !self.standby_urls.is_empty() && !self.connection.failover {
+            return Err(RelayError::Config(
+                "--standby-url watches a failover slot's copy on a standby: add --failover (Postgres 17+), or drop --standby-url".into(),
+            ));
+        }
+        self.standby_urls
+            .iter()
+            .map(|url| {
+                self.connection
+                    .database_secrets
+                    .endpoint(url)
+                    .map_err(|e| RelayError::Config(e.0.replace("--database-url", "--standby-url")))
+            })
+            .collect()
+    }
+}
+
+impl Tuning {
+    fn admin_addr(&self) -> Result<Option<SocketAddr>, RelayError> {
+        if self.admin_addr.is_empty() {
+            return Ok(None);
+        }
+        self.admin_addr.parse().map(Some).map_err(|_| {
+            RelayError::Config(format!(
+                "--admin-addr '{}' is not host:port (e.g. 0.0.0.0:9187), or empty to disable",
+                self.admin_addr
+            ))
+        })
+    }
+
+    /// Bounds every knob must respect.
+    fn check(&self) -> Result<(), RelayError> {
+        if self.batch_max_entries == 0 || self.batch_max_bytes < 1024 {
+            return Err(RelayError::Config(
+                "--batch-max-entries must be at least 1 and --batch-max-bytes at least 1024".into(),
+            ));
+        }
+        for (flag, value) in [
+            ("--status-interval", self.status_interval),
+            ("--redis-timeout", self.redis_timeout),
+            ("--connect-timeout", self.connect_timeout),
+            ("--standby-retry", self.standby_retry),
+            ("--reconnect-max-backoff", self.reconnect_max_backoff),
+            ("--slot-metrics-interval", self.slot_metrics_interval),
+            ("--rebuild-lock-ttl", self.rebuild_lock_ttl),
+        ] {
+            if value.is_zero() {
+                return Err(RelayError::Config(format!(
+                    "{flag} must be greater than zero"
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cli::{Cli, Command};
+    use clap::Parser;
+
+    /// `run` with valid flags, where `overrides` (flag, value pairs) replace or add some.
+    fn run_args(overrides: &[&str]) -> Result<RunArgs, clap::Error> {
+        let mut flags = vec![
+            (
+                "--database-url",
+                "postgres://consumers_relay:s3cret@localhost/chat",
+            ),
+            ("--slot", "consumers_relay"),
+            ("--publication", "consumers_outbox"),
+            ("--outbox-table", "consumers.outbox"),
+            ("--redis-url", "redis://localhost"),
+            ("--stream", "outbox:consumers"),
+        ];
+        for pair in overrides.chunks(2) {
+            match flags.iter_mut().find(|(flag, _)| *flag == pair[0]) {
+                Some(entry) => entry.1 = pair[1],
+                None => flags.push((pair[0], pair[1])),
+            }
+        }
+        let mut argv = vec!["cdc-relay", "run"];
+        for (flag, value) in flags {
+            argv.push(flag);
+            argv.push(value);
+        }
+        let cli = Cli::try_parse_from(argv)?;
+        match cli.command {
+            Command::Run(args) => Ok(args),
+            _ => unreachable!(),
+        }
+    }
+
+    #[test]
+    fn defaults_validate() {
+        let config = run_args(&[]).unwrap().validate().unwrap();
+        assert_eq!(config.batch.max_entries, 2000);
+        assert_eq!(config.status_interval, Duration::from_millis(200));
+        assert_eq!(config.postgres.outbox_table.to_string(), "consumers.outbox");
+        assert!(!format!("{config:?}").contains("s3cret"));
+    }
+
+    #[test]
+    fn bad_values_are_refused_with_what_to_change() {
+        let err = |extra: &[&str]| run_args(extra).unwrap().validate().unwrap_err().to_string();
+        assert!(err(&["--slot", "Bad-Slot"]).contains("--slot 'Bad-Slot' is not a valid name"));
+        assert!(err(&["--outbox-table", "outbox"]).contains("--outbox-table"));
+        assert!(err(&["--admin-addr", "nowhere"]).contains("--admin-addr"));
+        assert!(err(&["--batch-max-entries", "0"]).contains("--batch-max-entries"));
+        assert!(err(&["--redis-url", "http://x"]).contains("--redis-url"));
+        let e = err(&["--database-url", "postgres://:pw@/"]);
+        assert!(e.contains("--database-url") && !e.contains("pw"), "{e}");
+        assert!(run_args(&["--status-interval", "soon"]).is_err());
+        assert!(
+            err(&["--standby-url", "postgres://consumers_relay@pg-1/chat"])
+                .contains("add --failover")
+        );
+        let e = err(&["--failover", "true", "--standby-url", "postgres://:pw@/"]);
+        assert!(e.contains("--standby-url") && !e.contains("pw"), "{e}");
+    }
+
+    #[test]
+    fn standbys_are_watched_by_address() {
+        let config = run_args(&[
+            "--failover",
+            "true",
+            "--standby-url",
+            "postgres://consumers_relay@pg-1:5433/chat,postgres://consumers_relay@pg-2/chat",
+        ])
+        .unwrap()
+        .validate()
+        .unwrap();
+        let addresses: Vec<String> = config.standbys.iter().map(|e| e.address()).collect();
+        assert_eq!(addresses, ["pg-1:5433", "pg-2:5432"]);
+    }
+}

@@ -1,0 +1,436 @@
+//! The decision before streaming, as a pure function of what was read: the slot (read
+//! first), every shard's record (read second) and the server (its timeline history, WAL
+//! position, and whether it is a standby).
+//!
+//! It rests on the record's invariant: Redis's `acked_through` ≥ the slot's
+//! `confirmed_flush_lsn`, because every acknowledgement is recorded in Redis before the slot
+//! hears it. Reading the slot first means an active relay acknowledging in between can only
+//! raise Redis's side, so "Redis knows less than the slot" is never a false alarm.
+
+use super::rebuild::Reason;
+use crate::sink::StreamRecord;
+use crate::source::{Origin, SlotInfo};
+
+/// What to do before streaming.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Decision {
+    /// The slot continues the stream.
+    Stream,
+    /// Same, after recording the server's later timeline (the stream's history is a prefix).
+    Adopt,
+    Rebuild(Reason),
+    /// No slot and no rebuild under way: `setup` was not run (or the slot was dropped).
+    SlotMissing,
+    /// The server is on an older timeline than the stream (the old primary after a
+    /// failover): rebuilding from it would undo the newer history, so refuse.
+    OlderTimeline,
+}
+
+/// Where the server's WAL stands, and whether it is a standby.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Server {
+    pub lsn: u64,
+    pub in_recovery: bool,
+}
+
+/// The decision, from the slot (read first), the record (read second) and the server.
+pub(crate) fn decide(
+    slot: Option<&SlotInfo>,
+    record: &StreamRecord,
+    origin: &Origin,
+    server: Server,
+) -> Decision {
+    let server_lsn = server.lsn;
+    // First of all: a server on an ancestor of the stream's history is the old primary;
+    // nothing it says (a lost slot, a marker) may rewrite the newer history.
+    if record
+        .timeline
+        .is_some_and(|recorded| recorded > origin.timeline)
+        && record
+            .history
+            .as_ref()
+            .is_some_and(|h| h.switch_point(origin.timeline).is_some())
+    {
+        return Decision::OlderTimeline;
+    }
+    // Written by this system on an earlier timeline (or an equal number with other
+    // ancestors), and the server is a primary now: a promoted standby or a restore, which has
+    // no slot before failover slots. A pod that only restarts its relay container never
+    // reruns `setup`, so the relay makes the slot itself, by a rebuild. A standby (a
+    // cascading one, or one not yet promoted) never takes the stream over.
+    let failed_over = record.exists()
+        && !server.in_recovery
+        && record.timeline.is_some_and(|recorded| {
+            recorded < origin.timeline
+                || (recorded == origin.timeline && history_diverged(record, origin))
+        });
+    let Some(slot) = slot else {
+        return match record.rebuilding {
+            Some(_) => Decision::Rebuild(Reason::Resumed),
+            None if failed_over && forked_below_stream(record, origin, server_lsn) => {
+                Decision::Rebuild(Reason::Timeline)
+            }
+            None if failed_over => Decision::Rebuild(Reason::Failover),
+            None => Decision::SlotMissing,
+        };
+    };
+    if slot.is_lost() {
+        return Decision::Rebuild(Reason::LostSlot);
+    }
+    if record.rebuilding.is_some() {
+        return Decision::Rebuild(Reason::Resumed);
+    }
+    if !record.exists() {
+        return Decision::Rebuild(Reason::NoRecord);
+    }
+    let acked = record.acked_through.unwrap_or(0);
+    if forked_below_stream(record, origin, server_lsn) {
+        return Decision::Rebuild(Reason::Timeline);
+    }
+    // Entries the relay wrote are gone (the stream was deleted or restored from older data).
+    if record.last_id.is_some_and(|last| record.top < last) {
+        return Decision::Rebuild(Reason::LostRedisData);
+    }
+    // Redis knows less than the slot confirmed: it lost data, or the slot was made anew
+    // (by `setup` on a promoted standby: the failover is the reason then).
+    if slot
+        .confirmed_flush_lsn
+        .is_some_and(|confirmed| acked < confirmed.as_u64())
+    {
+        return Decision::Rebuild(if failed_over {
+            Reason::Failover
+        } else {
+            Reason::LostRedisData
+        });
+    }
+    if record.timeline != Some(origin.timeline) {
+        return Decision::Adopt;
+    }
+    Decision::Stream
+}
+
+/// The decision for a stream of shards: the most serious of each shard's (an old primary
+/// above all; then a rebuild, which covers every shard; then a missing slot; then adopting
+/// a new timeline).
+pub(crate) fn decide_shards(
+    slot: Option<&SlotInfo>,
+    records: &[StreamRecord],
+    origin: &Origin,
+    server: Server,
+) -> Decision {
+    let rank = |d: &Decision| match d {
+        Decision::Stream => 0,
+        Decision::Adopt => 1,
+        Decision::SlotMissing => 2,
+        Decision::Rebuild(_) => 3,
+        Decision::OlderTimeline => 4,
+    };
+    let mut decision = Decision::Stream;
+    for record in records {
+        let d = decide(slot, record, origin, server);
+        if rank(&d) > rank(&decision) {
+            decision = d;
+        }
+    }
+    decision
+}
+
+/// Whether the stream holds entries this server's history does not: its history forked
+/// below them, or its WAL ends before them.
+fn forked_below_stream(record: &StreamRecord, origin: &Origin, server_lsn: u64) -> bool {
+    history_diverged(record, origin) || written_through(record) > server_lsn
+}
+
+/// Whether the stream holds (or may hold) entries of a history the server no longer has:
+/// the recorded timeline is not an ancestor of the server's, its switch point lies below
+/// what the stream acknowledged, or the recorded ancestors differ from the server's.
+fn history_diverged(record: &StreamRecord, origin: &Origin) -> bool {
+    let recorded = record.timeline.unwrap_or(origin.timeline);
+    // Ancestors must be the server's: equal timeline numbers of two restores differ here.
+    let ancestors_differ = record.history.as_ref().is_some_and(|h| {
+        h.switches
+            .iter()
+            .any(|(tli, lsn)| origin.history.switch_point(*tli) != Some(*lsn))
+    });
+    if recorded == origin.timeline {
+        return ancestors_differ;
+    }
+    let Some(switch) = origin.history.switch_point(recorded) else {
+        return true;
+    };
+    written_through(record) > switch || ancestors_differ
+}
+
+/// The highest LSN the stream holds anything of: what it acknowledged, or the commit LSN of
+/// its top entry (a large transaction is published in chunks before its Commit is
+/// acknowledged).
+fn written_through(record: &StreamRecord) -> u64 {
+    let acked = record.acked_through.unwrap_or(0);
+    acked.max(record.top.commit_lsn.saturating_sub(record.id_offset))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::TimelineHistory;
+    use outbox_core::stream::EntryId;
+    use pgwire_replication::Lsn;
+
+    fn slot(confirmed: u64) -> SlotInfo {
+        SlotInfo {
+            plugin: Some("pgoutput".into()),
+            slot_type: "logical".into(),
+            database: Some("chat".into()),
+            active_pid: None,
+            wal_status: Some("reserved".into()),
+            confirmed_flush_lsn: Some(Lsn(confirmed)),
+            invalidation_reason: None,
+            failover: None,
+        }
+    }
+
+    fn record(acked: u64, timeline: u32) -> StreamRecord {
+        StreamRecord {
+            system_id: Some("7".into()),
+            timeline: Some(timeline),
+            history: Some(TimelineHistory::default()),
+            acked_through: Some(acked),
+            last_id: Some(EntryId {
+                commit_lsn: 90,
+                seq: 0,
+            }),
+            top: EntryId {
+                commit_lsn: 90,
+                seq: 0,
+            },
+            ..Default::default()
+        }
+    }
+
+    const PRIMARY: Server = primary(500);
+
+    const fn primary(lsn: u64) -> Server {
+        Server {
+            lsn,
+            in_recovery: false,
+        }
+    }
+
+    fn origin(timeline: u32, switches: &[(u32, u64)]) -> Origin {
+        Origin {
+            system_id: "7".into(),
+            timeline,
+            history: TimelineHistory {
+                switches: switches.to_vec(),
+            },
+        }
+    }
+
+    #[test]
+    fn redis_ahead_of_the_slot_streams_and_behind_it_rebuilds() {
+        let o = origin(1, &[]);
+        assert_eq!(
+            decide(Some(&slot(100)), &record(100, 1), &o, PRIMARY),
+            Decision::Stream
+        );
+        // The active relay acknowledged after we read the slot: Redis is ahead; fine.
+        assert_eq!(
+            decide(Some(&slot(100)), &record(150, 1), &o, PRIMARY),
+            Decision::Stream
+        );
+        assert_eq!(
+            decide(Some(&slot(100)), &record(99, 1), &o, PRIMARY),
+            Decision::Rebuild(Reason::LostRedisData)
+        );
+        let mut lost_entries = record(100, 1);
+        lost_entries.top = EntryId::default();
+        assert_eq!(
+            decide(Some(&slot(100)), &lost_entries, &o, PRIMARY),
+            Decision::Rebuild(Reason::LostRedisData)
+        );
+    }
+
+    #[test]
+    fn a_promoted_standby_without_the_slot_is_rebuilt_whether_it_had_the_stream_or_not() {
+        // Timeline 1 switched to 2 at 300: the standby had everything acknowledged (100).
+        let promoted = origin(2, &[(1, 300)]);
+        assert_eq!(
+            decide(None, &record(100, 1), &promoted, PRIMARY),
+            Decision::Rebuild(Reason::Failover)
+        );
+        // ... it switched at 80, below what the stream acknowledged: the stream holds
+        // entries the new primary never had.
+        assert_eq!(
+            decide(None, &record(100, 1), &origin(2, &[(1, 80)]), PRIMARY),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        // `setup` made the slot there first (ahead of what Redis acknowledged): the failover
+        // is the reason, not Redis.
+        assert_eq!(
+            decide(Some(&slot(400)), &record(100, 1), &promoted, PRIMARY),
+            Decision::Rebuild(Reason::Failover)
+        );
+        // A standby on the later timeline (cascading, or the relay decoding there) never
+        // takes the stream over.
+        let standby = Server {
+            lsn: 500,
+            in_recovery: true,
+        };
+        assert_eq!(
+            decide(None, &record(100, 1), &promoted, standby),
+            Decision::SlotMissing
+        );
+        // A restore that reused the timeline number on another history is a new history too.
+        let mut other = record(100, 2);
+        other.history = Some(TimelineHistory {
+            switches: vec![(1, 90)],
+        });
+        assert_eq!(
+            decide(None, &other, &origin(2, &[(1, 95)]), PRIMARY),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        // Same timeline, no slot: somebody dropped it; `setup` is for the operator to run.
+        assert_eq!(
+            decide(None, &record(100, 2), &promoted, PRIMARY),
+            Decision::SlotMissing
+        );
+        // The old primary, whatever it lacks, rewrites nothing.
+        let mut newer = record(100, 2);
+        newer.history = Some(TimelineHistory {
+            switches: vec![(1, 80)],
+        });
+        assert_eq!(
+            decide(None, &newer, &origin(1, &[]), PRIMARY),
+            Decision::OlderTimeline
+        );
+    }
+
+    #[test]
+    fn no_record_a_marker_or_no_slot_decide_before_anything_else() {
+        let o = origin(1, &[]);
+        assert_eq!(
+            decide(Some(&slot(100)), &StreamRecord::default(), &o, PRIMARY),
+            Decision::Rebuild(Reason::NoRecord)
+        );
+        assert_eq!(
+            decide(None, &record(100, 1), &o, PRIMARY),
+            Decision::SlotMissing
+        );
+        let mut marked = record(100, 1);
+        marked.rebuilding = Some("lost_slot".into());
+        assert_eq!(
+            decide(None, &marked, &o, PRIMARY),
+            Decision::Rebuild(Reason::Resumed)
+        );
+        let mut lost = slot(100);
+        lost.wal_status = Some("lost".into());
+        assert_eq!(
+            decide(Some(&lost), &record(100, 1), &o, PRIMARY),
+            Decision::Rebuild(Reason::LostSlot)
+        );
+        // Any reason the server gives (here 18's idle timeout) is a lost slot, whatever
+        // wal_status says.
+        let mut idle = slot(100);
+        idle.invalidation_reason = Some("idle_timeout".into());
+        assert_eq!(
+            decide(Some(&idle), &record(100, 1), &o, PRIMARY),
+            Decision::Rebuild(Reason::LostSlot)
+        );
+    }
+
+    #[test]
+    fn a_new_timeline_is_adopted_only_when_it_forked_after_what_the_stream_acknowledged() {
+        // Promoted standby that had everything: adopt.
+        assert_eq!(
+            decide(
+                Some(&slot(100)),
+                &record(100, 1),
+                &origin(2, &[(1, 120)]),
+                PRIMARY
+            ),
+            Decision::Adopt
+        );
+        // Standby behind what the stream acknowledged: rebuild.
+        assert_eq!(
+            decide(
+                Some(&slot(50)),
+                &record(100, 1),
+                &origin(2, &[(1, 80)]),
+                PRIMARY
+            ),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        // The server is on an ancestor of the stream's timeline: the old primary. Refuse,
+        // even with a marker.
+        let mut newer = record(100, 3);
+        newer.history = Some(TimelineHistory {
+            switches: vec![(1, 80), (2, 95)],
+        });
+        newer.rebuilding = Some("timeline".into());
+        assert_eq!(
+            decide(Some(&slot(50)), &newer, &origin(2, &[(1, 80)]), PRIMARY),
+            Decision::OlderTimeline
+        );
+        // A lower timeline number that is no ancestor (a restore without the archive's
+        // later history files) is a new history: rebuild.
+        assert_eq!(
+            decide(
+                Some(&slot(50)),
+                &record(100, 3),
+                &origin(2, &[(1, 80)]),
+                PRIMARY
+            ),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        // Recorded timeline not an ancestor of the server's.
+        assert_eq!(
+            decide(
+                Some(&slot(50)),
+                &record(100, 2),
+                &origin(3, &[(1, 80)]),
+                PRIMARY
+            ),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        // A large transaction's chunks sit above what was acknowledged: they count.
+        let mut chunked = record(100, 1);
+        chunked.top.commit_lsn = 130;
+        assert_eq!(
+            decide(Some(&slot(100)), &chunked, &origin(2, &[(1, 120)]), PRIMARY),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        // Same timeline number, another history (two restores): diverged.
+        let mut other = record(100, 2);
+        other.history = Some(TimelineHistory {
+            switches: vec![(1, 90)],
+        });
+        assert_eq!(
+            decide(Some(&slot(100)), &other, &origin(2, &[(1, 95)]), PRIMARY),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        // WAL ends before what the stream acknowledged (restored, same timeline).
+        assert_eq!(
+            decide(
+                Some(&slot(50)),
+                &record(100, 1),
+                &origin(1, &[]),
+                primary(60)
+            ),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        // Recorded ancestors differ from the server's.
+        let mut r = record(100, 2);
+        r.history = Some(TimelineHistory {
+            switches: vec![(1, 70)],
+        });
+        assert_eq!(
+            decide(
+                Some(&slot(100)),
+                &r,
+                &origin(3, &[(1, 60), (2, 200)]),
+                PRIMARY
+            ),
+            Decision::Rebuild(Reason::Timeline)
+        );
+    }
+}

@@ -1,0 +1,420 @@
+//! The relay loop: replication events in, Redis stream entries out, slot acknowledgements back.
+//!
+//! Invariant: the slot is never acknowledged past a transaction whose entries Redis has not
+//! confirmed. Everything held in memory here may vanish at any moment; Postgres re-sends it
+//! because we did not acknowledge it, and Redis rejects the part it already has (stream ids
+//! are derived from commit LSNs).
+//!
+//! Batches are sealed as soon as nothing more is waiting (natural batching) and go to the
+//! ordered pipeline (`sink::Pipeline`: up to two in flight, confirmed strictly in order); a
+//! failed batch is retried before anything after it.
+//! Acknowledgements are the `end_lsn` of the last transaction whose Commit was in a
+//! confirmed batch (never `Commit.lsn`, which makes Postgres re-send that transaction), or
+//! a keepalive's `wal_end` when nothing is open or unconfirmed (so an idle outbox does not
+//! pin WAL while other tables are busy).
+
+use std::time::Duration;
+
+use futures::FutureExt;
+use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationEvent};
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+use outbox_core::stream::{shard_of, EntryId};
+
+use crate::config::{BatchLimits, OnLostSlot};
+use crate::context::Context;
+use crate::decode::{self, PgOutput, RelationCache, Row};
+use crate::error::RelayError;
+use crate::recovery::Started;
+use crate::sink::{Batch, Confirmed, Pipeline, StreamEntry};
+use crate::source::{replication_error, ReplicationPhase};
+use crate::status::Role;
+
+/// Microseconds between the Unix epoch and the Postgres epoch (2000-01-01).
+const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
+
+/// Stream from a started replication session until shutdown (`Ok`) or an error. Ids are
+/// commit LSNs plus `id_offset` (see the record), and each shard must still hold its entry
+/// of `tops` (its last id when the session decided to stream).
+pub(crate) async fn stream(
+    ctx: &Context,
+    started: Started,
+    shutdown: &CancellationToken,
+) -> Result<(), RelayError> {
+    let Started {
+        client,
+        publisher,
+        origin,
+        id_offset,
+        tops,
+    } = started;
+    let fences = tops
+        .iter()
+        .map(|top| (*top != EntryId::default()).then_some(*top))
+        .collect();
+    let cfg = &ctx.config;
+    ctx.set_role(Role::Streaming);
+    ctx.set_last_error(None);
+    let session = Session {
+        ctx,
+        relations: RelationCache::sharded(cfg.postgres.outbox_table.clone(), cfg.stream_shards),
+        state: State {
+            limits: cfg.batch,
+            open: None,
+            filling: Batch::default(),
+            acknowledged_lsn: Lsn(0),
+            ack_only_not_before: tokio::time::Instant::now(),
+            id_offset,
+            shard_acked: vec![Lsn(0); cfg.stream_shards as usize],
+            next_ack_all: tokio::time::Instant::now(),
+            finishing: false,
+        },
+        pipeline: Pipeline::new(publisher, origin, ctx.shared(), fences),
+        client,
+    };
+    session.stream(shutdown).await
+}
+
+/// A transaction between its Begin and its Commit.
+struct OpenTransaction {
+    commit_lsn: Lsn,
+    commit_time_micros: i64,
+    next_seq: u64,
+}
+
+/// What the loop's branches share, with the predicates that gate them.
+struct State {
+    limits: BatchLimits,
+    open: Option<OpenTransaction>,
+    filling: Batch,
+    /// Last LSN acknowledged to the slot in this session.
+    acknowledged_lsn: Lsn,
+    /// A batch carrying only an acknowledgement (a keepalive's position, a commit without
+    /// entries) waits until then, so a busy database with an idle outbox costs Redis a few
+    /// small calls per second, not one per keepalive.
+    ack_only_not_before: tokio::time::Instant,
+    /// Added to commit LSNs to make stream ids.
+    id_offset: u64,
+    /// Per shard, the highest acknowledgement its record holds from this session.
+    shard_acked: Vec<Lsn>,
+    /// When the next batch sends its acknowledgement to every shard.
+    next_ack_all: tokio::time::Instant,
+    /// Stopping: every batch acknowledges in every shard.
+    finishing: bool,
+}
+
+impl State {
+    fn shards(&self) -> u32 {
+        self.shard_acked.len() as u32
+    }
+
+    /// The filling batch can take another event (otherwise: backpressure on the slot).
+    fn has_room(&self) -> bool {
+        self.filling.has_room(&self.limits)
+    }
+}
+
+struct Session<'a> {
+    ctx: &'a Context,
+    client: ReplicationClient,
+    relations: RelationCache,
+    state: State,
+    pipeline: Pipeline,
+}
+
+impl Session<'_> {
+    /// Entries are waiting and the pipeline can take a batch.
+    fn ready_to_publish(&self) -> bool {
+        self.state.filling.has_entries() && self.pipeline.has_room_for(!self.state.has_room())
+    }
+
+    /// Only an acknowledgement is waiting (it goes out at `ack_only_not_before`).
+    fn ack_only_waiting(&self) -> bool {
+        !self.state.filling.has_entries()
+            && self.state.filling.ack_lsn.is_some()
+            && self.pipeline.has_room_for(false)
+    }
+
+    /// Nothing received is open or unconfirmed.
+    fn is_idle(&self) -> bool {
+        self.state.open.is_none() && !self.state.filling.has_entries() && self.pipeline.is_idle()
+    }
+}
+
+impl Session<'_> {
+    async fn stream(mut self, shutdown: &CancellationToken) -> Result<(), RelayError> {
+        let result = self.stream_loop(shutdown).await;
+        if result.is_err() {
+            // Whatever it wrote is idempotent; the next session re-sends the rest.
+            self.pipeline.abort();
+        }
+        result
+    }
+
+    async fn stream_loop(&mut self, shutdown: &CancellationToken) -> Result<(), RelayError> {
+        // Registered once: polling a fresh `cancelled()` each turn would lock its mutex.
+        let cancelled = shutdown.cancelled();
+        tokio::pin!(cancelled);
+        loop {
+            tokio::select! {
+                biased;
+                // 1. shutdown: stop reading, finish the in-flight batch, acknowledge, leave
+                _ = &mut cancelled => return self.finish().await,
+                // 2. a batch confirmed: acknowledge the end_lsn of the last confirmed transaction
+                confirmed = self.pipeline.confirmed(), if !self.pipeline.is_idle() => {
+                    let (sealed, outcome) = confirmed?;
+                    self.on_published(&sealed.batch, outcome);
+                }
+                // 3. the next replication events, only while the batch has room (backpressure)
+                received = self.client.recv(), if self.state.has_room() => {
+                    self.on_received(received)?;
+                    // Take what is already waiting without another turn of the select.
+                    while self.state.has_room() {
+                        match self.client.recv().now_or_never() {
+                            Some(received) => self.on_received(received)?,
+                            None => break,
+                        }
+                    }
+                }
+                // 4. nothing more is waiting: publish what we have now (no timer, no added latency)
+                _ = std::future::ready(()), if self.ready_to_publish() => self.start_publish(),
+                // 5. only an acknowledgement waits: record it in Redis, then acknowledge
+                _ = tokio::time::sleep_until(self.state.ack_only_not_before), if self.ack_only_waiting() => {
+                    self.state.ack_only_not_before = tokio::time::Instant::now() + self.ctx.config.status_interval;
+                    self.start_publish();
+                }
+            }
+        }
+    }
+
+    fn on_received(
+        &mut self,
+        received: Result<Option<ReplicationEvent>, PgWireError>,
+    ) -> Result<(), RelayError> {
+        match received {
+            Ok(Some(event)) => self.on_event(event),
+            Ok(None) => Err(RelayError::StreamEnded),
+            Err(e) => Err(self.streaming_error(e)),
+        }
+    }
+
+    fn streaming_error(&self, e: PgWireError) -> RelayError {
+        let cfg = &self.ctx.config;
+        let recover = cfg.on_lost_slot == OnLostSlot::Recover;
+        replication_error(e, ReplicationPhase::Streaming, &cfg.postgres, recover, None)
+    }
+
+    fn on_event(&mut self, event: ReplicationEvent) -> Result<(), RelayError> {
+        match event {
+            ReplicationEvent::Begin {
+                final_lsn,
+                commit_time_micros,
+                ..
+            } => {
+                if self.state.open.is_some() {
+                    return Err(RelayError::Protocol(format!(
+                        "Begin {final_lsn} inside an open transaction"
+                    )));
+                }
+                self.state.open = Some(OpenTransaction {
+                    commit_lsn: final_lsn,
+                    commit_time_micros,
+                    next_seq: 0,
+                });
+            }
+            ReplicationEvent::XLogData { data, .. } => match decode::decode(&data)? {
+                PgOutput::Relation(relation) => {
+                    debug!(relation = %relation.name, id = relation.id, "relation");
+                    self.relations.on_relation(&relation)?;
+                }
+                PgOutput::Insert(insert) => match self.relations.on_insert(insert)? {
+                    Row::Outbox(event) => {
+                        let shard = shard_of(event.partition_key.as_deref(), self.state.shards());
+                        let txn = self.state.open.as_mut().ok_or_else(|| {
+                            RelayError::Protocol("insert outside a transaction".into())
+                        })?;
+                        let id = EntryId {
+                            commit_lsn: txn.commit_lsn.as_u64() + self.state.id_offset,
+                            seq: txn.next_seq,
+                        };
+                        txn.next_seq += 1;
+                        self.state
+                            .filling
+                            .push(StreamEntry { id, shard, event }, txn.commit_time_micros);
+                    }
+                    Row::Foreign(table) => {
+                        self.ctx.metrics.foreign_inserts_skipped_total.inc();
+                        debug!(%table, "insert into another table of the publication; not published");
+                    }
+                },
+                PgOutput::Skipped(_) => {}
+            },
+            ReplicationEvent::Commit { lsn, end_lsn, .. } => {
+                let txn =
+                    self.state.open.take().ok_or_else(|| {
+                        RelayError::Protocol(format!("Commit {lsn} without Begin"))
+                    })?;
+                if txn.commit_lsn != lsn {
+                    return Err(RelayError::Protocol(format!(
+                        "Commit {lsn} does not match Begin final_lsn {}",
+                        txn.commit_lsn
+                    )));
+                }
+                self.ctx.metrics.transactions_total.inc();
+                self.state.filling.complete_transaction(end_lsn);
+            }
+            ReplicationEvent::KeepAlive { wal_end, .. } => {
+                // Nothing open or unconfirmed: the slot may move to the server's position
+                // (recorded in Redis first, like every acknowledgement).
+                if self.is_idle() && wal_end > self.state.acknowledged_lsn {
+                    let ack = self
+                        .state
+                        .filling
+                        .ack_lsn
+                        .map_or(wal_end, |lsn| lsn.max(wal_end));
+                    self.state.filling.ack_lsn = Some(ack);
+                }
+            }
+            ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
+        }
+        Ok(())
+    }
+
+    fn start_publish(&mut self) {
+        let batch = std::mem::take(&mut self.state.filling);
+        // With shards, a batch records its acknowledgement in the shards it writes; every
+        // shard gets it at most once per status interval (and with every batch that is only
+        // an acknowledgement, or while stopping), which is as often as the slot hears.
+        let now = tokio::time::Instant::now();
+        let ack_all = self.state.shards() == 1
+            || !batch.has_entries()
+            || self.state.finishing
+            || now >= self.state.next_ack_all;
+        if ack_all && batch.ack_lsn.is_some() {
+            self.state.next_ack_all = now + self.ctx.config.status_interval;
+        }
+        self.pipeline.send(batch, ack_all);
+    }
+
+    fn on_published(&mut self, batch: &Batch, confirmed: Confirmed) {
+        let (outcome, recorded) = confirmed;
+        let metrics = &self.ctx.metrics;
+        metrics.events_published_total.inc_by(outcome.published);
+        metrics.duplicates_rejected_total.inc_by(outcome.duplicates);
+        if outcome.unread_trimmed > 0 {
+            metrics
+                .unread_entries_trimmed_total
+                .inc_by(outcome.unread_trimmed);
+            warn!(
+                trimmed = outcome.unread_trimmed,
+                max_len = self.ctx.config.stream_max_len,
+                "the stream reached --stream-max-len: trimmed entries some consumer group had not acknowledged"
+            );
+        }
+        metrics.publish_batches_total.inc();
+        metrics
+            .publish_batch_entries
+            .observe(batch.entries.len() as f64);
+        let now_pg_micros = unix_micros() - PG_EPOCH_OFFSET_MICROS;
+        for commit_time in &batch.commit_times_micros {
+            let latency = (now_pg_micros - commit_time).max(0) as f64 / 1e6;
+            metrics.commit_to_published_seconds.observe(latency);
+        }
+        if outcome.duplicates > 0 {
+            debug!(
+                duplicates = outcome.duplicates,
+                "stream already held re-sent entries"
+            );
+        }
+        if let Some(lsn) = batch.ack_lsn {
+            // The slot moves only as far as every shard's record knows (`record`'s invariant).
+            for (acked, recorded) in self.state.shard_acked.iter_mut().zip(recorded) {
+                if recorded && lsn > *acked {
+                    *acked = lsn;
+                }
+            }
+            if let Some(&everywhere) = self.state.shard_acked.iter().min() {
+                self.acknowledge(everywhere);
+            }
+        }
+    }
+
+    fn acknowledge(&mut self, lsn: Lsn) {
+        if lsn > self.state.acknowledged_lsn {
+            self.client.update_applied_lsn(lsn);
+            self.state.acknowledged_lsn = lsn;
+            self.ctx.metrics.acknowledged_lsn.set(lsn.as_u64() as i64);
+        }
+    }
+
+    /// Graceful end: publish what was received (bounded by the shutdown grace), send the
+    /// last acknowledgement, wait until it was written to the server, then stop.
+    async fn finish(&mut self) -> Result<(), RelayError> {
+        self.ctx.set_role(Role::Stopping);
+        self.state.finishing = true;
+        let cfg = &self.ctx.config;
+        let deadline = tokio::time::Instant::now() + cfg.shutdown_grace;
+        // The open transaction (if any) is dropped: Postgres re-sends it next time.
+        loop {
+            if self.ready_to_publish() || self.ack_only_waiting() {
+                self.start_publish();
+            }
+            if self.pipeline.is_idle() {
+                // Shards that last recorded an older acknowledgement hold the slot back:
+                // every batch is confirmed now, so one acknowledgement-only batch (to every
+                // shard, while finishing) lets the slot move to the newest.
+                let newest = self.state.shard_acked.iter().max().copied();
+                let behind = newest.is_some_and(|n| n > self.state.acknowledged_lsn);
+                if behind
+                    && !self.state.filling.has_entries()
+                    && self.state.filling.ack_lsn.is_none()
+                {
+                    self.state.filling.ack_lsn = newest;
+                    self.state.ack_only_not_before = tokio::time::Instant::now();
+                    continue;
+                }
+                break;
+            }
+            match tokio::time::timeout_at(deadline, self.pipeline.confirmed()).await {
+                Ok(Ok((sealed, outcome))) => self.on_published(&sealed.batch, outcome),
+                Ok(Err(e)) => {
+                    warn!(error = %e, "publishing failed during shutdown; the rest stays unacknowledged");
+                    break;
+                }
+                Err(_) => {
+                    warn!(grace = ?cfg.shutdown_grace, "unconfirmed batches left at the end of the shutdown grace; they stay unacknowledged");
+                    break;
+                }
+            }
+        }
+        self.pipeline.abort();
+        // pgwire-replication sends no final status on stop(): wait until the worker reports
+        // that a status update carrying our last acknowledgement went out.
+        let target = self.state.acknowledged_lsn;
+        let metrics = self.client.metrics();
+        let ack_deadline =
+            tokio::time::Instant::now() + cfg.status_interval * 2 + Duration::from_secs(2);
+        while metrics.last_applied_lsn() < target && tokio::time::Instant::now() < ack_deadline {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let sent = metrics.last_applied_lsn();
+        if sent < target {
+            warn!(acknowledged = %target, sent = %sent, "last acknowledgement not confirmed as sent before stopping");
+        }
+        match tokio::time::timeout(Duration::from_secs(5), self.client.shutdown()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => debug!(error = %e, "replication stream closed with an error"),
+            Err(_) => warn!("replication stream did not close within 5 s"),
+        }
+        info!(acknowledged_lsn = %sent, "stopped");
+        Ok(())
+    }
+}
+
+fn unix_micros() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_micros() as i64)
+        .unwrap_or_default()
+}

@@ -1,0 +1,138 @@
+//! A batch of stream entries on its way to Redis, and the acknowledgement it earns.
+//!
+//! Entries of many transactions ride in one batch (natural batching: the batch is sealed
+//! whenever no more replication events are waiting, or it is full). A batch carries the
+//! `end_lsn` of the last transaction whose Commit arrived before it was sealed: once Redis
+//! confirmed this batch and every batch before it, the slot may be acknowledged there.
+//! Entries of a transaction still open at sealing time ride along (they are idempotent) but
+//! earn no acknowledgement until a later batch carries their Commit.
+
+use outbox_core::stream::EntryId;
+use pgwire_replication::Lsn;
+
+use crate::config::BatchLimits;
+use crate::decode::OutboxEvent;
+
+#[derive(Debug, Clone)]
+pub(crate) struct StreamEntry {
+    pub id: EntryId,
+    /// The shard whose stream gets this entry (see `shard`).
+    pub shard: u32,
+    pub event: OutboxEvent,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Batch {
+    pub entries: Vec<StreamEntry>,
+    bytes: usize,
+    /// `end_lsn` of the last transaction completed in this batch, if any.
+    pub ack_lsn: Option<Lsn>,
+    /// Commit timestamps (Postgres epoch microseconds) of the transactions with entries in
+    /// this batch, for the commit-to-published latency.
+    pub commit_times_micros: Vec<i64>,
+}
+
+impl Batch {
+    /// Add an entry of the transaction committed at `commit_time_micros`.
+    pub(crate) fn push(&mut self, entry: StreamEntry, commit_time_micros: i64) {
+        let first_of_transaction = self
+            .entries
+            .last()
+            .is_none_or(|last| last.id.commit_lsn != entry.id.commit_lsn);
+        if first_of_transaction {
+            self.commit_times_micros.push(commit_time_micros);
+        }
+        self.bytes += entry.event.encoded_len() + 24;
+        self.entries.push(entry);
+    }
+
+    /// Record that a transaction ended: once this batch is confirmed, the slot may be
+    /// acknowledged at its `end_lsn`.
+    pub(crate) fn complete_transaction(&mut self, end_lsn: Lsn) {
+        self.ack_lsn = Some(self.ack_lsn.map_or(end_lsn, |lsn| lsn.max(end_lsn)));
+    }
+
+    pub(crate) fn has_room(&self, limits: &BatchLimits) -> bool {
+        self.entries.len() < limits.max_entries && self.bytes < limits.max_bytes
+    }
+
+    #[cfg(test)]
+    pub(crate) fn is_empty(&self) -> bool {
+        self.entries.is_empty() && self.ack_lsn.is_none()
+    }
+
+    pub(crate) fn has_entries(&self) -> bool {
+        !self.entries.is_empty()
+    }
+
+    #[cfg(test)]
+    pub(crate) fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Move each shard's fence to the last id this batch writes there (ids increase).
+    pub(crate) fn advance_fences(&self, fences: &mut [Option<EntryId>]) {
+        for entry in &self.entries {
+            fences[entry.shard as usize] = Some(entry.id);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use bytes::Bytes;
+
+    fn entry(lsn: u64, seq: u64) -> StreamEntry {
+        StreamEntry {
+            id: EntryId {
+                commit_lsn: lsn,
+                seq,
+            },
+            shard: 0,
+            event: OutboxEvent {
+                outbox_id: Bytes::from_static(b"1"),
+                event: Bytes::from_static(b"e"),
+                payload: Bytes::from_static(b"{}"),
+                created_at: Bytes::from_static(b"t"),
+                partition_key: None,
+            },
+        }
+    }
+
+    #[test]
+    fn room_is_bounded_by_entries_and_bytes() {
+        let limits = BatchLimits {
+            max_entries: 2,
+            max_bytes: 1 << 20,
+        };
+        let mut batch = Batch::default();
+        assert!(batch.is_empty() && batch.has_room(&limits));
+        batch.push(entry(1, 0), 10);
+        assert!(batch.has_room(&limits));
+        batch.push(entry(1, 1), 10);
+        assert!(!batch.has_room(&limits));
+        assert_eq!(
+            batch.commit_times_micros,
+            [10],
+            "one transaction, one commit time"
+        );
+
+        let limits = BatchLimits {
+            max_entries: 100,
+            max_bytes: 50,
+        };
+        let mut batch = Batch::default();
+        batch.push(entry(1, 0), 10);
+        assert!(!batch.has_room(&limits), "{} bytes", batch.bytes());
+    }
+
+    #[test]
+    fn a_commit_without_entries_still_earns_an_acknowledgement() {
+        let mut batch = Batch::default();
+        batch.complete_transaction(Lsn(100));
+        assert!(!batch.is_empty());
+        assert!(!batch.has_entries());
+        assert_eq!(batch.ack_lsn, Some(Lsn(100)));
+    }
+}

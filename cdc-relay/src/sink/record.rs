@@ -1,0 +1,353 @@
+//! The stream's record (`<stream>:origin`): which Postgres system and timeline history
+//! write the stream, how far the relay acknowledged its slot, the last id it wrote, the
+//! offset that keeps ids above the stream's top after a rebuild, and a rebuild in progress.
+//! Its fields are the contract's (`outbox_core::stream::record`); reading and writing them
+//! is the relay's alone.
+//!
+//! The record is the stream's identity, so only two code paths create or replace it:
+//! `setup`, when it created the slot in the same call and the stream is empty or absent,
+//! and a rebuild. The publish script refuses a stream without a record (`NORECORD`), so a
+//! Redis that lost everything is noticed at the next call, even an acknowledgement-only one,
+//! and leads to a rebuild instead of a silent fresh start.
+//!
+//! Invariant relied on everywhere: `acked_through` (Redis) ≥ the slot's
+//! `confirmed_flush_lsn`, because every acknowledgement is recorded in Redis before it is
+//! sent to Postgres. Read the slot first, then Redis: a relay acknowledging in between can
+//! only raise Redis's side, so "Redis knows less than the slot" is never a false alarm.
+
+use outbox_core::connect::RedisConn;
+use outbox_core::stream::entry;
+use outbox_core::stream::keys::{origin_key, rebuild_lock_key};
+use outbox_core::stream::record::fields;
+use outbox_core::stream::{recorded_count, EntryId};
+
+use super::RebuildLock;
+use crate::error::RelayError;
+use crate::source::{Origin, TimelineHistory};
+
+/// What Redis knows about the stream.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub(crate) struct StreamRecord {
+    pub system_id: Option<String>,
+    pub timeline: Option<u32>,
+    pub history: Option<TimelineHistory>,
+    /// The highest LSN the relay acknowledged to its slot (recorded before acknowledging).
+    pub acked_through: Option<u64>,
+    /// A rebuild started and did not finish (its reason).
+    pub rebuilding: Option<String>,
+    /// The last id the relay wrote.
+    pub last_id: Option<EntryId>,
+    /// Added to commit LSNs to make stream ids (non-zero after a rebuild onto a history
+    /// whose LSNs lie below the stream's top).
+    pub id_offset: u64,
+    /// The stream's own last-generated id (`0-0` when the stream does not exist).
+    pub top: EntryId,
+    /// Entries in the stream now.
+    pub len: u64,
+    /// The shard count the stream was set up with (`None`: unreadable; records written
+    /// before shards existed say 1).
+    pub shards: Option<u32>,
+}
+
+impl StreamRecord {
+    pub(crate) fn exists(&self) -> bool {
+        self.system_id.is_some()
+    }
+}
+
+/// A new record, as `setup` or a finished rebuild writes it.
+pub(crate) struct NewRecord<'a> {
+    pub origin: &'a Origin,
+    pub shards: u32,
+    pub acked_through: u64,
+    pub id_offset: u64,
+    pub last_id: Option<EntryId>,
+}
+
+impl NewRecord<'_> {
+    fn fields(&self) -> Vec<(&'static str, String)> {
+        let mut record = vec![
+            (fields::SYSTEM_ID, self.origin.system_id.clone()),
+            (fields::TIMELINE, self.origin.timeline.to_string()),
+            (fields::HISTORY, self.origin.history.encode()),
+            (fields::ACKED_THROUGH, self.acked_through.to_string()),
+            (fields::ID_OFFSET, self.id_offset.to_string()),
+            (fields::SHARDS, self.shards.to_string()),
+        ];
+        if let Some(id) = self.last_id {
+            record.push((fields::LAST_ID, id.to_string()));
+        }
+        record
+    }
+}
+
+/// The offset that puts ids of commits at or after `start_lsn` above `top`.
+pub(crate) fn offset_above(top: EntryId, start_lsn: u64, current: u64) -> u64 {
+    if start_lsn.saturating_add(current) > top.commit_lsn {
+        current
+    } else {
+        top.commit_lsn + 1 - start_lsn
+    }
+}
+
+/// Replace the record. (The caller confirmed the rebuild lock just before, which extends
+/// it by a whole TTL: the ACL keeps the lock and the record in separate selectors, so one
+/// script cannot touch both.)
+const REPLACE: &str = r#"
+redis.call('HDEL', KEYS[1], 'rebuilding', 'last_id')
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"#;
+
+/// Create the record, only if there is none.
+const CREATE: &str = r#"
+if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
+redis.call('HSET', KEYS[1], unpack(ARGV))
+return 1
+"#;
+
+/// Move an existing record onto a later timeline of the same history.
+const ADOPT: &str = r#"
+if redis.call('HGET', KEYS[1], 'system_id') ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'timeline', ARGV[2], 'history', ARGV[3])
+return 1
+"#;
+
+/// Every shard's record, in shard order.
+pub(crate) async fn read_all(records: &mut [Records]) -> Result<Vec<StreamRecord>, RelayError> {
+    let mut all = Vec::with_capacity(records.len());
+    for r in records.iter_mut() {
+        all.push(r.read().await?);
+    }
+    Ok(all)
+}
+
+/// Reads and writes the record of one stream.
+#[derive(Clone)]
+pub(crate) struct Records {
+    conn: RedisConn,
+    stream: String,
+    origin_key: String,
+    lock_key: String,
+}
+
+impl Records {
+    pub(crate) fn new(conn: RedisConn, stream: &str) -> Self {
+        Self {
+            conn,
+            stream: stream.to_string(),
+            origin_key: origin_key(stream),
+            lock_key: rebuild_lock_key(stream),
+        }
+    }
+
+    /// The record and the stream's top and length.
+    pub(crate) async fn read(&mut self) -> Result<StreamRecord, RelayError> {
+        let values: Vec<Option<String>> = redis::cmd("HMGET")
+            .arg(&self.origin_key)
+            .arg(&[
+                fields::SYSTEM_ID,
+                fields::TIMELINE,
+                fields::HISTORY,
+                fields::ACKED_THROUGH,
+                fields::REBUILDING,
+                fields::LAST_ID,
+                fields::ID_OFFSET,
+                fields::SHARDS,
+            ])
+            .query_async(&mut self.conn)
+            .await?;
+        let field = |i: usize| values.get(i).cloned().flatten();
+        let (top, len) = self.top_and_len().await?;
+        Ok(StreamRecord {
+            system_id: field(0),
+            timeline: field(1).and_then(|t| t.parse().ok()),
+            history: field(2).and_then(|h| TimelineHistory::decode(&h)),
+            acked_through: field(3).and_then(|a| a.parse().ok()),
+            rebuilding: field(4),
+            last_id: field(5).and_then(|id| id.parse().ok()),
+            id_offset: field(6).and_then(|o| o.parse().ok()).unwrap_or(0),
+            top,
+            len,
+            shards: recorded_count(field(7).as_deref()),
+        })
+    }
+
+    /// The stream's last-generated id (`0-0` when it does not exist) and its length.
+    pub(crate) async fn top_and_len(&mut self) -> Result<(EntryId, u64), RelayError> {
+        let exists: bool = redis::cmd("EXISTS")
+            .arg(&self.stream)
+            .query_async(&mut self.conn)
+            .await?;
+        if !exists {
+            return Ok((EntryId::default(), 0));
+        }
+        let info: redis::streams::StreamInfoStreamReply = redis::cmd("XINFO")
+            .arg("STREAM")
+            .arg(&self.stream)
+            .query_async(&mut self.conn)
+            .await?;
+        let top = info
+            .last_generated_id
+            .parse()
+            .map_err(|e| RelayError::Protocol(format!("XINFO last-generated-id: {e}")))?;
+        Ok((top, info.length as u64))
+    }
+
+    /// Write a first record unless one exists (`setup`); whether it was written.
+    pub(crate) async fn create(&mut self, record: &NewRecord<'_>) -> Result<bool, RelayError> {
+        let script = redis::Script::new(CREATE);
+        let mut invocation = script.key(&self.origin_key);
+        for (name, value) in record.fields() {
+            invocation.arg(name).arg(value);
+        }
+        let created: i64 = invocation.invoke_async(&mut self.conn).await?;
+        Ok(created == 1)
+    }
+
+    /// Replace the record at the end of a rebuild (the caller confirmed the lock just before).
+    pub(crate) async fn replace(
+        &mut self,
+        lock: &mut RebuildLock,
+        record: &NewRecord<'_>,
+    ) -> Result<(), RelayError> {
+        lock.confirm().await?;
+        let script = redis::Script::new(REPLACE);
+        let mut invocation = script.key(&self.origin_key);
+        for (name, value) in record.fields() {
+            invocation.arg(name).arg(value);
+        }
+        let _: i64 = invocation.invoke_async(&mut self.conn).await?;
+        Ok(())
+    }
+
+    /// Mark a rebuild started (creating the record if Redis lost it), so a crash midway
+    /// resumes it; only while holding the lock.
+    pub(crate) async fn mark_rebuilding(
+        &mut self,
+        lock: &mut RebuildLock,
+        origin: &Origin,
+        shards: u32,
+        reason: &str,
+    ) -> Result<(), RelayError> {
+        lock.confirm().await?;
+        let () = redis::cmd("HSET")
+            .arg(&self.origin_key)
+            .arg(fields::SHARDS)
+            .arg(shards)
+            .arg(fields::SYSTEM_ID)
+            .arg(&origin.system_id)
+            .arg(fields::TIMELINE)
+            .arg(origin.timeline)
+            .arg(fields::HISTORY)
+            .arg(origin.history.encode())
+            .arg(fields::REBUILDING)
+            .arg(reason)
+            .query_async::<i64>(&mut self.conn)
+            .await
+            .map(|_| ())?;
+        Ok(())
+    }
+
+    /// Record that the stream continues on `origin`'s (later) timeline.
+    pub(crate) async fn adopt_timeline(&mut self, origin: &Origin) -> Result<bool, RelayError> {
+        let adopted: i64 = redis::Script::new(ADOPT)
+            .key(&self.origin_key)
+            .arg(&origin.system_id)
+            .arg(origin.timeline)
+            .arg(origin.history.encode())
+            .invoke_async(&mut self.conn)
+            .await?;
+        Ok(adopted == 1)
+    }
+
+    /// Whether some relay other than `holder` holds the rebuild lock (the lock's value is
+    /// `<holder>/<nonce>`: a leftover of this process's own is not another relay's).
+    pub(crate) async fn rebuilding_elsewhere(&mut self, holder: &str) -> Result<bool, RelayError> {
+        let current: Option<String> = redis::cmd("GET")
+            .arg(&self.lock_key)
+            .query_async(&mut self.conn)
+            .await?;
+        Ok(current.is_some_and(|c| !c.starts_with(&format!("{holder}/"))))
+    }
+
+    /// Take a rebuild marker back that this relay set and did nothing after (the slot turned
+    /// out to be held by another walsender).
+    pub(crate) async fn clear_marker(&mut self) -> Result<(), RelayError> {
+        let _: i64 = redis::cmd("HDEL")
+            .arg(&self.origin_key)
+            .arg(fields::REBUILDING)
+            .query_async(&mut self.conn)
+            .await?;
+        Ok(())
+    }
+
+    /// The oldest entry's `created_at` (`None`: the stream is empty).
+    pub(crate) async fn oldest_created_at(&mut self) -> Result<Option<String>, RelayError> {
+        let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(&self.stream)
+            .arg("-")
+            .arg("+")
+            .arg("COUNT")
+            .arg(1)
+            .query_async(&mut self.conn)
+            .await?;
+        Ok(page
+            .ids
+            .first()
+            .and_then(|e| e.map.get(entry::CREATED_AT))
+            .and_then(|v| redis::from_redis_value_ref::<String>(v).ok()))
+    }
+
+    /// One page of the stream's (outbox id, created_at) pairs, oldest first, after `after`
+    /// (exclusive; `None`: from the start), and the last entry id read (`None`: no more).
+    #[allow(clippy::type_complexity)]
+    pub(crate) async fn outbox_ids_page(
+        &mut self,
+        after: Option<&str>,
+        count: usize,
+    ) -> Result<((Vec<i64>, Vec<String>), Option<String>), RelayError> {
+        let start = after.map_or_else(|| "-".to_string(), |id| format!("({id}"));
+        let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+            .arg(&self.stream)
+            .arg(start)
+            .arg("+")
+            .arg("COUNT")
+            .arg(count)
+            .query_async(&mut self.conn)
+            .await?;
+        let last = page.ids.last().map(|e| e.id.clone());
+        let field = |e: &redis::streams::StreamId, name: &str| {
+            e.map
+                .get(name)
+                .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
+        };
+        // Entries without a numeric id or a timestamp match no row: those rows go out again.
+        let pairs = page
+            .ids
+            .iter()
+            .filter_map(|e| {
+                let id = field(e, entry::OUTBOX_ID)?.parse::<i64>().ok()?;
+                Some((id, field(e, entry::CREATED_AT)?))
+            })
+            .unzip();
+        Ok((pairs, last))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_offset_lifts_new_ids_above_the_top_and_never_shrinks() {
+        let top = EntryId {
+            commit_lsn: 1000,
+            seq: 7,
+        };
+        assert_eq!(offset_above(top, 2000, 0), 0);
+        assert_eq!(offset_above(top, 400, 0), 601);
+        assert!(400 + offset_above(top, 400, 0) > top.commit_lsn);
+        assert_eq!(offset_above(top, 400, 700), 700);
+    }
+}

@@ -1,0 +1,26 @@
+//! The services' integration tests, one module per topic in one binary (every test binary
+//! links the whole stack again): real Postgres, Redis (single and cluster) and relays,
+//! the services in-process or as real processes, a real browser for the page. Fixtures are
+//! in [`support`].
+
+#[macro_use]
+mod support;
+
+mod api;
+mod attempts;
+mod browser;
+mod cluster;
+mod crash;
+mod database_state;
+mod dead_letters;
+mod delivery;
+mod deployment;
+mod feed_positions;
+mod fence;
+mod limits;
+mod local_stack;
+mod plans;
+mod retention;
+mod send_outcome;
+mod shards;
+mod shown;

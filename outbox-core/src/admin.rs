@@ -1,0 +1,149 @@
+//! The admin HTTP listener both binaries serve, kept off any public port: `/healthz` (the
+//! process is alive), `/readyz` (whatever the binary counts as ready, with the reason when
+//! not) and `/metrics` (Prometheus text format). GET and HEAD only; every other answer is
+//! JSON `{"error": ...}` naming the problem.
+//!
+//! Bounded like a public listener: a connection cap, a deadline on reading a request's
+//! headers (which also closes idle keep-alive connections), and an accept loop that pauses
+//! on errors (running out of file descriptors) instead of spinning on them.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::{Method, Request, Response, StatusCode};
+use hyper_util::rt::{TokioIo, TokioTimer};
+use hyper_util::server::graceful::GracefulShutdown;
+use tokio::net::TcpListener;
+use tokio::sync::Semaphore;
+use tokio_util::sync::CancellationToken;
+
+/// Connections the admin listener holds open at most (probes and a scraper need a few).
+const MAX_CONNECTIONS: usize = 64;
+/// How long a connection may take to send its request headers, or stay idle.
+const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
+/// The longest pause after failed accepts.
+const MAX_ACCEPT_PAUSE: Duration = Duration::from_secs(1);
+
+/// What `/readyz` answers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Readiness {
+    pub ready: bool,
+    /// The JSON body (status, reason, whatever helps an operator).
+    pub body: serde_json::Value,
+}
+
+/// What a binary reports on its admin listener.
+pub trait Probe: Send + Sync + 'static {
+    /// `/readyz`.
+    fn readiness(&self) -> impl Future<Output = Readiness> + Send;
+    /// `/metrics`, in the Prometheus text format.
+    fn metrics(&self) -> String;
+    /// An accept failed (counted by binaries that export it).
+    fn accept_failed(&self) {}
+}
+
+/// Serve `probe` on `listener` until `shutdown`, then let open requests finish (bounded).
+pub async fn serve<P: Probe>(listener: TcpListener, probe: Arc<P>, shutdown: CancellationToken) {
+    let graceful = GracefulShutdown::new();
+    let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let mut accept_pause = Duration::ZERO;
+    loop {
+        let stream = tokio::select! {
+            biased;
+            _ = shutdown.cancelled() => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    accept_pause = Duration::ZERO;
+                    stream
+                }
+                Err(e) => {
+                    accept_pause = (accept_pause * 2).clamp(Duration::from_millis(10), MAX_ACCEPT_PAUSE);
+                    probe.accept_failed();
+                    tracing::warn!(error = %e, pause = ?accept_pause, "admin accept failed; pausing");
+                    tokio::select! {
+                        _ = shutdown.cancelled() => break,
+                        _ = tokio::time::sleep(accept_pause) => {}
+                    }
+                    continue;
+                }
+            },
+        };
+        // Over the cap the connection is closed at once; probes retry.
+        let Ok(permit) = connections.clone().try_acquire_owned() else {
+            continue;
+        };
+        let probe = probe.clone();
+        let service = hyper::service::service_fn(move |req| {
+            let probe = probe.clone();
+            async move { Ok::<_, Infallible>(route(&*probe, &req).await) }
+        });
+        let conn = hyper::server::conn::http1::Builder::new()
+            .timer(TokioTimer::new())
+            .header_read_timeout(HEADER_READ_TIMEOUT)
+            .serve_connection(TokioIo::new(stream), service);
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "admin connection ended");
+            }
+            drop(permit);
+        });
+    }
+    tokio::select! {
+        _ = graceful.shutdown() => {}
+        _ = tokio::time::sleep(Duration::from_secs(5)) => {}
+    }
+}
+
+async fn route<P: Probe>(probe: &P, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    let path = req.uri().path();
+    if !matches!(path, "/healthz" | "/readyz" | "/metrics") {
+        return json(
+            StatusCode::NOT_FOUND,
+            serde_json::json!({"error": format!("no route {path} on the admin listener (healthz, readyz, metrics)")}),
+        );
+    }
+    if req.method() != Method::GET && req.method() != Method::HEAD {
+        let mut resp = json(
+            StatusCode::METHOD_NOT_ALLOWED,
+            serde_json::json!({"error": format!("{} is not allowed on {path}; allowed: GET, HEAD", req.method())}),
+        );
+        resp.headers_mut()
+            .insert("allow", HeaderValue::from_static("GET, HEAD"));
+        return resp;
+    }
+    match path {
+        "/healthz" => json(StatusCode::OK, serde_json::json!({"status": "alive"})),
+        "/readyz" => {
+            let readiness = probe.readiness().await;
+            let status = if readiness.ready {
+                StatusCode::OK
+            } else {
+                StatusCode::SERVICE_UNAVAILABLE
+            };
+            json(status, readiness.body)
+        }
+        _ => {
+            let mut resp = Response::new(Full::new(Bytes::from(probe.metrics())));
+            resp.headers_mut().insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            );
+            resp
+        }
+    }
+}
+
+fn json(status: StatusCode, body: serde_json::Value) -> Response<Full<Bytes>> {
+    let mut resp = Response::new(Full::new(Bytes::from(body.to_string())));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}

@@ -1,0 +1,300 @@
+//! A Redis client from a URL (`redis://`, `rediss://` for TLS, `redis+unix://`), with the
+//! password optionally from a file and TLS verified against a CA file when one is given;
+//! and one connection type for a single server or a Redis Cluster (`--redis-cluster`: the
+//! URL names any node, redis-rs's cluster client finds the rest and follows MOVED/ASK and
+//! failovers).
+
+use std::path::Path;
+use std::time::Duration;
+
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterConfig;
+use redis::cluster_routing::{SingleNodeRoutingInfo, Slot, SlotAddr};
+use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisFuture, RedisResult, Value};
+
+use super::pg::read_secret_file;
+use crate::error::ConfigError;
+
+/// Where Redis is: one server, or a cluster reached through any of its nodes.
+#[derive(Clone)]
+#[allow(clippy::large_enum_variant)] // built once per process, cloned rarely
+pub enum RedisTarget {
+    Single(redis::Client),
+    /// The cluster's client, and the same speaking RESP3, whose connections carry sharded
+    /// pub/sub messages as pushes (commands keep RESP2's reply shapes).
+    Cluster {
+        client: redis::cluster::ClusterClient,
+        resp3: redis::cluster::ClusterClient,
+    },
+}
+
+/// A connection to either (cheap to clone; both reconnect by themselves).
+#[derive(Clone)]
+pub enum RedisConn {
+    Single(ConnectionManager),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+impl RedisTarget {
+    /// Connect (one attempt; callers retry). `timeout` bounds each response.
+    pub async fn connect(&self, timeout: Duration) -> RedisResult<RedisConn> {
+        match self {
+            RedisTarget::Single(client) => {
+                let config = ConnectionManagerConfig::new()
+                    .set_response_timeout(Some(timeout))
+                    .set_connection_timeout(Some(timeout))
+                    .set_number_of_retries(1)
+                    .set_max_delay(Duration::from_secs(2));
+                ConnectionManager::new_with_config(client.clone(), config)
+                    .await
+                    .map(RedisConn::Single)
+            }
+            RedisTarget::Cluster { client, .. } => client
+                .get_async_connection_with_config(
+                    ClusterConfig::new()
+                        .set_response_timeout(timeout)
+                        .set_connection_timeout(timeout.min(Duration::from_secs(3))),
+                )
+                .await
+                .map(RedisConn::Cluster),
+        }
+    }
+
+    pub fn is_cluster(&self) -> bool {
+        matches!(self, RedisTarget::Cluster { .. })
+    }
+
+    /// A cluster connection subscribed to the sharded channel `channel` (`SSUBSCRIBE`),
+    /// whose messages, subscription confirmations and disconnections arrive on `pushes`.
+    /// redis-rs subscribes again wherever the channel's slot moves (failover, resharding)
+    /// once it notices, and confirms each time. `None` for a single server.
+    pub async fn subscribe_sharded(
+        &self,
+        channel: &str,
+        pushes: tokio::sync::mpsc::UnboundedSender<redis::PushInfo>,
+        timeout: Duration,
+    ) -> Option<RedisResult<redis::cluster_async::ClusterConnection>> {
+        let RedisTarget::Cluster { resp3, .. } = self else {
+            return None;
+        };
+        let connected = async {
+            let mut conn = resp3
+                .get_async_connection_with_config(
+                    ClusterConfig::new()
+                        .set_response_timeout(timeout)
+                        .set_connection_timeout(timeout.min(Duration::from_secs(3)))
+                        .set_push_sender(pushes),
+                )
+                .await?;
+            conn.ssubscribe(channel).await?;
+            Ok(conn)
+        };
+        Some(connected.await)
+    }
+}
+
+impl RedisConn {
+    /// `cmd` (a write of `key`) and then `WAIT replicas timeout`, as one pipeline on the
+    /// connection to `key`'s master: `WAIT` counts only the writes of the connection it
+    /// arrives on. The command's reply, and how many replicas acknowledged.
+    pub async fn then_wait(
+        &mut self,
+        cmd: Cmd,
+        key: &str,
+        replicas: u32,
+        timeout: Duration,
+    ) -> RedisResult<(Value, u32)> {
+        let mut pipe = redis::pipe();
+        pipe.add_command(cmd)
+            .cmd("WAIT")
+            .arg(replicas)
+            .arg(timeout.as_millis() as u64);
+        let mut replies: Vec<Value> = match self {
+            RedisConn::Single(conn) => pipe.query_async(conn).await?,
+            RedisConn::Cluster(conn) => {
+                let route = redis::cluster_routing::Route::with_slot(
+                    Slot::for_key(key.as_bytes()),
+                    SlotAddr::Master,
+                );
+                conn.route_pipeline(pipe, 0, 2, SingleNodeRoutingInfo::SpecificNode(route))
+                    .await?
+            }
+        };
+        if replies.len() != 2 {
+            return Err(redis::RedisError::from((
+                redis::ErrorKind::UnexpectedReturnType,
+                "script and WAIT pipeline",
+                format!("{} replies", replies.len()),
+            )));
+        }
+        let acked = replies.pop().expect("two replies").extract_error()?;
+        let reply = replies.pop().expect("two replies").extract_error()?;
+        Ok((reply, redis::from_redis_value::<u32>(acked)?))
+    }
+}
+
+impl ConnectionLike for RedisConn {
+    fn req_packed_command<'a>(&'a mut self, cmd: &'a Cmd) -> RedisFuture<'a, Value> {
+        match self {
+            RedisConn::Single(c) => c.req_packed_command(cmd),
+            RedisConn::Cluster(c) => c.req_packed_command(cmd),
+        }
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> RedisFuture<'a, Vec<Value>> {
+        match self {
+            RedisConn::Single(c) => c.req_packed_commands(pipeline, offset, count),
+            RedisConn::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+        }
+    }
+
+    fn get_db(&self) -> i64 {
+        match self {
+            RedisConn::Single(c) => c.get_db(),
+            RedisConn::Cluster(c) => c.get_db(),
+        }
+    }
+}
+
+/// A target for `url`: a cluster client when `cluster` (the URL names any node, or several
+/// comma-separated, so that a process starting while one node is down finds the others),
+/// otherwise [`client`]'s single-server client. `timeout` bounds the cluster client's
+/// responses (each connection can set its own).
+pub fn target(
+    url: &str,
+    cluster: bool,
+    password_file: Option<&Path>,
+    ca_file: Option<&Path>,
+    flag: &str,
+    timeout: Duration,
+) -> Result<RedisTarget, ConfigError> {
+    if !cluster {
+        return Ok(RedisTarget::Single(client(
+            url,
+            password_file,
+            ca_file,
+            flag,
+        )?));
+    }
+    let mut nodes = Vec::new();
+    for node in url.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        let info = client(node, password_file, ca_file, flag)?
+            .get_connection_info()
+            .clone();
+        if matches!(info.addr(), redis::ConnectionAddr::Unix(_)) {
+            return Err(ConfigError(format!(
+                "{flag}: a Redis Cluster is reached over TCP (redis:// or rediss://), not a Unix socket"
+            )));
+        }
+        nodes.push(info);
+    }
+    if nodes.is_empty() {
+        return Err(ConfigError(format!("{flag} names no Redis node")));
+    }
+    let root_cert = match ca_file {
+        Some(path) => Some(
+            std::fs::read(path)
+                .map_err(|e| ConfigError(format!("CA file {}: {e}", path.display())))?,
+        ),
+        None => None,
+    };
+    let build = |protocol: redis::ProtocolVersion| {
+        let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+            .response_timeout(timeout)
+            .connection_timeout(timeout)
+            .use_protocol(protocol);
+        if let Some(root_cert) = &root_cert {
+            builder = builder.certs(redis::TlsCertificates {
+                client_tls: None,
+                root_cert: Some(root_cert.clone()),
+            });
+        }
+        builder.build().map_err(|e| {
+            ConfigError(format!(
+                "{flag}: {}",
+                e.detail().unwrap_or("invalid cluster client configuration")
+            ))
+        })
+    };
+    Ok(RedisTarget::Cluster {
+        client: build(redis::ProtocolVersion::RESP2)?,
+        resp3: build(redis::ProtocolVersion::RESP3)?,
+    })
+}
+
+/// Build a client; `flag` names the URL's flag in error messages (which never show it).
+pub fn client(
+    url: &str,
+    password_file: Option<&Path>,
+    ca_file: Option<&Path>,
+    flag: &str,
+) -> Result<redis::Client, ConfigError> {
+    let mut info = url.into_connection_info().map_err(|_| {
+        ConfigError(format!(
+            "{flag} is not a valid Redis URL (redis://[user:password@]host[:port][/db], rediss://... for TLS, or redis+unix:///path)"
+        ))
+    })?;
+    if let redis::ConnectionAddr::Tcp(host, _) = info.addr() {
+        if !is_loopback(host) {
+            // Allowed (some networks encrypt below us), but never silently.
+            tracing::warn!(
+                %host,
+                flag,
+                "Redis connection without TLS to a remote host: use rediss:// unless the network is already encrypted"
+            );
+        }
+    }
+    if let Some(path) = password_file {
+        let password = read_secret_file(path)?;
+        let settings = info.redis_settings().clone().set_password(password);
+        info = info.set_redis_settings(settings);
+    }
+    match ca_file {
+        None => redis::Client::open(info),
+        Some(path) => {
+            let root_cert = std::fs::read(path)
+                .map_err(|e| ConfigError(format!("CA file {}: {e}", path.display())))?;
+            redis::Client::build_with_tls(
+                info,
+                redis::TlsCertificates {
+                    client_tls: None,
+                    root_cert: Some(root_cert),
+                },
+            )
+        }
+    }
+    .map_err(|e| {
+        ConfigError(format!(
+            "{flag}: {}",
+            e.detail().unwrap_or("invalid client configuration")
+        ))
+    })
+}
+
+fn is_loopback(host: &str) -> bool {
+    host == "localhost"
+        || host
+            .trim_matches(['[', ']'])
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn loopback_hosts_are_recognised() {
+        for host in ["localhost", "127.0.0.1", "127.1.2.3", "::1", "[::1]"] {
+            assert!(is_loopback(host), "{host}");
+        }
+        for host in ["redis", "10.0.0.1", "example.com", "::2"] {
+            assert!(!is_loopback(host), "{host}");
+        }
+    }
+}

@@ -1,0 +1,155 @@
+//! Errors of configuring and connecting, and their classification, shared by every binary:
+//! a configuration a human must change is permanent and says what to change; a broken or
+//! refused connection is transient. Messages never carry a password or a full URL.
+
+use redis::{ErrorKind, RedisError, ServerErrorKind};
+
+/// A configuration a human must change; the message says what.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct ConfigError(pub String);
+
+impl ConfigError {
+    pub fn new(message: impl Into<String>) -> Self {
+        Self(message.into())
+    }
+}
+
+/// Configuring or connecting failed.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error("invalid configuration: {0}")]
+    Config(#[from] ConfigError),
+
+    #[error("postgres: {}", describe_postgres(.0))]
+    Postgres(#[from] tokio_postgres::Error),
+}
+
+impl Error {
+    /// Whether trying again later can succeed.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Error::Config(_) => false,
+            Error::Postgres(e) => postgres_is_transient(e),
+        }
+    }
+}
+
+/// Broad classes of SQLSTATE that mean "try again later": connection exceptions (08),
+/// insufficient resources (53), operator intervention such as a shutdown (57), system
+/// errors (58) and transaction rollbacks (40).
+pub fn sqlstate_is_transient(code: &str) -> bool {
+    matches!(&code[..code.len().min(2)], "08" | "53" | "57" | "58" | "40")
+}
+
+/// Whether a Postgres error may go away by itself: a transient SQLSTATE, or no SQLSTATE
+/// at all (the connection broke or could not be made), unless a certificate was refused.
+pub fn postgres_is_transient(e: &tokio_postgres::Error) -> bool {
+    match e.code() {
+        Some(code) => sqlstate_is_transient(code.code()),
+        None => !crate::connect::is_certificate_error(e),
+    }
+}
+
+/// Whether a Redis error may go away by itself: the connection, a timeout, a server that is
+/// loading, failing over or out of memory under `noeviction`, or a cluster restarting.
+pub fn redis_is_transient(e: &RedisError) -> bool {
+    if crate::connect::is_certificate_error(e) {
+        return false;
+    }
+    if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal() {
+        return true;
+    }
+    match e.kind() {
+        // Every cluster node unreachable at once (a cluster restarting): it comes back.
+        ErrorKind::Io | ErrorKind::ClusterConnectionNotFound => true,
+        ErrorKind::Server(kind) => matches!(
+            kind,
+            ServerErrorKind::BusyLoading
+                | ServerErrorKind::TryAgain
+                | ServerErrorKind::MasterDown
+                | ServerErrorKind::ReadOnly
+                | ServerErrorKind::ClusterDown
+        ),
+        // `OOM`: maxmemory reached under noeviction; consumers trimming frees memory.
+        // `BUSY`: a long script is running.
+        ErrorKind::Extension => matches!(e.code(), Some("OOM" | "BUSY")),
+        _ => false,
+    }
+}
+
+/// tokio-postgres' Display for server errors is only "db error"; show the server's message.
+/// Other errors (TLS, I/O) keep their cause in `source()`, which says what actually failed.
+pub fn describe_postgres(e: &tokio_postgres::Error) -> String {
+    match e.as_db_error() {
+        Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
+        None if crate::connect::is_certificate_error(e) => format!(
+            "{}; the server's certificate was refused: give the CA that signed it (--database-ca-file or sslrootcert), connect by the name the certificate carries, or use sslmode=verify-ca to check the chain only",
+            with_causes(e)
+        ),
+        None => {
+            let text = with_causes(e);
+            // tokio-postgres has no error kind for this; the text is only used for the hint.
+            if text.contains("server does not support TLS") {
+                format!("{text}; enable ssl on the server, or put sslmode=disable in the URL to connect without TLS (the default is verify-full)")
+            } else {
+                text
+            }
+        }
+    }
+}
+
+/// A Redis error with its causes, and what to do about a refused certificate.
+pub fn describe_redis(e: &RedisError) -> String {
+    if crate::connect::is_certificate_error(e) {
+        format!(
+            "{}; Redis's certificate was refused: give the CA that signed it (--redis-ca-file) and connect by the name the certificate carries",
+            with_causes(e)
+        )
+    } else {
+        with_causes(e)
+    }
+}
+
+/// An error's message followed by each cause that adds something.
+pub fn with_causes(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(cause) = source {
+        let part = cause.to_string();
+        if !text.contains(&part) {
+            text.push_str(": ");
+            text.push_str(&part);
+        }
+        source = cause.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn redis_errors_are_classified_by_kind_and_code() {
+        let io = RedisError::from(std::io::Error::from(std::io::ErrorKind::ConnectionRefused));
+        assert!(redis_is_transient(&io));
+        let oom = redis::make_extension_error("OOM".into(), Some("command not allowed".into()));
+        assert!(redis_is_transient(&oom));
+        let no_node = RedisError::from((
+            redis::ErrorKind::ClusterConnectionNotFound,
+            "No connections found",
+        ));
+        assert!(redis_is_transient(&no_node));
+        let perm = redis::make_extension_error("NOPERM".into(), None);
+        assert!(!redis_is_transient(&perm));
+    }
+
+    #[test]
+    fn sqlstates_are_classified_by_class() {
+        assert!(sqlstate_is_transient("57P01"));
+        assert!(sqlstate_is_transient("08006"));
+        assert!(!sqlstate_is_transient("28P01"));
+        assert!(!sqlstate_is_transient("42704"));
+    }
+}

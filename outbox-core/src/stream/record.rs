@@ -1,0 +1,98 @@
+//! The stream's record (`<stream>:origin`, a hash beside each stream or shard): which
+//! Postgres system and timeline history write the stream, how far the relay acknowledged
+//! its slot, and the shard count the stream was set up with. Only the relay writes it
+//! (`setup` and rebuilds); consumers read the shard count, so that every binary of a side
+//! agrees on the layout before it touches a shard.
+
+use redis::aio::ConnectionLike;
+
+use super::keys::origin_key;
+use super::shard::{check_recorded, recorded_count, shard_key};
+use crate::error::ConfigError;
+
+/// The record's fields.
+pub mod fields {
+    /// The Postgres system identifier (`IDENTIFY_SYSTEM`) whose changes the stream carries.
+    pub const SYSTEM_ID: &str = "system_id";
+    /// The server's timeline when the record was last written.
+    pub const TIMELINE: &str = "timeline";
+    /// Its timeline history: `<tli>:<lsn>` switch points, comma-separated.
+    pub const HISTORY: &str = "history";
+    /// The highest LSN the relay acknowledged to its slot (always recorded here first).
+    pub const ACKED_THROUGH: &str = "acked_through";
+    /// A rebuild started and did not finish (its reason).
+    pub const REBUILDING: &str = "rebuilding";
+    /// The last id the relay wrote.
+    pub const LAST_ID: &str = "last_id";
+    /// Added to commit LSNs to make stream ids (non-zero after some rebuilds).
+    pub const ID_OFFSET: &str = "id_offset";
+    /// The shard count the stream was set up with (absent in records from before shards:
+    /// one).
+    pub const SHARDS: &str = "shards";
+}
+
+/// Key of the record that only the other key layout of `base` has (with one shard: shard
+/// 0's of a sharded stream; with more: the plain stream's): if it exists, the stream was set
+/// up with another count.
+pub fn other_layout_origin_key(base: &str, shards: u32) -> String {
+    if shards == 1 {
+        origin_key(&shard_key(base, 0, 2))
+    } else {
+        origin_key(base)
+    }
+}
+
+/// The shard count the record at `key` states (`None`: no record there; 0: a count that
+/// cannot be read, which matches no configuration).
+pub async fn recorded_shards<C: ConnectionLike + Send>(
+    conn: &mut C,
+    key: &str,
+) -> redis::RedisResult<Option<u32>> {
+    let (system_id, shards): (Option<String>, Option<String>) = redis::cmd("HMGET")
+        .arg(key)
+        .arg(fields::SYSTEM_ID)
+        .arg(fields::SHARDS)
+        .query_async(conn)
+        .await?;
+    Ok(system_id.map(|_| recorded_count(shards.as_deref()).unwrap_or(0)))
+}
+
+/// Whether the stream `base` may be used with `shards` shards: every record given in
+/// `recorded` (counts already read) and the other layout's record must state the same
+/// count. The inner error says what to change; the outer one is Redis failing.
+///
+/// A Redis user whose ACL predates shards may not read the other layout's record: then
+/// that record is not checked (and a warning says to load the current ACL).
+pub async fn check_layout<C: ConnectionLike + Send>(
+    conn: &mut C,
+    base: &str,
+    shards: u32,
+    mut recorded: Vec<u32>,
+) -> redis::RedisResult<Result<(), ConfigError>> {
+    let other = other_layout_origin_key(base, shards);
+    match recorded_shards(conn, &other).await {
+        Ok(count) => recorded.extend(count),
+        Err(e) if e.code() == Some("NOPERM") => {
+            tracing::warn!(key = %other, "the Redis user may not read the other shard layout's record; load the current deploy/redis/users.acl");
+        }
+        Err(e) => return Err(e),
+    }
+    Ok(check_recorded(base, shards, recorded))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_other_layout_is_the_plain_key_or_shard_zero() {
+        assert_eq!(
+            other_layout_origin_key("outbox:consumers", 1),
+            "outbox:consumers:{0}:origin"
+        );
+        assert_eq!(
+            other_layout_origin_key("outbox:consumers", 8),
+            "outbox:consumers:origin"
+        );
+    }
+}
