@@ -47,6 +47,11 @@ impl Origin {
     }
 }
 
+/// A line of a timeline history file that is not `<tli> <lsn> [reason]`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("timeline history line {0:?}")]
+pub(crate) struct BadHistoryLine(String);
+
 /// A timeline history file: for each ancestor timeline, the LSN where it ended.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub(crate) struct TimelineHistory {
@@ -55,7 +60,7 @@ pub(crate) struct TimelineHistory {
 
 impl TimelineHistory {
     /// Parse a history file (`<tli>\t<X/Y>\t<reason>` lines; comments and blanks skipped).
-    pub(crate) fn parse(text: &str) -> Result<Self, String> {
+    pub(crate) fn parse(text: &str) -> Result<Self, BadHistoryLine> {
         let mut switches = Vec::new();
         for line in text.lines() {
             let line = line.trim();
@@ -67,7 +72,7 @@ impl TimelineHistory {
             let lsn = fields.next().and_then(|l| Lsn::parse(l).ok());
             match (tli, lsn) {
                 (Some(tli), Some(lsn)) => switches.push((tli, lsn.as_u64())),
-                _ => return Err(format!("timeline history line {line:?}")),
+                _ => return Err(BadHistoryLine(line.to_string())),
             }
         }
         Ok(Self { switches })
