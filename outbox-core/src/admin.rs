@@ -30,6 +30,53 @@ const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest pause after failed accepts.
 const MAX_ACCEPT_PAUSE: Duration = Duration::from_secs(1);
 
+/// Accepts connections until shutdown, pausing after a failed accept (running out of file
+/// descriptors, above all) instead of spinning on the same error; every listener of both
+/// binaries accepts through it.
+pub struct Acceptor {
+    listener: TcpListener,
+    pause: Duration,
+}
+
+impl Acceptor {
+    pub fn new(listener: TcpListener) -> Self {
+        Self {
+            listener,
+            pause: Duration::ZERO,
+        }
+    }
+
+    /// The next connection, or `None` once `shutdown` is cancelled. `failed` is told of
+    /// each failed accept (for a metric).
+    pub async fn accept(
+        &mut self,
+        shutdown: &CancellationToken,
+        failed: impl Fn(),
+    ) -> Option<tokio::net::TcpStream> {
+        loop {
+            tokio::select! {
+                biased;
+                _ = shutdown.cancelled() => return None,
+                accepted = self.listener.accept() => match accepted {
+                    Ok((stream, _)) => {
+                        self.pause = Duration::ZERO;
+                        return Some(stream);
+                    }
+                    Err(e) => {
+                        self.pause = (self.pause * 2).clamp(Duration::from_millis(10), MAX_ACCEPT_PAUSE);
+                        failed();
+                        tracing::warn!(error = %e, pause = ?self.pause, "accept failed; pausing");
+                        tokio::select! {
+                            _ = shutdown.cancelled() => return None,
+                            _ = tokio::time::sleep(self.pause) => {}
+                        }
+                    }
+                },
+            }
+        }
+    }
+}
+
 /// What `/readyz` answers.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Readiness {
@@ -52,28 +99,8 @@ pub trait Probe: Send + Sync + 'static {
 pub async fn serve<P: Probe>(listener: TcpListener, probe: Arc<P>, shutdown: CancellationToken) {
     let graceful = GracefulShutdown::new();
     let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
-    let mut accept_pause = Duration::ZERO;
-    loop {
-        let stream = tokio::select! {
-            biased;
-            _ = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    accept_pause = Duration::ZERO;
-                    stream
-                }
-                Err(e) => {
-                    accept_pause = (accept_pause * 2).clamp(Duration::from_millis(10), MAX_ACCEPT_PAUSE);
-                    probe.accept_failed();
-                    tracing::warn!(error = %e, pause = ?accept_pause, "admin accept failed; pausing");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(accept_pause) => {}
-                    }
-                    continue;
-                }
-            },
-        };
+    let mut acceptor = Acceptor::new(listener);
+    while let Some(stream) = acceptor.accept(&shutdown, || probe.accept_failed()).await {
         // Over the cap the connection is closed at once; probes retry.
         let Ok(permit) = connections.clone().try_acquire_owned() else {
             continue;

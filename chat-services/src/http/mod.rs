@@ -77,28 +77,11 @@ const OVER_CAPACITY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type:
 /// finish (bounded). Probes and metrics are on the admin listener ([`ServiceProbe`]).
 pub(crate) async fn serve(listener: TcpListener, app: Arc<App>, shutdown: CancellationToken) {
     let graceful = GracefulShutdown::new();
-    // Accept errors (EMFILE above all) back off instead of spinning on the same error.
-    let mut accept_pause = Duration::ZERO;
-    loop {
-        let stream = tokio::select! {
-            _ = shutdown.cancelled() => break,
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    accept_pause = Duration::ZERO;
-                    stream
-                }
-                Err(e) => {
-                    accept_pause = (accept_pause * 2).clamp(Duration::from_millis(10), Duration::from_secs(1));
-                    app.metrics.accept_errors_total.inc();
-                    warn!(error = %e, pause = ?accept_pause, "accept failed; pausing");
-                    tokio::select! {
-                        _ = shutdown.cancelled() => break,
-                        _ = tokio::time::sleep(accept_pause) => {}
-                    }
-                    continue;
-                }
-            },
-        };
+    let mut acceptor = outbox_core::admin::Acceptor::new(listener);
+    while let Some(stream) = acceptor
+        .accept(&shutdown, || app.metrics.accept_errors_total.inc())
+        .await
+    {
         let _ = stream.set_nodelay(true);
         let Ok(permit) = app.limits.connections.clone().try_acquire_owned() else {
             app.metrics.connections_refused_total.inc();
