@@ -127,7 +127,7 @@ impl RelayError {
                 PgWireError::Server(_) => sqlstate(e).is_some_and(sqlstate_is_transient),
                 _ => false,
             },
-            RelayError::Redis(e) => redis_is_transient(e),
+            RelayError::Redis(e) => redis_call_may_repeat(e),
             RelayError::Config(_)
             | RelayError::WalLevelNotLogical { .. }
             | RelayError::PublicationMissing { .. }
@@ -146,13 +146,28 @@ impl RelayError {
     /// a busy or loading server). Other transient errors need a new session: a stream that
     /// lost entries is rebuilt before anything more is published.
     pub fn retry_in_place(&self) -> bool {
-        matches!(self, RelayError::Redis(e) if redis_is_transient(e))
+        matches!(self, RelayError::Redis(e) if redis_call_may_repeat(e))
     }
 
     /// Whether this is a Redis failure (for metrics and readiness).
     pub fn is_redis(&self) -> bool {
         matches!(self, RelayError::Redis(_))
     }
+}
+
+/// Whether a Redis call that failed with `e` may be sent again: a transient error, and not
+/// one of the publish script's verdicts (those are mapped to their own variants before they
+/// get here; one that was not is never retried blindly).
+fn redis_call_may_repeat(e: &RedisError) -> bool {
+    let verdict = [
+        script_codes::ORIGIN,
+        script_codes::DIVERGED,
+        script_codes::GAP,
+        script_codes::NORECORD,
+        script_codes::TIMELINE,
+        script_codes::SHARDS,
+    ];
+    redis_is_transient(e) && !e.code().is_some_and(|code| verdict.contains(&code))
 }
 
 /// The SQLSTATE of a server error reported by `pgwire-replication`, which formats it as a

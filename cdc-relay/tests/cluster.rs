@@ -157,3 +157,91 @@ async fn a_cluster_with_a_one_shard_stream_is_refused() {
         &["--redis-cluster needs --stream-shards 2 or more"],
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wait_the_server_ends_with_unblocked_is_sent_again_not_fatal() {
+    // GIVEN a relay on a cluster that waits for a replica on every batch, with the replica
+    // of shard 0's master paused, so a WAIT blocks on that master
+    let cluster = RedisCluster::start().unwrap();
+    let scratch = RedisServer::start().unwrap();
+    let fx = Fixture::sharded(shared_postgres(), &scratch, SHARDS).await;
+    let relay = fx.spawn_relay(
+        "relay",
+        &[
+            "--redis-url",
+            &cluster.url(),
+            "--redis-cluster",
+            "true",
+            "--redis-wait-replicas",
+            "1",
+            "--redis-timeout",
+            "20s",
+        ],
+    );
+    relay.wait_streaming().await;
+    let master = cluster
+        .master_of(&shard_key(&fx.stream, 0, SHARDS))
+        .unwrap();
+    let replica = cluster.replica_of(master).unwrap();
+    cluster.pause_node(replica).unwrap();
+    write_rows(&fx, 0, 20).await;
+
+    // WHEN the master ends that WAIT with -UNBLOCKED, as a master turning replica (a
+    // CLUSTER FAILOVER) does to every client blocked on it
+    let port = cluster.port(master);
+    let waiting = wait_until(
+        Duration::from_secs(20),
+        "a WAIT blocked on shard 0's master",
+        || async {
+            let clients = cluster
+                .cli(port, &["CLIENT", "LIST"])
+                .map_err(|e| e.to_string())?;
+            clients
+                .lines()
+                .find(|l| l.contains("cmd=wait"))
+                .and_then(|l| l.split_whitespace().find_map(|f| f.strip_prefix("id=")))
+                .map(str::to_string)
+                .ok_or_else(|| "no client blocked in WAIT".to_string())
+        },
+    )
+    .await;
+    let unblocked = cluster
+        .cli(port, &["CLIENT", "UNBLOCK", &waiting, "ERROR"])
+        .unwrap();
+    assert_eq!(unblocked.trim(), "1", "CLIENT UNBLOCK {waiting}");
+    cluster.resume_node(replica).unwrap();
+    write_rows(&fx, 1, 20).await;
+
+    // THEN the relay sends the batch again and every shard holds exactly what committed
+    let expected = crate::support::expected_by_shard(&fx.witness().await, SHARDS);
+    let want: usize = expected.iter().map(Vec::len).sum();
+    wait_until(
+        Duration::from_secs(60),
+        "every row in its shard",
+        || async {
+            if !relay.child.is_running() {
+                return Err(format!(
+                    "the relay exited; log: {}",
+                    tail(&relay.child.log())
+                ));
+            }
+            let have: usize = cluster_entries(&cluster, &fx.stream)
+                .await
+                .iter()
+                .map(Vec::len)
+                .sum();
+            if have >= want {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{have} of {want}; log: {}",
+                    tail(&relay.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+    assert_eq!(cluster_entries(&cluster, &fx.stream).await, expected);
+    assert!(relay.child.is_running(), "{}", tail(&relay.child.log()));
+    relay.stop();
+}

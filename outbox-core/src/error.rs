@@ -51,30 +51,24 @@ pub fn postgres_is_transient(e: &tokio_postgres::Error) -> bool {
     }
 }
 
-/// Whether a Redis error may go away by itself: the connection, a timeout, a server that is
-/// loading, failing over or out of memory under `noeviction`, or a cluster restarting.
+/// Whether a Redis error may go away by itself. Permanent only where a human must change
+/// something: a refused certificate, failed authentication, a missing ACL permission, a
+/// client configuration or keys of one script on two cluster slots. Everything else (the
+/// connection, a timeout, a server loading, failing over, out of memory under
+/// `noeviction`, a blocked command ended by the server with `UNBLOCKED` when its master
+/// turned replica, a cluster restarting, a reply of a shape not expected) is retried, and
+/// shows in readiness and metrics meanwhile.
 pub fn redis_is_transient(e: &RedisError) -> bool {
     if crate::connect::is_certificate_error(e) {
         return false;
     }
-    if e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_connection_refusal() {
-        return true;
-    }
     match e.kind() {
-        // Every cluster node unreachable at once (a cluster restarting): it comes back.
-        ErrorKind::Io | ErrorKind::ClusterConnectionNotFound => true,
-        ErrorKind::Server(kind) => matches!(
-            kind,
-            ServerErrorKind::BusyLoading
-                | ServerErrorKind::TryAgain
-                | ServerErrorKind::MasterDown
-                | ServerErrorKind::ReadOnly
-                | ServerErrorKind::ClusterDown
-        ),
-        // `OOM`: maxmemory reached under noeviction; consumers trimming frees memory.
-        // `BUSY`: a long script is running.
-        ErrorKind::Extension => matches!(e.code(), Some("OOM" | "BUSY")),
-        _ => false,
+        ErrorKind::AuthenticationFailed
+        | ErrorKind::InvalidClientConfig
+        | ErrorKind::RESP3NotSupported
+        | ErrorKind::Server(ServerErrorKind::NoPerm | ServerErrorKind::CrossSlot) => false,
+        ErrorKind::Extension => !matches!(e.code(), Some("NOPERM" | "WRONGPASS" | "NOAUTH")),
+        _ => true,
     }
 }
 
@@ -143,6 +137,14 @@ mod tests {
         assert!(redis_is_transient(&no_node));
         let perm = redis::make_extension_error("NOPERM".into(), None);
         assert!(!redis_is_transient(&perm));
+        let auth = redis::make_extension_error("WRONGPASS".into(), None);
+        assert!(!redis_is_transient(&auth));
+        // A WAIT (or a blocking read) the server ended because its node turned replica.
+        let unblocked = redis::make_extension_error(
+            "UNBLOCKED".into(),
+            Some("force unblock from blocking operation".into()),
+        );
+        assert!(redis_is_transient(&unblocked));
     }
 
     #[test]

@@ -240,6 +240,54 @@ impl RedisCluster {
         bail!("no running master serves slot {slot} of {key}")
     }
 
+    /// The port of node `i`.
+    pub fn port(&self, i: usize) -> u16 {
+        self.ports()[i]
+    }
+
+    /// The node index of a replica of master `master`.
+    pub fn replica_of(&self, master: usize) -> anyhow::Result<usize> {
+        let ports = self.ports();
+        let id = self
+            .cli(ports[master], &["CLUSTER", "MYID"])?
+            .trim()
+            .to_string();
+        for (i, port) in ports.iter().enumerate() {
+            if i == master || !self.running_ports().contains(port) {
+                continue;
+            }
+            let role = self.cli(*port, &["ROLE"])?;
+            let of = self.cli(*port, &["CLUSTER", "MYID"])?.trim().to_string();
+            let nodes = self.cli(*port, &["CLUSTER", "NODES"])?;
+            let mine = nodes
+                .lines()
+                .find(|l| l.starts_with(&of))
+                .unwrap_or_default();
+            if role.starts_with("slave") && mine.split_whitespace().nth(3) == Some(id.as_str()) {
+                return Ok(i);
+            }
+        }
+        bail!("master {master} has no running replica")
+    }
+
+    /// SIGSTOP node `i`: it keeps its connections but answers nothing (a frozen host).
+    pub fn pause_node(&self, i: usize) -> anyhow::Result<()> {
+        self.signal_node(i, Signal::Stop)
+    }
+
+    /// SIGCONT node `i` after [`RedisCluster::pause_node`].
+    pub fn resume_node(&self, i: usize) -> anyhow::Result<()> {
+        self.signal_node(i, Signal::Cont)
+    }
+
+    fn signal_node(&self, i: usize, signal: Signal) -> anyhow::Result<()> {
+        let nodes = self.nodes.lock().unwrap();
+        match &nodes[i].process {
+            Some(process) => process.signal(signal),
+            None => bail!("node {i} is not running"),
+        }
+    }
+
     /// SIGKILL node `i` and wait until the others marked it failed and the cluster is ok
     /// again without it (a master's replica was promoted).
     pub fn kill_node(&self, i: usize) -> anyhow::Result<()> {

@@ -136,6 +136,20 @@ impl<'a> Stack<'a> {
         }
     }
 
+    /// Panics at once, with the relay's own error, if a relay stopped: a relay stopped for
+    /// good stalls delivery, which a wait would otherwise report only as a timeout.
+    pub(crate) fn assert_relays_running(&self) {
+        for (relay, _, task) in &self.relays {
+            let status = relay.status().borrow().clone();
+            assert!(
+                status.role != cdc_relay::Role::Failed && !task.is_finished(),
+                "a relay stopped: role {:?}, last error {:?}",
+                status.role,
+                status.last_error
+            );
+        }
+    }
+
     async fn start_relay(&mut self, side: Side) {
         let args = self.relay_args(side);
         cdc_relay::setup(
@@ -571,6 +585,7 @@ pub(crate) async fn feed(db: &TestDb, side: Side, chat_id: i64) -> Vec<String> {
 /// Every message `from` sent to `chat` is in the other side's inbox once, in the order it
 /// was sent (the chat's feed order on the sending side).
 pub(crate) async fn assert_received_in_sent_order(stack: &Stack<'_>, from: Side, chat: i64) {
+    stack.assert_relays_running();
     let db = stack.db.connect().await.unwrap();
     let to = from.other();
     let ids = |sql: String| {
@@ -595,6 +610,7 @@ pub(crate) async fn assert_received_in_sent_order(stack: &Stack<'_>, from: Side,
             sent.len()
         ),
         || async {
+            stack.assert_relays_running();
             let n = stack
                 .count(&format!(
                     "SELECT count(*) FROM {to}.inbox WHERE chat_id = {chat}"
