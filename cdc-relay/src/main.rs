@@ -32,9 +32,7 @@ async fn main() -> ExitCode {
         Command::DropSlot(args) => cdc_relay::drop_slot(&args)
             .await
             .map(|out| println!("{out}")),
-        Command::Setup(args) => cdc_relay::setup_command(&args)
-            .await
-            .map(|out| println!("{out}")),
+        Command::Setup(args) => cdc_relay::setup_command(&args, &mut std::io::stdout()).await,
         Command::Reshard(args) => match args.validate() {
             Ok(config) => cdc_relay::reshard(&config)
                 .await

@@ -51,7 +51,7 @@ pub mod test_support {
 /// Why a service does not start: what to change.
 #[derive(Debug, thiserror::Error)]
 pub enum StartError {
-    #[error(transparent)]
+    #[error("invalid configuration: {0}")]
     Config(#[from] outbox_core::ConfigError),
     #[error("{flag} {addr}: cannot listen: {source}")]
     Listen {

@@ -15,7 +15,7 @@ async fn main() -> ExitCode {
     let config = match cli.validate() {
         Ok(config) => config,
         Err(e) => {
-            eprintln!("chat-service: {e}");
+            eprintln!("chat-service: invalid configuration: {e}");
             return ExitCode::FAILURE;
         }
     };

@@ -47,7 +47,7 @@ pub fn sqlstate_is_transient(code: &str) -> bool {
 pub fn postgres_is_transient(e: &tokio_postgres::Error) -> bool {
     match e.code() {
         Some(code) => sqlstate_is_transient(code.code()),
-        None => !crate::connect::is_certificate_error(e),
+        None => !is_certificate_error(e),
     }
 }
 
@@ -59,7 +59,7 @@ pub fn postgres_is_transient(e: &tokio_postgres::Error) -> bool {
 /// turned replica, a cluster restarting, a reply of a shape not expected) is retried, and
 /// shows in readiness and metrics meanwhile.
 pub fn redis_is_transient(e: &RedisError) -> bool {
-    if crate::connect::is_certificate_error(e) {
+    if is_certificate_error(e) {
         return false;
     }
     match e.kind() {
@@ -72,12 +72,43 @@ pub fn redis_is_transient(e: &RedisError) -> bool {
     }
 }
 
+/// Whether `e` (or what caused it) is a TLS certificate the client refused: a configuration
+/// problem, not worth retrying.
+pub fn is_certificate_error(e: &(dyn std::error::Error + 'static)) -> bool {
+    type Shared = std::sync::Arc<dyn std::error::Error + Send + Sync>;
+    let mut current: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = current {
+        if let Some(rustls::Error::InvalidCertificate(_)) = err.downcast_ref::<rustls::Error>() {
+            return true;
+        }
+        // redis-rs keeps its cause in an `Arc`, whose `source()` skips the inner error, and
+        // `io::Error::source()` skips the error it wraps: look inside both.
+        if let Some(shared) = err.downcast_ref::<Shared>() {
+            let inner: &(dyn std::error::Error + 'static) = &**shared;
+            if is_certificate_error(inner) {
+                return true;
+            }
+        }
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            if let Some(inner) = io.get_ref() {
+                if let Some(rustls::Error::InvalidCertificate(_)) =
+                    inner.downcast_ref::<rustls::Error>()
+                {
+                    return true;
+                }
+            }
+        }
+        current = err.source();
+    }
+    false
+}
+
 /// tokio-postgres' Display for server errors is only "db error"; show the server's message.
 /// Other errors (TLS, I/O) keep their cause in `source()`, which says what actually failed.
 pub fn describe_postgres(e: &tokio_postgres::Error) -> String {
     match e.as_db_error() {
         Some(db) => format!("{} (SQLSTATE {})", db.message(), db.code().code()),
-        None if crate::connect::is_certificate_error(e) => format!(
+        None if is_certificate_error(e) => format!(
             "{}; the server's certificate was refused: give the CA that signed it (--database-ca-file or sslrootcert), connect by the name the certificate carries, or use sslmode=verify-ca to check the chain only",
             with_causes(e)
         ),
@@ -95,7 +126,7 @@ pub fn describe_postgres(e: &tokio_postgres::Error) -> String {
 
 /// A Redis error with its causes, and what to do about a refused certificate.
 pub fn describe_redis(e: &RedisError) -> String {
-    if crate::connect::is_certificate_error(e) {
+    if is_certificate_error(e) {
         format!(
             "{}; Redis's certificate was refused: give the CA that signed it (--redis-ca-file) and connect by the name the certificate carries",
             with_causes(e)

@@ -22,11 +22,15 @@ use crate::source::{
 const TIMEOUT: Duration = Duration::from_secs(10);
 
 /// `setup`: the slot, and with --redis-url and --stream the stream's starting record; what
-/// was done, one line per step, for the operator.
-pub async fn setup_command(args: &SetupArgs) -> Result<String, RelayError> {
+/// was done, a line per step as it is done (so the slot's line is there even when the
+/// record's step fails), to `out`.
+pub async fn setup_command(
+    args: &SetupArgs,
+    out: &mut dyn std::io::Write,
+) -> Result<(), RelayError> {
     let pg = args.connection.postgres()?;
     let outcome = setup(&pg, TIMEOUT).await?;
-    let mut out = match &outcome {
+    let line = match &outcome {
         SetupOutcome::Created { consistent_point } => format!(
             "created replication slot {} (pgoutput) at {consistent_point}",
             pg.slot
@@ -37,6 +41,7 @@ pub async fn setup_command(args: &SetupArgs) -> Result<String, RelayError> {
             pg.slot
         ),
     };
+    say(out, &line);
     if let Some((redis, stream)) = args.connection.redis_and_stream(TIMEOUT)? {
         let shards = validate_layout(
             "--stream-shards",
@@ -50,10 +55,14 @@ pub async fn setup_command(args: &SetupArgs) -> Result<String, RelayError> {
                 format!("stream {stream}: record left alone ({why}); `run` checks it")
             }
         };
-        out.push('\n');
-        out.push_str(&line);
+        say(out, &line);
     }
-    Ok(out)
+    Ok(())
+}
+
+/// One line of what `setup` did (stdout gone is no reason to stop).
+fn say(out: &mut dyn std::io::Write, line: &str) {
+    let _ = writeln!(out, "{line}");
 }
 
 /// What `setup` did about the stream's record.

@@ -7,8 +7,11 @@
 //!    and only while no other walsender holds the slot, so a standby never touches the
 //!    record. A rebuild runs there, under the lock.
 //! 3. [`start`]: adopt a new timeline or refuse, start replication, release the lock once
-//!    streaming started (its guard releases it on every other way out), and hand the
-//!    session to the streaming loop.
+//!    streaming started, and hand the session to the streaming loop.
+//!
+//! The lock lives in [`take_over`]'s scope: whatever way out a step takes, it is released
+//! (and Redis has confirmed it) before the error reaches the supervisor, which may end the
+//! process at once.
 
 use outbox_core::stream::EntryId;
 use pgwire_replication::ReplicationClient;
@@ -55,8 +58,17 @@ pub(crate) async fn take_over(
     mut publisher: Publisher,
 ) -> Result<Started, RelayError> {
     let mut state = read_state(ctx, &mut publisher).await?;
-    let (decision, placement, lock) = decide_under_lock(ctx, &mut state, &mut publisher).await?;
-    start(ctx, state, publisher, decision, placement, lock).await
+    let mut lock = None;
+    let started = async {
+        let (decision, placement) =
+            decide_under_lock(ctx, &mut state, &mut publisher, &mut lock).await?;
+        start(ctx, state, publisher, decision, placement, &mut lock).await
+    }
+    .await;
+    if let Some(lock) = lock {
+        lock.release().await;
+    }
+    started
 }
 
 /// Step 1: the prerequisites, the slot, then Redis, then the server.
@@ -107,19 +119,21 @@ async fn read_state(ctx: &Context, publisher: &mut Publisher) -> Result<State, R
     })
 }
 
-/// Step 2: the decision, and the rebuild it may call for, under the rebuild lock.
+/// Step 2: the decision, and the rebuild it may call for, under the rebuild lock (taken
+/// into `held`).
 async fn decide_under_lock(
     ctx: &Context,
     state: &mut State,
     publisher: &mut Publisher,
-) -> Result<(Decision, Placement, Option<RebuildLock>), RelayError> {
+    held: &mut Option<RebuildLock>,
+) -> Result<(Decision, Placement), RelayError> {
     let decision = decide_shards(state.slot.as_ref(), &state.all, &state.origin, state.server);
     let Decision::Rebuild(reason) = decision else {
-        return Ok((decision, Placement::of(&state.all), None));
+        return Ok((decision, Placement::of(&state.all)));
     };
     refuse_lost_slot(ctx, reason)?;
     // Shard 0's lock stands for the whole stream: there is one slot to rebuild from.
-    let Some(mut lock) = RebuildLock::acquire(
+    let Some(lock) = RebuildLock::acquire(
         publisher.connection(),
         publisher.shard_stream(0),
         ctx.instance_id(),
@@ -129,6 +143,7 @@ async fn decide_under_lock(
     else {
         return Err(busy(ctx, None));
     };
+    let lock = held.insert(lock);
     // With the lock, both again in the same order: only now is a rebuild decided.
     state.slot = read_slot(ctx, &state.sql).await?;
     state.all = read_all(&mut state.records).await?;
@@ -143,25 +158,25 @@ async fn decide_under_lock(
             publisher,
             &state.origin,
             &state.all,
-            &mut lock,
+            lock,
             reason,
         )
         .await?;
         placement = Placement { id_offset, tops };
         ctx.set_slot_lost(false);
     }
-    Ok((decision, placement, Some(lock)))
+    Ok((decision, placement))
 }
 
-/// Step 3: act on the decision and start replication; the lock (if any) is released when
-/// streaming started or this step gave up, whichever comes first.
+/// Step 3: act on the decision and start replication; the lock (if any) is released as
+/// soon as streaming started.
 async fn start(
     ctx: &Context,
     state: State,
     publisher: Publisher,
     decision: Decision,
     placement: Placement,
-    lock: Option<RebuildLock>,
+    held: &mut Option<RebuildLock>,
 ) -> Result<Started, RelayError> {
     let cfg = &ctx.config;
     let pg = &cfg.postgres;
@@ -205,7 +220,7 @@ async fn start(
     let rebuilt_here = matches!(decision, Decision::Rebuild(_));
     client.start().await?;
     let started = within(cfg, client.wait_started()).await;
-    if let Some(lock) = lock {
+    if let Some(lock) = held.take() {
         lock.release().await;
     }
     if let Err(e) = started? {

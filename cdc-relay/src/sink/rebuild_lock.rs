@@ -1,6 +1,7 @@
 //! The rebuild lock: while one relay rebuilds a stream, the others stand by. A lease in
-//! Redis (`<stream>:rebuilding`), extended in the background and released when its guard
-//! is dropped, on every path out of the rebuild.
+//! Redis (`<stream>:rebuilding`), extended in the background. Its holder releases it with
+//! [`RebuildLock::release`] (awaited) at the end of the scope that took it; dropping the
+//! guard otherwise (a cancelled future, a panic) releases it in the background.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -104,9 +105,9 @@ impl RebuildLock {
 }
 
 impl Drop for RebuildLock {
-    /// Stop extending, and delete the lock if still ours, in the background: every path out
-    /// of a rebuild (done, refused, failed) lets the next holder start at once instead of
-    /// waiting for the TTL. Outside a runtime the lock simply expires.
+    /// Stop extending, and delete the lock if still ours, in the background, so a holder
+    /// that was cancelled does not make the next one wait for the TTL. Where the process
+    /// ends first (or outside a runtime) the lock expires by itself.
     fn drop(&mut self) {
         self.heartbeat.abort();
         if self.released {

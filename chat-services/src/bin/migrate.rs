@@ -8,7 +8,7 @@ use outbox_core::logging::{self, LogFormat};
 /// Why `migrate` stopped.
 #[derive(Debug, thiserror::Error)]
 enum Error {
-    #[error(transparent)]
+    #[error("invalid configuration: {0}")]
     Config(#[from] outbox_core::ConfigError),
     #[error("cannot connect to Postgres: {0}")]
     Connect(outbox_core::Error),

@@ -10,4 +10,4 @@ mod tls;
 pub use self::redis::{client as redis_client, target as redis_target, RedisConn, RedisTarget};
 pub use pg::{read_secret_file, PgEndpoint};
 pub use secrets::{DatabaseSecrets, RedisSecrets};
-pub use tls::{client_config, is_certificate_error, root_store, SslMode};
+pub use tls::{client_config, root_store, SslMode};

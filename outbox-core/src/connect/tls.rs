@@ -198,37 +198,6 @@ impl ServerCertVerifier for ChainOnly {
     }
 }
 
-/// Whether `e` (or what caused it) is a TLS certificate the client refused: a configuration
-/// problem, not worth retrying.
-pub fn is_certificate_error(e: &(dyn std::error::Error + 'static)) -> bool {
-    type Shared = std::sync::Arc<dyn std::error::Error + Send + Sync>;
-    let mut current: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    while let Some(err) = current {
-        if let Some(rustls::Error::InvalidCertificate(_)) = err.downcast_ref::<rustls::Error>() {
-            return true;
-        }
-        // redis-rs keeps its cause in an `Arc`, whose `source()` skips the inner error, and
-        // `io::Error::source()` skips the error it wraps: look inside both.
-        if let Some(shared) = err.downcast_ref::<Shared>() {
-            let inner: &(dyn std::error::Error + 'static) = &**shared;
-            if is_certificate_error(inner) {
-                return true;
-            }
-        }
-        if let Some(io) = err.downcast_ref::<std::io::Error>() {
-            if let Some(inner) = io.get_ref() {
-                if let Some(rustls::Error::InvalidCertificate(_)) =
-                    inner.downcast_ref::<rustls::Error>()
-                {
-                    return true;
-                }
-            }
-        }
-        current = err.source();
-    }
-    false
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -6,7 +6,7 @@ use std::fmt;
 /// The entry fields, in the order the relay writes them (`publish.lua` names them in this
 /// order; a test holds it to that).
 pub const FIELDS: [&str; 4] = [EVENT, PAYLOAD, OUTBOX_ID, CREATED_AT];
-/// The event type (`outbox.event`), e.g. `message_created`.
+/// The event type (`outbox.event`), e.g. `message.created`.
 pub const EVENT: &str = "event";
 /// The event's JSON document (`outbox.payload`, jsonb as Postgres prints it: keys
 /// reordered, so parse it, never compare it as text).

@@ -12,7 +12,7 @@
 //!
 //! | field | value |
 //! | --- | --- |
-//! | `event` | the event type, e.g. `message_created` |
+//! | `event` | the event type, e.g. `message.created` |
 //! | `payload` | the event's JSON document (Postgres's jsonb text: parse it) |
 //! | `outbox_id` | the outbox row's id, decimal (not the order: the stream id is) |
 //! | `created_at` | when the row was written, RFC 3339 UTC with microseconds |
