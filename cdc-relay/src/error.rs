@@ -91,6 +91,9 @@ pub enum RelayError {
         server: u32,
     },
 
+    #[error("{}", if *.synced_copy { format!("replication slot {slot} on this server is a synced copy of the primary's and the server is a standby: waiting for its promotion (a failover under way?), or point --database-url at the primary") } else { format!("the server is a standby without replication slot {slot}: waiting for its promotion (a failover under way?); to decode on this standby instead, run `cdc-relay setup` against it") })]
+    AwaitingPromotion { slot: String, synced_copy: bool },
+
     #[error("lost the rebuild lock of stream {stream} (Redis unreachable for longer than its TTL, or another relay took it); standing by")]
     RebuildLockLost { stream: String },
 
@@ -119,6 +122,8 @@ impl RelayError {
             | RelayError::RebuildLockLost { .. } => true,
             // The URL may point at the old primary for a moment (DNS or VIP lag): retry.
             RelayError::OlderTimeline { .. } => true,
+            // A failover under way: the standby the name points at is promoted in a moment.
+            RelayError::AwaitingPromotion { .. } => true,
             RelayError::StreamEnded | RelayError::ConnectTimeout(_) => true,
             // A transient SQLSTATE, or the connection broke; never a refused certificate.
             RelayError::Postgres(e) => postgres_is_transient(e),

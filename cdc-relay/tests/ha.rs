@@ -134,18 +134,14 @@ async fn failover_with_failover_slots(version: u32) {
     // (What the alert on an unsynced copy reads agrees.)
     wait_standby_metric(&relay, "cdc_relay_standby_slot_ready", 1.0).await;
 
-    // WHEN the primary is SIGKILLed mid-load and the standby promoted
+    // WHEN the primary is SIGKILLed mid-load, a relay is pointed at the standby before its
+    // promotion (the name moved first: it meets the synced copy, unusable until then), and
+    // the standby is promoted 3 s later
     let before_kill = committed.load(Ordering::SeqCst);
     pg.kill().unwrap();
     stop.store(true, Ordering::SeqCst);
     writer.await.unwrap();
     relay.stop();
-    let promoting = Instant::now();
-    standby.promote().await.unwrap();
-    let promoted_in = promoting.elapsed();
-
-    // ... and the relay pointed at the new primary
-    let started = Instant::now();
     let relay = fx.spawn_relay(
         "relay-2",
         &[
@@ -155,6 +151,17 @@ async fn failover_with_failover_slots(version: u32) {
             "true",
         ],
     );
+    // The scenario's pace: the promotion comes 3 s after the switch.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(
+        relay.child.is_running(),
+        "the relay exited while the name pointed at a standby: {}",
+        crate::support::tail(&relay.child.log())
+    );
+    let promoting = Instant::now();
+    standby.promote().await.unwrap();
+    let promoted_in = promoting.elapsed();
+    let started = Instant::now();
     relay.wait_streaming().await;
     let streaming_in = started.elapsed();
     let mut writer = fx.db.on(&standby).connect_as("consumers").await.unwrap();
@@ -310,6 +317,9 @@ enum Standby {
     CaughtUp,
     /// Its WAL stream stalled while the relays went on publishing.
     Stalled,
+    /// Caught up, and the name switched to it seconds before its promotion (DNS or a VIP
+    /// moved first): the relays meet a standby without the slot for a while.
+    SwitchedBeforePromotion,
 }
 
 fn socket_of(pg: &PgServer) -> std::path::PathBuf {
@@ -397,7 +407,7 @@ async fn failover_without_failover_slots(options: PgOptions, standby_state: Stan
     // WHEN the standby is left where the scenario says
     let mut published_meanwhile = 0;
     let writer = match standby_state {
-        Standby::CaughtUp => {
+        Standby::CaughtUp | Standby::SwitchedBeforePromotion => {
             stop.store(true, Ordering::SeqCst);
             let mut client = writer.await.unwrap();
             for relay in &relays {
@@ -434,13 +444,30 @@ async fn failover_without_failover_slots(options: PgOptions, standby_state: Stan
         drop(writer.await.unwrap());
     }
     let before_kill = committed.load(Ordering::SeqCst);
+    if standby_state == Standby::SwitchedBeforePromotion {
+        dns.retarget(socket_of(&standby));
+        for relay in &relays {
+            relay.child.signal(Signal::Cont).unwrap();
+        }
+        // The scenario's pace: the promotion comes 5 s after the switch.
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        for relay in &relays {
+            assert!(
+                relay.child.is_running(),
+                "a relay exited while the name pointed at a standby: {}",
+                crate::support::tail(&relay.child.log())
+            );
+        }
+    }
     let promoting = Instant::now();
     standby.promote().await.unwrap();
     let promoted_in = promoting.elapsed();
-    dns.retarget(socket_of(&standby));
     let switched = Instant::now();
-    for relay in &relays {
-        relay.child.signal(Signal::Cont).unwrap();
+    if standby_state != Standby::SwitchedBeforePromotion {
+        dns.retarget(socket_of(&standby));
+        for relay in &relays {
+            relay.child.signal(Signal::Cont).unwrap();
+        }
     }
     let mut client = fx.db.on(&standby).connect_as("consumers").await.unwrap();
     insert_txn(&mut client, 1, 0, 1, true).await.unwrap();
@@ -500,7 +527,7 @@ async fn failover_without_failover_slots(options: PgOptions, standby_state: Stan
     assert!(in_stream[first_new..].iter().all(|k| k.0 == 1));
     let lost_by_failover = in_stream.len() - expected.len();
     let (reason, why) = match standby_state {
-        Standby::CaughtUp => {
+        Standby::CaughtUp | Standby::SwitchedBeforePromotion => {
             // The standby had everything: the stream is exactly the new primary's outbox.
             assert_eq!(lost_by_failover, 0);
             ("failover", "failed over to a server without the slot")
@@ -539,7 +566,7 @@ async fn failover_without_failover_slots(options: PgOptions, standby_state: Stan
         "no relay said why"
     );
     let republished = summed(&relay_refs, "cdc_relay_republished_events_total").await;
-    if standby_state == Standby::CaughtUp {
+    if standby_state != Standby::Stalled {
         // At least the 100 commits the stopped relays never saw came from the outbox.
         assert!(republished >= 100.0, "{republished} republished");
     }
@@ -566,6 +593,11 @@ async fn failover_to_a_caught_up_standby(options: PgOptions) {
 
 async fn failover_to_a_stalled_standby(options: PgOptions) {
     failover_without_failover_slots(options, Standby::Stalled).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relays_reaching_a_standby_before_its_promotion_wait_for_it_and_lose_nothing() {
+    failover_without_failover_slots(PgOptions::default(), Standby::SwitchedBeforePromotion).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -21,6 +21,9 @@ pub(crate) enum Decision {
     Rebuild(Reason),
     /// No slot and no rebuild under way: `setup` was not run (or the slot was dropped).
     SlotMissing,
+    /// No slot, and the server is a standby: the name may point at it moments before its
+    /// promotion (a failover under way). Waited for, never acted on.
+    AwaitPromotion,
     /// The server is on an older timeline than the stream (the old primary after a
     /// failover): rebuilding from it would undo the newer history, so refuse.
     OlderTimeline,
@@ -41,15 +44,16 @@ pub(crate) fn decide(
     server: Server,
 ) -> Decision {
     let server_lsn = server.lsn;
-    // First of all: a server on an ancestor of the stream's history is the old primary;
-    // nothing it says (a lost slot, a marker) may rewrite the newer history.
+    // First of all: a server whose whole history is an ancestor of the stream's is the old
+    // primary; nothing it says (a lost slot, a marker) may rewrite the newer history. A
+    // lower timeline number with other ancestors (a restore) is a history of its own.
     if record
         .timeline
         .is_some_and(|recorded| recorded > origin.timeline)
         && record
             .history
             .as_ref()
-            .is_some_and(|h| h.switch_point(origin.timeline).is_some())
+            .is_some_and(|h| is_ancestor(&origin.history, origin.timeline, h))
     {
         return Decision::OlderTimeline;
     }
@@ -71,6 +75,7 @@ pub(crate) fn decide(
                 Decision::Rebuild(Reason::Timeline)
             }
             None if failed_over => Decision::Rebuild(Reason::Failover),
+            None if server.in_recovery => Decision::AwaitPromotion,
             None => Decision::SlotMissing,
         };
     };
@@ -121,7 +126,7 @@ pub(crate) fn decide_shards(
     let rank = |d: &Decision| match d {
         Decision::Stream => 0,
         Decision::Adopt => 1,
-        Decision::SlotMissing => 2,
+        Decision::SlotMissing | Decision::AwaitPromotion => 2,
         Decision::Rebuild(_) => 3,
         Decision::OlderTimeline => 4,
     };
@@ -133,6 +138,21 @@ pub(crate) fn decide_shards(
         }
     }
     decision
+}
+
+/// Whether the server's history (`history`, on `timeline`) is where `recorded` came from:
+/// `recorded` switched away from `timeline`, and every ancestor the server has is one of
+/// `recorded`'s, switched at the same LSN.
+fn is_ancestor(
+    history: &crate::source::TimelineHistory,
+    timeline: u32,
+    recorded: &crate::source::TimelineHistory,
+) -> bool {
+    recorded.switch_point(timeline).is_some()
+        && history
+            .switches
+            .iter()
+            .all(|(tli, lsn)| recorded.switch_point(*tli) == Some(*lsn))
 }
 
 /// Whether the stream holds entries this server's history does not: its history forked
@@ -186,6 +206,7 @@ mod tests {
             confirmed_flush_lsn: Some(Lsn(confirmed)),
             invalidation_reason: None,
             failover: None,
+            synced: None,
         }
     }
 
@@ -278,7 +299,13 @@ mod tests {
         };
         assert_eq!(
             decide(None, &record(100, 1), &promoted, standby),
-            Decision::SlotMissing
+            Decision::AwaitPromotion
+        );
+        // ... and neither does a standby still on the stream's own timeline (the name was
+        // switched to it before its promotion): it is waited for.
+        assert_eq!(
+            decide(None, &record(100, 1), &origin(1, &[]), standby),
+            Decision::AwaitPromotion
         );
         // A restore that reused the timeline number on another history is a new history too.
         let mut other = record(100, 2);
@@ -301,6 +328,21 @@ mod tests {
         });
         assert_eq!(
             decide(None, &newer, &origin(1, &[]), PRIMARY),
+            Decision::OlderTimeline
+        );
+        // A restore onto timeline 2 of another history ([(1, c)]) while the stream was
+        // recorded on 3 after [(1, a), (2, b)]: not the old primary, but a history of its
+        // own, so the stream is rebuilt from it.
+        let mut recorded = record(100, 3);
+        recorded.history = Some(TimelineHistory {
+            switches: vec![(1, 60), (2, 95)],
+        });
+        assert_eq!(
+            decide(Some(&slot(50)), &recorded, &origin(2, &[(1, 70)]), PRIMARY),
+            Decision::Rebuild(Reason::Timeline)
+        );
+        assert_eq!(
+            decide(Some(&slot(50)), &recorded, &origin(2, &[(1, 60)]), PRIMARY),
             Decision::OlderTimeline
         );
     }

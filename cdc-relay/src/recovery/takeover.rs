@@ -78,8 +78,12 @@ async fn read_state(ctx: &Context, publisher: &mut Publisher) -> Result<State, R
     let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
     ctx.set_postgres_reachable(true);
     check_prerequisites(&sql, pg).await?;
+    let in_recovery: bool = sql
+        .query_one("SELECT pg_is_in_recovery()", &[])
+        .await?
+        .get(0);
     let mut records = publisher.records();
-    let slot = read_slot(ctx, &sql).await?;
+    let slot = read_slot(ctx, &sql, in_recovery).await?;
     if records[0].rebuilding_elsewhere(ctx.instance_id()).await? {
         return Err(busy(ctx, None));
     }
@@ -92,10 +96,7 @@ async fn read_state(ctx: &Context, publisher: &mut Publisher) -> Result<State, R
     let (origin, server_lsn) = Origin::identify(&mut client, cfg.connect_timeout).await?;
     let server = Server {
         lsn: server_lsn,
-        in_recovery: sql
-            .query_one("SELECT pg_is_in_recovery()", &[])
-            .await?
-            .get(0),
+        in_recovery,
     };
     if let Some(recorded) = all
         .iter()
@@ -145,7 +146,7 @@ async fn decide_under_lock(
     };
     let lock = held.insert(lock);
     // With the lock, both again in the same order: only now is a rebuild decided.
-    state.slot = read_slot(ctx, &state.sql).await?;
+    state.slot = read_slot(ctx, &state.sql, state.server.in_recovery).await?;
     state.all = read_all(&mut state.records).await?;
     let decision = decide_shards(state.slot.as_ref(), &state.all, &state.origin, state.server);
     let mut placement = Placement::of(&state.all);
@@ -186,12 +187,19 @@ async fn start(
         all,
         mut client,
         origin,
+        server,
         ..
     } = state;
     match decision {
         Decision::SlotMissing => {
             return Err(RelayError::SlotMissing {
                 slot: pg.slot.clone(),
+            })
+        }
+        Decision::AwaitPromotion => {
+            return Err(RelayError::AwaitingPromotion {
+                slot: pg.slot.clone(),
+                synced_copy: false,
             })
         }
         Decision::Adopt => {
@@ -231,13 +239,19 @@ async fn start(
             .and_then(|s| s.active_pid)
             .map(|pid| pid as u32);
         let recover = cfg.on_lost_slot == OnLostSlot::Recover;
-        return Err(replication_error(
-            e,
-            ReplicationPhase::Start,
-            pg,
-            recover,
-            holder,
-        ));
+        return Err(
+            match replication_error(e, ReplicationPhase::Start, pg, recover, holder) {
+                // On a standby, "cannot use the slot" is its synced copy (17+: "being
+                // synchronized from the primary"), not an invalidated slot.
+                RelayError::SlotLost { .. } if server.in_recovery => {
+                    RelayError::AwaitingPromotion {
+                        slot: pg.slot.clone(),
+                        synced_copy: true,
+                    }
+                }
+                e => e,
+            },
+        );
     }
     drop(sql);
     if !rebuilt_here {
@@ -283,16 +297,24 @@ impl Placement {
     }
 }
 
-/// The slot as Postgres shows it; a slot held by another walsender means standing by.
+/// The slot as Postgres shows it; a slot held by another walsender means standing by, and a
+/// standby's synced copy of the primary's slot waiting for the standby's promotion.
 async fn read_slot(
     ctx: &Context,
     sql: &tokio_postgres::Client,
+    in_recovery: bool,
 ) -> Result<Option<SlotInfo>, RelayError> {
     let pg = &ctx.config.postgres;
     let slot = match slot_info(sql, &pg.slot).await? {
         Some(_) => Some(check_slot(sql, pg).await?),
         None => None,
     };
+    if in_recovery && slot.as_ref().is_some_and(|s| s.synced == Some(true)) {
+        return Err(RelayError::AwaitingPromotion {
+            slot: pg.slot.clone(),
+            synced_copy: true,
+        });
+    }
     if let Some(pid) = slot.as_ref().and_then(|s| s.active_pid) {
         return Err(busy(ctx, Some(pid as u32)));
     }

@@ -23,6 +23,9 @@ pub(crate) struct SlotInfo {
     pub invalidation_reason: Option<String>,
     /// A failover slot (Postgres 17+; `None` before).
     pub failover: Option<bool>,
+    /// A standby's copy synced from the primary (17+; `None` before): unusable until the
+    /// standby is promoted.
+    pub synced: Option<bool>,
 }
 
 impl SlotInfo {
@@ -38,7 +41,7 @@ pub(crate) async fn slot_info(client: &Client, slot: &str) -> Result<Option<Slot
         .query_opt(
             "SELECT plugin::text, slot_type, database::text, active_pid, wal_status,
                     confirmed_flush_lsn::text, to_jsonb(s) ->> 'invalidation_reason',
-                    (to_jsonb(s) ->> 'failover')::boolean
+                    (to_jsonb(s) ->> 'failover')::boolean, (to_jsonb(s) ->> 'synced')::boolean
                FROM pg_replication_slots s WHERE slot_name = $1",
             &[&slot],
         )
@@ -54,6 +57,7 @@ pub(crate) async fn slot_info(client: &Client, slot: &str) -> Result<Option<Slot
             .and_then(|l| pgwire_replication::Lsn::parse(&l).ok()),
         invalidation_reason: r.get(6),
         failover: r.get(7),
+        synced: r.get(8),
     }))
 }
 
