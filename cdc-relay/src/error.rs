@@ -94,6 +94,15 @@ pub enum RelayError {
     #[error("{}", if *.synced_copy { format!("replication slot {slot} on this server is a synced copy of the primary's and the server is a standby: waiting for its promotion (a failover under way?), or point --database-url at the primary") } else { format!("the server is a standby without replication slot {slot}: waiting for its promotion (a failover under way?); to decode on this standby instead, run `cdc-relay setup` against it") })]
     AwaitingPromotion { slot: String, synced_copy: bool },
 
+    #[error("creating replication slot {slot} again did not finish within {waited:?}: it waits for the transactions open when it started (see pg_stat_activity, xact_start); retrying, and the rebuild resumes")]
+    SlotCreateTimeout {
+        slot: String,
+        waited: std::time::Duration,
+    },
+
+    #[error("stopped by a signal before streaming")]
+    ShuttingDown,
+
     #[error("lost the rebuild lock of stream {stream} (Redis unreachable for longer than its TTL, or another relay took it); standing by")]
     RebuildLockLost { stream: String },
 
@@ -124,6 +133,10 @@ impl RelayError {
             RelayError::OlderTimeline { .. } => true,
             // A failover under way: the standby the name points at is promoted in a moment.
             RelayError::AwaitingPromotion { .. } => true,
+            // The rebuild's marker stays: the next session resumes it.
+            RelayError::SlotCreateTimeout { .. } => true,
+            // Not an error to retry: the supervisor stops.
+            RelayError::ShuttingDown => false,
             RelayError::StreamEnded | RelayError::ConnectTimeout(_) => true,
             // A transient SQLSTATE, or the connection broke; never a refused certificate.
             RelayError::Postgres(e) => postgres_is_transient(e),

@@ -30,6 +30,7 @@ pub struct Metrics {
     pub rebuilds_total: IntCounterVec,
     pub republished_events_total: IntCounter,
     pub rebuild_remaining_rows: IntGauge,
+    pub rebuild_waiting_for_consumers: IntGauge,
     pub unread_entries_trimmed_total: IntCounter,
     // Slot health, read from pg_replication_slots / pg_stat_replication_slots.
     pub slot_lag_bytes: IntGauge,
@@ -107,6 +108,7 @@ impl Metrics {
             rebuilds_total: b.register(IntCounterVec::new(Opts::new("cdc_relay_rebuilds_total", "Stream rebuilds from the outbox table, by reason"), &["reason"]).expect("valid metric")),
             republished_events_total: b.counter("cdc_relay_republished_events_total", "Outbox rows published again by rebuilds"),
             rebuild_remaining_rows: b.gauge("cdc_relay_rebuild_remaining_rows", "Outbox rows the running rebuild has still to publish (0 when none runs)"),
+            rebuild_waiting_for_consumers: b.gauge("cdc_relay_rebuild_waiting_for_consumers", "1 while a rebuild waits for the consumer groups to read before it publishes more (--stream-max-len would trim unread entries)"),
             unread_entries_trimmed_total: b.counter("cdc_relay_unread_entries_trimmed_total", "Stream entries some consumer group had not acknowledged, trimmed because the stream reached --stream-max-len"),
             slot_lag_bytes: b.gauge("cdc_relay_slot_lag_bytes", "WAL between the server's current position and the slot's confirmed_flush_lsn"),
             slot_retained_wal_bytes: b.gauge("cdc_relay_slot_retained_wal_bytes", "WAL the slot keeps on disk: current position minus restart_lsn"),

@@ -582,3 +582,190 @@ async fn a_rebuild_slowed_past_its_lock_ttl_keeps_the_lock() {
     first.stop();
     second.stop();
 }
+
+/// The outbox ids seen so far by a consumer group `workers` reading `stream` and
+/// acknowledging what it read, as the receiving service does (re-creating its group from
+/// the start when Redis lost it), until `stop`.
+fn group_reader(
+    redis: &RedisServer,
+    stream: String,
+    stop: Arc<AtomicBool>,
+) -> (
+    Arc<std::sync::Mutex<std::collections::HashSet<String>>>,
+    tokio::task::JoinHandle<()>,
+) {
+    let url = redis.url();
+    let seen = Arc::new(std::sync::Mutex::new(std::collections::HashSet::new()));
+    let task = tokio::spawn({
+        let seen = seen.clone();
+        async move {
+            let client = redis::Client::open(url).unwrap();
+            while !stop.load(Ordering::SeqCst) {
+                let Ok(mut conn) = client.get_multiplexed_async_connection().await else {
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                };
+                let _: redis::RedisResult<()> = redis::cmd("XGROUP")
+                    .arg("CREATE")
+                    .arg(&stream)
+                    .arg("workers")
+                    .arg("0")
+                    .arg("MKSTREAM")
+                    .query_async(&mut conn)
+                    .await;
+                while !stop.load(Ordering::SeqCst) {
+                    let read: redis::RedisResult<redis::streams::StreamReadReply> =
+                        redis::cmd("XREADGROUP")
+                            .arg("GROUP")
+                            .arg("workers")
+                            .arg("reader")
+                            .arg("COUNT")
+                            .arg(20)
+                            .arg("BLOCK")
+                            .arg(100)
+                            .arg("STREAMS")
+                            .arg(&stream)
+                            .arg(">")
+                            .query_async(&mut conn)
+                            .await;
+                    let Ok(reply) = read else { break };
+                    for key in reply.keys {
+                        for entry in key.ids {
+                            if let Some(id) = entry.map.get("outbox_id") {
+                                let id = redis::from_redis_value_ref::<String>(id).unwrap();
+                                seen.lock().unwrap().insert(id);
+                            }
+                            let _: redis::RedisResult<i64> = redis::cmd("XACK")
+                                .arg(&stream)
+                                .arg("workers")
+                                .arg(&entry.id)
+                                .query_async(&mut conn)
+                                .await;
+                        }
+                    }
+                }
+            }
+        }
+    });
+    (seen, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_losing_more_than_its_cap_after_a_day_republishes_at_the_groups_pace() {
+    // GIVEN a relay capped at 100 entries and a group that read and acknowledged 150 rows
+    // (the stream holds few of them: trimming followed the group)
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let relay = fx.spawn_relay("relay-1", &["--stream-max-len", "100"]);
+    relay.wait_streaming().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (seen, reader) = group_reader(&redis, fx.stream.clone(), stop.clone());
+    let mut writer = fx.writer().await;
+    for txn in 0..150 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    wait_until(Duration::from_secs(30), "150 rows read", || async {
+        match seen.lock().unwrap().len() {
+            150 => Ok(()),
+            n => Err(format!("{n} read")),
+        }
+    })
+    .await;
+    assert!(
+        fx.stream_len().await < 150,
+        "trimming did not follow the group"
+    );
+
+    // WHEN Redis restarts without its data and 10 new rows commit
+    redis.kill().unwrap();
+    redis.wipe_data().unwrap();
+    redis.start_again().unwrap();
+    for txn in 150..160 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+
+    // THEN the group receives every retained row and the new ones, the relay never trims
+    // an unread entry, and it keeps running
+    let committed = outbox_ids(&fx).await;
+    assert_eq!(committed.len(), 160);
+    wait_until(
+        Duration::from_secs(60),
+        "all 160 rows read by the group",
+        || async {
+            assert!(
+                relay.child.is_running(),
+                "the relay exited: {}",
+                crate::support::tail(&relay.child.log())
+            );
+            let seen = seen.lock().unwrap();
+            match committed.iter().filter(|id| !seen.contains(*id)).count() {
+                0 => Ok(()),
+                n => Err(format!(
+                    "{n} never read; log: {}",
+                    crate::support::tail(&relay.child.log())
+                )),
+            }
+        },
+    )
+    .await;
+    stop.store(true, Ordering::SeqCst);
+    reader.await.unwrap();
+    let m = metrics(&relay).await;
+    assert_eq!(m["cdc_relay_unread_entries_trimmed_total"], 0.0, "{m:?}");
+    assert_eq!(m["cdc_relay_rebuild_waiting_for_consumers"], 0.0);
+    relay.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_rebuilding_behind_an_open_transaction_stops_at_sigterm_and_the_next_resumes() {
+    // GIVEN a relay that published 20 rows, stopped, and Redis restarted without its data,
+    // while a transaction that wrote is held open (making the slot again waits for it)
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let (relay, mut writer) = relay_that_published_20_rows(&fx).await;
+    relay.stop();
+    redis.kill().unwrap();
+    redis.wipe_data().unwrap();
+    redis.start_again().unwrap();
+    let mut holder = fx.writer().await;
+    let open = holder.transaction().await.unwrap();
+    open.execute(
+        "INSERT INTO consumers.outbox (event, payload) VALUES ('test.event', '{\"held\": true}')",
+        &[],
+    )
+    .await
+    .unwrap();
+
+    // WHEN the next relay, rebuilding, waits for that transaction and is sent SIGTERM
+    let relay = fx.spawn_relay("relay-2", &[]);
+    wait_until(Duration::from_secs(30), "the rebuild under way", || async {
+        if relay
+            .child
+            .log()
+            .contains("rebuilding the stream from the outbox table")
+        {
+            Ok(())
+        } else {
+            Err(crate::support::tail(&relay.child.log()))
+        }
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    relay.child.signal(testkit::Signal::Term).expect("SIGTERM");
+    let status = relay.child.wait_exit(Duration::from_secs(10)).unwrap();
+
+    // THEN it leaves at once, and the next relay resumes the rebuild: every row once
+    let took = asked.elapsed();
+    assert!(
+        status.success(),
+        "{status:?}: {}",
+        crate::support::tail(&relay.child.log())
+    );
+    assert!(took < Duration::from_secs(3), "took {took:?} to stop");
+    open.commit().await.unwrap();
+    insert_txn(&mut writer, 0, 20, 1, true).await.unwrap();
+    let relay = fx.spawn_relay("relay-3", &[]);
+    assert_every_row_once(&fx, &relay).await;
+    assert_eq!(stream_ids(&fx).await.len(), 22);
+    relay.stop();
+}

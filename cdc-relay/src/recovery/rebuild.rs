@@ -35,10 +35,12 @@
 //!
 //! Rows published again are acceptable duplicates: the receivers' inboxes absorb them.
 
+use std::time::Duration;
+
 use outbox_core::stream::{shard_of, EntryId};
 use pgwire_replication::{Lsn, ReplicationClient};
 use tokio_postgres::Transaction;
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::context::Context;
 use crate::decode::{rfc3339_utc, OutboxEvent};
@@ -51,6 +53,11 @@ use crate::source::{NewSlot, Origin, ReplicationPhase};
 
 /// Rows read and published per step.
 const CHUNK: usize = 1000;
+/// How often a rebuild waiting for the consumer groups looks again.
+const ROOM_POLL: Duration = Duration::from_millis(200);
+/// How long the slot may take to be made again: it waits for the transactions open at that
+/// moment to end.
+const SLOT_CREATE_TIMEOUT: Duration = Duration::from_secs(120);
 /// Outbox rows created this long before the stream's oldest entry are still compared with
 /// the stream (commit order and creation order differ by at most a transaction's duration).
 const OVERLAP: &str = "10 minutes";
@@ -138,18 +145,6 @@ pub(crate) async fn rebuild(
     ))
     .await?;
     let compared = compare(ctx, &tx, &mut records, shard_records, reason, lock).await?;
-    // The cap would trim republished rows before anyone read them (and Redis is sized for
-    // it): refuse, saying what to change, rather than lose them.
-    let cap = cfg.stream_max_len;
-    if cap > 0 && compared.longest + compared.total as u64 > cap {
-        return Err(RelayError::Config(format!(
-            "rebuilding {} may need {} entries in one shard ({} in the longest, {} outbox rows to republish) but --stream-max-len is {cap}: raise it (and Redis memory) to at least that, then restart the relay",
-            publisher.stream(),
-            compared.longest + compared.total as u64,
-            compared.longest,
-            compared.total,
-        )));
-    }
     let (tops, published) = republish(ctx, &tx, publisher, origin, &compared, lock).await?;
     tx.commit().await?;
     let id_offset = replace(
@@ -240,20 +235,27 @@ async fn reslot(
         }
         return Err(e.into());
     }
-    // Waits for transactions open at this moment; the lock is extended meanwhile.
-    let created = create_exporting_snapshot(client, &pg.slot, failover)
-        .await
-        .map_err(|e| {
-            // A `setup` (an init container) made the slot since it was dropped: the marker
-            // stays, and the next attempt drops that one and rebuilds.
-            if sqlstate(&e) == Some(sqlstates::DUPLICATE_OBJECT) {
-                return RelayError::SlotBusy {
-                    slot: pg.slot.clone(),
-                    holder: None,
-                };
-            }
-            replication_error(e, ReplicationPhase::Start, pg, true, None)
-        })??;
+    // Waits for transactions open at this moment (bounded); the lock is extended meanwhile.
+    let created = tokio::time::timeout(
+        SLOT_CREATE_TIMEOUT,
+        create_exporting_snapshot(client, &pg.slot, failover),
+    )
+    .await
+    .map_err(|_| RelayError::SlotCreateTimeout {
+        slot: pg.slot.clone(),
+        waited: SLOT_CREATE_TIMEOUT,
+    })?
+    .map_err(|e| {
+        // A `setup` (an init container) made the slot since it was dropped: the marker
+        // stays, and the next attempt drops that one and rebuilds.
+        if sqlstate(&e) == Some(sqlstates::DUPLICATE_OBJECT) {
+            return RelayError::SlotBusy {
+                slot: pg.slot.clone(),
+                holder: None,
+            };
+        }
+        replication_error(e, ReplicationPhase::Start, pg, true, None)
+    })??;
     lock.check()?;
     Ok(created)
 }
@@ -262,8 +264,6 @@ async fn reslot(
 struct Comparison {
     /// Each shard's top before republishing.
     tops: Vec<EntryId>,
-    /// Entries in the longest shard.
-    longest: u64,
     /// Rows created before this (less an overlap) were consumed by every group; `None`:
     /// every retained row is compared.
     bound: Option<String>,
@@ -297,13 +297,11 @@ async fn compare(
             .iter()
             .any(|r| !r.exists() || r.rebuilding.as_deref() == Some(Reason::NoRecord.as_str()));
     let mut tops = Vec::with_capacity(records.len());
-    let mut longest = 0u64;
     let mut bound: Option<String> = None;
     let mut bounded = !everything;
     for (r, record) in records.iter_mut().zip(shard_records) {
         let (top, len) = r.top_and_len().await?;
         tops.push(top);
-        longest = longest.max(len);
         if len > 0 {
             if let Some(oldest) = r.oldest_created_at().await? {
                 // RFC 3339 UTC texts of one format compare as times.
@@ -326,12 +324,7 @@ async fn compare(
         .await?
         .get(0);
     ctx.metrics.rebuild_remaining_rows.set(total);
-    Ok(Comparison {
-        tops,
-        longest,
-        bound,
-        total,
-    })
+    Ok(Comparison { tops, bound, total })
 }
 
 /// One shard's (outbox id, created_at) pairs into `cdc_relay_present`, a page at a time.
@@ -406,8 +399,16 @@ async fn republish(
         .map(|top| (*top != EntryId::default()).then_some(*top))
         .collect();
     let mut published = 0u64;
+    // Never more at once than a quarter of the cap, so each batch fits beside what the
+    // groups have not read yet.
+    let cap = ctx.config.stream_max_len;
+    let per_batch = if cap == 0 {
+        CHUNK
+    } else {
+        (cap / 4).clamp(1, CHUNK as u64) as usize
+    };
     loop {
-        let rows = tx.query_portal(&portal, CHUNK as i32).await?;
+        let rows = tx.query_portal(&portal, per_batch as i32).await?;
         if rows.is_empty() {
             break;
         }
@@ -435,6 +436,7 @@ async fn republish(
         }
         // Sorted by id within each shard, as the publish script expects: ids of a shard
         // only grow, and the split keeps the order.
+        wait_for_room(ctx, publisher, &batch, lock).await?;
         lock.check()?;
         let (outcome, _) = publisher.publish(&batch, origin, &fences, false).await?;
         published += outcome.published;
@@ -456,6 +458,55 @@ async fn republish(
         .map(|(fence, top)| fence.unwrap_or(*top))
         .collect();
     Ok((tops, published))
+}
+
+/// Before republishing `batch`: wait until every shard it writes has room for its part
+/// under `--stream-max-len`, beside what some consumer group has not read (the groups'
+/// reading and acknowledging makes the room; trimming follows them). However much is
+/// retained, a rebuild never trims an unread entry and never refuses: it goes at the pace
+/// of the slowest group, and says so.
+async fn wait_for_room(
+    ctx: &Context,
+    publisher: &mut Publisher,
+    batch: &Batch,
+    lock: &RebuildLock,
+) -> Result<(), RelayError> {
+    let cap = ctx.config.stream_max_len;
+    if cap == 0 {
+        return Ok(());
+    }
+    let mut parts = vec![0u64; publisher.shard_count() as usize];
+    for entry in &batch.entries {
+        parts[entry.shard as usize] += 1;
+    }
+    for (shard, &part) in parts.iter().enumerate().filter(|(_, n)| **n > 0) {
+        let shard = shard as u32;
+        let mut said = None::<tokio::time::Instant>;
+        loop {
+            let (entries, groups) = publisher.room(shard).await?;
+            if entries + part <= cap {
+                break;
+            }
+            ctx.metrics.rebuild_waiting_for_consumers.set(1);
+            if said.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
+                let why = if groups == 0 {
+                    "no consumer group reads it yet".to_string()
+                } else {
+                    format!("{groups} consumer group(s) have not read {entries} of its entries")
+                };
+                warn!(stream = %publisher.shard_stream(shard), entries, max_len = cap, %why, "the rebuild waits for the consumers: publishing more now would trim entries nobody read");
+                ctx.set_last_error(Some(format!(
+                    "rebuilding {}: waiting for the consumer groups to read ({why}; --stream-max-len {cap})",
+                    publisher.shard_stream(shard)
+                )));
+                said = Some(tokio::time::Instant::now());
+            }
+            lock.check()?;
+            tokio::time::sleep(ROOM_POLL).await;
+        }
+    }
+    ctx.metrics.rebuild_waiting_for_consumers.set(0);
+    Ok(())
 }
 
 /// Step 4: the id offset that puts the new slot's ids above every shard's top, and every

@@ -16,6 +16,7 @@
 use outbox_core::stream::EntryId;
 use pgwire_replication::ReplicationClient;
 use tokio_postgres::Client;
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::decide::{decide_shards, Decision, Server};
@@ -53,18 +54,25 @@ struct State {
 }
 
 /// Connect, take the slot (rebuilding the stream first when needed) and start streaming.
+/// `shutdown` is heard at every step: whatever a step did is safe to leave (a rebuild
+/// resumes from its marker), so it is dropped where it stands.
 pub(crate) async fn take_over(
     ctx: &Context,
     mut publisher: Publisher,
+    shutdown: &CancellationToken,
 ) -> Result<Started, RelayError> {
-    let mut state = read_state(ctx, &mut publisher).await?;
     let mut lock = None;
-    let started = async {
+    let steps = async {
+        let mut state = read_state(ctx, &mut publisher).await?;
         let (decision, placement) =
             decide_under_lock(ctx, &mut state, &mut publisher, &mut lock).await?;
         start(ctx, state, publisher, decision, placement, &mut lock).await
-    }
-    .await;
+    };
+    let started = tokio::select! {
+        biased;
+        _ = shutdown.cancelled() => Err(RelayError::ShuttingDown),
+        started = steps => started,
+    };
     if let Some(lock) = lock {
         lock.release().await;
     }

@@ -130,7 +130,10 @@ impl Relay {
         publisher: Publisher,
         shutdown: &CancellationToken,
     ) -> Result<(), RelayError> {
-        let started = take_over(&self.ctx, publisher).await?;
+        let started = match take_over(&self.ctx, publisher, shutdown).await {
+            Err(RelayError::ShuttingDown) => return Ok(()),
+            started => started?,
+        };
         session::stream(&self.ctx, started, shutdown).await
     }
 

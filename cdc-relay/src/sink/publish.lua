@@ -1,3 +1,5 @@
+-- (After trim.lua, which the relay puts in front of this script: id_less, trim_acked.)
+--
 -- Publish one batch of outbox entries into a stream, atomically (a script runs alone and,
 -- with appendfsync always, its writes are fsynced before the reply).
 --
@@ -42,22 +44,6 @@ elseif (origin[4] or '1') ~= shards then
   return redis.error_reply('SHARDS ' .. (origin[4] or '1'))
 end
 
--- Ids compare as (ms, seq) pairs of unbounded decimals: by length, then lexically.
-local function split(id)
-  local dash = string.find(id, '-', 1, true)
-  return string.sub(id, 1, dash - 1), string.sub(id, dash + 1)
-end
-local function num_less(a, b)
-  if #a ~= #b then return #a < #b end
-  return a < b
-end
-local function id_less(a, b)
-  local am, as = split(a)
-  local bm, bs = split(b)
-  if am ~= bm then return num_less(am, bm) end
-  return num_less(as, bs)
-end
-
 local top, first = '0-0', nil
 if redis.call('EXISTS', stream) == 1 then
   local info = redis.call('XINFO', 'STREAM', stream)
@@ -91,31 +77,10 @@ local function add(i)
     'event', ARGV[i + 1], 'payload', ARGV[i + 2], 'outbox_id', ARGV[i + 3], 'created_at', ARGV[i + 4])
 end
 
--- Trimming follows the consumer groups: an entry goes only once every group acknowledged
--- it, i.e. below the smallest of each group's oldest pending id (delivered, not acked)
--- and last-delivered id (everything after it is unread). Redis 7.0 has no ACKED trim, so
--- it is computed here, once per batch. Exact (an entry inside a radix node is only flagged
--- deleted, so this costs little more than `~`, and what a rebuild compares is precisely
--- the unacknowledged part). At the cap, whatever still has to go is unread: counted, so
--- the relay can say so and alert. With no group at all nothing counts as read.
+-- At the cap, whatever still has to go after trim_acked (see trim.lua) is unread:
+-- counted, so the relay can say so and alert. With no group at all nothing counts as read.
 local function trim()
-  local safe = nil
-  for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
-    local name, pending, last
-    for i = 1, #g, 2 do
-      if g[i] == 'name' then name = g[i + 1]
-      elseif g[i] == 'pending' then pending = g[i + 1]
-      elseif g[i] == 'last-delivered-id' then last = g[i + 1] end
-    end
-    local keep = last
-    if pending > 0 then
-      keep = redis.call('XPENDING', stream, name)[2]
-    end
-    if not safe or id_less(keep, safe) then safe = keep end
-  end
-  if safe and safe ~= '0-0' then
-    redis.call('XTRIM', stream, 'MINID', safe)
-  end
+  trim_acked(stream)
   if maxlen > 0 and redis.call('XLEN', stream) > maxlen then
     return redis.call('XTRIM', stream, 'MAXLEN', maxlen)
   end

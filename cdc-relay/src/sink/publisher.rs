@@ -30,7 +30,10 @@ use super::record::{Records, StreamRecord};
 use crate::error::{script_codes, RelayError};
 use crate::source::Origin;
 
-const SCRIPT: &str = include_str!("publish.lua");
+/// The publish script, after the helpers it shares with [`ROOM`].
+const SCRIPT: &str = concat!(include_str!("trim.lua"), include_str!("publish.lua"));
+/// Making room for a rebuild's entries (see `room.lua`).
+const ROOM: &str = concat!(include_str!("trim.lua"), include_str!("room.lua"));
 
 /// What one batch did to the stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -82,7 +85,7 @@ impl Publisher {
         response_timeout: Duration,
     ) -> Result<Self, RelayError> {
         let mut conn = target.connect(response_timeout).await?;
-        let script_sha = load_script(&mut conn).await?;
+        let script_sha = load_script(&mut conn, SCRIPT).await?;
         let shards: std::sync::Arc<[ShardKeys]> = shard_keys(stream, shards)
             .into_iter()
             .map(|stream| ShardKeys {
@@ -120,6 +123,18 @@ impl Publisher {
     /// The stream key of `shard`.
     pub(crate) fn shard_stream(&self, shard: u32) -> &str {
         &self.shards[shard as usize].stream
+    }
+
+    /// Trim from `shard` what every consumer group acknowledged; the entries left (unread
+    /// by some group) and how many groups read the shard.
+    pub(crate) async fn room(&mut self, shard: u32) -> Result<(u64, u64), RelayError> {
+        static SCRIPT: std::sync::LazyLock<redis::Script> =
+            std::sync::LazyLock::new(|| redis::Script::new(ROOM));
+        let (entries, groups): (u64, u64) = SCRIPT
+            .key(&self.shards[shard as usize].stream)
+            .invoke_async(&mut self.conn)
+            .await?;
+        Ok((entries, groups))
     }
 
     /// Refuse to write when the records say the stream has another shard count than this
@@ -222,7 +237,7 @@ impl Publisher {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 // Redis restarted or failed over (scripts are not persisted): load it again
                 // (on every node of a cluster) and resend.
-                self.script_sha = load_script(&mut self.conn).await?;
+                self.script_sha = load_script(&mut self.conn, SCRIPT).await?;
                 self.eval(shard, entries, batch, origin, fence).await
             }
             other => other,
@@ -327,10 +342,10 @@ impl Publisher {
     }
 }
 
-async fn load_script(conn: &mut RedisConn) -> Result<String, RelayError> {
+async fn load_script(conn: &mut RedisConn, script: &str) -> Result<String, RelayError> {
     let sha: String = redis::cmd("SCRIPT")
         .arg("LOAD")
-        .arg(SCRIPT)
+        .arg(script)
         .query_async(conn)
         .await?;
     Ok(sha)
