@@ -15,6 +15,7 @@ mod database_state;
 mod dead_letters;
 mod delivery;
 mod deployment;
+mod deploys;
 mod feed_positions;
 mod fence;
 mod limits;

@@ -51,8 +51,12 @@ pub(crate) use shards::{Assignment, ShardRoles};
 
 /// Entries read per call.
 const READ_COUNT: usize = 100;
-/// How long one blocking read waits for new entries.
+/// How long one blocking read waits for new entries: also how long a handover or a
+/// shutdown waits for the read in flight to come back (it is never abandoned).
 const READ_BLOCK: Duration = Duration::from_secs(1);
+/// How often a standby that wants a shard tries its lease: a handover is taken over this
+/// soon after the previous holder released it.
+const WANTED_LEASE_POLL: Duration = Duration::from_millis(200);
 
 #[derive(Debug, Clone)]
 pub(crate) struct InboxConfig {
@@ -312,9 +316,16 @@ impl Inbox {
                 info!(shard = self.cfg.shard, consumer = %self.cfg.consumer, "another instance consumes this shard; standing by");
             }
             self.set_role(ConsumerRole::Standby);
+            // A shard this instance wants is tried often (its holder is about to hand it
+            // over); one it does not want only now and then.
+            let poll = if self.wanted() {
+                WANTED_LEASE_POLL
+            } else {
+                lease.ttl() / 5
+            };
             tokio::select! {
                 _ = shutdown.cancelled() => return Ok(Flow::Shutdown),
-                _ = tokio::time::sleep(jitter(lease.ttl() / 5)) => {}
+                _ = tokio::time::sleep(jitter(poll)) => {}
                 changed = assignment.changed() => {
                     if changed.is_err() {
                         // The membership task ended: only shutdown does that.
@@ -423,6 +434,11 @@ impl Active<'_> {
         let claim_every = (self.cfg().claim_idle / 2).max(Duration::from_millis(100));
         let mut next_claim = Instant::now() + claim_every;
         loop {
+            // Stop reading first: nothing is read after SIGTERM, and what was read is
+            // recorded (below) before the lease goes.
+            if shutdown.is_cancelled() {
+                return Ok(Flow::Shutdown);
+            }
             self.renew_if_due().await?;
             if Instant::now() >= next_claim {
                 self.count_dead_letters().await?;
@@ -439,10 +455,11 @@ impl Active<'_> {
                 // view was stale): finish here and let it take over.
                 return Ok(Flow::Handover);
             }
-            let entries = tokio::select! {
-                _ = shutdown.cancelled() => return Ok(Flow::Shutdown),
-                read = self.read(">") => read?,
-            };
+            // Not raced against shutdown: a blocking read abandoned here stays blocked in
+            // Redis, which would hand the next entry to this departed consumer (where it
+            // waits for a claim and is charged a delivery). It returns within READ_BLOCK,
+            // and its entries are recorded before the consumer stops.
+            let entries = self.read(">").await?;
             // A read that outlasted its block was paused (a stall, SIGSTOP): another
             // instance may hold the lease now. Check before claiming or re-reading
             // anything, which would raise the new holder's delivery counts.

@@ -30,11 +30,15 @@ use crate::metrics::Metrics;
 use crate::side::Side;
 use crate::store::Store;
 
+/// How often an instance looks at the live members between heartbeats.
+const VIEW_REFRESH: Duration = Duration::from_millis(250);
+
 /// Which shards this instance should try to hold (index: shard).
 pub(crate) type Assignment = Arc<Vec<bool>>;
 
-/// Heartbeat (join) or leave, then the live members. KEYS[1]: the members' sorted set;
-/// ARGV: member, liveness window (ms), '1' to heartbeat or '0' to leave.
+/// Heartbeat (join), leave, or only look, then the live members. KEYS[1]: the members'
+/// sorted set; ARGV: member, liveness window (ms), '1' to heartbeat, '0' to leave, '2' to
+/// only read the live members.
 static MEMBERS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r#"
@@ -43,10 +47,12 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local window = tonumber(ARGV[2])
 if ARGV[3] == '1' then
   redis.call('ZADD', KEYS[1], now, ARGV[1])
-else
+elseif ARGV[3] == '0' then
   redis.call('ZREM', KEYS[1], ARGV[1])
 end
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - 10 * window))
+if ARGV[3] ~= '2' then
+  redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - 10 * window))
+end
 return redis.call('ZRANGEBYSCORE', KEYS[1], now - window, '+inf')
 "#,
     )
@@ -134,29 +140,43 @@ pub(crate) async fn run_membership(
     let mut last: Option<(Vec<String>, bool)> = None;
     // Pings failed in a row: one slow answer under load is not a reason to move shards.
     let mut failed_pings = 0u32;
+    let mut unable: Option<&str> = None;
+    let mut next_beat = tokio::time::Instant::now();
     loop {
         if conn.is_none() {
             conn = m.client.connect(Duration::from_secs(2)).await.ok();
         }
-        let ping = tokio::time::timeout(m.ttl / 3, m.store.ping()).await;
-        failed_pings = if matches!(ping, Ok(Ok(()))) {
-            0
-        } else {
-            failed_pings + 1
-        };
-        let unable = if m.roles.layout_refused() {
-            Some("the stream's records refuse this instance's shard count")
-        } else if failed_pings >= 3 {
-            Some("Postgres does not answer")
-        } else {
-            None
+        // A heartbeat (with the check that this instance can consume) every third of the
+        // TTL; in between only a look at the live members, so a member joining or leaving
+        // moves its shards within VIEW_REFRESH, not a heartbeat later.
+        let beat_now = tokio::time::Instant::now() >= next_beat;
+        if beat_now {
+            next_beat = tokio::time::Instant::now() + m.ttl / 3;
+            let ping = tokio::time::timeout(m.ttl / 3, m.store.ping()).await;
+            failed_pings = if matches!(ping, Ok(Ok(()))) {
+                0
+            } else {
+                failed_pings + 1
+            };
+            unable = if m.roles.layout_refused() {
+                Some("the stream's records refuse this instance's shard count")
+            } else if failed_pings >= 3 {
+                Some("Postgres does not answer")
+            } else {
+                None
+            };
+        }
+        let mode = match (beat_now, unable) {
+            (false, _) => "2",
+            (true, None) => "1",
+            (true, Some(_)) => "0",
         };
         if let Some(c) = conn.as_mut() {
             let beat: Result<Vec<String>, _> = MEMBERS
                 .key(&key)
                 .arg(&m.me)
                 .arg(window)
-                .arg(if unable.is_none() { "1" } else { "0" })
+                .arg(mode)
                 .invoke_async(c)
                 .await;
             match beat {
@@ -185,7 +205,7 @@ pub(crate) async fn run_membership(
         }
         tokio::select! {
             _ = shutdown.cancelled() => break,
-            _ = tokio::time::sleep(m.ttl / 3) => {}
+            _ = tokio::time::sleep(VIEW_REFRESH.min(m.ttl / 3)) => {}
         }
     }
     if let Some(c) = conn.as_mut() {
