@@ -65,6 +65,8 @@ impl From<tokio_postgres::Error> for StoreError {
             Some(code) if matches!(&code.code()[..2], "08" | "53" | "57" | "58" | "40") => {
                 StoreError::Unavailable(describe(&e))
             }
+            // lock_timeout: a lock held by a session that stopped (frozen, partitioned).
+            Some(code) if code.code() == "55P03" => StoreError::Unavailable(describe(&e)),
             // (23505 excepted: every write that can meet a duplicate says ON CONFLICT, so a
             // unique violation means database state, such as an identity sequence behind
             // its table after a restore.)
@@ -93,8 +95,20 @@ fn describe(e: &tokio_postgres::Error) -> String {
     }
 }
 
-/// How long a send whose outcome is unknown is retried before answering 503.
+/// How long a send whose outcome is unknown is retried before answering 503; also the most
+/// a send waits for a database that stopped answering.
 const RESOLVE_WITHIN: Duration = Duration::from_secs(5);
+/// The most any other operation waits for the database (connection, statements, commit):
+/// a server that stops answering without closing its connections (frozen, partitioned)
+/// costs this, not forever.
+const STATEMENT_DEADLINE: Duration = Duration::from_secs(5);
+/// Claiming the inbox writer waits for a previous holder's write in flight (its lock).
+const CLAIM_DEADLINE: Duration = Duration::from_secs(15);
+/// An idle pooled connection is checked (one round trip) before reuse after this long.
+const IDLE_CHECK_AFTER: Duration = Duration::from_secs(10);
+/// Server-side bounds of every statement of the services' sessions.
+const SESSION_LIMITS: &str =
+    "-c statement_timeout=10s -c lock_timeout=5s -c idle_in_transaction_session_timeout=60s";
 
 /// One send's statement, runnable again with the same message id and key.
 struct Send<'a> {
@@ -104,6 +118,19 @@ struct Send<'a> {
 }
 
 impl Send<'_> {
+    /// [`Send::execute`], given up at `deadline`: an attempt that had no answer by then
+    /// may have committed (its outcome is unknown), and the connections it used are not
+    /// trusted again.
+    async fn execute_by(&self, store: &Store, deadline: tokio::time::Instant) -> Attempt {
+        match tokio::time::timeout_at(deadline, self.execute(store)).await {
+            Ok(attempt) => attempt,
+            Err(_) => {
+                store.pool.retain(|_, _| false);
+                Attempt::Unknown("no answer from the database in time".into())
+            }
+        }
+    }
+
     /// One statement, so one round trip and atomic without an explicit transaction: the
     /// outbox row exists exactly when the message row does. `ON CONFLICT DO NOTHING` covers
     /// both the message id and the key, so running it again never writes twice. The outbox
@@ -223,8 +250,10 @@ impl Store {
         // again (seen: the inbox write's lookup of recorded messages, at 2,800 messages/s).
         // Statements with no index to use still scan (this only prices scans out).
         let options = match config.get_options() {
-            Some(given) if !given.trim().is_empty() => format!("{given} -c enable_seqscan=off"),
-            _ => "-c enable_seqscan=off".to_string(),
+            Some(given) if !given.trim().is_empty() => {
+                format!("{given} -c enable_seqscan=off {SESSION_LIMITS}")
+            }
+            _ => format!("-c enable_seqscan=off {SESSION_LIMITS}"),
         };
         config.options(&options);
         let recycling = ManagerConfig {
@@ -243,17 +272,57 @@ impl Store {
             .wait_timeout(Some(Duration::from_secs(5)))
             .create_timeout(Some(Duration::from_secs(5)))
             .recycle_timeout(Some(Duration::from_secs(2)))
+            // A connection idle for a while is checked before reuse: one whose server went
+            // away without closing it (a failover, a partition) is replaced, not handed to
+            // a request that would wait for it.
+            .pre_recycle(deadpool_postgres::Hook::async_fn(|client, metrics| {
+                Box::pin(async move {
+                    if metrics.last_used() < IDLE_CHECK_AFTER {
+                        return Ok(());
+                    }
+                    match tokio::time::timeout(Duration::from_secs(1), client.simple_query(""))
+                        .await
+                    {
+                        Ok(Ok(_)) => Ok(()),
+                        _ => Err(deadpool_postgres::HookError::Message(
+                            "an idle connection did not answer its check".into(),
+                        )),
+                    }
+                })
+            }))
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .expect("pool configuration is valid");
         Ok(Self { pool, side })
     }
 
+    /// `op` within `deadline`. Past it the database is taken for unavailable, and the idle
+    /// pooled connections are dropped: a server that stopped answering one statement is
+    /// not trusted with the next on the same connections.
+    async fn bounded<T>(
+        &self,
+        deadline: Duration,
+        op: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        match tokio::time::timeout(deadline, op).await {
+            Ok(result) => result,
+            Err(_) => {
+                self.pool.retain(|_, _| false);
+                Err(StoreError::Unavailable(format!(
+                    "no answer within {deadline:?}"
+                )))
+            }
+        }
+    }
+
     /// Postgres answers.
     pub(crate) async fn ping(&self) -> Result<(), StoreError> {
-        let client = self.pool.get().await?;
-        client.simple_query("SELECT 1").await?;
-        Ok(())
+        self.bounded(STATEMENT_DEADLINE, async {
+            let client = self.pool.get().await?;
+            client.simple_query("SELECT 1").await?;
+            Ok(())
+        })
+        .await
     }
 
     /// Write the message and its outbox event in one transaction. With an idempotency key
@@ -291,7 +360,8 @@ impl Store {
             key: &key,
             payload: &payload,
         };
-        let written = match send.execute(self).await {
+        let deadline = tokio::time::Instant::now() + RESOLVE_WITHIN;
+        let written = match send.execute_by(self, deadline).await {
             Attempt::Done(written) => written,
             Attempt::Refused(e) => return Err(e),
             // The statement went out and no answer came back (the connection broke): it
@@ -299,7 +369,7 @@ impl Store {
             // run write nothing if the first committed, and wait for it if still running.
             Attempt::Unknown(e) => {
                 warn!(error = %e, message_id = %message.id, "send's outcome unknown (connection lost); resolving");
-                self.resolve(&send).await?
+                self.resolve(&send, deadline).await?
             }
         };
         if let Some(pos) = written {
@@ -315,12 +385,16 @@ impl Store {
         let unknown = || StoreError::OutcomeUnknown {
             idempotency_key: key.clone(),
         };
-        let client = self.pool.get().await.map_err(|_| unknown())?;
-        let row = client
-            .query_one(
-                &format!("SELECT id, chat_id, body, created_at, pos FROM {s}.messages WHERE idempotency_key = $1"),
-                &[&key],
-            )
+        let row = self
+            .bounded(STATEMENT_DEADLINE, async {
+                let client = self.pool.get().await?;
+                Ok(client
+                    .query_one(
+                        &format!("SELECT id, chat_id, body, created_at, pos FROM {s}.messages WHERE idempotency_key = $1"),
+                        &[&key],
+                    )
+                    .await?)
+            })
             .await
             .map_err(|_| unknown())?;
         let original = Message {
@@ -346,14 +420,18 @@ impl Store {
         })
     }
 
-    /// Run `send` again on fresh connections until its outcome is known (5 s at most).
-    async fn resolve(&self, send: &Send<'_>) -> Result<Option<i64>, StoreError> {
-        let deadline = tokio::time::Instant::now() + RESOLVE_WITHIN;
+    /// Run `send` again on fresh connections until its outcome is known, or `deadline`
+    /// (5 s after the send began).
+    async fn resolve(
+        &self,
+        send: &Send<'_>,
+        deadline: tokio::time::Instant,
+    ) -> Result<Option<i64>, StoreError> {
         let mut pause = Duration::from_millis(50);
         loop {
             // Only a completed rerun settles it: a rerun refused (say by a read-only node
             // after a failover) says nothing about whether the first attempt committed.
-            let e = match send.execute(self).await {
+            let e = match send.execute_by(self, deadline).await {
                 Attempt::Done(written) => return Ok(written),
                 Attempt::Refused(e) => e.to_string(),
                 Attempt::Unknown(e) => e,
@@ -377,29 +455,30 @@ impl Store {
         limit: i64,
         before: Option<Uuid>,
     ) -> Result<Vec<HistoryItem>, StoreError> {
-        let s = self.side.schema();
-        let client = self.pool.get().await?;
-        let before_pos: Option<i64> = match before {
-            None => None,
-            Some(id) => {
-                let row = client
-                    .query_opt(
-                        &format!(
-                            "SELECT pos FROM {s}.messages WHERE id = $1 AND chat_id = $2
+        self.bounded(STATEMENT_DEADLINE, async {
+            let s = self.side.schema();
+            let client = self.pool.get().await?;
+            let before_pos: Option<i64> = match before {
+                None => None,
+                Some(id) => {
+                    let row = client
+                        .query_opt(
+                            &format!(
+                                "SELECT pos FROM {s}.messages WHERE id = $1 AND chat_id = $2
                              UNION ALL
                              SELECT pos FROM {s}.inbox WHERE message_id = $1 AND chat_id = $2"
-                        ),
-                        &[&id, &chat_id],
-                    )
-                    .await?
-                    .ok_or(StoreError::UnknownCursor(id))?;
-                Some(row.get(0))
-            }
-        };
-        let rows = client
-            .query(
-                &format!(
-                    "SELECT * FROM (
+                            ),
+                            &[&id, &chat_id],
+                        )
+                        .await?
+                        .ok_or(StoreError::UnknownCursor(id))?;
+                    Some(row.get(0))
+                }
+            };
+            let rows = client
+                .query(
+                    &format!(
+                        "SELECT * FROM (
                         SELECT id, body, created_at, true, pos FROM {s}.messages
                          WHERE chat_id = $1 AND pos < $2 ORDER BY pos DESC LIMIT $3) sent
                      UNION ALL
@@ -408,13 +487,15 @@ impl Store {
                          WHERE chat_id = $1 AND pos < $2 ORDER BY pos DESC LIMIT $3) received
                      ORDER BY pos DESC
                      LIMIT $3"
-                ),
-                &[&chat_id, &before_pos.unwrap_or(i64::MAX), &limit],
-            )
-            .await?;
-        let mut items: Vec<HistoryItem> = rows.iter().map(|r| self.item(chat_id, r)).collect();
-        items.reverse();
-        Ok(items)
+                    ),
+                    &[&chat_id, &before_pos.unwrap_or(i64::MAX), &limit],
+                )
+                .await?;
+            let mut items: Vec<HistoryItem> = rows.iter().map(|r| self.item(chat_id, r)).collect();
+            items.reverse();
+            Ok(items)
+        })
+        .await
     }
 
     /// A feed row `(id, body, created_at, sent, pos)` as a history item.
@@ -439,11 +520,12 @@ impl Store {
         after: i64,
         limit: i64,
     ) -> Result<Vec<HistoryItem>, StoreError> {
-        let s = self.side.schema();
-        let client = self.pool.get().await?;
-        let statement = client
-            .prepare_cached(&format!(
-                "SELECT * FROM (
+        self.bounded(STATEMENT_DEADLINE, async {
+            let s = self.side.schema();
+            let client = self.pool.get().await?;
+            let statement = client
+                .prepare_cached(&format!(
+                    "SELECT * FROM (
                     SELECT id, body, created_at, true, pos FROM {s}.messages
                      WHERE chat_id = $1 AND pos > $2 ORDER BY pos LIMIT $3) sent
                  UNION ALL
@@ -452,26 +534,31 @@ impl Store {
                      WHERE chat_id = $1 AND pos > $2 ORDER BY pos LIMIT $3) received
                  ORDER BY pos
                  LIMIT $3"
-            ))
-            .await?;
-        let rows = client
-            .query(&statement, &[&chat_id, &after, &limit])
-            .await?;
-        Ok(rows.iter().map(|r| self.item(chat_id, r)).collect())
+                ))
+                .await?;
+            let rows = client
+                .query(&statement, &[&chat_id, &after, &limit])
+                .await?;
+            Ok(rows.iter().map(|r| self.item(chat_id, r)).collect())
+        })
+        .await
     }
 
     /// The newest position of each chat's feed (chats with no message are absent). Every
     /// position up to it is final: readers that reach it missed nothing.
     pub(crate) async fn tips(&self, chats: &[i64]) -> Result<Vec<(i64, i64)>, StoreError> {
-        let s = self.side.schema();
-        let client = self.pool.get().await?;
-        let statement = client
-            .prepare_cached(&format!(
-                "SELECT chat_id, last_pos FROM {s}.chats WHERE chat_id = ANY($1)"
-            ))
-            .await?;
-        let rows = client.query(&statement, &[&chats]).await?;
-        Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+        self.bounded(STATEMENT_DEADLINE, async {
+            let s = self.side.schema();
+            let client = self.pool.get().await?;
+            let statement = client
+                .prepare_cached(&format!(
+                    "SELECT chat_id, last_pos FROM {s}.chats WHERE chat_id = ANY($1)"
+                ))
+                .await?;
+            let rows = client.query(&statement, &[&chats]).await?;
+            Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
+        })
+        .await
     }
 
     /// The feed position a cursor of the previous event-id scheme (a side-wide inbox `seq`,
@@ -485,21 +572,24 @@ impl Store {
         chat_id: i64,
         seq: i64,
     ) -> Result<i64, StoreError> {
-        let s = self.side.schema();
-        let client = self.pool.get().await?;
-        let row = client
-            .query_one(
-                &format!(
-                    "SELECT least(
+        self.bounded(STATEMENT_DEADLINE, async {
+            let s = self.side.schema();
+            let client = self.pool.get().await?;
+            let row = client
+                .query_one(
+                    &format!(
+                        "SELECT least(
                        coalesce((SELECT pos FROM {s}.inbox WHERE chat_id = $1 AND seq <= $2
                                   ORDER BY seq DESC LIMIT 1), 0),
                        coalesce((SELECT min(pos) - 1 FROM {s}.inbox
                                   WHERE chat_id = $1 AND seq > $2), 9223372036854775807))"
-                ),
-                &[&chat_id, &seq],
-            )
-            .await?;
-        Ok(row.get(0))
+                    ),
+                    &[&chat_id, &seq],
+                )
+                .await?;
+            Ok(row.get(0))
+        })
+        .await
     }
 
     /// Become the inbox's writer for `shard` (after taking its consumer lease): bump the
@@ -507,24 +597,28 @@ impl Store {
     /// then invalidates.
     #[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
     pub async fn claim_inbox_writer(&self, holder: &str, shard: u32) -> Result<i64, StoreError> {
-        let s = self.side.schema();
-        let client = self.pool.get().await?;
-        let row = client
-            .query_one(
-                &format!(
+        self.bounded(CLAIM_DEADLINE, async {
+            let s = self.side.schema();
+            let client = self.pool.get().await?;
+            let row = client
+                .query_one(
+                    &format!(
                     "INSERT INTO {s}.inbox_writer AS w (shard, holder, epoch) VALUES ($2, $1, 1)
                      ON CONFLICT (shard) DO UPDATE SET holder = $1, epoch = w.epoch + 1
                      RETURNING epoch"
                 ),
-                &[&holder, &(shard as i32)],
-            )
-            .await?;
-        Ok(row.get(0))
+                    &[&holder, &(shard as i32)],
+                )
+                .await?;
+            Ok(row.get(0))
+        })
+        .await
     }
 
     /// The current epoch of `shard`'s inbox writer (for a write beside the writer: an
     /// operator's replay); 0 before any writer claimed the shard.
     pub(crate) async fn inbox_writer_epoch(&self, shard: u32) -> Result<i64, StoreError> {
+        self.bounded(STATEMENT_DEADLINE, async {
         let s = self.side.schema();
         let client = self.pool.get().await?;
         let row = client
@@ -549,6 +643,8 @@ impl Store {
                 .await?
                 .get(0)),
         }
+        })
+        .await
     }
 
     /// Record received messages in one transaction, each once (by message id), in the
@@ -563,6 +659,7 @@ impl Store {
         shard: u32,
         epoch: i64,
     ) -> Result<HashMap<Uuid, Position>, StoreError> {
+        self.bounded(STATEMENT_DEADLINE, async {
         let s = self.side.schema();
         let mut ids = Vec::with_capacity(received.len());
         let mut chats = Vec::with_capacity(received.len());
@@ -641,6 +738,8 @@ impl Store {
             }
         }
         Ok(recorded)
+        })
+        .await
     }
 
     /// Delete up to `batch` outbox rows older than `older_than`; returns how many. Deletes
@@ -651,18 +750,21 @@ impl Store {
         older_than: Duration,
         batch: i64,
     ) -> Result<u64, StoreError> {
-        let s = self.side.schema();
-        let client = self.pool.get().await?;
-        let statement = client
-            .prepare_cached(&format!(
-                "DELETE FROM {s}.outbox WHERE id IN (
+        self.bounded(STATEMENT_DEADLINE, async {
+            let s = self.side.schema();
+            let client = self.pool.get().await?;
+            let statement = client
+                .prepare_cached(&format!(
+                    "DELETE FROM {s}.outbox WHERE id IN (
                    SELECT id FROM {s}.outbox
                     WHERE created_at < now() - make_interval(secs => $1)
                     ORDER BY id LIMIT $2 FOR UPDATE SKIP LOCKED)"
-            ))
-            .await?;
-        Ok(client
-            .execute(&statement, &[&older_than.as_secs_f64(), &batch])
-            .await?)
+                ))
+                .await?;
+            Ok(client
+                .execute(&statement, &[&older_than.as_secs_f64(), &batch])
+                .await?)
+        })
+        .await
     }
 }

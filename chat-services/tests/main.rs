@@ -18,6 +18,7 @@ mod deployment;
 mod deploys;
 mod feed_positions;
 mod fence;
+mod frozen;
 mod limits;
 mod local_stack;
 mod plans;

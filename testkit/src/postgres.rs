@@ -644,6 +644,50 @@ impl PgServer {
         self.stop_with(Signal::Kill)
     }
 
+    /// SIGSTOP the postmaster and every backend it started: the server keeps its
+    /// connections open (its kernel still acknowledges) and answers nothing, as a frozen VM
+    /// or a stalled disk does.
+    pub fn freeze(&self) -> anyhow::Result<()> {
+        let pid = self.pid().context("postgres is not running")?;
+        self.signal_all(pid, libc::SIGSTOP, true)
+    }
+
+    /// SIGCONT after [`PgServer::freeze`].
+    pub fn thaw(&self) -> anyhow::Result<()> {
+        let pid = self.pid().context("postgres is not running")?;
+        self.signal_all(pid, libc::SIGCONT, false)
+    }
+
+    /// `signal` to the postmaster `pid` and its children: the postmaster first when
+    /// stopping (so it forks no new backend meanwhile), last when continuing.
+    fn signal_all(
+        &self,
+        pid: u32,
+        signal: libc::c_int,
+        postmaster_first: bool,
+    ) -> anyhow::Result<()> {
+        let send = |p: i32| {
+            // SAFETY: plain syscall on processes this server started.
+            if unsafe { libc::kill(p, signal) } != 0 {
+                let err = std::io::Error::last_os_error();
+                if err.raw_os_error() != Some(libc::ESRCH) {
+                    bail!("kill -{signal} {p}: {err}");
+                }
+            }
+            Ok(())
+        };
+        if postmaster_first {
+            send(pid as i32)?;
+        }
+        for child in children_of(pid) {
+            send(child)?;
+        }
+        if !postmaster_first {
+            send(pid as i32)?;
+        }
+        Ok(())
+    }
+
     fn stop_with(&self, signal: Signal) -> anyhow::Result<()> {
         let mut process = self.process.lock().unwrap();
         let Some(child) = process.take() else {
