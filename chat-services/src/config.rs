@@ -120,6 +120,12 @@ pub struct Cli {
     #[cfg(feature = "failpoints")]
     #[arg(long, env = "CHAT_CRASH_ON_BODY", hide = true)]
     pub crash_on_body: Option<String>,
+    /// Fault injection: answer history requests of this chat this much later
+    /// (`<chat>:<duration>`, e.g. `5:2s`), as a slow network or database would. Only with
+    /// `failpoints`.
+    #[cfg(feature = "failpoints")]
+    #[arg(long, env = "CHAT_SLOW_HISTORY", hide = true, value_parser = parse_slow_history)]
+    pub slow_history: Option<(i64, Duration)>,
 }
 
 #[derive(Debug, Clone, clap::Subcommand)]
@@ -186,6 +192,8 @@ pub struct ServiceConfig {
     pub outbox_retention_interval: Duration,
     pub crash_after_inbox_commit: Option<u64>,
     pub crash_on_body: Option<String>,
+    /// Test hook: history of this chat answers this much later.
+    pub slow_history: Option<(i64, Duration)>,
 }
 
 impl std::fmt::Debug for ServiceConfig {
@@ -258,6 +266,10 @@ impl Cli {
             crash_on_body: self.crash_on_body.clone(),
             #[cfg(not(feature = "failpoints"))]
             crash_on_body: None,
+            #[cfg(feature = "failpoints")]
+            slow_history: self.slow_history,
+            #[cfg(not(feature = "failpoints"))]
+            slow_history: None,
         })
     }
 
@@ -370,6 +382,18 @@ pub struct MigrateCli {
     /// consumers=/run/secrets/consumers-password. Postgres stores it hashed (SCRAM).
     #[arg(long = "role-password", value_parser = parse_role_password)]
     pub role_passwords: Vec<(String, PathBuf)>,
+}
+
+#[cfg(feature = "failpoints")]
+fn parse_slow_history(s: &str) -> Result<(i64, Duration), String> {
+    let (chat, delay) = s
+        .split_once(':')
+        .ok_or_else(|| format!("'{s}' is not <chat>:<duration>"))?;
+    let chat = chat
+        .parse()
+        .map_err(|_| format!("'{chat}' is not a chat id"))?;
+    let delay = humantime::parse_duration(delay).map_err(|e| e.to_string())?;
+    Ok((chat, delay))
 }
 
 /// The roles `--role-password` may set.

@@ -107,6 +107,7 @@ impl Service {
             shutdown,
             sse_heartbeat: config.sse_heartbeat,
             limits: http::Limits::new(&config),
+            slow_history: config.slow_history,
         });
         Ok(Self {
             config,

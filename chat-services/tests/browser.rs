@@ -220,3 +220,71 @@ async fn a_message_typed_on_a_consumers_tab_appears_on_the_workers_tab_and_the_o
     workers.stop().await;
     stack.stop().await;
 }
+
+/// Switching chats while the first chat's history is still on its way: nothing of the first
+/// chat is drawn into the second, and the second's stream resumes at its own position.
+async fn switch_scenario(page: &Client, consumers: &str, workers: std::net::SocketAddr) {
+    page.goto(&format!("{consumers}/#chat=51")).await.unwrap();
+    // Chat 51's history answers 1.5 s late (the failpoint); switch to 52 at once.
+    let chat = page.find(Locator::Id("chat")).await.unwrap();
+    chat.clear().await.unwrap();
+    chat.send_keys("52\n").await.unwrap();
+    wait_until(Duration::from_secs(20), "chat 52 live", || async {
+        let status = page
+            .find(Locator::Id("status"))
+            .await
+            .map_err(|e| e.to_string())?;
+        match status.text().await.map_err(|e| e.to_string())?.as_str() {
+            "live" => Ok(()),
+            other => Err(other.to_string()),
+        }
+    })
+    .await;
+    // The scenario's pace: chat 51's late history lands after the switch.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    crate::support::send(workers, 52, "fast-new").await;
+    wait_until(
+        Duration::from_secs(20),
+        "chat 52's messages only",
+        || async {
+            let shown = messages(page).await;
+            if shown == ["fast-a", "fast-new"] {
+                Ok(())
+            } else {
+                Err(format!("{shown:?}"))
+            }
+        },
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn switching_chats_while_history_loads_shows_only_the_new_chat_and_all_of_it() {
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack
+        .service(Side::Consumers, &["--slow-history", "51:1500ms"])
+        .await;
+    let workers = stack.service(Side::Workers, &[]).await;
+    for body in ["slow-a", "slow-b"] {
+        crate::support::send(consumers.addr, 51, body).await;
+    }
+    crate::support::send(consumers.addr, 52, "fast-a").await;
+    let (_driver, webdriver) = chromedriver().await;
+    let page = browser(&webdriver).await;
+    let outcome = tokio::spawn({
+        let (page, url, workers) = (
+            page.clone(),
+            format!("http://{}", consumers.addr),
+            workers.addr,
+        );
+        async move { switch_scenario(&page, &url, workers).await }
+    })
+    .await;
+    let _ = page.close().await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic.into_panic());
+    }
+    consumers.stop().await;
+    workers.stop().await;
+    stack.stop().await;
+}

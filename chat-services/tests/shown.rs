@@ -429,3 +429,29 @@ async fn a_last_event_id_of_the_previous_version_resumes_without_a_loss() {
     workers.stop().await;
     stack.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cursor_ahead_of_the_feed_is_clamped_to_its_tip_and_new_messages_are_shown() {
+    // GIVEN a chat with two messages, and a client resuming from p1000: a position the
+    // database does not have (it was restored from a backup since the client saw it)
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &NO_TIP_CHECK).await;
+    for body in ["one", "two"] {
+        send(consumers.addr, 41, body).await;
+    }
+    let mut client =
+        testkit::http::SseClient::connect(consumers.addr, "/chats/41/events", Some("p1000"))
+            .await
+            .unwrap();
+
+    // WHEN a new message is sent
+    send(consumers.addr, 41, "three").await;
+
+    // THEN the client is shown it (resuming from the feed's tip), not nothing until some
+    // future position passes 1000
+    let (id, message) = crate::support::next_message(&mut client, Duration::from_secs(10)).await;
+    assert_eq!(message["body"], "three");
+    assert_eq!(id, "p3");
+    consumers.stop().await;
+    stack.stop().await;
+}

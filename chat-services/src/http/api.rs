@@ -157,6 +157,11 @@ pub(super) async fn history(app: &App, chat_id: &str, query: Option<&str>) -> Re
         Ok(id) => id,
         Err(e) => return input_error(e),
     };
+    if let Some((slow, delay)) = app.slow_history {
+        if slow == chat_id {
+            tokio::time::sleep(delay).await;
+        }
+    }
     let mut limit = DEFAULT_HISTORY;
     let mut before = None;
     for (key, value) in query_pairs(query) {

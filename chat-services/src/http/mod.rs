@@ -44,6 +44,8 @@ pub(crate) struct App {
     pub shutdown: CancellationToken,
     pub sse_heartbeat: Duration,
     pub limits: Limits,
+    /// Test hook (`failpoints`): history of this chat answers this much later.
+    pub slow_history: Option<(i64, Duration)>,
 }
 
 /// What one instance holds open at most, so a flood of connections or streams costs a 503,

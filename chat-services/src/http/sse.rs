@@ -124,13 +124,17 @@ async fn stream_events(
     let send = |bytes: Bytes| async move { send_or_give_up(app, client, bytes).await };
     send(Bytes::from_static(b"retry: 1000\n\n")).await?;
     // `last`: the position of the last message sent; every one before it was sent too.
+    let tip = || async {
+        let tips = app.store.tips(&[chat_id]).await?;
+        Ok::<_, StreamEnd>(tips.first().map_or(0, |(_, pos)| *pos))
+    };
     let mut last = match after {
-        Some(Cursor::Pos(pos)) => pos,
+        // A cursor past the feed's tip names positions the database does not have (it was
+        // restored from a backup since): the client resumes from the tip, or it would be
+        // shown nothing new until some future position passed its cursor.
+        Some(Cursor::Pos(pos)) => pos.min(tip().await?),
         Some(Cursor::InboxSeq(seq)) => app.store.position_of_inbox_seq(chat_id, seq).await?,
-        None => {
-            let tips = app.store.tips(&[chat_id]).await?;
-            tips.first().map_or(0, |(_, pos)| *pos)
-        }
+        None => tip().await?,
     };
     if after.is_some() {
         catch_up(app, chat_id, &mut last, client).await?;
