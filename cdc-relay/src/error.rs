@@ -22,6 +22,7 @@ pub(crate) mod script_codes {
     pub(crate) const NORECORD: &str = "NORECORD";
     pub(crate) const TIMELINE: &str = "TIMELINE";
     pub(crate) const SHARDS: &str = "SHARDS";
+    pub(crate) const FENCED: &str = "FENCED";
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -100,6 +101,9 @@ pub enum RelayError {
         waited: std::time::Duration,
     },
 
+    #[error("stream {stream}: {detail}: another relay took the stream over (or rebuilt it) since this session began; standing by")]
+    Superseded { stream: String, detail: String },
+
     #[error("stopped by a signal before streaming")]
     ShuttingDown,
 
@@ -135,6 +139,8 @@ impl RelayError {
             RelayError::AwaitingPromotion { .. } => true,
             // The rebuild's marker stays: the next session resumes it.
             RelayError::SlotCreateTimeout { .. } => true,
+            // The newer session holds the slot: this relay stands by behind it.
+            RelayError::Superseded { .. } => true,
             // Not an error to retry: the supervisor stops.
             RelayError::ShuttingDown => false,
             RelayError::StreamEnded | RelayError::ConnectTimeout(_) => true,
@@ -184,6 +190,7 @@ fn redis_call_may_repeat(e: &RedisError) -> bool {
         script_codes::NORECORD,
         script_codes::TIMELINE,
         script_codes::SHARDS,
+        script_codes::FENCED,
     ];
     redis_is_transient(e) && !e.code().is_some_and(|code| verdict.contains(&code))
 }

@@ -769,3 +769,103 @@ async fn a_relay_rebuilding_behind_an_open_transaction_stops_at_sigterm_and_the_
     assert_eq!(stream_ids(&fx).await.len(), 22);
     relay.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_cut_off_mid_publish_writes_nothing_after_another_took_over_and_rebuilt() {
+    // GIVEN relay A publishing through a link that will hold its next batch (a partition),
+    // with 5 rows published
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let link = testkit::proxy::Proxy::to_unix(redis.socket().to_path_buf())
+        .await
+        .unwrap();
+    let via_link = format!("redis://{}", link.addr());
+    let a = fx.spawn_relay(
+        "relay-a",
+        &["--redis-url", &via_link, "--redis-timeout", "60s"],
+    );
+    a.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    for txn in 0..5 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    fx.wait_stream_len(5, Duration::from_secs(10)).await;
+
+    // WHEN A's batch of one more row is held on the link, A is paused and loses the slot,
+    // the stream's record goes, and relay B takes over (rebuilding: the held row is
+    // republished under a new id)
+    link.hold_when(b"zombie-row");
+    writer
+        .execute(
+            "INSERT INTO consumers.outbox (event, payload) VALUES ('test.event', '{\"note\": \"zombie-row\"}')",
+            &[],
+        )
+        .await
+        .unwrap();
+    wait_until(
+        Duration::from_secs(10),
+        "A's batch held on the link",
+        || async {
+            if link.holding() {
+                Ok(())
+            } else {
+                Err("not yet".to_string())
+            }
+        },
+    )
+    .await;
+    a.child.signal(testkit::Signal::Stop).unwrap();
+    let admin = fx.db.connect().await.unwrap();
+    admin
+        .execute(
+            "SELECT pg_terminate_backend(active_pid) FROM pg_replication_slots WHERE slot_name = $1",
+            &[&fx.slot],
+        )
+        .await
+        .unwrap();
+    let mut conn = redis.connect().await.unwrap();
+    let _: i64 = redis::cmd("DEL")
+        .arg(format!("{}:origin", fx.stream))
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let b = fx.spawn_relay("relay-b", &[]);
+    b.wait_streaming().await;
+    // ... and then the link heals and A goes on: its held batch reaches Redis
+    link.release();
+    a.child.signal(testkit::Signal::Cont).unwrap();
+    insert_txn(&mut writer, 0, 5, 1, true).await.unwrap();
+
+    // THEN the late batch of the superseded session is refused: every row once
+    wait_until(
+        Duration::from_secs(30),
+        "A's late batch answered",
+        || async {
+            let twice = stream_ids(&fx).await.values().any(|n| *n > 1);
+            // (Redis counts the script's refusals by their code.)
+            let errors: String = redis::cmd("INFO")
+                .arg("errorstats")
+                .query_async(&mut redis.connect().await.unwrap())
+                .await
+                .unwrap();
+            if twice || errors.contains("errorstat_FENCED") {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{errors}; A: {}",
+                    crate::support::tail(&a.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+    assert_every_row_once(&fx, &b).await;
+    assert_eq!(stream_ids(&fx).await.len(), 7);
+    assert!(
+        b.child.is_running(),
+        "{}",
+        crate::support::tail(&b.child.log())
+    );
+    b.stop();
+    a.stop();
+}

@@ -20,6 +20,7 @@ pub struct Proxy {
     target: Arc<Mutex<PathBuf>>,
     /// While true, every connection is cut and new ones are closed at once.
     severed: tokio::sync::watch::Sender<bool>,
+    hold: Arc<Hold>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -31,8 +32,10 @@ impl Proxy {
         let armed: Arc<Mutex<Option<Vec<u8>>>> = Arc::default();
         let target = Arc::new(Mutex::new(socket));
         let (severed, _) = tokio::sync::watch::channel(false);
+        let hold = Arc::new(Hold::default());
         let task = tokio::spawn({
             let armed = armed.clone();
+            let hold = hold.clone();
             let target = target.clone();
             let severed = severed.clone();
             async move {
@@ -45,7 +48,7 @@ impl Proxy {
                         continue;
                     };
                     let mut cut = severed.subscribe();
-                    let connection = forward(tcp, unix, armed.clone());
+                    let connection = forward(tcp, unix, armed.clone(), hold.clone());
                     tokio::spawn(async move {
                         tokio::select! {
                             _ = connection => {}
@@ -60,6 +63,7 @@ impl Proxy {
             armed,
             target,
             severed,
+            hold,
             task,
         })
     }
@@ -93,6 +97,26 @@ impl Proxy {
     pub fn cut_done(&self) -> bool {
         self.armed.lock().unwrap().is_none()
     }
+
+    /// The next client bytes containing `pattern` (and everything after them on that
+    /// connection) are held, not forwarded, until [`Proxy::release`]: a request that left
+    /// the client and reaches the server only much later (a partition that heals). Once.
+    pub fn hold_when(&self, pattern: &[u8]) {
+        let mut state = self.hold.state.lock().unwrap();
+        state.pattern = Some(pattern.to_vec());
+        state.holding = false;
+    }
+
+    /// Whether a connection is holding bytes now.
+    pub fn holding(&self) -> bool {
+        self.hold.state.lock().unwrap().holding
+    }
+
+    /// Forward what is held.
+    pub fn release(&self) {
+        self.hold.state.lock().unwrap().holding = false;
+        self.hold.released.notify_waiters();
+    }
 }
 
 impl Drop for Proxy {
@@ -101,7 +125,25 @@ impl Drop for Proxy {
     }
 }
 
-async fn forward(tcp: tokio::net::TcpStream, unix: UnixStream, armed: Arc<Mutex<Option<Vec<u8>>>>) {
+/// What [`Proxy::hold_when`] armed, and the wake-up of the connection holding it.
+#[derive(Default)]
+struct Hold {
+    state: Mutex<HoldState>,
+    released: tokio::sync::Notify,
+}
+
+#[derive(Default)]
+struct HoldState {
+    pattern: Option<Vec<u8>>,
+    holding: bool,
+}
+
+async fn forward(
+    tcp: tokio::net::TcpStream,
+    unix: UnixStream,
+    armed: Arc<Mutex<Option<Vec<u8>>>>,
+    hold: Arc<Hold>,
+) {
     let (mut client_read, mut client_write) = tcp.into_split();
     let (mut server_read, mut server_write) = unix.into_split();
     // Set when this connection's client sent the armed pattern.
@@ -119,6 +161,26 @@ async fn forward(tcp: tokio::net::TcpStream, unix: UnixStream, armed: Arc<Mutex<
                     if buf[..n].windows(pattern.len()).any(|w| w == &pattern[..]) {
                         marked.store(true, std::sync::atomic::Ordering::SeqCst);
                     }
+                }
+                let released = {
+                    let mut state = hold.state.lock().unwrap();
+                    let matched = state
+                        .pattern
+                        .as_ref()
+                        .is_some_and(|p| buf[..n].windows(p.len()).any(|w| w == &p[..]));
+                    if matched {
+                        state.pattern = None;
+                        state.holding = true;
+                        // Registered before the lock is let go: a release cannot be missed.
+                        let mut released = Box::pin(hold.released.notified());
+                        released.as_mut().enable();
+                        Some(released)
+                    } else {
+                        None
+                    }
+                };
+                if let Some(released) = released {
+                    released.await;
                 }
                 if server_write.write_all(&buf[..n]).await.is_err() {
                     return;

@@ -239,6 +239,12 @@ async fn start(
     if let Some(lock) = held.take() {
         lock.release().await;
     }
+    // Holding the slot: claim the stream, so a relay that held it before (paused, cut off)
+    // writes nothing more.
+    let mut publisher = publisher;
+    if started.as_ref().is_ok_and(|s| s.is_ok()) {
+        publisher.claim_writer_epochs().await?;
+    }
     if let Err(e) = started? {
         let holder = slot_info(&sql, &pg.slot)
             .await

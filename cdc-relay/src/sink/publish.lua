@@ -16,13 +16,15 @@
 -- ARGV[6]  the shard count the relay writes with: the record must state the same (a stream
 --          resized while this relay ran is refused with SHARDS; records from before shards
 --          existed state nothing, which means 1)
--- ARGV[7..] five per entry: id, event, payload, outbox_id, created_at; ids strictly increase
+-- ARGV[7]  the writer epoch of the relay session (see `writer_epoch` below); a session
+--          older than the one the record names is refused with FENCED
+-- ARGV[8..] five per entry: id, event, payload, outbox_id, created_at; ids strictly increase
 --
 -- Returns {published, duplicates, unread_trimmed}. An entry whose id is not above the
 -- stream's last-generated-id is a replay (Postgres re-sends what the slot did not
 -- acknowledge): it is counted, not written, after checking that the entry stored under that
 -- id, if still there, is the same outbox row.
--- Errors (codes read by the relay): SHARDS (the stream was resized), NORECORD (the record is gone: Redis lost data, or an
+-- Errors (codes read by the relay): FENCED (a newer relay session writes the stream), SHARDS (the stream was resized), NORECORD (the record is gone: Redis lost data, or an
 -- operator deleted it to force a rebuild; only `setup` and a rebuild write a record),
 -- ORIGIN (another cluster's stream), TIMELINE (the record names another timeline: the
 -- relay checks the history before going on), GAP (the stream lost entries this session
@@ -31,9 +33,10 @@
 
 local stream, origin_key = KEYS[1], KEYS[2]
 local system_id, timeline, maxlen, fence, ack, shards = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6]
-local FIRST = 7
+local epoch = tonumber(ARGV[7])
+local FIRST = 8
 
-local origin = redis.call('HMGET', origin_key, 'system_id', 'timeline', 'acked_through', 'shards')
+local origin = redis.call('HMGET', origin_key, 'system_id', 'timeline', 'acked_through', 'shards', 'writer_epoch')
 if not origin[1] then
   return redis.error_reply('NORECORD ' .. origin_key .. ' is missing')
 elseif origin[1] ~= system_id then
@@ -42,6 +45,10 @@ elseif origin[2] ~= timeline then
   return redis.error_reply('TIMELINE the record says ' .. tostring(origin[2]) .. ', the relay reads timeline ' .. timeline)
 elseif (origin[4] or '1') ~= shards then
   return redis.error_reply('SHARDS ' .. (origin[4] or '1'))
+elseif epoch < tonumber(origin[5] or '0') then
+  -- A relay took the stream over (or rebuilt it) since this session began: this session
+  -- (paused, partitioned, retrying an old batch) must not write behind it.
+  return redis.error_reply('FENCED the stream is written by epoch ' .. origin[5] .. ', this session is ' .. ARGV[7])
 end
 
 local top, first = '0-0', nil

@@ -73,6 +73,9 @@ pub(crate) struct Publisher {
     /// to wait for them.
     wait_replicas: u32,
     timeout: Duration,
+    /// This session's writer epoch per shard (see the record): the script refuses it once
+    /// a newer session claimed the shard.
+    writer_epochs: std::sync::Arc<[u64]>,
 }
 
 impl Publisher {
@@ -93,6 +96,7 @@ impl Publisher {
                 stream,
             })
             .collect();
+        let writer_epochs = vec![0; shards.len()].into();
         Ok(Self {
             conn,
             base: stream.to_string(),
@@ -101,6 +105,7 @@ impl Publisher {
             script_sha,
             wait_replicas: 0,
             timeout: response_timeout,
+            writer_epochs,
         })
     }
 
@@ -109,6 +114,17 @@ impl Publisher {
     pub(crate) fn with_wait_replicas(mut self, replicas: u32) -> Self {
         self.wait_replicas = replicas;
         self
+    }
+
+    /// Claim every shard for this session (see [`Records::claim_epoch`]) and write with
+    /// those epochs from now on.
+    pub(crate) async fn claim_writer_epochs(&mut self) -> Result<(), RelayError> {
+        let mut epochs = Vec::with_capacity(self.shards.len());
+        for mut records in self.records() {
+            epochs.push(records.claim_epoch().await?);
+        }
+        self.writer_epochs = epochs.into();
+        Ok(())
     }
 
     /// The stream's configured name (with one shard, its key).
@@ -285,7 +301,8 @@ impl Publisher {
                     .map(|lsn| lsn.as_u64().to_string())
                     .unwrap_or_default(),
             )
-            .arg(self.shards.len());
+            .arg(self.shards.len())
+            .arg(self.writer_epochs[shard]);
         let mut id_buf = String::with_capacity(40);
         for entry in entries {
             use std::fmt::Write;
@@ -333,6 +350,10 @@ impl Publisher {
                 "stream {} now states {detail} shard(s) (it was resized while this relay ran): restart the relay with --stream-shards {detail}",
                 self.base
             )),
+            Some(script_codes::FENCED) => RelayError::Superseded {
+                stream: stream.clone(),
+                detail,
+            },
             Some(script_codes::TIMELINE) => RelayError::TimelineMismatch {
                 stream: stream.clone(),
                 detail,

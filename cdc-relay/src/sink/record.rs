@@ -106,6 +106,20 @@ redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 "#;
 
+/// Claim a new writer epoch in the record: above the one it holds, and at least Redis's
+/// clock in milliseconds, so a record Redis lost and a rebuild made again still starts
+/// above every epoch claimed before. The new epoch (`false`: no record; only `setup` and a
+/// rebuild make one).
+const CLAIM_EPOCH: &str = r#"
+if redis.call('EXISTS', KEYS[1]) == 0 then return false end
+local current = tonumber(redis.call('HGET', KEYS[1], 'writer_epoch') or '0')
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local claimed = math.max(current + 1, now)
+redis.call('HSET', KEYS[1], 'writer_epoch', claimed)
+return tostring(claimed)
+"#;
+
 /// Move an existing record onto a later timeline of the same history.
 const ADOPT: &str = r#"
 if redis.call('HGET', KEYS[1], 'system_id') ~= ARGV[1] then return 0 end
@@ -247,6 +261,17 @@ impl Records {
             .await
             .map(|_| ())?;
         Ok(())
+    }
+
+    /// Claim the stream (this shard) for a new writer session: the publish script then
+    /// refuses every session that claimed before (a paused or partitioned relay that lost
+    /// the slot, retrying an old batch). The session's epoch (`0`: no record to claim in).
+    pub(crate) async fn claim_epoch(&mut self) -> Result<u64, RelayError> {
+        let claimed: Option<String> = redis::Script::new(CLAIM_EPOCH)
+            .key(&self.origin_key)
+            .invoke_async(&mut self.conn)
+            .await?;
+        Ok(claimed.and_then(|e| e.parse().ok()).unwrap_or(0))
     }
 
     /// Record that the stream continues on `origin`'s (later) timeline.

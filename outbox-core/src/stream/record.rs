@@ -29,6 +29,9 @@ pub mod fields {
     /// The shard count the stream was set up with (absent in records from before shards:
     /// one).
     pub const SHARDS: &str = "shards";
+    /// The writer epoch of the relay session that writes the stream now (each takeover and
+    /// rebuild claims a higher one; the publish script refuses older sessions).
+    pub const WRITER_EPOCH: &str = "writer_epoch";
 }
 
 /// Key of the record that only the other key layout of `base` has (with one shard: shard
