@@ -12,7 +12,12 @@ use testkit::{shared_postgres, wait_until, RedisCluster, RedisServer};
 const SHARDS: u32 = 8;
 
 async fn cluster_entries(cluster: &RedisCluster, stream: &str) -> Vec<Vec<Entry>> {
-    let client = redis::cluster::ClusterClient::new(vec![cluster.url()]).unwrap();
+    cluster_entries_via(&cluster.url(), stream).await
+}
+
+/// Every shard's entries, read through the node at `url`.
+async fn cluster_entries_via(url: &str, stream: &str) -> Vec<Vec<Entry>> {
+    let client = redis::cluster::ClusterClient::new(vec![url.to_string()]).unwrap();
     let mut conn = client.get_async_connection().await.unwrap();
     let mut all = Vec::new();
     for k in 0..SHARDS {
@@ -243,5 +248,62 @@ async fn a_wait_the_server_ends_with_unblocked_is_sent_again_not_fatal() {
     .await;
     assert_eq!(cluster_entries(&cluster, &fx.stream).await, expected);
     assert!(relay.child.is_running(), "{}", tail(&relay.child.log()));
+    relay.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_seeded_with_one_node_keeps_publishing_after_that_node_is_gone_for_good() {
+    // GIVEN a relay that was told of one cluster node only (node 0), streaming
+    let cluster = RedisCluster::start().unwrap();
+    let scratch = RedisServer::start().unwrap();
+    let fx = Fixture::sharded(shared_postgres(), &scratch, SHARDS).await;
+    let relay = fx.spawn_relay(
+        "relay",
+        &["--redis-url", &cluster.url(), "--redis-cluster", "true"],
+    );
+    relay.wait_streaming().await;
+    write_rows(&fx, 0, 10).await;
+
+    // WHEN node 0 dies for good (its replica takes over), and later every other node
+    // restarts (so every connection the relay had is gone)
+    tokio::task::block_in_place(|| {
+        cluster.kill_node(0).unwrap();
+        cluster.stop_all().unwrap();
+        cluster.start_all_but(0).unwrap();
+    });
+    write_rows(&fx, 1, 10).await;
+
+    // THEN the relay, which learned the other nodes, publishes everything once, in order
+    let expected = crate::support::expected_by_shard(&fx.witness().await, SHARDS);
+    let want: usize = expected.iter().map(Vec::len).sum();
+    wait_until(
+        Duration::from_secs(90),
+        "every row in its shard",
+        || async {
+            assert!(
+                relay.child.is_running(),
+                "the relay exited; log: {}",
+                tail(&relay.child.log())
+            );
+            let have: usize = cluster_entries_via(&cluster.urls()[1], &fx.stream)
+                .await
+                .iter()
+                .map(Vec::len)
+                .sum();
+            if have >= want {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{have} of {want}; log: {}",
+                    tail(&relay.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+    assert_eq!(
+        cluster_entries_via(&cluster.urls()[1], &fx.stream).await,
+        expected
+    );
     relay.stop();
 }

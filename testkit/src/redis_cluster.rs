@@ -428,6 +428,21 @@ impl RedisCluster {
         self.wait_replicas_synced(Duration::from_secs(60))
     }
 
+    /// Start every stopped node but `except` on its data, and wait until the cluster is ok
+    /// without it (a node lost for good while the rest of the cluster restarted).
+    pub fn start_all_but(&self, except: usize) -> anyhow::Result<()> {
+        let stopped: Vec<usize> = {
+            let nodes = self.nodes.lock().unwrap();
+            (0..nodes.len())
+                .filter(|i| *i != except && nodes[*i].process.is_none())
+                .collect()
+        };
+        for i in stopped {
+            self.start_node(i)?;
+        }
+        self.wait_ok(Duration::from_secs(60))
+    }
+
     /// Start node `i` again on its data (it rejoins, as a replica if it was failed over)
     /// and wait until it is in sync.
     pub fn restart_node(&self, i: usize) -> anyhow::Result<()> {

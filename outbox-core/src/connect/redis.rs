@@ -10,7 +10,9 @@ use std::time::Duration;
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterConfig;
 use redis::cluster_routing::{SingleNodeRoutingInfo, Slot, SlotAddr};
-use redis::{Cmd, IntoConnectionInfo, Pipeline, RedisFuture, RedisResult, Value};
+use std::sync::{Arc, Mutex};
+
+use redis::{Cmd, ConnectionInfo, IntoConnectionInfo, Pipeline, RedisFuture, RedisResult, Value};
 
 use super::pg::read_secret_file;
 use crate::error::ConfigError;
@@ -20,12 +22,106 @@ use crate::error::ConfigError;
 #[allow(clippy::large_enum_variant)] // built once per process, cloned rarely
 pub enum RedisTarget {
     Single(redis::Client),
-    /// The cluster's client, and the same speaking RESP3, whose connections carry sharded
-    /// pub/sub messages as pushes (commands keep RESP2's reply shapes).
-    Cluster {
-        client: redis::cluster::ClusterClient,
-        resp3: redis::cluster::ClusterClient,
-    },
+    /// A cluster: the nodes it was given, and those it learned since.
+    Cluster(Arc<ClusterNodes>),
+}
+
+/// The nodes a cluster target connects through. Every connection it makes learns the
+/// cluster's nodes (`CLUSTER SLOTS`), and the next one starts from all of them: redis-rs
+/// reconnects through its initial nodes only, so a process given one seed address would
+/// otherwise never connect again once that node is gone, while the rest of the cluster
+/// serves.
+pub struct ClusterNodes {
+    /// The configured addresses, never forgotten.
+    seeds: Vec<ConnectionInfo>,
+    /// Seeds and learned nodes.
+    known: Mutex<Vec<ConnectionInfo>>,
+    timeout: Duration,
+    root_cert: Option<Vec<u8>>,
+    flag: String,
+}
+
+impl ClusterNodes {
+    /// A client over every known node, speaking `protocol`.
+    fn client(
+        &self,
+        protocol: redis::ProtocolVersion,
+    ) -> RedisResult<redis::cluster::ClusterClient> {
+        let nodes = self.known.lock().unwrap().clone();
+        build_cluster_client(nodes, self.timeout, self.root_cert.as_ref(), protocol)
+    }
+
+    /// Learn the cluster's nodes through `conn`; a failure keeps what was known.
+    async fn learn(&self, conn: &mut redis::cluster_async::ClusterConnection) {
+        let slots: RedisResult<Value> = redis::cmd("CLUSTER").arg("SLOTS").query_async(conn).await;
+        let Ok(Value::Array(ranges)) = slots else {
+            return;
+        };
+        let template = &self.seeds[0];
+        let mut known = self.seeds.clone();
+        for range in ranges {
+            let Value::Array(parts) = range else { continue };
+            for node in parts.into_iter().skip(2) {
+                let Value::Array(fields) = node else { continue };
+                let host: Option<String> = fields
+                    .first()
+                    .and_then(|v| redis::from_redis_value_ref(v).ok());
+                let port: Option<u16> = fields
+                    .get(1)
+                    .and_then(|v| redis::from_redis_value_ref(v).ok());
+                let (Some(host), Some(port)) = (host, port) else {
+                    continue;
+                };
+                // An empty or unknown endpoint means "the node you asked": nothing to add.
+                if host.is_empty() || host == "?" {
+                    continue;
+                }
+                let info = with_address(template, host, port);
+                if !known.iter().any(|k| k.addr() == info.addr()) {
+                    known.push(info);
+                }
+            }
+        }
+        tracing::debug!(flag = %self.flag, nodes = known.len(), "learned the cluster's nodes");
+        *self.known.lock().unwrap() = known;
+    }
+}
+
+/// `template`'s connection settings (credentials, TLS) for another node's address.
+fn with_address(template: &ConnectionInfo, host: String, port: u16) -> ConnectionInfo {
+    let addr = match template.addr() {
+        redis::ConnectionAddr::TcpTls {
+            insecure,
+            tls_params,
+            ..
+        } => redis::ConnectionAddr::TcpTls {
+            host,
+            port,
+            insecure: *insecure,
+            tls_params: tls_params.clone(),
+        },
+        _ => redis::ConnectionAddr::Tcp(host, port),
+    };
+    template.clone().set_addr(addr)
+}
+
+fn build_cluster_client(
+    nodes: Vec<ConnectionInfo>,
+    timeout: Duration,
+    root_cert: Option<&Vec<u8>>,
+    protocol: redis::ProtocolVersion,
+) -> RedisResult<redis::cluster::ClusterClient> {
+    let mut builder = redis::cluster::ClusterClientBuilder::new(nodes)
+        .response_timeout(timeout)
+        .connection_timeout(timeout)
+        .use_protocol(protocol);
+    if let Some(root_cert) = root_cert {
+        builder = builder.certs(redis::TlsCertificates {
+            client_tls: None,
+            root_cert: Some(root_cert.clone()),
+        });
+    }
+    builder.build()
 }
 
 /// A connection to either (cheap to clone; both reconnect by themselves).
@@ -49,19 +145,23 @@ impl RedisTarget {
                     .await
                     .map(RedisConn::Single)
             }
-            RedisTarget::Cluster { client, .. } => client
-                .get_async_connection_with_config(
-                    ClusterConfig::new()
-                        .set_response_timeout(timeout)
-                        .set_connection_timeout(timeout.min(Duration::from_secs(3))),
-                )
-                .await
-                .map(RedisConn::Cluster),
+            RedisTarget::Cluster(nodes) => {
+                let mut conn = nodes
+                    .client(redis::ProtocolVersion::RESP2)?
+                    .get_async_connection_with_config(
+                        ClusterConfig::new()
+                            .set_response_timeout(timeout)
+                            .set_connection_timeout(timeout.min(Duration::from_secs(3))),
+                    )
+                    .await?;
+                nodes.learn(&mut conn).await;
+                Ok(RedisConn::Cluster(conn))
+            }
         }
     }
 
     pub fn is_cluster(&self) -> bool {
-        matches!(self, RedisTarget::Cluster { .. })
+        matches!(self, RedisTarget::Cluster(_))
     }
 
     /// A cluster connection subscribed to the sharded channel `channel` (`SSUBSCRIBE`),
@@ -74,11 +174,12 @@ impl RedisTarget {
         pushes: tokio::sync::mpsc::UnboundedSender<redis::PushInfo>,
         timeout: Duration,
     ) -> Option<RedisResult<redis::cluster_async::ClusterConnection>> {
-        let RedisTarget::Cluster { resp3, .. } = self else {
+        let RedisTarget::Cluster(nodes) = self else {
             return None;
         };
         let connected = async {
-            let mut conn = resp3
+            let mut conn = nodes
+                .client(redis::ProtocolVersion::RESP3)?
                 .get_async_connection_with_config(
                     ClusterConfig::new()
                         .set_response_timeout(timeout)
@@ -203,28 +304,26 @@ pub fn target(
         ),
         None => None,
     };
-    let build = |protocol: redis::ProtocolVersion| {
-        let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.clone())
-            .response_timeout(timeout)
-            .connection_timeout(timeout)
-            .use_protocol(protocol);
-        if let Some(root_cert) = &root_cert {
-            builder = builder.certs(redis::TlsCertificates {
-                client_tls: None,
-                root_cert: Some(root_cert.clone()),
-            });
-        }
-        builder.build().map_err(|e| {
-            ConfigError(format!(
-                "{flag}: {}",
-                e.detail().unwrap_or("invalid cluster client configuration")
-            ))
-        })
-    };
-    Ok(RedisTarget::Cluster {
-        client: build(redis::ProtocolVersion::RESP2)?,
-        resp3: build(redis::ProtocolVersion::RESP3)?,
-    })
+    // Built once here only to refuse a bad configuration at start.
+    build_cluster_client(
+        nodes.clone(),
+        timeout,
+        root_cert.as_ref(),
+        redis::ProtocolVersion::RESP2,
+    )
+    .map_err(|e| {
+        ConfigError(format!(
+            "{flag}: {}",
+            e.detail().unwrap_or("invalid cluster client configuration")
+        ))
+    })?;
+    Ok(RedisTarget::Cluster(Arc::new(ClusterNodes {
+        seeds: nodes.clone(),
+        known: Mutex::new(nodes),
+        timeout,
+        root_cert,
+        flag: flag.to_string(),
+    })))
 }
 
 /// Build a client; `flag` names the URL's flag in error messages (which never show it).

@@ -1,0 +1,3 @@
+//! outbox-core against real servers (testkit's throwaway Redis Cluster), one binary.
+
+mod cluster;
