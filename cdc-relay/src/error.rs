@@ -104,6 +104,9 @@ pub enum RelayError {
     #[error("stream {stream}: {detail}: another relay took the stream over (or rebuilt it) since this session began; standing by")]
     Superseded { stream: String, detail: String },
 
+    #[error("stream {stream}: a shard that could not confirm dropped what it had queued (it is still in the slot); reading it again")]
+    ShardDropped { stream: String },
+
     #[error("stopped by a signal before streaming")]
     ShuttingDown,
 
@@ -141,6 +144,8 @@ impl RelayError {
             RelayError::SlotCreateTimeout { .. } => true,
             // The newer session holds the slot: this relay stands by behind it.
             RelayError::Superseded { .. } => true,
+            // The next session reads the dropped entries again from the slot.
+            RelayError::ShardDropped { .. } => true,
             // Not an error to retry: the supervisor stops.
             RelayError::ShuttingDown => false,
             RelayError::StreamEnded | RelayError::ConnectTimeout(_) => true,

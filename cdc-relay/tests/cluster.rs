@@ -12,12 +12,14 @@ use testkit::{shared_postgres, wait_until, RedisCluster, RedisServer};
 const SHARDS: u32 = 8;
 
 async fn cluster_entries(cluster: &RedisCluster, stream: &str) -> Vec<Vec<Entry>> {
-    cluster_entries_via(&cluster.url(), stream).await
+    cluster_entries_via(&cluster.urls().join(","), stream).await
 }
 
-/// Every shard's entries, read through the node at `url`.
-async fn cluster_entries_via(url: &str, stream: &str) -> Vec<Vec<Entry>> {
-    let client = redis::cluster::ClusterClient::new(vec![url.to_string()]).unwrap();
+/// Every shard's entries, read through the nodes at `urls` (comma-separated).
+async fn cluster_entries_via(urls: &str, stream: &str) -> Vec<Vec<Entry>> {
+    let client =
+        redis::cluster::ClusterClient::new(urls.split(',').map(str::to_string).collect::<Vec<_>>())
+            .unwrap();
     let mut conn = client.get_async_connection().await.unwrap();
     let mut all = Vec::new();
     for k in 0..SHARDS {
@@ -306,4 +308,111 @@ async fn a_relay_seeded_with_one_node_keeps_publishing_after_that_node_is_gone_f
         expected
     );
     relay.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_that_cannot_confirm_holds_back_only_its_own_rows() {
+    shard_that_cannot_confirm(&[], 40).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_that_cannot_confirm_past_its_bound_drops_and_reads_its_rows_again() {
+    // (Batches of 2 entries: a stuck shard queues at most 20, and gets ~37.)
+    let log = shard_that_cannot_confirm(&["--batch-max-entries", "2"], 100).await;
+    assert!(log.contains("dropping what it queued"), "{}", tail(&log));
+}
+
+/// The scenario of a shard that cannot confirm, with `flags` for the relay and `txns`
+/// transactions (3 rows each) committed while it cannot; the relay's log.
+async fn shard_that_cannot_confirm(flags: &[&str], txns: u32) -> String {
+    // GIVEN a relay writing 8 shards to a cluster, waiting for a replica on every call
+    let cluster = RedisCluster::start().unwrap();
+    let scratch = RedisServer::start().unwrap();
+    let fx = Fixture::sharded(shared_postgres(), &scratch, SHARDS).await;
+    let url = cluster.url();
+    let mut relay_flags = vec![
+        "--redis-url",
+        url.as_str(),
+        "--redis-cluster",
+        "true",
+        "--redis-wait-replicas",
+        "1",
+    ];
+    relay_flags.extend_from_slice(flags);
+    let relay = fx.spawn_relay("relay", &relay_flags);
+    relay.wait_streaming().await;
+    write_rows(&fx, 0, 10).await;
+
+    // WHEN the master holding shard 3 dies and its replica takes over: that master has no
+    // replica now, so no call there can be confirmed; rows keep coming for every shard
+    let victim = cluster
+        .master_of(&shard_key(&fx.stream, 3, SHARDS))
+        .unwrap();
+    tokio::task::block_in_place(|| cluster.kill_node(victim).unwrap());
+    let promoted = cluster
+        .master_of(&shard_key(&fx.stream, 3, SHARDS))
+        .unwrap();
+    let stuck: Vec<u32> = (0..SHARDS)
+        .filter(|k| {
+            cluster
+                .master_of(&shard_key(&fx.stream, *k, SHARDS))
+                .unwrap()
+                == promoted
+        })
+        .collect();
+    write_rows(&fx, 1, txns).await;
+
+    // THEN every other shard receives all its rows while that master cannot confirm
+    let expected = crate::support::expected_by_shard(&fx.witness().await, SHARDS);
+    wait_until(
+        Duration::from_secs(30),
+        "every row of the shards that can confirm",
+        || async {
+            let have = cluster_entries(&cluster, &fx.stream).await;
+            let behind: Vec<u32> = (0..SHARDS)
+                .filter(|k| {
+                    !stuck.contains(k) && have[*k as usize].len() < expected[*k as usize].len()
+                })
+                .collect();
+            if behind.is_empty() {
+                Ok(())
+            } else {
+                Err(format!(
+                    "shards {behind:?} behind (stuck: {stuck:?}); log: {}",
+                    tail(&relay.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+    // ... and once the dead node is back (a replica again), every shard holds exactly what
+    // committed, once, in commit order
+    tokio::task::block_in_place(|| cluster.restart_node(victim).unwrap());
+    write_rows(&fx, 2, 10).await;
+    let expected = crate::support::expected_by_shard(&fx.witness().await, SHARDS);
+    let want: usize = expected.iter().map(Vec::len).sum();
+    wait_until(
+        Duration::from_secs(60),
+        "every row in its shard",
+        || async {
+            let have: usize = cluster_entries(&cluster, &fx.stream)
+                .await
+                .iter()
+                .map(Vec::len)
+                .sum();
+            if have >= want {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{have} of {want}; log: {}",
+                    tail(&relay.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+    assert_eq!(cluster_entries(&cluster, &fx.stream).await, expected);
+    assert!(relay.child.is_running(), "{}", tail(&relay.child.log()));
+    relay.stop();
+    relay.child.log()
 }

@@ -425,6 +425,7 @@ async fn republish(
                 StreamEntry {
                     id: *id,
                     shard,
+                    commit_time_micros: 0,
                     event: OutboxEvent {
                         outbox_id: text(0),
                         event: text(1),

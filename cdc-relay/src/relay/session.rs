@@ -161,10 +161,9 @@ impl Session<'_> {
                 biased;
                 // 1. shutdown: stop reading, finish the in-flight batch, acknowledge, leave
                 _ = &mut cancelled => return self.finish().await,
-                // 2. a batch confirmed: acknowledge the end_lsn of the last confirmed transaction
+                // 2. a shard's part confirmed: acknowledge as far as every shard recorded
                 confirmed = self.pipeline.confirmed(), if !self.pipeline.is_idle() => {
-                    let (sealed, outcome) = confirmed?;
-                    self.on_published(&sealed.batch, outcome);
+                    self.on_published(confirmed?);
                 }
                 // 3. the next replication events, only while the batch has room (backpressure)
                 received = self.client.recv(), if self.state.has_room() => {
@@ -239,9 +238,15 @@ impl Session<'_> {
                             seq: txn.next_seq,
                         };
                         txn.next_seq += 1;
-                        self.state
-                            .filling
-                            .push(StreamEntry { id, shard, event }, txn.commit_time_micros);
+                        self.state.filling.push(
+                            StreamEntry {
+                                id,
+                                shard,
+                                event,
+                                commit_time_micros: 0,
+                            },
+                            txn.commit_time_micros,
+                        );
                     }
                     Row::Foreign(table) => {
                         self.ctx.metrics.foreign_inserts_skipped_total.inc();
@@ -297,8 +302,8 @@ impl Session<'_> {
         self.pipeline.send(batch, ack_all);
     }
 
-    fn on_published(&mut self, batch: &Batch, confirmed: Confirmed) {
-        let (outcome, recorded) = confirmed;
+    fn on_published(&mut self, confirmed: Confirmed) {
+        let outcome = confirmed.outcome;
         let metrics = &self.ctx.metrics;
         metrics.events_published_total.inc_by(outcome.published);
         metrics.duplicates_rejected_total.inc_by(outcome.duplicates);
@@ -315,9 +320,9 @@ impl Session<'_> {
         metrics.publish_batches_total.inc();
         metrics
             .publish_batch_entries
-            .observe(batch.entries.len() as f64);
+            .observe(confirmed.entries as f64);
         let now_pg_micros = unix_micros() - PG_EPOCH_OFFSET_MICROS;
-        for commit_time in &batch.commit_times_micros {
+        for commit_time in &confirmed.commit_times_micros {
             let latency = (now_pg_micros - commit_time).max(0) as f64 / 1e6;
             metrics.commit_to_published_seconds.observe(latency);
         }
@@ -327,12 +332,12 @@ impl Session<'_> {
                 "stream already held re-sent entries"
             );
         }
-        if let Some(lsn) = batch.ack_lsn {
-            // The slot moves only as far as every shard's record knows (`record`'s invariant).
-            for (acked, recorded) in self.state.shard_acked.iter_mut().zip(recorded) {
-                if recorded && lsn > *acked {
-                    *acked = lsn;
-                }
+        if let Some(lsn) = confirmed.ack_lsn {
+            // The slot moves only as far as every shard's record knows (`record`'s invariant):
+            // a shard that cannot confirm holds the slot back, not the other shards.
+            let acked = &mut self.state.shard_acked[confirmed.shard as usize];
+            if lsn > *acked {
+                *acked = lsn;
             }
             if let Some(&everywhere) = self.state.shard_acked.iter().min() {
                 self.acknowledge(everywhere);
@@ -377,7 +382,7 @@ impl Session<'_> {
                 break;
             }
             match tokio::time::timeout_at(deadline, self.pipeline.confirmed()).await {
-                Ok(Ok((sealed, outcome))) => self.on_published(&sealed.batch, outcome),
+                Ok(Ok(confirmed)) => self.on_published(confirmed),
                 Ok(Err(e)) => {
                     warn!(error = %e, "publishing failed during shutdown; the rest stays unacknowledged");
                     break;

@@ -19,6 +19,9 @@ pub(crate) struct StreamEntry {
     /// The shard whose stream gets this entry (see `shard`).
     pub shard: u32,
     pub event: OutboxEvent,
+    /// Its transaction's commit time (Postgres epoch microseconds; 0 when republished), for
+    /// the commit-to-published latency.
+    pub commit_time_micros: i64,
 }
 
 #[derive(Debug, Default)]
@@ -34,7 +37,8 @@ pub(crate) struct Batch {
 
 impl Batch {
     /// Add an entry of the transaction committed at `commit_time_micros`.
-    pub(crate) fn push(&mut self, entry: StreamEntry, commit_time_micros: i64) {
+    pub(crate) fn push(&mut self, mut entry: StreamEntry, commit_time_micros: i64) {
+        entry.commit_time_micros = commit_time_micros;
         let first_of_transaction = self
             .entries
             .last()
@@ -90,6 +94,7 @@ mod tests {
                 seq,
             },
             shard: 0,
+            commit_time_micros: 0,
             event: OutboxEvent {
                 outbox_id: Bytes::from_static(b"1"),
                 event: Bytes::from_static(b"e"),

@@ -1,66 +1,185 @@
-//! The ordered publish pipeline: sealed batches go to Redis with up to two in flight, and
-//! come back confirmed strictly in the order they were sealed.
+//! The ordered publish pipeline: one lane per shard. A sealed batch splits into one part per
+//! shard it writes (and an acknowledgement-only part for every other shard when it carries
+//! the acknowledgement to all); each lane sends its parts strictly in order, up to two in
+//! flight, and confirms them in that order. Lanes are independent: a shard that cannot
+//! confirm (a WAIT that falls short, a node down, a refusal) holds back its own chats only,
+//! while the others keep flowing, and the slot stays at the least that every shard's record
+//! acknowledged.
 //!
-//! Two full batches in flight keep Redis busy while the relay hands over the next one. Order holds
-//! because both travel on one connection and each batch carries a fence per shard (the
-//! last id sealed before it in that shard): the script refuses a part whose predecessor did
-//! not land.
-//! On a transient failure of the oldest batch, every later batch is abandoned (whatever
-//! of it ran is idempotent) and all of them are sent again, one at a time, after a backoff.
-//! A fence refusal of the oldest batch, whose predecessors are all confirmed, means the
-//! stream lost entries: it ends the session, and the next one rebuilds the stream.
+//! Order within a lane holds because its parts travel on one connection and each carries
+//! the lane's fence (the last id sealed before it in that shard): the script refuses a part
+//! whose predecessor did not land. A lane whose oldest part failed transiently abandons what
+//! it has in flight (whatever of it ran is idempotent) and sends its parts again, one at a
+//! time, after a backoff. A fence refusal of a lane's oldest part, whose predecessors all
+//! confirmed, means the shard lost entries: it ends the session, and the next one rebuilds.
+//!
+//! Memory stays bounded: while a lane is failing, it queues at most [`LANE_MAX_BATCHES`]
+//! batches' worth of entries. Past that it drops what it queued and every later part (they are still in the
+//! slot, which is acknowledged only behind this lane), and once it confirms again the
+//! session ends so that the next one reads them again (the other lanes' entries come again
+//! too, and Redis rejects them by id). While every lane fails, nothing more is sealed: the
+//! session stops reading the slot instead.
 
 use std::collections::VecDeque;
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use outbox_core::backoff::Backoff;
+use outbox_core::stream::EntryId;
+use pgwire_replication::Lsn;
 use tokio::task::JoinHandle;
 use tracing::warn;
 
-use outbox_core::backoff::Backoff;
-use outbox_core::stream::EntryId;
-
-use super::batch::Batch;
+use super::batch::{Batch, StreamEntry};
 use super::publisher::{PublishOutcome, Publisher};
+use crate::config::BatchLimits;
 use crate::context::SharedContext;
 use crate::error::RelayError;
 use crate::source::Origin;
 
-/// Batches Redis may be working on at once.
+/// Calls one lane may have in flight at once.
 const MAX_IN_FLIGHT: usize = 2;
+/// Entries a failing lane keeps queued at most, in batches of the limit (`--batch-max-
+/// entries`), before it drops them (to be read again).
+const LANE_MAX_BATCHES: usize = 10;
 
-/// A batch with its place in the sequence.
-pub(crate) struct SealedBatch {
-    pub batch: Batch,
-    /// Per shard, the last entry id of the batches sealed before this one in this session.
-    pub fences: Vec<Option<EntryId>>,
-    /// Every shard records the acknowledgement (see `publisher`).
-    pub ack_all: bool,
+/// One shard's share of one or more sealed batches, sent as one call.
+struct Part {
+    entries: Vec<StreamEntry>,
+    /// Recorded in the shard's record once the part is confirmed.
+    ack_lsn: Option<Lsn>,
+    /// The last id sealed into the shard before this part.
+    fence: Option<EntryId>,
     /// Refused by a fence once already (see [`Pipeline::confirmed`]).
-    gap_retried: std::sync::atomic::AtomicBool,
+    gap_retried: bool,
 }
 
-/// What Redis confirmed for a batch: the outcome, and per shard whether its record holds
-/// the batch's acknowledgement.
-pub(crate) type Confirmed = (PublishOutcome, Vec<bool>);
+impl Part {
+    /// `next` appended (both of one lane, `next` sealed right after `self`).
+    fn absorb(&mut self, next: Part) {
+        self.entries.extend(next.entries);
+        if next.ack_lsn.is_some() {
+            self.ack_lsn = next.ack_lsn;
+        }
+    }
+}
+
+/// What Redis confirmed: one part of one shard.
+pub(crate) struct Confirmed {
+    pub(crate) shard: u32,
+    /// The shard's record holds this acknowledgement now.
+    pub(crate) ack_lsn: Option<Lsn>,
+    pub(crate) outcome: PublishOutcome,
+    pub(crate) entries: usize,
+    /// Commit times of the transactions with entries in the part.
+    pub(crate) commit_times_micros: Vec<i64>,
+}
 
 struct InFlight {
-    sealed: Arc<SealedBatch>,
-    task: JoinHandle<Result<Confirmed, RelayError>>,
+    part: Arc<Part>,
+    task: JoinHandle<Result<PublishOutcome, RelayError>>,
+}
+
+/// One shard's parts, in sealing order.
+struct Lane {
+    shard: u32,
+    /// Sealed and not sent yet (parts to send again come back to its front).
+    queued: VecDeque<Part>,
+    queued_entries: usize,
+    in_flight: VecDeque<InFlight>,
+    /// While set, this lane sends nothing before it (a backoff after a failure).
+    retry_at: Option<tokio::time::Instant>,
+    backoff: Backoff,
+    /// The last id sealed into this lane so far.
+    last_sealed: Option<EntryId>,
+    /// The oldest part failed and is being sent again: one call at a time until one is
+    /// confirmed, and this lane does not hold back sealing.
+    failing: bool,
+    /// Parts were dropped (see the module doc): the session must read them again.
+    dropped: bool,
+}
+
+impl Lane {
+    fn is_idle(&self) -> bool {
+        self.in_flight.is_empty() && self.queued.is_empty() && self.retry_at.is_none()
+    }
+
+    fn healthy(&self) -> bool {
+        !self.failing && !self.dropped
+    }
+
+    fn push(&mut self, part: Part, limits: &BatchLimits) {
+        if self.dropped {
+            return;
+        }
+        if let Some(last) = part.entries.last() {
+            self.last_sealed = Some(last.id);
+        }
+        self.queued_entries += part.entries.len();
+        self.queued.push_back(part);
+        if self.failing && self.queued_entries > LANE_MAX_BATCHES * limits.max_entries {
+            warn!(
+                shard = self.shard,
+                queued = self.queued_entries,
+                "a shard that cannot confirm holds too much: dropping what it queued (still in the slot, read again once the shard confirms)"
+            );
+            self.queued.clear();
+            self.queued_entries = 0;
+            self.dropped = true;
+        }
+    }
+
+    /// The next part to send: what is queued, merged into one call up to the batch limit
+    /// (a lane that caught up after a failure sends its backlog in few calls).
+    fn take_next(&mut self, limits: &BatchLimits) -> Option<Part> {
+        let mut part = self.queued.pop_front()?;
+        while let Some(next) = self.queued.front() {
+            if part.entries.len() + next.entries.len() > limits.max_entries {
+                break;
+            }
+            let next = self.queued.pop_front().expect("front exists");
+            part.absorb(next);
+        }
+        self.queued_entries -= part.entries.len();
+        Some(part)
+    }
+
+    /// Queue the oldest part in flight and every later one to be sent again, in order: later
+    /// ones may have run or been refused by their fence, so their tasks are abandoned.
+    fn send_again_from(&mut self, head: Arc<Part>) {
+        let mut again = vec![head];
+        for later in self.in_flight.drain(..) {
+            later.task.abort();
+            again.push(later.part);
+        }
+        for part in again.into_iter().rev() {
+            // The task that held the other reference is done or aborted.
+            let part = Arc::try_unwrap(part).unwrap_or_else(|shared| Part {
+                entries: shared.entries.clone(),
+                ack_lsn: shared.ack_lsn,
+                fence: shared.fence,
+                gap_retried: shared.gap_retried,
+            });
+            self.queued_entries += part.entries.len();
+            self.queued.push_front(part);
+        }
+    }
+}
+
+/// What one lane's turn of [`Pipeline::confirmed`] came to.
+enum Event {
+    Retry(usize),
+    Done(usize, Result<PublishOutcome, RelayError>),
 }
 
 pub(crate) struct Pipeline {
     publisher: Publisher,
     origin: Origin,
     ctx: SharedContext,
-    in_flight: VecDeque<InFlight>,
-    /// Batches to send again after a failure, oldest first, one at a time.
-    resend: VecDeque<Arc<SealedBatch>>,
-    /// While set, nothing is sent before this instant (backoff after a failure).
-    retry_at: Option<tokio::time::Instant>,
-    backoff: Backoff,
-    /// Per shard, the last id sealed so far.
-    last_sealed: Vec<Option<EntryId>>,
+    lanes: Vec<Lane>,
+    limits: BatchLimits,
 }
 
 impl Pipeline {
@@ -73,146 +192,254 @@ impl Pipeline {
         ctx: SharedContext,
         fences: Vec<Option<EntryId>>,
     ) -> Self {
-        let backoff = Backoff::new(Duration::from_millis(50), ctx.config.reconnect_max_backoff);
+        let max_backoff = ctx.config.reconnect_max_backoff;
+        let limits = ctx.config.batch;
+        let lanes = fences
+            .into_iter()
+            .enumerate()
+            .map(|(shard, fence)| Lane {
+                shard: shard as u32,
+                queued: VecDeque::new(),
+                queued_entries: 0,
+                in_flight: VecDeque::new(),
+                retry_at: None,
+                backoff: Backoff::new(Duration::from_millis(50), max_backoff),
+                last_sealed: fence,
+                failing: false,
+                dropped: false,
+            })
+            .collect();
         Self {
             publisher,
             origin,
             ctx,
-            in_flight: VecDeque::new(),
-            resend: VecDeque::new(),
-            retry_at: None,
-            backoff,
-            last_sealed: fences,
+            lanes,
+            limits,
         }
     }
 
-    /// A new batch may be sent now: nothing is in flight, or the batch is full and there is
-    /// room for a second one. A lone message goes out at once; a burst rides in full
-    /// batches with one queued behind the other; in between, batches grow while one is
-    /// in flight (each Redis call costs an fsync, so fewer, larger calls go faster).
+    /// A new batch may be sealed now: every healthy lane is idle, or the batch is full and
+    /// every healthy lane has room for one more call. A lone message goes out at once; a
+    /// burst rides in full batches; in between, batches grow while calls are in flight
+    /// (each costs an fsync, so fewer, larger calls go faster). Failing lanes do not hold
+    /// sealing back (they queue, bounded), unless every lane fails: then the session stops
+    /// reading the slot.
     pub(crate) fn has_room_for(&self, batch_full: bool) -> bool {
-        self.resend.is_empty()
-            && self.retry_at.is_none()
-            && (self.in_flight.is_empty() || (batch_full && self.in_flight.len() < MAX_IN_FLIGHT))
+        let mut healthy = self.lanes.iter().filter(|l| l.healthy()).peekable();
+        if healthy.peek().is_none() {
+            return false;
+        }
+        let lanes: Vec<&Lane> = healthy.collect();
+        lanes.iter().all(|l| l.is_idle())
+            || (batch_full
+                && lanes
+                    .iter()
+                    .all(|l| l.in_flight.len() < MAX_IN_FLIGHT && l.queued.is_empty()))
     }
 
-    /// Nothing sent is unconfirmed.
+    /// Nothing sealed is unconfirmed.
     pub(crate) fn is_idle(&self) -> bool {
-        self.in_flight.is_empty() && self.resend.is_empty()
+        self.lanes.iter().all(Lane::is_idle)
     }
 
-    /// Seal `batch` behind everything sealed before and send it.
+    /// Seal `batch` into its shards' lanes; `ack_all`: every shard records its
+    /// acknowledgement, not only those it writes.
     pub(crate) fn send(&mut self, batch: Batch, ack_all: bool) {
-        let fences = self.last_sealed.clone();
-        batch.advance_fences(&mut self.last_sealed);
-        self.spawn(Arc::new(SealedBatch {
-            batch,
-            fences,
-            ack_all,
-            gap_retried: Default::default(),
-        }));
-    }
-
-    fn spawn(&mut self, sealed: Arc<SealedBatch>) {
-        let task = tokio::spawn(publish_once(
-            self.publisher.clone(),
-            sealed.clone(),
-            self.origin.clone(),
-            self.ctx.clone(),
-        ));
-        self.in_flight.push_back(InFlight { sealed, task });
-    }
-
-    /// The next batch Redis confirmed, in sealing order. Transient failures are handled
-    /// here (backoff, then everything unconfirmed is sent again); only permanent errors
-    /// come out. Cancel-safe: state changes only between awaits.
-    pub(crate) async fn confirmed(&mut self) -> Result<(Arc<SealedBatch>, Confirmed), RelayError> {
-        loop {
-            if let Some(at) = self.retry_at {
-                tokio::time::sleep_until(at).await;
-                self.retry_at = None;
-                if let Some(next) = self.resend.pop_front() {
-                    self.spawn(next);
-                }
+        let ack_lsn = batch.ack_lsn;
+        let mut parts: Vec<Vec<StreamEntry>> = (0..self.lanes.len()).map(|_| Vec::new()).collect();
+        for entry in batch.entries {
+            parts[entry.shard as usize].push(entry);
+        }
+        for (lane, entries) in self.lanes.iter_mut().zip(parts) {
+            if entries.is_empty() && !(ack_all && ack_lsn.is_some()) {
                 continue;
             }
-            let Some(head) = self.in_flight.front_mut() else {
-                return std::future::pending().await;
-            };
-            let joined = (&mut head.task).await;
-            let head = self.in_flight.pop_front().expect("head exists");
-            let result = joined
-                .unwrap_or_else(|e| Err(RelayError::Protocol(format!("publish task failed: {e}"))));
-            match result {
-                Ok(outcome) => {
-                    self.backoff.reset();
-                    self.ctx.set_redis_reachable(true);
-                    // Resending one at a time until caught up.
-                    if self.in_flight.is_empty() {
-                        if let Some(next) = self.resend.pop_front() {
-                            self.spawn(next);
-                        }
-                    }
-                    return Ok((head.sealed, outcome));
+            let fence = lane.last_sealed;
+            lane.push(
+                Part {
+                    entries,
+                    ack_lsn,
+                    fence,
+                    gap_retried: false,
+                },
+                &self.limits,
+            );
+        }
+        self.pump();
+    }
+
+    /// Start what each lane may send now.
+    fn pump(&mut self) {
+        let now = tokio::time::Instant::now();
+        for k in 0..self.lanes.len() {
+            loop {
+                let lane = &mut self.lanes[k];
+                if lane.retry_at.is_some_and(|at| at > now) {
+                    break;
                 }
-                // A fence refusal of a batch whose predecessors all confirmed: either one
-                // of its parts overtook its predecessor's on the way (resent at once), or
-                // the shard lost entries (refused again, and then it ends the session).
-                Err(RelayError::StreamBehind { .. })
-                    if !head
-                        .sealed
-                        .gap_retried
-                        .swap(true, std::sync::atomic::Ordering::SeqCst) =>
-                {
-                    warn!("a batch's part reached a shard before its predecessor's; sending both again in order");
-                    self.send_again_from(head.sealed);
-                    self.retry_at = Some(tokio::time::Instant::now());
+                let room = if lane.failing {
+                    lane.in_flight.is_empty()
+                } else {
+                    lane.in_flight.is_empty()
+                        || (lane.in_flight.len() < MAX_IN_FLIGHT
+                            && lane.queued_entries >= self.limits.max_entries)
+                };
+                if !room {
+                    break;
                 }
-                Err(e) if e.retry_in_place() => {
-                    self.ctx.metrics.redis_errors_total.inc();
-                    self.ctx.set_redis_reachable(false);
-                    self.ctx.set_last_error(Some(e.to_string()));
-                    self.send_again_from(head.sealed);
-                    let delay = self.backoff.next_delay();
-                    warn!(error = %e, unconfirmed_batches = self.resend.len(), retry_in = ?delay, "publish failed; sending again");
-                    self.retry_at = Some(tokio::time::Instant::now() + delay);
-                }
-                Err(e) => return Err(e),
+                let Some(part) = lane.take_next(&self.limits) else {
+                    break;
+                };
+                let part = Arc::new(part);
+                let task = tokio::spawn(publish_once(
+                    self.publisher.clone(),
+                    lane.shard,
+                    part.clone(),
+                    self.origin.clone(),
+                    self.ctx.clone(),
+                ));
+                lane.in_flight.push_back(InFlight { part, task });
             }
         }
     }
 
-    /// Queue `head` and every later batch to be sent again, in order: later batches may
-    /// have run or been refused by their fence, so their tasks are abandoned.
-    fn send_again_from(&mut self, head: Arc<SealedBatch>) {
-        let mut again: Vec<Arc<SealedBatch>> = vec![head];
-        for later in self.in_flight.drain(..) {
-            later.task.abort();
-            again.push(later.sealed);
+    /// The next part Redis confirmed, in sealing order within its shard. Transient failures
+    /// are handled here (per lane: backoff, then everything unconfirmed is sent again); only
+    /// permanent errors come out, and the news that a lane dropped parts once it confirms
+    /// again. Cancel-safe: state changes only between awaits.
+    pub(crate) async fn confirmed(&mut self) -> Result<Confirmed, RelayError> {
+        loop {
+            self.pump();
+            let event = {
+                let mut turns: Vec<Pin<Box<dyn Future<Output = Event> + Send + '_>>> = Vec::new();
+                for (k, lane) in self.lanes.iter_mut().enumerate() {
+                    if let Some(at) = lane.retry_at {
+                        turns.push(Box::pin(async move {
+                            tokio::time::sleep_until(at).await;
+                            Event::Retry(k)
+                        }));
+                    } else if let Some(head) = lane.in_flight.front_mut() {
+                        turns.push(Box::pin(async move {
+                            let joined = (&mut head.task).await;
+                            Event::Done(
+                                k,
+                                joined.unwrap_or_else(|e| {
+                                    Err(RelayError::Protocol(format!("publish task failed: {e}")))
+                                }),
+                            )
+                        }));
+                    }
+                }
+                if turns.is_empty() {
+                    return std::future::pending().await;
+                }
+                futures::future::select_all(turns).await.0
+            };
+            match event {
+                Event::Retry(k) => self.lanes[k].retry_at = None,
+                Event::Done(k, result) => {
+                    if let Some(confirmed) = self.on_done(k, result)? {
+                        return Ok(confirmed);
+                    }
+                }
+            }
         }
-        for sealed in again.into_iter().rev() {
-            self.resend.push_front(sealed);
+    }
+
+    /// A lane's oldest call finished: its confirmation, or `None` when it is sent again.
+    fn on_done(
+        &mut self,
+        k: usize,
+        result: Result<PublishOutcome, RelayError>,
+    ) -> Result<Option<Confirmed>, RelayError> {
+        let lane = &mut self.lanes[k];
+        let head = lane.in_flight.pop_front().expect("a head finished");
+        match result {
+            Ok(outcome) => {
+                lane.backoff.reset();
+                lane.failing = false;
+                if lane.dropped {
+                    return Err(RelayError::ShardDropped {
+                        stream: self.publisher.shard_stream(lane.shard).to_string(),
+                    });
+                }
+                if self.lanes.iter().all(Lane::healthy) {
+                    self.ctx.set_redis_reachable(true);
+                }
+                let mut commit_times_micros: Vec<i64> = Vec::new();
+                let mut last_commit = None;
+                for entry in &head.part.entries {
+                    if last_commit != Some(entry.id.commit_lsn) && entry.commit_time_micros > 0 {
+                        commit_times_micros.push(entry.commit_time_micros);
+                    }
+                    last_commit = Some(entry.id.commit_lsn);
+                }
+                Ok(Some(Confirmed {
+                    shard: k as u32,
+                    ack_lsn: head.part.ack_lsn,
+                    outcome,
+                    entries: head.part.entries.len(),
+                    commit_times_micros,
+                }))
+            }
+            // A fence refusal of a part whose predecessors all confirmed: either one of its
+            // lane's calls overtook another on the way (sent again at once), or the shard
+            // lost entries (refused again, and then it ends the session).
+            Err(RelayError::StreamBehind { .. }) if !head.part.gap_retried => {
+                warn!(
+                    shard = lane.shard,
+                    "a part reached its shard before its predecessor; sending both again in order"
+                );
+                let mut part = Arc::try_unwrap(head.part).unwrap_or_else(|shared| Part {
+                    entries: shared.entries.clone(),
+                    ack_lsn: shared.ack_lsn,
+                    fence: shared.fence,
+                    gap_retried: true,
+                });
+                part.gap_retried = true;
+                lane.send_again_from(Arc::new(part));
+                lane.retry_at = Some(tokio::time::Instant::now());
+                Ok(None)
+            }
+            Err(e) if e.retry_in_place() => {
+                self.ctx.metrics.redis_errors_total.inc();
+                self.ctx.set_redis_reachable(false);
+                self.ctx.set_last_error(Some(e.to_string()));
+                lane.failing = true;
+                lane.send_again_from(head.part);
+                let delay = lane.backoff.next_delay();
+                warn!(error = %e, shard = lane.shard, queued_entries = lane.queued_entries, retry_in = ?delay, "publish failed; this shard sends again, the others go on");
+                lane.retry_at = Some(tokio::time::Instant::now() + delay);
+                Ok(None)
+            }
+            Err(e) => Err(e),
         }
     }
 
     /// Abandon everything in flight (on a session error).
     pub(crate) fn abort(&mut self) {
-        for f in self.in_flight.drain(..) {
-            f.task.abort();
+        for lane in &mut self.lanes {
+            for f in lane.in_flight.drain(..) {
+                f.task.abort();
+            }
+            lane.queued.clear();
+            lane.queued_entries = 0;
+            lane.retry_at = None;
         }
-        self.resend.clear();
     }
 }
 
 async fn publish_once(
     mut publisher: Publisher,
-    sealed: Arc<SealedBatch>,
+    shard: u32,
+    part: Arc<Part>,
     origin: Origin,
     ctx: SharedContext,
-) -> Result<Confirmed, RelayError> {
+) -> Result<PublishOutcome, RelayError> {
     let started = Instant::now();
+    let entries: Vec<&StreamEntry> = part.entries.iter().collect();
     let outcome = publisher
-        .publish(&sealed.batch, &origin, &sealed.fences, sealed.ack_all)
+        .publish_part(shard as usize, &entries, part.ack_lsn, &origin, part.fence)
         .await?;
     ctx.metrics
         .publish_batch_duration_seconds

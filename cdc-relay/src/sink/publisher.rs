@@ -18,6 +18,7 @@
 
 use std::time::Duration;
 
+use pgwire_replication::Lsn;
 use redis::{ErrorKind, ServerErrorKind, Value};
 
 use outbox_core::connect::{RedisConn, RedisTarget};
@@ -198,7 +199,7 @@ impl Publisher {
         if self.shards.len() == 1 {
             let entries: Vec<&StreamEntry> = batch.entries.iter().collect();
             let outcome = self
-                .publish_part(0, &entries, batch, origin, fences[0])
+                .publish_part(0, &entries, batch.ack_lsn, origin, fences[0])
                 .await?;
             return Ok((outcome, vec![true]));
         }
@@ -217,7 +218,7 @@ impl Publisher {
             .map(|(k, entries)| {
                 let mut this = self.clone();
                 async move {
-                    this.publish_part(k, entries, batch, origin, fences[k])
+                    this.publish_part(k, entries, batch.ack_lsn, origin, fences[k])
                         .await
                 }
             });
@@ -240,21 +241,24 @@ impl Publisher {
         }
     }
 
-    async fn publish_part(
+    /// Publish `entries` (all of shard `shard`, ids increasing) as one call, recording
+    /// `ack_lsn` in the shard's record; `fence`: the last id sealed into the shard before
+    /// them.
+    pub(crate) async fn publish_part(
         &mut self,
         shard: usize,
         entries: &[&StreamEntry],
-        batch: &Batch,
+        ack_lsn: Option<Lsn>,
         origin: &Origin,
         fence: Option<EntryId>,
     ) -> Result<PublishOutcome, RelayError> {
-        let reply = self.eval(shard, entries, batch, origin, fence).await;
+        let reply = self.eval(shard, entries, ack_lsn, origin, fence).await;
         let reply = match reply {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 // Redis restarted or failed over (scripts are not persisted): load it again
                 // (on every node of a cluster) and resend.
                 self.script_sha = load_script(&mut self.conn, SCRIPT).await?;
-                self.eval(shard, entries, batch, origin, fence).await
+                self.eval(shard, entries, ack_lsn, origin, fence).await
             }
             other => other,
         };
@@ -281,7 +285,7 @@ impl Publisher {
         &mut self,
         shard: usize,
         entries: &[&StreamEntry],
-        batch: &Batch,
+        ack_lsn: Option<Lsn>,
         origin: &Origin,
         fence: Option<EntryId>,
     ) -> redis::RedisResult<(Value, Option<u32>)> {
@@ -296,8 +300,7 @@ impl Publisher {
             .arg(self.max_len)
             .arg(fence.map(|id| id.to_string()).unwrap_or_default())
             .arg(
-                batch
-                    .ack_lsn
+                ack_lsn
                     .map(|lsn| lsn.as_u64().to_string())
                     .unwrap_or_default(),
             )
