@@ -1,7 +1,8 @@
 //! A stream split into shards, on real servers with the relay binary: every row lands in
 //! the shard its partition key hashes to, each shard in commit order with the ids a single
 //! stream would have; a shard that lost its data is rebuilt without duplicating the others;
-//! a relay configured with another shard count is refused.
+//! a shard that refused every call past its bound gets its rows once it accepts again; a
+//! relay configured with another shard count is refused.
 
 use std::collections::HashSet;
 use std::time::Duration;
@@ -142,6 +143,50 @@ async fn every_chat_lands_in_its_shard_in_commit_order() {
         confirmed >= last_end,
         "slot confirmed {confirmed:X}, last commit ends at {last_end:X}"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_refusing_every_call_past_its_bound_gets_all_its_rows_once_it_accepts_again() {
+    // GIVEN a relay on 8 shards in batches of 2 entries (a failing shard queues at most 20)
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::sharded(shared_postgres(), &redis, SHARDS).await;
+    let relay = fx.spawn_relay("relay", &["--batch-max-entries", "2"]);
+    relay.wait_streaming().await;
+    let mut conn = redis.connect().await.unwrap();
+
+    // WHEN shard 3's stream key holds a string (every call there fails at once, and the
+    // lane waits out a backoff between tries) while writers commit rows for every shard
+    let blocked = shard_key(&fx.stream, 3, SHARDS);
+    let () = redis::cmd("SET")
+        .arg(&blocked)
+        .arg("not a stream")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    write_concurrently(&fx, 0, 40).await;
+    wait_until(
+        Duration::from_secs(30),
+        "the failing shard drops what it queued",
+        || async {
+            let log = relay.child.log();
+            if log.contains("dropping what it queued") {
+                Ok(())
+            } else {
+                Err(tail(&log))
+            }
+        },
+    )
+    .await;
+    // ... and then accepts again
+    let () = redis::cmd("DEL")
+        .arg(&blocked)
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    // THEN every shard, the dropped one too, holds exactly what committed
+    assert_shards_hold_exactly_what_committed(&fx, &relay).await;
+    relay.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

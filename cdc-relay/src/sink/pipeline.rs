@@ -44,6 +44,9 @@ const MAX_IN_FLIGHT: usize = 2;
 /// Entries a failing lane keeps queued at most, in batches of the limit (`--batch-max-
 /// entries`), before it drops them (to be read again).
 const LANE_MAX_BATCHES: usize = 10;
+/// How long a lane sends again in place before it ends the session: the next one connects
+/// afresh (a cluster's moved or new nodes, a connection gone bad) and reads the slot again.
+const LANE_GIVE_UP: Duration = Duration::from_secs(30);
 
 /// One shard's share of one or more sealed batches, sent as one call.
 struct Part {
@@ -97,13 +100,18 @@ struct Lane {
     /// The oldest part failed and is being sent again: one call at a time until one is
     /// confirmed, and this lane does not hold back sealing.
     failing: bool,
+    /// When the current run of failures began.
+    failing_since: Option<Instant>,
     /// Parts were dropped (see the module doc): the session must read them again.
     dropped: bool,
 }
 
 impl Lane {
     fn is_idle(&self) -> bool {
-        self.in_flight.is_empty() && self.queued.is_empty() && self.retry_at.is_none()
+        self.in_flight.is_empty()
+            && self.queued.is_empty()
+            && self.retry_at.is_none()
+            && !self.dropped
     }
 
     fn healthy(&self) -> bool {
@@ -125,8 +133,10 @@ impl Lane {
                 queued = self.queued_entries,
                 "a shard that cannot confirm holds too much: dropping what it queued (still in the slot, read again once the shard confirms)"
             );
-            self.queued.clear();
-            self.queued_entries = 0;
+            // The oldest part stays: it is what the lane sends again (when nothing is in
+            // flight), and its confirmation is what tells the session to read the rest again.
+            self.queued.truncate(1);
+            self.queued_entries = self.queued.front().map_or(0, |p| p.entries.len());
             self.dropped = true;
         }
     }
@@ -206,6 +216,7 @@ impl Pipeline {
                 backoff: Backoff::new(Duration::from_millis(50), max_backoff),
                 last_sealed: fence,
                 failing: false,
+                failing_since: None,
                 dropped: false,
             })
             .collect();
@@ -358,6 +369,7 @@ impl Pipeline {
             Ok(outcome) => {
                 lane.backoff.reset();
                 lane.failing = false;
+                lane.failing_since = None;
                 if lane.dropped {
                     return Err(RelayError::ShardDropped {
                         stream: self.publisher.shard_stream(lane.shard).to_string(),
@@ -405,6 +417,11 @@ impl Pipeline {
                 self.ctx.metrics.redis_errors_total.inc();
                 self.ctx.set_redis_reachable(false);
                 self.ctx.set_last_error(Some(e.to_string()));
+                let since = *lane.failing_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= LANE_GIVE_UP {
+                    warn!(error = %e, shard = lane.shard, failing_for = ?since.elapsed(), "a shard kept failing; the session starts afresh");
+                    return Err(e);
+                }
                 lane.failing = true;
                 lane.send_again_from(head.part);
                 let delay = lane.backoff.next_delay();
