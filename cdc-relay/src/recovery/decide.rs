@@ -21,8 +21,9 @@ pub(crate) enum Decision {
     Rebuild(Reason),
     /// No slot and no rebuild under way: `setup` was not run (or the slot was dropped).
     SlotMissing,
-    /// No slot, and the server is a standby: the name may point at it moments before its
-    /// promotion (a failover under way). Waited for, never acted on.
+    /// The server is a standby, and the stream would need a slot made there or a rebuild:
+    /// the name may point at it moments before its promotion (a failover under way). Waited
+    /// for, never acted on (a standby's slots, records and writers are left alone).
     AwaitPromotion,
     /// The server is on an older timeline than the stream (the old primary after a
     /// failover): rebuilding from it would undo the newer history, so refuse.
@@ -38,6 +39,20 @@ pub(crate) struct Server {
 
 /// The decision, from the slot (read first), the record (read second) and the server.
 pub(crate) fn decide(
+    slot: Option<&SlotInfo>,
+    record: &StreamRecord,
+    origin: &Origin,
+    server: Server,
+) -> Decision {
+    match decide_on(slot, record, origin, server) {
+        // A rebuild takes the lock, marks the record, fences every writer and makes the
+        // slot anew: nothing a standby may do, whatever its slot or the record say.
+        Decision::Rebuild(_) if server.in_recovery => Decision::AwaitPromotion,
+        decision => decision,
+    }
+}
+
+fn decide_on(
     slot: Option<&SlotInfo>,
     record: &StreamRecord,
     origin: &Origin,
@@ -307,6 +322,23 @@ mod tests {
             decide(None, &record(100, 1), &origin(1, &[]), standby),
             Decision::AwaitPromotion
         );
+        // ... nor one whose slot was lost, or whose record carries a rebuild's marker, or
+        // that Redis seems to know less than: a standby never rebuilds.
+        let mut lost = slot(100);
+        lost.wal_status = Some("lost".into());
+        let mut marked = record(100, 1);
+        marked.rebuilding = Some(Default::default());
+        for (slot, record) in [
+            (Some(&lost), record(100, 1)),
+            (Some(&slot(100)), marked.clone()),
+            (None, marked),
+            (Some(&slot(400)), record(100, 1)),
+        ] {
+            assert_eq!(
+                decide(slot, &record, &origin(1, &[]), standby),
+                Decision::AwaitPromotion
+            );
+        }
         // A restore that reused the timeline number on another history is a new history too.
         let mut other = record(100, 2);
         other.history = Some(TimelineHistory {

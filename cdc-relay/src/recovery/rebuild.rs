@@ -128,10 +128,12 @@ pub(crate) async fn rebuild(
         reason,
     )
     .await?;
-    // The record exists now in every shard: claim it, so a relay that wrote before (paused,
-    // retrying an old batch) cannot land behind what this rebuild republishes.
-    publisher.claim_writer_epochs().await?;
     let slot = reslot(ctx, client, lock, &mut records, shard_records, reason).await?;
+    // The record exists now in every shard, and the slot is ours (made anew; a streamer that
+    // still held the old one refused the drop above and was not fenced for nothing): claim
+    // the stream, so a relay that wrote before (paused, retrying an old batch) cannot land
+    // behind what this rebuild compares and republishes.
+    publisher.claim_writer_epochs().await?;
     info!(slot = %cfg.postgres.slot, reason = reason.as_str(), consistent_point = %slot.consistent_point, "slot created again; publishing the outbox rows the stream may be missing");
 
     // The snapshot lives while the replication session stays idle: read it now. Not

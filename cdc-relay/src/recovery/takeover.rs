@@ -239,12 +239,6 @@ async fn start(
     if let Some(lock) = held.take() {
         lock.release().await;
     }
-    // Holding the slot: claim the stream, so a relay that held it before (paused, cut off)
-    // writes nothing more.
-    let mut publisher = publisher;
-    if started.as_ref().is_ok_and(|s| s.is_ok()) {
-        publisher.claim_writer_epochs().await?;
-    }
     if let Err(e) = started? {
         let holder = slot_info(&sql, &pg.slot)
             .await
@@ -268,15 +262,18 @@ async fn start(
         );
     }
     drop(sql);
-    if !rebuilt_here {
-        // Another relay may have started a rebuild between our decision and START (it
-        // dropped and made the slot we now hold): leave the stream to it.
-        let now = read_all(&mut records).await?;
-        if now.iter().any(|r| r.rebuilding.is_some())
-            || records[0].rebuilding_elsewhere(ctx.instance_id()).await?
-        {
-            return Err(busy(ctx, None));
-        }
+    // Another relay may have started a rebuild between our decision and START (it dropped
+    // and made the slot we now hold): leave the stream to it, without fencing it first.
+    if !rebuilt_here && rebuild_elsewhere(ctx, &mut records).await? {
+        return Err(busy(ctx, None));
+    }
+    // Holding the slot: claim the stream, so a relay that held it before (paused, cut off)
+    // writes nothing more. A rebuild that began in between was fenced by the claim; look
+    // again, and leave it the stream (it resumes).
+    let mut publisher = publisher;
+    publisher.claim_writer_epochs().await?;
+    if !rebuilt_here && rebuild_elsewhere(ctx, &mut records).await? {
+        return Err(busy(ctx, None));
     }
     info!(
         slot = %pg.slot,
@@ -352,6 +349,14 @@ fn refuse_lost_slot(ctx: &Context, reason: Reason) -> Result<(), RelayError> {
         });
     }
     Ok(())
+}
+
+/// Whether a rebuild is under way by another relay: a shard's record carries its marker, or
+/// another instance holds the rebuild lock.
+async fn rebuild_elsewhere(ctx: &Context, records: &mut [Records]) -> Result<bool, RelayError> {
+    let now = read_all(records).await?;
+    Ok(now.iter().any(|r| r.rebuilding.is_some())
+        || records[0].rebuilding_elsewhere(ctx.instance_id()).await?)
 }
 
 fn busy(ctx: &Context, holder: Option<u32>) -> RelayError {
