@@ -102,13 +102,14 @@ const RESOLVE_WITHIN: Duration = Duration::from_secs(5);
 /// a server that stops answering without closing its connections (frozen, partitioned)
 /// costs this, not forever.
 const STATEMENT_DEADLINE: Duration = Duration::from_secs(5);
-/// Claiming the inbox writer waits for a previous holder's write in flight (its lock).
-const CLAIM_DEADLINE: Duration = Duration::from_secs(15);
 /// An idle pooled connection is checked (one round trip) before reuse after this long.
 const IDLE_CHECK_AFTER: Duration = Duration::from_secs(10);
-/// Server-side bounds of every statement of the services' sessions.
+/// Server-side bounds of every statement of the services' sessions, inside
+/// [`STATEMENT_DEADLINE`]: a slow statement or a lock wait ends with the server's own error
+/// on a connection that stays good, so the client's deadline fires only when the server
+/// does not answer at all (and then no pooled connection is trusted, see [`Store::bounded`]).
 const SESSION_LIMITS: &str =
-    "-c statement_timeout=10s -c lock_timeout=5s -c idle_in_transaction_session_timeout=60s";
+    "-c statement_timeout=4s -c lock_timeout=3s -c idle_in_transaction_session_timeout=60s";
 
 /// One send's statement, runnable again with the same message id and key.
 struct Send<'a> {
@@ -297,8 +298,9 @@ impl Store {
     }
 
     /// `op` within `deadline`. Past it the database is taken for unavailable, and the idle
-    /// pooled connections are dropped: a server that stopped answering one statement is
-    /// not trusted with the next on the same connections.
+    /// pooled connections are dropped: anything merely slow was ended by the server first
+    /// ([`SESSION_LIMITS`]), so a server that left a statement unanswered this long is
+    /// frozen or cut off, and not trusted with the next on the same connections.
     async fn bounded<T>(
         &self,
         deadline: Duration,
@@ -593,11 +595,12 @@ impl Store {
     }
 
     /// Become the inbox's writer for `shard` (after taking its consumer lease): bump the
-    /// shard's fencing epoch. Waits for a previous holder's in-flight write, whose epoch it
-    /// then invalidates.
+    /// shard's fencing epoch. Waits for a previous holder's in-flight write (bounded by
+    /// `lock_timeout`, past which the consumer tries again), whose epoch it then
+    /// invalidates.
     #[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
     pub async fn claim_inbox_writer(&self, holder: &str, shard: u32) -> Result<i64, StoreError> {
-        self.bounded(CLAIM_DEADLINE, async {
+        self.bounded(STATEMENT_DEADLINE, async {
             let s = self.side.schema();
             let client = self.pool.get().await?;
             let row = client
