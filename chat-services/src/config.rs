@@ -126,6 +126,11 @@ pub struct Cli {
     #[cfg(feature = "failpoints")]
     #[arg(long, env = "CHAT_SLOW_HISTORY", hide = true, value_parser = parse_slow_history)]
     pub slow_history: Option<(i64, Duration)>,
+    /// Fault injection: answer the first sends to this chat 503 (`<chat>:<count>`, e.g.
+    /// `5:2`), as an unavailable database would. Only with `failpoints`.
+    #[cfg(feature = "failpoints")]
+    #[arg(long, env = "CHAT_REFUSE_SENDS", hide = true, value_parser = parse_refuse_sends)]
+    pub refuse_sends: Option<(i64, u64)>,
 }
 
 #[derive(Debug, Clone, clap::Subcommand)]
@@ -194,6 +199,8 @@ pub struct ServiceConfig {
     pub crash_on_body: Option<String>,
     /// Test hook: history of this chat answers this much later.
     pub slow_history: Option<(i64, Duration)>,
+    /// Test hook: the first sends to this chat answer 503.
+    pub refuse_sends: Option<(i64, u64)>,
 }
 
 impl std::fmt::Debug for ServiceConfig {
@@ -270,6 +277,10 @@ impl Cli {
             slow_history: self.slow_history,
             #[cfg(not(feature = "failpoints"))]
             slow_history: None,
+            #[cfg(feature = "failpoints")]
+            refuse_sends: self.refuse_sends,
+            #[cfg(not(feature = "failpoints"))]
+            refuse_sends: None,
         })
     }
 
@@ -394,6 +405,20 @@ fn parse_slow_history(s: &str) -> Result<(i64, Duration), String> {
         .map_err(|_| format!("'{chat}' is not a chat id"))?;
     let delay = humantime::parse_duration(delay).map_err(|e| e.to_string())?;
     Ok((chat, delay))
+}
+
+#[cfg(feature = "failpoints")]
+fn parse_refuse_sends(s: &str) -> Result<(i64, u64), String> {
+    let (chat, count) = s
+        .split_once(':')
+        .ok_or_else(|| format!("'{s}' is not <chat>:<count>"))?;
+    let chat = chat
+        .parse()
+        .map_err(|_| format!("'{chat}' is not a chat id"))?;
+    let count = count
+        .parse()
+        .map_err(|_| format!("'{count}' is not a count"))?;
+    Ok((chat, count))
 }
 
 /// The roles `--role-password` may set.

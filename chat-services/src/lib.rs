@@ -108,6 +108,9 @@ impl Service {
             sse_heartbeat: config.sse_heartbeat,
             limits: http::Limits::new(&config),
             slow_history: config.slow_history,
+            refuse_sends: config
+                .refuse_sends
+                .map(|(chat, n)| (chat, std::sync::atomic::AtomicU64::new(n))),
         });
         Ok(Self {
             config,

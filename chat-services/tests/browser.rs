@@ -288,3 +288,73 @@ async fn switching_chats_while_history_loads_shows_only_the_new_chat_and_all_of_
     workers.stop().await;
     stack.stop().await;
 }
+
+/// A message whose send is being retried (503s) when the user switches chats.
+async fn retried_send_scenario(page: &Client, consumers: &str, stack: &Stack<'_>) {
+    page.goto(&format!("{consumers}/#chat=61")).await.unwrap();
+    wait_until(Duration::from_secs(20), "chat 61 live", || async {
+        let status = page
+            .find(Locator::Id("status"))
+            .await
+            .map_err(|e| e.to_string())?;
+        match status.text().await.map_err(|e| e.to_string())?.as_str() {
+            "live" => Ok(()),
+            other => Err(other.to_string()),
+        }
+    })
+    .await;
+    // Typed in chat 61, whose first two sends answer 503 (the failpoint): the page retries
+    // after 1 s and 2 s; the user switches to chat 62 at once.
+    let body = page.find(Locator::Id("body")).await.unwrap();
+    body.send_keys("written-in-61\n").await.unwrap();
+    let chat = page.find(Locator::Id("chat")).await.unwrap();
+    chat.clear().await.unwrap();
+    chat.send_keys("62\n").await.unwrap();
+    let in_chat = |chat: i64| {
+        format!("SELECT count(*) FROM consumers.messages WHERE chat_id = {chat} AND body = 'written-in-61'")
+    };
+    wait_until(
+        Duration::from_secs(20),
+        "the message written in chat 61",
+        || async {
+            match (
+                stack.count(&in_chat(61)).await,
+                stack.count(&in_chat(62)).await,
+            ) {
+                (1, 0) => Ok(()),
+                other => Err(format!("(in 61, in 62): {other:?}")),
+            }
+        },
+    )
+    .await;
+    // ... and nothing of it in chat 62's page or compose box.
+    assert!(
+        messages(page).await.is_empty(),
+        "{:?}",
+        messages(page).await
+    );
+    let compose = page.find(Locator::Id("body")).await.unwrap();
+    assert_eq!(compose.prop("value").await.unwrap().as_deref(), Some(""));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_send_retried_after_the_user_switched_chats_lands_in_the_chat_it_was_written_in() {
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack
+        .service(Side::Consumers, &["--refuse-sends", "61:2"])
+        .await;
+    let (_driver, webdriver) = chromedriver().await;
+    let page = browser(&webdriver).await;
+    // The page is closed whatever the scenario's outcome (a panic comes back after).
+    let url = format!("http://{}", consumers.addr);
+    let outcome = futures::FutureExt::catch_unwind(std::panic::AssertUnwindSafe(
+        retried_send_scenario(&page, &url, &stack),
+    ))
+    .await;
+    let _ = page.close().await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic);
+    }
+    consumers.stop().await;
+    stack.stop().await;
+}

@@ -1,5 +1,6 @@
 //! The route handlers.
 
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use http_body_util::{BodyExt, Limited};
@@ -130,6 +131,18 @@ pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Re
         Ok(body) => body,
         Err(e) => return input_error(e),
     };
+    if let Some((chat, left)) = &app.refuse_sends {
+        let refuse = *chat == chat_id
+            && left
+                .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+                .is_ok();
+        if refuse {
+            return reply::error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "database unavailable (a test's failpoint); nothing was written",
+            );
+        }
+    }
     match app
         .store
         .send(chat_id, &body, idempotency_key.as_deref())

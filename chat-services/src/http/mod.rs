@@ -46,6 +46,8 @@ pub(crate) struct App {
     pub limits: Limits,
     /// Test hook (`failpoints`): history of this chat answers this much later.
     pub slow_history: Option<(i64, Duration)>,
+    /// Test hook (`failpoints`): sends to this chat answer 503 while the count lasts.
+    pub refuse_sends: Option<(i64, std::sync::atomic::AtomicU64)>,
 }
 
 /// What one instance holds open at most, so a flood of connections or streams costs a 503,
