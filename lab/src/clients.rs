@@ -1,10 +1,11 @@
 //! The experiments' clients: a sender that retries like a careful client (one
 //! Idempotency-Key per message), and a watcher that keeps an SSE stream open like a browser,
-//! reconnecting with `Last-Event-ID`, and records everything it was shown.
+//! reconnecting with `Last-Event-ID` (through any instance of the side, as behind a load
+//! balancer), and records everything it was shown and when.
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use testkit::http::SseClient;
 use tokio::task::JoinHandle;
@@ -48,6 +49,8 @@ pub async fn send(
 pub struct Shown {
     pub seq: i64,
     pub message: serde_json::Value,
+    /// When the event reached the tab (wall clock, comparable with `created_at`).
+    pub at: SystemTime,
 }
 
 /// An SSE client of one chat that reconnects forever (like EventSource) until stopped.
@@ -60,22 +63,36 @@ pub struct Watcher {
 impl Watcher {
     /// Watch `chat_id` on `addr` from the beginning (`after=p0`).
     pub fn start(addr: SocketAddr, chat_id: i64) -> Self {
+        Self::start_any(vec![addr], chat_id)
+    }
+
+    /// Watch `chat_id` through `addrs`: the first one, then, whenever a connection fails or
+    /// ends, the next (what a load balancer in front of a side's instances does for a tab).
+    pub fn start_any(addrs: Vec<SocketAddr>, chat_id: i64) -> Self {
+        assert!(!addrs.is_empty(), "a watcher needs an address");
         let shown = Arc::new(Mutex::new(Vec::new()));
         let stop = CancellationToken::new();
         let task = {
             let (shown, stop) = (shown.clone(), stop.clone());
             tokio::spawn(async move {
                 let mut last: Option<String> = None;
+                let mut next = 0;
                 while !stop.is_cancelled() {
+                    let addr = addrs[next % addrs.len()];
+                    next += 1;
                     let path = format!("/chats/{chat_id}/events?after=p0");
                     let client = tokio::select! {
                         _ = stop.cancelled() => return,
                         c = SseClient::connect(addr, &path, last.as_deref()) => c,
                     };
                     let Ok(mut client) = client else {
-                        tokio::time::sleep(Duration::from_millis(100)).await;
+                        if next % addrs.len() == 0 {
+                            tokio::time::sleep(Duration::from_millis(100)).await;
+                        }
                         continue;
                     };
+                    // Stay on the instance that answered until it goes.
+                    next -= 1;
                     loop {
                         let event = tokio::select! {
                             _ = stop.cancelled() => return,
@@ -94,14 +111,20 @@ impl Watcher {
                                     .and_then(|id| id.strip_prefix('p')?.parse().ok())
                                     .unwrap_or(0);
                                 last = event.id.clone();
-                                shown.lock().unwrap().push(Shown { seq, message });
+                                shown.lock().unwrap().push(Shown {
+                                    seq,
+                                    message,
+                                    at: SystemTime::now(),
+                                });
                             }
                             None if client.is_closed() => break,
                             None => {}
                         }
                     }
-                    // The browser's EventSource waits the `retry:` time (1 s) before
-                    // reconnecting; a shorter pause keeps the experiments quick.
+                    // It went: the next instance. The browser's EventSource waits the
+                    // `retry:` time (1 s) before reconnecting; a shorter pause keeps the
+                    // experiments quick.
+                    next += 1;
                     tokio::time::sleep(Duration::from_millis(100)).await;
                 }
             })

@@ -1,10 +1,12 @@
 //! The soak: both sides send at a steady rate while faults hit every part at random (SIGKILL
-//! and restart of each service and each relay, a deploy, Redis SIGKILL and restart on its
-//! AOF, Redis restarted without its data, a Postgres fast restart, a relay handing over to a
-//! standby, a standby waiting beside a loaded relay for seconds before the handover), with
-//! transactions that roll back mixed in. Then it verifies: every committed message is in the other side's inbox
-//! exactly once, in the sender's commit order per chat; no rolled-back message appears; every
-//! SSE client saw every message of its chat exactly once.
+//! and restart of each service and each relay, a deploy, a rolling deploy of both sides, Redis
+//! SIGKILL and restart on its AOF, Redis restarted without its data, a Postgres fast restart,
+//! Postgres frozen, a relay handing over to a standby, a standby waiting beside a loaded relay
+//! for seconds before the handover), with transactions that roll back mixed in. Then it
+//! verifies: every committed message is in the other side's inbox exactly once, in the
+//! sender's commit order per chat; no rolled-back message appears; every SSE client saw every
+//! message of its chat exactly once; and none took longer than [`MAX_DELAY`] from commit to
+//! shown on any tab, outside the windows where Postgres or Redis was down.
 //!
 //! The sender's commit order comes from a witness slot per side: a second pgoutput slot on
 //! the same publication, created before anything is sent and only ever peeked.
@@ -12,7 +14,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use cdc_relay::decode::{self as pgoutput, PgOutput, RelationCache, Row};
 use rand::rngs::StdRng;
@@ -58,7 +60,14 @@ pub struct Args {
     /// whole cluster stopped and started on its data.
     #[arg(long)]
     pub cluster: bool,
+    /// How long the "Postgres frozen" fault stops every Postgres process (SIGSTOP).
+    #[arg(long, value_parser = humantime::parse_duration, default_value = "20s")]
+    pub freeze_for: Duration,
 }
+
+/// The longest a message may take from commit to shown on every tab, outside the windows
+/// where Postgres or Redis is down.
+pub const MAX_DELAY: Duration = Duration::from_secs(2);
 
 /// One verified property: how many cases held, and the first few that did not.
 #[derive(Debug, Clone, Serialize)]
@@ -100,6 +109,22 @@ pub struct SoakReport {
     pub send_failures: usize,
     pub rollbacks: u64,
     pub checks: Vec<Check>,
+    /// The largest commit-to-shown delay of the messages each kind of fault touched.
+    pub delays: Vec<Delays>,
+}
+
+/// Commit-to-shown delays of the messages (on every tab) whose way overlapped one kind of
+/// fault, or no fault ("steady").
+#[derive(Debug, Clone, Serialize)]
+pub struct Delays {
+    pub fault: &'static str,
+    /// Messages shown, counted once per tab.
+    pub shown: usize,
+    /// The largest delay, outage windows included.
+    pub max_ms: u64,
+    /// The largest delay outside the windows where Postgres or Redis was down (the one
+    /// [`MAX_DELAY`] bounds).
+    pub max_outside_outages_ms: u64,
 }
 
 impl SoakReport {
@@ -126,6 +151,13 @@ enum Fault {
     /// standby must never decide a rebuild.
     StandbyUnderLoad(Side),
     RestartPostgres,
+    /// Both sides, one instance after another: a new instance, ready, then the old one
+    /// SIGTERMed and started again on the new binary, then the extra instance SIGTERMed
+    /// (Kubernetes' maxSurge 1, maxUnavailable 0).
+    RollingDeploy,
+    /// Every Postgres process SIGSTOPped for `--freeze-for`: connections stay open and
+    /// nothing answers, as on a frozen VM or a stalled disk.
+    FreezePostgres,
 }
 
 impl Fault {
@@ -152,6 +184,8 @@ impl Fault {
             Fault::WipeRedis,
             Fault::StandbyUnderLoad(side()),
             Fault::RestartPostgres,
+            Fault::RollingDeploy,
+            Fault::FreezePostgres,
         ];
         rand::seq::SliceRandom::shuffle(&mut deck[..], rng);
         deck
@@ -161,8 +195,8 @@ impl Fault {
         let side = SIDES[rng.random_range(0..2)];
         let instance = rng.random_range(0..instances);
         // Redis losing everything is rarer than the rest: each one republishes the whole
-        // retained outbox.
-        match rng.random_range(0..15) {
+        // retained outbox; so are the long ones (a rolling deploy, a frozen Postgres).
+        match rng.random_range(0..17) {
             0 | 1 => Fault::KillService(side, instance),
             2 | 3 => Fault::DeployService(side, instance),
             4 | 5 => Fault::KillRelay(side),
@@ -170,10 +204,41 @@ impl Fault {
             8 | 9 => Fault::KillRedis,
             10 => Fault::WipeRedis,
             11 | 12 => Fault::StandbyUnderLoad(side),
+            13 => Fault::RollingDeploy,
+            14 => Fault::FreezePostgres,
             _ => Fault::RestartPostgres,
         }
     }
+
+    /// The kind, for the delays printed per kind.
+    fn kind(self) -> &'static str {
+        match self {
+            Fault::KillService(..) => "service SIGKILL",
+            Fault::DeployService(..) => "service deploy",
+            Fault::KillRelay(_) => "relay SIGKILL",
+            Fault::RelayHandover(_) => "relay handover",
+            Fault::KillRedis => "redis SIGKILL",
+            Fault::WipeRedis => "redis wiped",
+            Fault::StandbyUnderLoad(_) => "standby under load",
+            Fault::RestartPostgres => "postgres restart",
+            Fault::RollingDeploy => "rolling deploy",
+            Fault::FreezePostgres => "postgres frozen",
+        }
+    }
 }
+
+/// One injected fault: its kind, when it began and ended, and the part of it (if any) during
+/// which Postgres or Redis was down.
+struct Injected {
+    kind: &'static str,
+    began: SystemTime,
+    ended: SystemTime,
+    outage: Option<(SystemTime, SystemTime)>,
+}
+
+/// How long after a fault ended its effects are still put down to it (a consumer taking a
+/// shard over, a relay catching up).
+const AFTERMATH: Duration = Duration::from_secs(5);
 
 /// The relays currently active, by side (a handover alternates `-a` and `-b`).
 struct Relays {
@@ -220,15 +285,17 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
             .wait_instance(side, 1, Duration::from_secs(30))
             .await?;
     }
+    // Tabs: on every instance of every chat, each reconnecting through the side's other
+    // instances (and the rolling deploy's extra one) when its own goes, as behind a load
+    // balancer.
     let mut watchers = Vec::new();
     for side in SIDES {
         for chat in 1..=args.chats {
             for i in 0..instances {
-                watchers.push((
-                    side,
-                    chat,
-                    Watcher::start(system.instance_addr(side, i), chat),
-                ));
+                let addrs = (0..=instances)
+                    .map(|k| system.instance_addr(side, (i + k) % (instances + 1)))
+                    .collect();
+                watchers.push((side, chat, Watcher::start_any(addrs, chat)));
             }
         }
     }
@@ -290,6 +357,7 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
 
     // Faults.
     let mut faults = Vec::new();
+    let mut injected = Vec::new();
     let mut deck = Fault::deck(&mut rng, instances);
     let deadline = started + Duration::from_secs(args.seconds);
     loop {
@@ -303,7 +371,20 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
             .unwrap_or_else(|| Fault::pick(&mut rng, instances));
         let outage = Duration::from_millis(rng.random_range(200..1500));
         let target = rng.random_range(0..args.shards);
-        let line = inject(&system, &mut relays, fault, outage, target).await?;
+        let began = SystemTime::now();
+        let shot = Shot {
+            outage,
+            target,
+            instances,
+            freeze: args.freeze_for,
+        };
+        let (line, down) = inject(&system, &mut relays, fault, shot).await?;
+        injected.push(Injected {
+            kind: fault.kind(),
+            began,
+            ended: SystemTime::now(),
+            outage: down,
+        });
         let line = format!("{:>6.1}s  {line}", started.elapsed().as_secs_f64());
         eprintln!("  {line}");
         faults.push(line);
@@ -405,8 +486,15 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
             });
         }
     }
+    let mut timely = Check::new(
+        "every message shown on every tab within 2 s of its commit, outside Postgres and Redis outages",
+    );
+    let mut delays: HashMap<&'static str, Delays> = HashMap::new();
     for (side, chat, watcher) in watchers {
         let shown = watcher.stop().await;
+        measure_delays(&shown, &injected, &mut timely, &mut delays, || {
+            format!("{side} chat {chat}")
+        });
         let feed = feed_order(&db, side, chat).await?;
         let ids: Vec<String> = shown
             .iter()
@@ -444,7 +532,12 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
         sent,
         send_failures,
         rollbacks: rollbacks.load(Ordering::Relaxed),
-        checks: vec![delivered, order, rolled, shown_once],
+        checks: vec![delivered, order, rolled, shown_once, timely],
+        delays: {
+            let mut delays: Vec<Delays> = delays.into_values().collect();
+            delays.sort_by_key(|d| std::cmp::Reverse(d.max_outside_outages_ms));
+            delays
+        },
     })
 }
 
@@ -459,7 +552,8 @@ fn instance_name(side: Side, i: usize) -> String {
 fn instance_kind(side: Side, i: usize) -> Kind {
     match i {
         0 => Kind::Service(side),
-        _ => Kind::Replica(side),
+        1 => Kind::Replica(side),
+        _ => Kind::Instance(side, i),
     }
 }
 
@@ -467,30 +561,85 @@ fn witness(side: Side) -> String {
     format!("soak_witness_{side}")
 }
 
+/// The dice of one fault beside its kind.
+struct Shot {
+    /// How long a server stays down.
+    outage: Duration,
+    /// The shard whose master a cluster fault hits.
+    target: u32,
+    /// Instances of each side's service.
+    instances: usize,
+    /// How long Postgres stays frozen.
+    freeze: Duration,
+}
+
+/// Inject `fault`. Returns its line for the report and the window (if any) in which
+/// Postgres or Redis was down.
 async fn inject(
     system: &Arc<System>,
     relays: &mut Relays,
     fault: Fault,
-    outage: Duration,
-    // The shard whose master a cluster fault hits.
-    target: u32,
-) -> anyhow::Result<String> {
-    Ok(match fault {
+    shot: Shot,
+) -> anyhow::Result<(String, Option<(SystemTime, SystemTime)>)> {
+    let Shot {
+        outage,
+        target,
+        instances,
+        freeze,
+    } = shot;
+    let down_from = SystemTime::now();
+    let line = match fault {
         Fault::KillService(side, i) => {
             let name = instance_name(side, i);
-            system.stop(&name, Signal::Kill)?;
+            stop(system, &name, Signal::Kill).await?;
             system.start(&name, instance_kind(side, i), &[])?;
             format!("{name}: SIGKILL, restarted")
         }
         Fault::DeployService(side, i) => {
             let name = instance_name(side, i);
-            system.stop(&name, Signal::Term)?;
+            stop(system, &name, Signal::Term).await?;
             system.start(&name, instance_kind(side, i), &[])?;
             format!("{name}: deployed (SIGTERM, started)")
         }
+        Fault::RollingDeploy => {
+            let t = Instant::now();
+            let mut steps = Vec::new();
+            for side in SIDES {
+                let extra = instance_name(side, instances);
+                for i in 0..instances {
+                    let step = Instant::now();
+                    system.start(&extra, instance_kind(side, instances), &[])?;
+                    system
+                        .wait_instance(side, instances, Duration::from_secs(30))
+                        .await?;
+                    let name = instance_name(side, i);
+                    stop(system, &name, Signal::Term).await?;
+                    system.start(&name, instance_kind(side, i), &[])?;
+                    system
+                        .wait_instance(side, i, Duration::from_secs(30))
+                        .await?;
+                    stop(system, &extra, Signal::Term).await?;
+                    steps.push(format!("{name} {} ms", step.elapsed().as_millis()));
+                }
+            }
+            format!(
+                "rolling deploy of both sides ({}), {} ms",
+                steps.join(", "),
+                t.elapsed().as_millis()
+            )
+        }
+        Fault::FreezePostgres => {
+            system.pg.freeze()?;
+            tokio::time::sleep(freeze).await;
+            system.pg.thaw()?;
+            return Ok((
+                format!("postgres: frozen (SIGSTOP) for {} ms", freeze.as_millis()),
+                Some((down_from, SystemTime::now())),
+            ));
+        }
         Fault::KillRelay(side) => {
             let name = relays.active[&side].clone();
-            system.stop(&name, Signal::Kill)?;
+            stop(system, &name, Signal::Kill).await?;
             system.start(&name, Kind::Relay(side), &[])?;
             format!("{name}: SIGKILL, restarted")
         }
@@ -559,7 +708,92 @@ async fn inject(
             .await??;
             format!("postgres: fast restart ({} ms)", took.as_millis())
         }
-    })
+    };
+    let down = matches!(
+        fault,
+        Fault::KillRedis | Fault::WipeRedis | Fault::RestartPostgres
+    )
+    .then(|| (down_from, SystemTime::now()));
+    Ok((line, down))
+}
+
+/// Send `signal` to process `name` and wait for it to exit, off the runtime's threads (the
+/// tabs keep reading meanwhile, so their times stay true).
+async fn stop(system: &Arc<System>, name: &str, signal: Signal) -> anyhow::Result<()> {
+    let (system, name) = (system.clone(), name.to_string());
+    tokio::task::spawn_blocking(move || system.stop(&name, signal)).await?
+}
+
+/// Record, for each message `shown` on one tab (the first time), how long it took from its
+/// `created_at` (taken just before its transaction, so at or before the commit) to the tab,
+/// in all and outside the outage windows, under each fault whose span (plus its aftermath)
+/// it overlapped.
+fn measure_delays(
+    shown: &[crate::clients::Shown],
+    injected: &[Injected],
+    timely: &mut Check,
+    delays: &mut HashMap<&'static str, Delays>,
+    tab: impl Fn() -> String,
+) {
+    let mut seen = std::collections::HashSet::new();
+    for s in shown {
+        let id = s.message["id"].as_str().unwrap_or_default();
+        if !seen.insert(id.to_string()) {
+            continue;
+        }
+        let Some(committed) = s.message["created_at"]
+            .as_str()
+            .and_then(|t| {
+                time::OffsetDateTime::parse(t, &time::format_description::well_known::Rfc3339).ok()
+            })
+            .map(SystemTime::from)
+        else {
+            timely.record(false, || format!("{}: {id} has no created_at", tab()));
+            continue;
+        };
+        let total = s.at.duration_since(committed).unwrap_or_default();
+        let in_outages: Duration = injected
+            .iter()
+            .filter_map(|f| f.outage)
+            .map(|(from, to)| overlap((committed, s.at), (from, to)))
+            .sum();
+        let outside = total.saturating_sub(in_outages);
+        timely.record(outside <= MAX_DELAY, || {
+            format!(
+                "{}: {id} shown {} ms after its commit ({} ms of it outside outages)",
+                tab(),
+                total.as_millis(),
+                outside.as_millis()
+            )
+        });
+        let mut kinds: Vec<&'static str> = injected
+            .iter()
+            .filter(|f| f.began <= s.at && f.ended + AFTERMATH >= committed)
+            .map(|f| f.kind)
+            .collect();
+        kinds.dedup();
+        if kinds.is_empty() {
+            kinds.push("steady");
+        }
+        for kind in kinds {
+            let d = delays.entry(kind).or_insert(Delays {
+                fault: kind,
+                shown: 0,
+                max_ms: 0,
+                max_outside_outages_ms: 0,
+            });
+            d.shown += 1;
+            d.max_ms = d.max_ms.max(total.as_millis() as u64);
+            d.max_outside_outages_ms = d.max_outside_outages_ms.max(outside.as_millis() as u64);
+        }
+    }
+}
+
+/// How long two spans of wall-clock time overlap.
+fn overlap(a: (SystemTime, SystemTime), b: (SystemTime, SystemTime)) -> Duration {
+    let from = a.0.max(b.0);
+    let to = a.1.min(b.1);
+    to.duration_since(from).unwrap_or_default()
 }
 
 /// Start a second relay for `side`, let it stand by for `beside` under the soak's load, then
@@ -592,7 +826,7 @@ async fn handover(
     tokio::time::sleep(beside).await;
     // ... and takes over when it is deployed away.
     let handover = Instant::now();
-    system.stop(&old, Signal::Term)?;
+    stop(system, &old, Signal::Term).await?;
     system.wait_relay(&new, Duration::from_secs(30)).await?;
     relays.active.insert(side, new.clone());
     let took = handover.elapsed();
@@ -792,6 +1026,13 @@ pub fn print(report: &SoakReport) {
         for example in &check.examples {
             println!("    {example}");
         }
+    }
+    println!("largest commit-to-shown delay per fault kind (messages on every tab):");
+    for d in &report.delays {
+        println!(
+            "  {:<20} {:>6} shown, max {:>6} ms, {:>5} ms outside Postgres/Redis outages",
+            d.fault, d.shown, d.max_ms, d.max_outside_outages_ms
+        );
     }
 }
 
