@@ -4,6 +4,8 @@
 //! Every statement names this side's schema; the service's role can touch nothing else.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
@@ -123,9 +125,23 @@ impl Send<'_> {
     /// may have committed (its outcome is unknown), and the connections it used are not
     /// trusted again.
     async fn execute_by(&self, store: &Store, deadline: tokio::time::Instant) -> Attempt {
+        let _probe = match store.breaker.admit() {
+            Admit::Refuse => return Attempt::Refused(refused_by_breaker()),
+            admitted => admitted,
+        };
         match tokio::time::timeout_at(deadline, self.execute(store)).await {
-            Ok(attempt) => attempt,
+            Ok(attempt) => {
+                if matches!(
+                    attempt,
+                    Attempt::Done(_)
+                        | Attempt::Refused(StoreError::Other(_) | StoreError::RowRefused(_))
+                ) {
+                    store.breaker.answered();
+                }
+                attempt
+            }
             Err(_) => {
+                store.breaker.trip();
                 store.pool.retain(|_, _| false);
                 Attempt::Unknown("no answer from the database in time".into())
             }
@@ -233,6 +249,72 @@ pub struct Received {
 pub struct Store {
     pool: Pool,
     side: Side,
+    breaker: Arc<Breaker>,
+}
+
+/// Trips when an operation gets no answer by its deadline: from then on one operation at a
+/// time goes to the database (waiting, if need be, on a connection to a frozen server) and
+/// the others are answered at once (503, nothing written), until one gets an answer.
+/// Without it every request during a freeze opens a connection and abandons it at its
+/// deadline; the server accepts them all when it wakes (688 after 20 s frozen, in the soak)
+/// and its first seconds go to forking backends for clients long gone.
+#[derive(Default)]
+struct Breaker {
+    tripped: AtomicBool,
+    probing: AtomicBool,
+    /// Woken when a probe ends (answered or not).
+    probe_ended: tokio::sync::Notify,
+}
+
+/// Whether an operation may go to the database now.
+enum Admit<'a> {
+    Go,
+    /// The one operation trying the database while the breaker is tripped.
+    Probe(#[allow(dead_code)] ProbeGuard<'a>),
+    Refuse,
+}
+
+/// Held by the probing operation; lets the next one probe when it ends.
+struct ProbeGuard<'a>(&'a Breaker);
+
+impl Drop for ProbeGuard<'_> {
+    fn drop(&mut self) {
+        self.0.probing.store(false, Ordering::Release);
+        self.0.probe_ended.notify_waiters();
+    }
+}
+
+impl Breaker {
+    fn admit(&self) -> Admit<'_> {
+        if !self.tripped.load(Ordering::Acquire) {
+            return Admit::Go;
+        }
+        if self.probing.swap(true, Ordering::AcqRel) {
+            return Admit::Refuse;
+        }
+        Admit::Probe(ProbeGuard(self))
+    }
+
+    /// An operation got an answer from the server within its deadline: it is not frozen.
+    fn answered(&self) {
+        self.tripped.store(false, Ordering::Release);
+    }
+
+    fn trip(&self) {
+        self.tripped.store(true, Ordering::Release);
+    }
+
+    fn is_tripped(&self) -> bool {
+        self.tripped.load(Ordering::Acquire)
+    }
+}
+
+/// What an operation refused by the tripped breaker answers.
+fn refused_by_breaker() -> StoreError {
+    StoreError::Unavailable(
+        "the database did not answer in time a moment ago; one request at a time tries it until it answers"
+            .into(),
+    )
 }
 
 impl Store {
@@ -243,8 +325,11 @@ impl Store {
         side: Side,
         max_connections: usize,
     ) -> Result<Self, outbox_core::ConfigError> {
+        // No connect timeout of its own, and none for the pool's creation: every use is
+        // under a deadline (`bounded`, `within`), which is what trips the breaker. A
+        // shorter one would fail a connection to a frozen server before it, so each
+        // request would open another.
         let (mut config, tls) = endpoint.pool_parts(&format!("chat-{side}"))?;
-        config.connect_timeout(Duration::from_secs(3));
         // Every statement here goes by an index, and a prepared statement keeps the plan it
         // settled on for the connection's life: one made while a table was nearly empty and
         // analyzed scans the whole table on every run as it grows, until autovacuum analyzes
@@ -271,7 +356,6 @@ impl Store {
         let pool = Pool::builder(manager)
             .max_size(max_connections)
             .wait_timeout(Some(Duration::from_secs(5)))
-            .create_timeout(Some(Duration::from_secs(5)))
             .recycle_timeout(Some(Duration::from_secs(2)))
             // A connection idle for a while is checked before reuse: one whose server went
             // away without closing it (a failover, a partition) is replaced, not handed to
@@ -294,21 +378,49 @@ impl Store {
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .expect("pool configuration is valid");
-        Ok(Self { pool, side })
+        Ok(Self {
+            pool,
+            side,
+            breaker: Arc::default(),
+        })
     }
 
     /// `op` within `deadline`. Past it the database is taken for unavailable, and the idle
     /// pooled connections are dropped: anything merely slow was ended by the server first
     /// ([`SESSION_LIMITS`]), so a server that left a statement unanswered this long is
     /// frozen or cut off, and not trusted with the next on the same connections.
+    ///
+    /// While the [`Breaker`] is tripped, only one operation at a time goes to the database;
+    /// the others fail at once.
     async fn bounded<T>(
         &self,
         deadline: Duration,
         op: impl std::future::Future<Output = Result<T, StoreError>>,
     ) -> Result<T, StoreError> {
+        let _probe = match self.breaker.admit() {
+            Admit::Refuse => return Err(refused_by_breaker()),
+            admitted => admitted,
+        };
+        self.within(deadline, op).await
+    }
+
+    /// `op` within `deadline`, whatever the breaker says; its outcome sets the breaker.
+    async fn within<T>(
+        &self,
+        deadline: Duration,
+        op: impl std::future::Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
         match tokio::time::timeout(deadline, op).await {
-            Ok(result) => result,
+            Ok(result) => {
+                // A refusal proves nothing about a frozen server (a connection can be
+                // dropped by anything); an answer or the server's own error does.
+                if !matches!(result, Err(StoreError::Unavailable(_))) {
+                    self.breaker.answered();
+                }
+                result
+            }
             Err(_) => {
+                self.breaker.trip();
                 self.pool.retain(|_, _| false);
                 Err(StoreError::Unavailable(format!(
                     "no answer within {deadline:?}"
@@ -317,14 +429,33 @@ impl Store {
         }
     }
 
-    /// Postgres answers.
+    /// Postgres answers. Never refused by the breaker, so the health checks (readiness, the
+    /// inbox membership) learn the truth: while another operation probes, its outcome is
+    /// the ping's (no connection of its own to a frozen server); otherwise the ping probes.
     pub(crate) async fn ping(&self) -> Result<(), StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
-            let client = self.pool.get().await?;
-            client.simple_query("SELECT 1").await?;
-            Ok(())
-        })
-        .await
+        loop {
+            let ended = self.breaker.probe_ended.notified();
+            tokio::pin!(ended);
+            ended.as_mut().enable();
+            match self.breaker.admit() {
+                Admit::Refuse => {
+                    ended.await;
+                    if !self.breaker.is_tripped() {
+                        return Ok(());
+                    }
+                }
+                admitted => {
+                    let _probe = admitted;
+                    return self
+                        .within(STATEMENT_DEADLINE, async {
+                            let client = self.pool.get().await?;
+                            client.simple_query("SELECT 1").await?;
+                            Ok(())
+                        })
+                        .await;
+                }
+            }
+        }
     }
 
     /// Write the message and its outbox event in one transaction. With an idempotency key
