@@ -42,6 +42,13 @@ pub use inbox::{ConsumerRole, ConsumerStatus};
 pub use model::{parse_chat_id, parse_send_request, Message, MESSAGE_CREATED};
 pub use side::Side;
 
+/// The backoff between attempts to reach Postgres or Redis again: from `first` up to one
+/// second, so a server that comes back after a long outage is noticed within a second of
+/// it (an attempt costs one connection), not after a pause that grew through the outage.
+pub(crate) fn retry_backoff(first: Duration) -> outbox_core::backoff::Backoff {
+    outbox_core::backoff::Backoff::new(first, Duration::from_secs(1))
+}
+
 /// Internals the integration tests drive directly.
 #[cfg(any(test, feature = "test-support"))]
 pub mod test_support {

@@ -218,7 +218,7 @@ pub(crate) struct Publisher {
 
 impl Publisher {
     pub(crate) async fn run(mut self, shutdown: CancellationToken) {
-        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+        let mut backoff = crate::retry_backoff(Duration::from_millis(100));
         let mut conn: Option<RedisConn> = None;
         // When instances of the previous version are owed a resync (see LEGACY_EVERY).
         let mut legacy_due: Option<Instant> = None;
@@ -298,7 +298,7 @@ pub(crate) async fn follow(
     hub: Arc<Hub>,
     shutdown: CancellationToken,
 ) {
-    let mut backoff = Backoff::new(Duration::from_millis(200), Duration::from_secs(5));
+    let mut backoff = crate::retry_backoff(Duration::from_millis(200));
     loop {
         let session = async {
             match &client {

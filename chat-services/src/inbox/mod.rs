@@ -25,7 +25,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::Duration;
 
-use outbox_core::backoff::{jitter, Backoff};
+use outbox_core::backoff::jitter;
 use outbox_core::connect::{RedisConn, RedisTarget};
 use outbox_core::lease::Lease;
 use outbox_core::stream::entry;
@@ -256,7 +256,7 @@ impl Inbox {
             &self.cfg.consumer,
             self.cfg.lease_ttl,
         );
-        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        let mut backoff = crate::retry_backoff(Duration::from_millis(100));
         loop {
             if shutdown.is_cancelled() {
                 break;
@@ -652,7 +652,7 @@ impl Active<'_> {
         batch: &[Received],
         shutdown: &CancellationToken,
     ) -> Result<Recorded, ConsumeError> {
-        let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+        let mut backoff = crate::retry_backoff(Duration::from_millis(100));
         loop {
             match self
                 .inbox
