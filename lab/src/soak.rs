@@ -63,6 +63,38 @@ pub struct Args {
     /// How long the "Postgres frozen" fault stops every Postgres process (SIGSTOP).
     #[arg(long, value_parser = humantime::parse_duration, default_value = "20s")]
     pub freeze_for: Duration,
+    /// Inject only these kinds of fault (comma-separated: service-kill, service-deploy,
+    /// relay-kill, relay-handover, redis-kill, redis-wipe, standby-under-load,
+    /// postgres-restart, rolling-deploy, postgres-freeze); every kind when empty.
+    #[arg(long, value_delimiter = ',', value_parser = parse_fault_kind)]
+    pub only: Vec<&'static str>,
+}
+
+/// Every fault kind's name (`--only`).
+const FAULT_KINDS: [&str; 10] = [
+    "service-kill",
+    "service-deploy",
+    "relay-kill",
+    "relay-handover",
+    "redis-kill",
+    "redis-wipe",
+    "standby-under-load",
+    "postgres-restart",
+    "rolling-deploy",
+    "postgres-freeze",
+];
+
+fn parse_fault_kind(s: &str) -> Result<&'static str, String> {
+    FAULT_KINDS
+        .iter()
+        .find(|k| **k == s)
+        .copied()
+        .ok_or_else(|| {
+            format!(
+                "'{s}' is not a fault kind (one of: {})",
+                FAULT_KINDS.join(", ")
+            )
+        })
 }
 
 /// The longest a message may take from commit to shown on every tab, outside the windows
@@ -210,20 +242,21 @@ impl Fault {
         }
     }
 
-    /// The kind, for the delays printed per kind.
+    /// The kind, for the delays printed per kind and `--only`.
     fn kind(self) -> &'static str {
-        match self {
-            Fault::KillService(..) => "service SIGKILL",
-            Fault::DeployService(..) => "service deploy",
-            Fault::KillRelay(_) => "relay SIGKILL",
-            Fault::RelayHandover(_) => "relay handover",
-            Fault::KillRedis => "redis SIGKILL",
-            Fault::WipeRedis => "redis wiped",
-            Fault::StandbyUnderLoad(_) => "standby under load",
-            Fault::RestartPostgres => "postgres restart",
-            Fault::RollingDeploy => "rolling deploy",
-            Fault::FreezePostgres => "postgres frozen",
-        }
+        let k = match self {
+            Fault::KillService(..) => 0,
+            Fault::DeployService(..) => 1,
+            Fault::KillRelay(_) => 2,
+            Fault::RelayHandover(_) => 3,
+            Fault::KillRedis => 4,
+            Fault::WipeRedis => 5,
+            Fault::StandbyUnderLoad(_) => 6,
+            Fault::RestartPostgres => 7,
+            Fault::RollingDeploy => 8,
+            Fault::FreezePostgres => 9,
+        };
+        FAULT_KINDS[k]
     }
 }
 
@@ -254,6 +287,10 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
         "--cluster needs --shards 2 or more (a shard's keys share a hash tag; one plain stream has none)"
     );
     let system = Arc::new(System::new_on(!args.no_fsync, bins, args.shards, args.cluster).await?);
+    eprintln!(
+        "[soak] process logs in {} (kept after exit with TESTKIT_KEEP_SCRATCH=1)",
+        system.logs_dir().display()
+    );
     let admin = system.db.connect().await?;
     for side in SIDES {
         admin
@@ -358,7 +395,9 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
     // Faults.
     let mut faults = Vec::new();
     let mut injected = Vec::new();
+    let allowed = |f: &Fault| args.only.is_empty() || args.only.contains(&f.kind());
     let mut deck = Fault::deck(&mut rng, instances);
+    deck.retain(allowed);
     let deadline = started + Duration::from_secs(args.seconds);
     loop {
         let pause = args.fault_every.mul_f64(rng.random_range(0.5..1.5));
@@ -366,9 +405,15 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
             break;
         }
         tokio::time::sleep(pause).await;
-        let fault = deck
-            .pop()
-            .unwrap_or_else(|| Fault::pick(&mut rng, instances));
+        let fault = match deck.pop() {
+            Some(fault) => fault,
+            None => loop {
+                let fault = Fault::pick(&mut rng, instances);
+                if allowed(&fault) {
+                    break fault;
+                }
+            },
+        };
         let outage = Duration::from_millis(rng.random_range(200..1500));
         let target = rng.random_range(0..args.shards);
         let began = SystemTime::now();

@@ -438,6 +438,12 @@ impl System {
             .is_some_and(|c| c.is_running())
     }
 
+    /// Where the processes' logs go (`<name>.<generation>.log`); removed at exit unless
+    /// `TESTKIT_KEEP_SCRATCH` is set.
+    pub fn logs_dir(&self) -> &std::path::Path {
+        &self.logs
+    }
+
     /// Everything process `name` logged, all generations.
     pub fn logs(&self, name: &str) -> String {
         let generations = self

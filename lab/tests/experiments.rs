@@ -91,6 +91,7 @@ async fn a_sixty_second_fault_soak_with_two_instances_per_side_on_four_shards_fi
         // Longer than the services' 5 s store deadline (they answer 503); the lab's 20 s
         // would leave too few of the 60 s for the other faults.
         freeze_for: Duration::from_secs(6),
+        only: Vec::new(),
     };
     let report = soak::run_soak(bins(), &args).await.unwrap();
     soak::print(&report);
@@ -148,6 +149,7 @@ async fn a_short_fault_soak_on_a_redis_cluster_with_master_failovers_finds_no_vi
         shards: 8,
         cluster: true,
         freeze_for: Duration::from_secs(6),
+        only: Vec::new(),
     };
     let report = soak::run_soak(bins(), &args).await.unwrap();
     soak::print(&report);
