@@ -85,11 +85,18 @@ impl ChildProcess {
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log);
-        // SAFETY: prctl is async-signal-safe and touches no memory of the parent.
+        // SAFETY: prctl and signal are async-signal-safe and touch no memory of the parent.
         unsafe {
             command.pre_exec(|| {
                 if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
                     return Err(std::io::Error::last_os_error());
+                }
+                // A test run in the background of a non-interactive shell (`cargo test &`,
+                // nohup) inherits SIGINT and SIGQUIT ignored, and so would every process
+                // it starts: a shell cannot even trap a signal ignored at entry. The signals
+                // the tests send must do what they do in a terminal.
+                for signal in [libc::SIGINT, libc::SIGQUIT, libc::SIGTERM, libc::SIGHUP] {
+                    libc::signal(signal, libc::SIG_DFL);
                 }
                 Ok(())
             });
