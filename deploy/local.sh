@@ -3,7 +3,9 @@
 # Redis (with the files in deploy/postgres and deploy/redis: TLS only, SCRAM passwords, the
 # Redis ACL users), the migrations, both relays and both services, every connection over
 # TLS verified against a local CA and every credential from a file.
-# Prints the two chat pages; Ctrl-C stops everything, services first, Postgres last.
+# Prints the two chat pages and a sign-in link for a user of each (alice and bob, members
+# of chat 7: tokens of a stand-in identity provider); Ctrl-C stops everything, services
+# first, Postgres last.
 #
 # State (data, logs, the local CA, generated passwords) lives in $CHAT_LOCAL_DIR (default:
 # .local/ in the repository) and is kept between runs. Ports (loopback only): CONSUMERS_PORT
@@ -24,6 +26,8 @@ workers_service_admin=${WORKERS_ADMIN:-9192}
 pg_port=${PG_PORT:-54329}
 redis_port=${REDIS_PORT:-63790}
 pg_bin=/usr/lib/postgresql/15/bin
+# The stand-in identity provider's issuer (its key is made by make-secrets.sh).
+idp_issuer=http://localhost/local-idp
 
 log() { printf '[local] %s\n' "$*" >&2; }
 
@@ -58,7 +62,7 @@ mkdir -p "$state/pg/tls"
 cp "$secrets/server.pem" "$secrets/server.key" "$state/pg/tls/"
 
 stop_all() {
-  trap - INT TERM EXIT
+  trap - INT TERM HUP EXIT
   log "stopping"
   # Reverse start order: services, relays (final acknowledgement), Redis, Postgres.
   for ((i = ${#pids[@]} - 1; i >= 0; i--)); do
@@ -72,7 +76,7 @@ stop_all() {
     fi
   done
 }
-trap 'stop_all; exit 0' INT TERM
+trap 'stop_all; exit 0' INT TERM HUP
 trap stop_all EXIT
 
 start() { # name, command...
@@ -96,6 +100,15 @@ wait_for() { # what, seconds, command...
   done
   log "timed out waiting for $what"
   exit 1
+}
+
+http_put() { # port path token: prints the status of PUT path with that bearer token
+  exec 3<>"/dev/tcp/127.0.0.1/$1" || { echo 000; return; }
+  printf 'PUT %s HTTP/1.0\r\nHost: localhost\r\nAuthorization: Bearer %s\r\nContent-Length: 0\r\n\r\n' "$2" "$3" >&3
+  local status
+  read -r _ status _ <&3 || true
+  exec 3<&- 3>&-
+  echo "${status:-000}"
 }
 
 http_ok() { # port path: 200?
@@ -170,16 +183,35 @@ for side in consumers workers; do
   service_admin_var=${side}_service_admin
   export DATABASE_PASSWORD_FILE=$secrets/postgres/$side REDIS_PASSWORD_FILE=$secrets/redis/$side
   start "$side" "$bin/chat-service" --side "$side" --database-url "$(url "$side")" --redis-url "$(redis_url "$side")" \
-    --listen "127.0.0.1:${!port_var}" --admin-addr "127.0.0.1:${!service_admin_var}" --consumer-name "$side-local"
+    --listen "127.0.0.1:${!port_var}" --admin-addr "127.0.0.1:${!service_admin_var}" --consumer-name "$side-local" \
+    --jwks-file "$secrets/idp/jwks.json" --jwt-issuer "$idp_issuer" --jwt-audience chat
 done
 unset DATABASE_PASSWORD_FILE REDIS_PASSWORD_FILE
 wait_for "consumers" 60 http_ok "$consumers_service_admin" /readyz
 wait_for "workers" 60 http_ok "$workers_service_admin" /readyz
 
+# Who is who: alice on the Consumers side and bob on the Workers side, both in chat 7, each
+# signed in by the link printed below (a token of the stand-in identity provider).
+mint() { "$bin/chat-token" --key "$secrets/idp/key.pem" mint --issuer "$idp_issuer" --audience chat "$@"; }
+admin_token=$(mint --sub local-admin --scope chat:admin --ttl 5m)
+for member in "$consumers_port alice" "$workers_port bob"; do
+  read -r port user <<<"$member"
+  status=$(http_put "$port" "/chats/7/members/$user" "$admin_token")
+  case $status in 200|201) ;; *) log "adding $user to chat 7 answered $status"; exit 1 ;; esac
+done
+mkdir -p "$state/tokens"
+mint --sub alice >"$state/tokens/alice"
+mint --sub bob >"$state/tokens/bob"
+log "chat 7 has alice (consumers) and bob (workers); tokens in $state/tokens/"
+
 cat <<MSG
 
   Consumers chat: http://127.0.0.1:$consumers_port/
   Workers chat:   http://127.0.0.1:$workers_port/
+
+  Sign in (tokens valid 8 h, in $state/tokens/):
+    alice at Consumers: http://127.0.0.1:$consumers_port/#chat=7&token=$(cat "$state/tokens/alice")
+    bob at Workers:     http://127.0.0.1:$workers_port/#chat=7&token=$(cat "$state/tokens/bob")
 
   relay metrics:  http://127.0.0.1:$consumers_admin/metrics  http://127.0.0.1:$workers_admin/metrics
   service admin:  http://127.0.0.1:$consumers_service_admin/metrics  http://127.0.0.1:$workers_service_admin/metrics

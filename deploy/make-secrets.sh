@@ -4,6 +4,10 @@
 #   server.pem, server.key      a server certificate for the given names (Postgres, Redis)
 #   postgres/<role>             a generated password per Postgres role
 #   redis/<user>                a generated password per Redis ACL user
+#   idp/key.pem, idp/jwks.json  a stand-in identity provider: an Ed25519 signing key and the
+#                               JWKS the services verify tokens with (CHAT_JWKS_FILE). With
+#                               your own provider, put its JWKS in idp/jwks.json instead;
+#                               `chat-token` mints tokens with idp/key.pem for trying it out.
 # Used by deploy/local.sh, and by hand for deploy/compose.yaml and deploy/k8s/ (see
 # docs/deployment.md). With a managed Postgres or Redis, use their CA instead.
 #
@@ -16,7 +20,7 @@ set -euo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 DIR NAME... (DNS names or IP addresses of the servers)" >&2; exit 2; }
 dir=$1
 shift
-mkdir -p "$dir/postgres" "$dir/redis"
+mkdir -p "$dir/postgres" "$dir/redis" "$dir/idp"
 chmod 700 "$dir"
 umask 077
 
@@ -44,7 +48,15 @@ for f in postgres/postgres postgres/consumers postgres/workers postgres/consumer
   [ -s "$dir/$f" ] || openssl rand -hex 24 >"$dir/$f"
 done
 
-chmod 644 "$dir/ca.pem" "$dir/server.pem"
+if [ ! -f "$dir/idp/jwks.json" ]; then
+  openssl genpkey -algorithm ed25519 -out "$dir/idp/key.pem" 2>>"$dir/openssl.log"
+  # An Ed25519 public key in DER is a fixed 12-byte header and the 32-byte key: the JWK's
+  # `x` is those 32 bytes, base64url without padding (RFC 8037).
+  x=$(openssl pkey -in "$dir/idp/key.pem" -pubout -outform DER | tail -c 32 | base64 | tr '+/' '-_' | tr -d '=\n')
+  printf '{"keys":[{"kty":"OKP","crv":"Ed25519","alg":"EdDSA","use":"sig","kid":"local-1","x":"%s"}]}\n' "$x" >"$dir/idp/jwks.json"
+fi
+
+chmod 644 "$dir/ca.pem" "$dir/server.pem" "$dir/idp/jwks.json"
 if [ "${CONTAINER_READABLE:-0}" = 1 ]; then
   find "$dir" -type f ! -name ca.key -exec chmod 644 {} +
 fi

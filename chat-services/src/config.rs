@@ -109,6 +109,8 @@ pub struct Cli {
     /// Log line format.
     #[arg(long, env = "LOG_FORMAT", value_enum, default_value_t = LogFormat::Text)]
     pub log_format: LogFormat,
+    #[command(flatten)]
+    pub auth: AuthArgs,
     /// Fault injection for tests and the lab: SIGKILL the process right after the n-th
     /// received message is committed to the inbox, before XACK. Only in builds with the
     /// `failpoints` feature.
@@ -131,6 +133,93 @@ pub struct Cli {
     #[cfg(feature = "failpoints")]
     #[arg(long, env = "CHAT_REFUSE_SENDS", hide = true, value_parser = parse_refuse_sends)]
     pub refuse_sends: Option<(i64, u64)>,
+}
+
+/// Who may use the API: bearer tokens of the team's identity provider (JWTs), verified
+/// here against its published keys. One of `--jwks-file` or `--allow-anonymous` is needed.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AuthArgs {
+    /// The identity provider's keys (a JWKS document, JSON) that bearer tokens are verified
+    /// with; read again when a token names a key it does not hold (a rotation).
+    #[arg(long, env = "CHAT_JWKS_FILE")]
+    pub jwks_file: Option<PathBuf>,
+    /// The issuer (`iss`) every token must name, e.g. https://id.example.com/.
+    #[arg(long, env = "CHAT_JWT_ISSUER")]
+    pub jwt_issuer: Option<String>,
+    /// The audience (`aud`) a token must name; comma-separated for several.
+    #[arg(long, env = "CHAT_JWT_AUDIENCE", value_delimiter = ',')]
+    pub jwt_audience: Vec<String>,
+    /// Clock skew allowed when checking a token's `exp` and `nbf`.
+    #[arg(long, env = "CHAT_JWT_LEEWAY", value_parser = humantime::parse_duration, default_value = "30s")]
+    pub jwt_leeway: Duration,
+    /// The scope (`scope` or `scp` claim) a token needs to manage chat members.
+    #[arg(long, env = "CHAT_ADMIN_SCOPE", default_value = "chat:admin")]
+    pub admin_scope: String,
+    /// Run without authentication: nobody is identified, every chat is open to anyone who
+    /// reaches --listen, messages carry no sender. For a trusted test setup only; logged as
+    /// a warning at every start.
+    #[arg(long, env = "CHAT_ALLOW_ANONYMOUS", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
+    pub allow_anonymous: bool,
+    /// Mark the session cookie `Secure` (sent over HTTPS only). Set it wherever clients
+    /// reach the service through TLS.
+    #[arg(long, env = "CHAT_COOKIE_SECURE", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
+    pub cookie_secure: bool,
+}
+
+/// How requests are identified, validated.
+#[derive(Debug, Clone)]
+pub enum AuthMode {
+    /// `--allow-anonymous`.
+    Anonymous,
+    Tokens(crate::auth::TokenConfig),
+}
+
+impl AuthArgs {
+    fn validate(&self) -> Result<AuthMode, ConfigError> {
+        let refuse = |message: String| Err(ConfigError(message));
+        let Some(jwks_file) = &self.jwks_file else {
+            if self.allow_anonymous {
+                return Ok(AuthMode::Anonymous);
+            }
+            return refuse("no authentication configured: set --jwks-file (CHAT_JWKS_FILE) to the identity provider's JWKS with --jwt-issuer and --jwt-audience, or --allow-anonymous (CHAT_ALLOW_ANONYMOUS=true) for a trusted test setup where anyone may read and post".into());
+        };
+        if self.allow_anonymous {
+            return refuse(
+                "--allow-anonymous and --jwks-file exclude each other: choose one".into(),
+            );
+        }
+        let Some(issuer) = self.jwt_issuer.clone().filter(|i| !i.is_empty()) else {
+            return refuse("--jwks-file needs --jwt-issuer (CHAT_JWT_ISSUER): the `iss` the provider's tokens carry".into());
+        };
+        let audiences: Vec<String> = self
+            .jwt_audience
+            .iter()
+            .map(|a| a.trim().to_string())
+            .filter(|a| !a.is_empty())
+            .collect();
+        if audiences.is_empty() {
+            return refuse("--jwks-file needs --jwt-audience (CHAT_JWT_AUDIENCE): the `aud` tokens meant for this service carry".into());
+        }
+        if self.jwt_leeway > Duration::from_secs(300) {
+            return refuse(format!(
+                "--jwt-leeway {:?} is over 5m: a clock that far off needs fixing, not tolerating",
+                self.jwt_leeway
+            ));
+        }
+        if self.admin_scope.is_empty() || self.admin_scope.contains(' ') {
+            return refuse("--admin-scope must be one scope, without spaces".into());
+        }
+        let config = crate::auth::TokenConfig {
+            jwks_file: jwks_file.clone(),
+            issuer,
+            audiences,
+            leeway: self.jwt_leeway,
+            admin_scope: self.admin_scope.clone(),
+        };
+        // Read now, so a missing or malformed key set refuses the start with its reason.
+        crate::auth::Verifier::load(config.clone())?;
+        Ok(AuthMode::Tokens(config))
+    }
 }
 
 #[derive(Debug, Clone, clap::Subcommand)]
@@ -195,6 +284,8 @@ pub struct ServiceConfig {
     pub header_read_timeout: Duration,
     pub outbox_retention: Duration,
     pub outbox_retention_interval: Duration,
+    pub auth: AuthMode,
+    pub cookie_secure: bool,
     pub crash_after_inbox_commit: Option<u64>,
     pub crash_on_body: Option<String>,
     /// Test hook: history of this chat answers this much later.
@@ -236,7 +327,14 @@ impl Cli {
         let consumer_name = self.consumer_name()?;
         let stream_shards = self.stream_layout()?;
         self.check_bounds()?;
+        // An operator's command (dead letters) serves nobody: it needs no identities.
+        let auth = match self.command {
+            Some(_) => AuthMode::Anonymous,
+            None => self.auth.validate()?,
+        };
         Ok(ServiceConfig {
+            auth,
+            cookie_secure: self.auth.cookie_secure,
             side: self.side,
             postgres,
             redis,

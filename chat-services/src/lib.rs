@@ -9,11 +9,14 @@
 //! - `inbox`: the consumer of the other side's stream, one per shard, and who holds which;
 //! - `notify`: live hints between this side's instances, and the safety nets behind them;
 //! - `dead_letters`: the operator's command for entries the consumer could not record;
+//! - `auth`: who is asking (bearer tokens verified against the provider's JWKS, the
+//!   session cookie); `token`: tokens as a provider issues them (the local stack, tests);
 //! - `retention`, `metrics`, `model`, `side`, `config`.
 //!
 //! Connecting, the stream's format and key names, the lease and the admin endpoints are
 //! `outbox_core`'s; the services do not depend on the relay.
 
+mod auth;
 mod config;
 mod dead_letters;
 mod http;
@@ -25,6 +28,7 @@ mod notify;
 mod retention;
 mod side;
 mod store;
+pub mod token;
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -36,7 +40,8 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-pub use config::{Cli, Command, DeadLetterCommand, MigrateCli, ServiceConfig};
+pub use auth::TokenConfig;
+pub use config::{AuthArgs, AuthMode, Cli, Command, DeadLetterCommand, MigrateCli, ServiceConfig};
 pub use dead_letters::{run as dead_letters, Outcome as DeadLetterOutcome};
 pub use inbox::{ConsumerRole, ConsumerStatus};
 pub use model::{parse_chat_id, parse_send_request, Message, MESSAGE_CREATED};
@@ -114,6 +119,17 @@ impl Service {
             shutdown,
             sse_heartbeat: config.sse_heartbeat,
             limits: http::Limits::new(&config),
+            auth: match &config.auth {
+                config::AuthMode::Anonymous => {
+                    warn!("running with --allow-anonymous: nobody is identified, anyone who reaches --listen may read and post in every chat");
+                    auth::Auth::Anonymous
+                }
+                config::AuthMode::Tokens(tokens) => {
+                    auth::Auth::Tokens(auth::Verifier::load(tokens.clone())?)
+                }
+            },
+            cookie_secure: config.cookie_secure,
+            streams: Arc::default(),
             slow_history: config.slow_history,
             refuse_sends: config
                 .refuse_sends
@@ -169,10 +185,11 @@ impl Service {
             publisher,
             tips,
             retention,
+            streams,
         } = background;
         let _ = retention.await;
         consumers.stop().await;
-        for task in [follower, publisher, tips] {
+        for task in [follower, publisher, tips, streams] {
             let _ = task.await;
         }
         info!("stopped");
@@ -275,6 +292,8 @@ struct Background {
     publisher: JoinHandle<()>,
     tips: JoinHandle<()>,
     retention: JoinHandle<()>,
+    /// Ends the event streams of users who left their chat.
+    streams: JoinHandle<()>,
 }
 
 impl Background {
@@ -303,6 +322,11 @@ impl Background {
                 app.metrics.clone(),
                 cfg.outbox_retention,
                 cfg.outbox_retention_interval,
+                shutdown.clone(),
+            )),
+            streams: tokio::spawn(app.streams.clone().run(
+                app.store.clone(),
+                app.metrics.clone(),
                 shutdown.clone(),
             )),
         }

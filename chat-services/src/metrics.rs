@@ -27,6 +27,8 @@ pub(crate) struct Metrics {
     pub connections_refused_total: IntCounter,
     pub event_streams_refused_total: IntCounter,
     pub live_chats: IntGauge,
+    pub requests_refused_total: IntCounterVec,
+    pub event_streams_revoked_total: IntCounter,
 }
 
 impl Metrics {
@@ -74,7 +76,23 @@ impl Metrics {
         registry
             .register(Box::new(inbox_write_retries_total.clone()))
             .expect("unique metric");
+        let requests_refused_total = IntCounterVec::new(
+            Opts::new(
+                "chat_requests_refused_total",
+                "Requests refused for who sent them, by reason: no_credentials, invalid_token, not_member (answered as a missing chat), not_admin",
+            ),
+            &["reason"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(requests_refused_total.clone()))
+            .expect("unique metric");
         Self {
+            requests_refused_total,
+            event_streams_revoked_total: counter(
+                "chat_event_streams_revoked_total",
+                "Event streams ended because their user left the chat or their token expired",
+            ),
             accept_errors_total: counter(
                 "chat_accept_errors_total",
                 "Failed accepts (such as too many open files), each followed by a pause",

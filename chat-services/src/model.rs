@@ -24,6 +24,10 @@ pub struct Message {
     pub created_at: OffsetDateTime,
     /// The side that sent it.
     pub side: Side,
+    /// Who wrote it: the subject of the sender's token. `None` for messages from before
+    /// identities, or sent by a service run with `--allow-anonymous`.
+    #[serde(default)]
+    pub sender: Option<String>,
 }
 
 /// A message in a chat's feed as one side shows it (history, SSE, a send's answer).
@@ -78,6 +82,27 @@ pub fn parse_chat_id(raw: &str) -> Result<i64, InputError> {
         Ok(id) if id > 0 => Ok(id),
         _ => Err(InputError::ChatId(raw.into())),
     }
+}
+
+/// Longest user id (a token's `sub`), in bytes; the database checks the same bound.
+pub(crate) const MAX_USER_ID_BYTES: usize = 255;
+
+/// A user id (a token's subject, a member's id): 1 to 255 bytes, no control characters, so
+/// it can be stored, logged and shown as it is.
+pub(crate) fn check_user_id(id: &str) -> Result<(), String> {
+    if id.is_empty() {
+        return Err("a user id must not be empty".into());
+    }
+    if id.len() > MAX_USER_ID_BYTES {
+        return Err(format!(
+            "a user id has at most {MAX_USER_ID_BYTES} bytes, got {}",
+            id.len()
+        ));
+    }
+    if id.chars().any(char::is_control) {
+        return Err("a user id must not contain control characters".into());
+    }
+    Ok(())
 }
 
 /// The body of `POST /chats/{chat_id}/messages`: `{"body": "..."}`.
@@ -161,6 +186,11 @@ pub(crate) fn parse_event(event: &str, payload: &str, from: Side) -> Result<Mess
         return Err(PoisonError::Invalid(
             "body holds NUL or is over the length limit".into(),
         ));
+    }
+    if let Some(sender) = &message.sender {
+        if let Err(e) = check_user_id(sender) {
+            return Err(PoisonError::Invalid(format!("sender: {e}")));
+        }
     }
     Ok(message)
 }
@@ -252,5 +282,25 @@ mod tests {
             parse_event(MESSAGE_CREATED, r#"{"id":1}"#, Side::Consumers),
             Err(PoisonError::BadPayload(_))
         ));
+        // An event of the previous version (no sender) is a message without one.
+        assert_eq!(m.sender, None);
+        let signed = payload.replace(r#""side""#, r#""sender":"alice","side""#);
+        let m = parse_event(MESSAGE_CREATED, &signed, Side::Consumers).unwrap();
+        assert_eq!(m.sender.as_deref(), Some("alice"));
+        let bad = payload.replace(r#""side""#, r#""sender":"a\u0007b","side""#);
+        assert!(matches!(
+            parse_event(MESSAGE_CREATED, &bad, Side::Consumers),
+            Err(PoisonError::Invalid(_))
+        ));
+    }
+
+    #[test]
+    fn user_ids() {
+        assert!(check_user_id("alice").is_ok());
+        assert!(check_user_id("auth0|5f1c").is_ok());
+        assert!(check_user_id(&"x".repeat(255)).is_ok());
+        assert!(check_user_id("").is_err());
+        assert!(check_user_id(&"x".repeat(256)).is_err());
+        assert!(check_user_id("a\nb").is_err());
     }
 }

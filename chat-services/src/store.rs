@@ -163,8 +163,8 @@ impl Send<'_> {
         let statement = match client
             .prepare_cached(&format!(
                 "WITH m AS (
-                   INSERT INTO {s}.messages (id, chat_id, body, created_at, idempotency_key)
-                   VALUES ($1, $2, $3, $4, $5)
+                   INSERT INTO {s}.messages (id, chat_id, body, created_at, idempotency_key, sender)
+                   VALUES ($1, $2, $3, $4, $5, $8)
                    ON CONFLICT DO NOTHING
                    RETURNING pos, chat_id
                  ),
@@ -189,6 +189,7 @@ impl Send<'_> {
                     &self.key,
                     &MESSAGE_CREATED,
                     self.payload,
+                    &m.sender,
                 ],
             )
             .await;
@@ -466,6 +467,7 @@ impl Store {
         chat_id: i64,
         body: &str,
         idempotency_key: Option<&str>,
+        sender: Option<&str>,
     ) -> Result<Sent, StoreError> {
         let s = self.side.schema();
         // The message's timestamp comes from here (like its UUIDv7), at the database's
@@ -480,6 +482,7 @@ impl Store {
             body: body.to_string(),
             created_at,
             side: self.side,
+            sender: sender.map(str::to_string),
         };
         let payload = serde_json::to_value(&message).expect("message serializes");
         // Every send has a key: the client's, or one of ours, so that an outcome we cannot
@@ -523,7 +526,7 @@ impl Store {
                 let client = self.pool.get().await?;
                 Ok(client
                     .query_one(
-                        &format!("SELECT id, chat_id, body, created_at, pos FROM {s}.messages WHERE idempotency_key = $1"),
+                        &format!("SELECT id, chat_id, body, created_at, pos, sender FROM {s}.messages WHERE idempotency_key = $1"),
                         &[&key],
                     )
                     .await?)
@@ -536,8 +539,13 @@ impl Store {
             body: row.get(2),
             created_at: row.get(3),
             side: self.side,
+            sender: row.get(5),
         };
-        if original.chat_id != chat_id || original.body != body {
+        // Another user's key is a mismatch too: a replay answers only its own sender.
+        if original.chat_id != chat_id
+            || original.body != body
+            || original.sender.as_deref() != sender
+        {
             return Err(StoreError::IdempotencyMismatch {
                 chat_id: original.chat_id,
             });
@@ -612,11 +620,11 @@ impl Store {
                 .query(
                     &format!(
                         "SELECT * FROM (
-                        SELECT id, body, created_at, true, pos FROM {s}.messages
+                        SELECT id, body, created_at, true, pos, sender FROM {s}.messages
                          WHERE chat_id = $1 AND pos < $2 ORDER BY pos DESC LIMIT $3) sent
                      UNION ALL
                      SELECT * FROM (
-                        SELECT message_id, body, sent_at, false, pos FROM {s}.inbox
+                        SELECT message_id, body, sent_at, false, pos, sender FROM {s}.inbox
                          WHERE chat_id = $1 AND pos < $2 ORDER BY pos DESC LIMIT $3) received
                      ORDER BY pos DESC
                      LIMIT $3"
@@ -631,7 +639,7 @@ impl Store {
         .await
     }
 
-    /// A feed row `(id, body, created_at, sent, pos)` as a history item.
+    /// A feed row `(id, body, created_at, sent, pos, sender)` as a history item.
     fn item(&self, chat_id: i64, row: &tokio_postgres::Row) -> HistoryItem {
         let sent: bool = row.get(3);
         HistoryItem {
@@ -641,6 +649,7 @@ impl Store {
                 body: row.get(1),
                 created_at: row.get(2),
                 side: if sent { self.side } else { self.side.other() },
+                sender: row.get(5),
             },
             pos: row.get(4),
         }
@@ -659,11 +668,11 @@ impl Store {
             let statement = client
                 .prepare_cached(&format!(
                     "SELECT * FROM (
-                    SELECT id, body, created_at, true, pos FROM {s}.messages
+                    SELECT id, body, created_at, true, pos, sender FROM {s}.messages
                      WHERE chat_id = $1 AND pos > $2 ORDER BY pos LIMIT $3) sent
                  UNION ALL
                  SELECT * FROM (
-                    SELECT message_id, body, sent_at, false, pos FROM {s}.inbox
+                    SELECT message_id, body, sent_at, false, pos, sender FROM {s}.inbox
                      WHERE chat_id = $1 AND pos > $2 ORDER BY pos LIMIT $3) received
                  ORDER BY pos
                  LIMIT $3"
@@ -800,12 +809,14 @@ impl Store {
         let mut bodies = Vec::with_capacity(received.len());
         let mut sent = Vec::with_capacity(received.len());
         let mut streams = Vec::with_capacity(received.len());
+        let mut senders = Vec::with_capacity(received.len());
         for r in received {
             ids.push(r.message.id);
             chats.push(r.message.chat_id);
             bodies.push(r.message.body.as_str());
             sent.push(r.message.created_at);
             streams.push(r.stream_id.as_str());
+            senders.push(r.message.sender.as_deref());
         }
         let client = self.pool.get().await?;
         // One statement: the writer row locked FOR SHARE and its epoch checked, then the
@@ -817,10 +828,10 @@ impl Store {
             .prepare_cached(&format!(
                     "WITH w AS (SELECT epoch FROM {s}.inbox_writer WHERE shard = $7 FOR SHARE),
                           ins AS (
-                            INSERT INTO {s}.inbox (message_id, chat_id, body, sent_at, stream_id)
-                            SELECT id, chat, body, sent, stream
-                              FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::timestamptz[], $5::text[])
-                                   WITH ORDINALITY AS r(id, chat, body, sent, stream, ord)
+                            INSERT INTO {s}.inbox (message_id, chat_id, body, sent_at, stream_id, sender)
+                            SELECT id, chat, body, sent, stream, sender
+                              FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::timestamptz[], $5::text[], $8::text[])
+                                   WITH ORDINALITY AS r(id, chat, body, sent, stream, sender, ord)
                              WHERE (SELECT epoch FROM w) = $6
                              ORDER BY ord
                             ON CONFLICT (message_id) DO NOTHING
@@ -844,6 +855,7 @@ impl Store {
                     &streams,
                     &epoch,
                     &(shard as i32),
+                    &senders,
                 ],
             )
             .await?;
@@ -872,6 +884,103 @@ impl Store {
             }
         }
         Ok(recorded)
+        })
+        .await
+    }
+
+    /// Whether `user` is a member of chat `chat_id` on this side.
+    pub(crate) async fn is_member(&self, chat_id: i64, user: &str) -> Result<bool, StoreError> {
+        self.bounded(STATEMENT_DEADLINE, async {
+            let s = self.side.schema();
+            let client = self.pool.get().await?;
+            let statement = client
+                .prepare_cached(&format!(
+                    "SELECT EXISTS (SELECT 1 FROM {s}.chat_members WHERE chat_id = $1 AND user_id = $2)"
+                ))
+                .await?;
+            Ok(client.query_one(&statement, &[&chat_id, &user]).await?.get(0))
+        })
+        .await
+    }
+
+    /// Make `user` a member of chat `chat_id`; `false` if they were one already.
+    pub(crate) async fn add_member(
+        &self,
+        chat_id: i64,
+        user: &str,
+        by: &str,
+    ) -> Result<bool, StoreError> {
+        self.bounded(STATEMENT_DEADLINE, async {
+            let s = self.side.schema();
+            let client = self.pool.get().await?;
+            let added = client
+                .execute(
+                    &format!(
+                        "INSERT INTO {s}.chat_members (chat_id, user_id, added_by) VALUES ($1, $2, $3)
+                         ON CONFLICT DO NOTHING"
+                    ),
+                    &[&chat_id, &user, &by],
+                )
+                .await?;
+            Ok(added == 1)
+        })
+        .await
+    }
+
+    /// End `user`'s membership of chat `chat_id`; `false` if they were no member.
+    pub(crate) async fn remove_member(&self, chat_id: i64, user: &str) -> Result<bool, StoreError> {
+        self.bounded(STATEMENT_DEADLINE, async {
+            let s = self.side.schema();
+            let client = self.pool.get().await?;
+            let removed = client
+                .execute(
+                    &format!("DELETE FROM {s}.chat_members WHERE chat_id = $1 AND user_id = $2"),
+                    &[&chat_id, &user],
+                )
+                .await?;
+            Ok(removed == 1)
+        })
+        .await
+    }
+
+    /// The members of chat `chat_id`, by user id.
+    pub(crate) async fn members(&self, chat_id: i64) -> Result<Vec<String>, StoreError> {
+        self.bounded(STATEMENT_DEADLINE, async {
+            let s = self.side.schema();
+            let client = self.pool.get().await?;
+            let rows = client
+                .query(
+                    &format!(
+                        "SELECT user_id FROM {s}.chat_members WHERE chat_id = $1 ORDER BY user_id"
+                    ),
+                    &[&chat_id],
+                )
+                .await?;
+            Ok(rows.iter().map(|r| r.get(0)).collect())
+        })
+        .await
+    }
+
+    /// Which of these `(chat, user)` pairs are memberships, in one query whatever their
+    /// number (the open event streams of an instance are checked this way every second).
+    pub(crate) async fn memberships(
+        &self,
+        pairs: &[(i64, String)],
+    ) -> Result<std::collections::HashSet<(i64, String)>, StoreError> {
+        self.bounded(STATEMENT_DEADLINE, async {
+            let s = self.side.schema();
+            let client = self.pool.get().await?;
+            let chats: Vec<i64> = pairs.iter().map(|(c, _)| *c).collect();
+            let users: Vec<&str> = pairs.iter().map(|(_, u)| u.as_str()).collect();
+            let statement = client
+                .prepare_cached(&format!(
+                    "SELECT m.chat_id, m.user_id
+                       FROM unnest($1::bigint[], $2::text[]) AS p(chat_id, user_id)
+                       JOIN {s}.chat_members m USING (chat_id, user_id)"
+                ))
+                .await?;
+            let rows = client.query(&statement, &[&chats, &users]).await?;
+            Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
         })
         .await
     }

@@ -79,12 +79,28 @@ async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
     let (status, page) = testkit::http::get(consumers, "/").await.unwrap();
     assert_eq!(status, 200);
     assert!(page.contains("<title>Chat · consumers</title>"));
-    let mut client = SseClient::connect(workers, "/chats/1/events", None)
+    // Signed in as the users the run command made members of chat 7, with its links.
+    let token = |user: &str| {
+        std::fs::read_to_string(state.join("tokens").join(user))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    let (alice, bob) = (token("alice"), token("bob"));
+    assert!(out.contains(&format!("#chat=7&token={bob}")), "{out}");
+    let (status, _) = testkit::http::get(workers, "/chats/7/messages")
         .await
         .unwrap();
-    let sent = crate::support::send(consumers, 1, "through the local stack").await;
+    assert_eq!(status, 401, "the local stack verifies tokens");
+    let (name, value) = crate::support::bearer(&bob);
+    let mut client = SseClient::connect_with(workers, "/chats/7/events", &[(name, &value)])
+        .await
+        .unwrap();
+    let sent = crate::support::send_as(consumers, &alice, 7, "through the local stack").await;
+    assert_eq!(sent.status, 201, "{}", sent.body);
     let (_, shown) = crate::support::next_message(&mut client, Duration::from_secs(20)).await;
-    assert_eq!(shown["id"], sent["id"]);
+    assert_eq!(shown["id"], sent.json()["id"]);
+    assert_eq!(shown["sender"], "alice");
     drop(client);
 
     // TLS only: even the right password is refused over plaintext (deploy/postgres/pg_hba.conf).

@@ -8,6 +8,7 @@ mod support;
 
 mod api;
 mod attempts;
+mod auth;
 mod browser;
 mod cluster;
 mod crash;

@@ -20,6 +20,7 @@ fn message(chat_id: i64) -> Received {
             body: "x".into(),
             created_at: time::OffsetDateTime::now_utc(),
             side: Side::Consumers,
+            sender: None,
         },
     }
 }

@@ -220,6 +220,7 @@ async fn handle(state: &SenderState, req: Request<Incoming>) -> Response<Full<By
             .replace_nanosecond(now.nanosecond() / 1000 * 1000)
             .expect("valid"),
         side: state.side,
+        sender: None,
     };
     let s = state.side.schema();
     let result = {

@@ -162,12 +162,24 @@ impl SseClient {
         path: &str,
         last_event_id: Option<&str>,
     ) -> anyhow::Result<Self> {
+        match last_event_id {
+            Some(id) => Self::connect_with(addr, path, &[("last-event-id", id)]).await,
+            None => Self::connect_with(addr, path, &[]).await,
+        }
+    }
+
+    /// [`SseClient::connect`] with these request headers (credentials, `Last-Event-ID`).
+    pub async fn connect_with(
+        addr: SocketAddr,
+        path: &str,
+        headers: &[(&str, &str)],
+    ) -> anyhow::Result<Self> {
         let mut builder = Request::builder()
             .uri(path)
             .header("host", addr.to_string())
             .header("accept", "text/event-stream");
-        if let Some(id) = last_event_id {
-            builder = builder.header("last-event-id", id);
+        for (name, value) in headers {
+            builder = builder.header(*name, *value);
         }
         let response = tokio::time::timeout(
             Duration::from_secs(10),

@@ -5,13 +5,16 @@ use std::sync::Arc;
 
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
-use hyper::header::{HeaderValue, CONTENT_TYPE};
+use hyper::header::{
+    HeaderMap, HeaderValue, CACHE_CONTROL, CONTENT_TYPE, SET_COOKIE, WWW_AUTHENTICATE,
+};
 use hyper::{Request, Response, StatusCode};
 use tracing::error;
 use uuid::Uuid;
 
 use super::reply::{self, Body};
 use super::{sse, App};
+use crate::auth::{AuthError, Identity, SESSION_COOKIE};
 use crate::model::{self, InputError};
 use crate::store::StoreError;
 
@@ -21,21 +24,38 @@ const DEFAULT_HISTORY: i64 = 50;
 const MAX_HISTORY: i64 = 500;
 
 const PAGE: &str = include_str!("../page.html");
+const PAGE_JS: &str = include_str!("../page.js");
+const PAGE_CSS: &str = include_str!("../page.css");
+
+/// The page's policy: its script and style are files of this origin (no inline code, so an
+/// injected `<script>` never runs), nothing may frame it, forms post only here.
+const PAGE_POLICY: &str = "default-src 'none'; script-src 'self'; style-src 'self'; connect-src 'self'; img-src 'self'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'";
 
 pub(super) fn page(app: &App) -> Response<Body> {
     let html = PAGE
         .replace("{{SIDE}}", app.side.as_str())
         .replace("{{OTHER}}", app.side.other().as_str());
-    let mut resp = Response::new(reply::full(html));
+    asset(html, "text/html; charset=utf-8")
+}
+
+/// `GET /page.js` and `GET /page.css`.
+pub(super) fn page_file(name: &str) -> Response<Body> {
+    match name {
+        "page.js" => asset(PAGE_JS.to_string(), "text/javascript; charset=utf-8"),
+        _ => asset(PAGE_CSS.to_string(), "text/css; charset=utf-8"),
+    }
+}
+
+fn asset(content: String, mime: &'static str) -> Response<Body> {
+    let mut resp = Response::new(reply::full(content));
     let headers = resp.headers_mut();
-    headers.insert(
-        CONTENT_TYPE,
-        HeaderValue::from_static("text/html; charset=utf-8"),
-    );
+    headers.insert(CONTENT_TYPE, HeaderValue::from_static(mime));
     headers.insert(
         "content-security-policy",
-        HeaderValue::from_static("default-src 'self'; script-src 'unsafe-inline' 'self'; style-src 'unsafe-inline' 'self'"),
+        HeaderValue::from_static(PAGE_POLICY),
     );
+    headers.insert("x-frame-options", HeaderValue::from_static("DENY"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     resp
 }
 
@@ -76,11 +96,68 @@ fn store_error(e: StoreError) -> Response<Body> {
     }
 }
 
+/// 401 naming why, with the challenge RFC 6750 asks for.
+fn unauthorized(app: &App, e: AuthError) -> Response<Body> {
+    let (reason, challenge) = match e {
+        AuthError::Invalid(_) => (
+            "invalid_token",
+            r#"Bearer realm="chat", error="invalid_token""#,
+        ),
+        AuthError::Missing | AuthError::NotBearer => ("no_credentials", r#"Bearer realm="chat""#),
+    };
+    app.metrics
+        .requests_refused_total
+        .with_label_values(&[reason])
+        .inc();
+    let mut resp = reply::error(StatusCode::UNAUTHORIZED, e);
+    resp.headers_mut()
+        .insert(WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
+    resp
+}
+
+/// What a chat that does not exist, and a chat the caller is not in, both answer: a
+/// non-member learns nothing, not even that the chat exists.
+fn no_chat(chat_id: i64) -> Response<Body> {
+    reply::error(StatusCode::NOT_FOUND, format!("no chat {chat_id}"))
+}
+
+/// The caller, let into chat `chat_id`: identified, and a member of it (`None` with
+/// `--allow-anonymous`, where every chat is open); or the answer to give instead.
+async fn admit(
+    app: &App,
+    headers: &HeaderMap,
+    chat_id: i64,
+) -> Result<Option<Identity>, Response<Body>> {
+    let Some(who) = app
+        .auth
+        .identify(headers)
+        .map_err(|e| unauthorized(app, e))?
+    else {
+        return Ok(None);
+    };
+    match app.store.is_member(chat_id, &who.user).await {
+        Ok(true) => Ok(Some(who)),
+        Ok(false) => {
+            app.metrics
+                .requests_refused_total
+                .with_label_values(&["not_member"])
+                .inc();
+            Err(no_chat(chat_id))
+        }
+        Err(e) => Err(store_error(e)),
+    }
+}
+
 /// `POST /chats/{chat_id}/messages`.
 pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Response<Body> {
     let chat_id = match model::parse_chat_id(chat_id) {
         Ok(id) => id,
         Err(e) => return input_error(e),
+    };
+    // Before the body is read: a stranger costs no more than its headers.
+    let who = match admit(app, req.headers(), chat_id).await {
+        Ok(who) => who,
+        Err(resp) => return resp,
     };
     // Required, not assumed: a cross-site `no-cors` fetch can only send text/plain, a
     // form or nothing, so demanding application/json keeps other pages from posting.
@@ -145,7 +222,12 @@ pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Re
     }
     match app
         .store
-        .send(chat_id, &body, idempotency_key.as_deref())
+        .send(
+            chat_id,
+            &body,
+            idempotency_key.as_deref(),
+            who.as_ref().map(|w| w.user.as_str()),
+        )
         .await
     {
         Ok(sent) => {
@@ -165,11 +247,15 @@ pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Re
 }
 
 /// `GET /chats/{chat_id}/messages?limit=&before=`.
-pub(super) async fn history(app: &App, chat_id: &str, query: Option<&str>) -> Response<Body> {
+pub(super) async fn history(app: &App, chat_id: &str, req: &Request<Incoming>) -> Response<Body> {
+    let query = req.uri().query();
     let chat_id = match model::parse_chat_id(chat_id) {
         Ok(id) => id,
         Err(e) => return input_error(e),
     };
+    if let Err(resp) = admit(app, req.headers(), chat_id).await {
+        return resp;
+    }
     if let Some((slow, delay)) = app.slow_history {
         if slow == chat_id {
             tokio::time::sleep(delay).await;
@@ -212,11 +298,23 @@ pub(super) async fn history(app: &App, chat_id: &str, query: Option<&str>) -> Re
 }
 
 /// `GET /chats/{chat_id}/events`.
-pub(super) fn events(app: Arc<App>, chat_id: &str, req: &Request<Incoming>) -> Response<Body> {
+pub(super) async fn events(
+    app: Arc<App>,
+    chat_id: &str,
+    req: &Request<Incoming>,
+) -> Response<Body> {
     let chat_id = match model::parse_chat_id(chat_id) {
         Ok(id) => id,
         Err(e) => return input_error(e),
     };
+    let who = match admit(&app, req.headers(), chat_id).await {
+        Ok(who) => who,
+        Err(resp) => return resp,
+    };
+    let entitlement = who.map(|who| sse::Entitlement {
+        watch: app.streams.watch(chat_id, &who.user),
+        expires_in: who.remaining(),
+    });
     let bad_position = |name: &str, raw: &str| {
         reply::error(
             StatusCode::BAD_REQUEST,
@@ -246,7 +344,166 @@ pub(super) fn events(app: Arc<App>, chat_id: &str, req: &Request<Incoming>) -> R
         }
         after
     };
-    sse::respond(app, chat_id, after)
+    sse::respond(app, chat_id, after, entitlement)
+}
+
+/// The session cookie holding `token` for `max_age` seconds (0: removes it).
+fn session_cookie(app: &App, token: &str, max_age: u64) -> HeaderValue {
+    let secure = if app.cookie_secure { "; Secure" } else { "" };
+    HeaderValue::from_str(&format!(
+        "{SESSION_COOKIE}={token}; Path=/; Max-Age={max_age}; HttpOnly; SameSite=Strict{secure}"
+    ))
+    .expect("a token from a header is a valid header value")
+}
+
+fn identity_json(who: &Identity) -> serde_json::Value {
+    serde_json::json!({"user": who.user, "expires_at": who.expires_at, "admin": who.admin})
+}
+
+/// `POST /session` with `Authorization: Bearer <token>`: the page signs in. The token is
+/// kept in an `HttpOnly`, `SameSite=Strict` cookie until it expires, because
+/// `EventSource` cannot send headers.
+pub(super) fn sign_in(app: &App, req: &Request<Incoming>) -> Response<Body> {
+    match app.auth.sign_in(req.headers()) {
+        Ok(None) => reply::json(
+            StatusCode::OK,
+            &serde_json::json!({"user": null, "anonymous": true}),
+        ),
+        Ok(Some((who, token))) => {
+            let mut resp = reply::json(StatusCode::OK, &identity_json(&who));
+            let cookie = session_cookie(app, token, who.remaining().as_secs());
+            resp.headers_mut().insert(SET_COOKIE, cookie);
+            resp
+        }
+        Err(e) => unauthorized(app, e),
+    }
+}
+
+/// `GET /session`: who the cookie (or a bearer token) says the caller is.
+pub(super) fn session(app: &App, req: &Request<Incoming>) -> Response<Body> {
+    match app.auth.identify(req.headers()) {
+        Ok(None) => reply::json(
+            StatusCode::OK,
+            &serde_json::json!({"user": null, "anonymous": true}),
+        ),
+        Ok(Some(who)) => reply::json(StatusCode::OK, &identity_json(&who)),
+        Err(e) => unauthorized(app, e),
+    }
+}
+
+/// `DELETE /session`: sign out (the cookie is removed).
+pub(super) fn sign_out(app: &App) -> Response<Body> {
+    let mut resp = reply::json(StatusCode::OK, &serde_json::json!({"signed_out": true}));
+    resp.headers_mut()
+        .insert(SET_COOKIE, session_cookie(app, "", 0));
+    resp
+}
+
+/// The caller, if it may manage members (a token with the admin scope); or the answer.
+// The error is the answer itself, returned once per request: boxing it would buy nothing.
+#[allow(clippy::result_large_err)]
+fn admin(app: &App, req: &Request<Incoming>) -> Result<Identity, Response<Body>> {
+    if app.auth.is_anonymous() {
+        return Err(reply::error(
+            StatusCode::FORBIDDEN,
+            "members are not used with --allow-anonymous (every chat is open); configure --jwks-file to manage them",
+        ));
+    }
+    let who = app
+        .auth
+        .identify(req.headers())
+        .map_err(|e| unauthorized(app, e))?
+        .expect("not anonymous");
+    if !who.admin {
+        app.metrics
+            .requests_refused_total
+            .with_label_values(&["not_admin"])
+            .inc();
+        return Err(reply::error(
+            StatusCode::FORBIDDEN,
+            format!(
+                "managing members needs a token with scope '{}'",
+                app.auth.admin_scope()
+            ),
+        ));
+    }
+    Ok(who)
+}
+
+/// `GET /chats/{chat_id}/members` (admin scope).
+pub(super) async fn members(app: &App, chat_id: &str, req: &Request<Incoming>) -> Response<Body> {
+    let chat_id = match model::parse_chat_id(chat_id) {
+        Ok(id) => id,
+        Err(e) => return input_error(e),
+    };
+    if let Err(resp) = admin(app, req) {
+        return resp;
+    }
+    match app.store.members(chat_id).await {
+        Ok(members) => reply::json(
+            StatusCode::OK,
+            &serde_json::json!({"chat_id": chat_id, "members": members}),
+        ),
+        Err(e) => store_error(e),
+    }
+}
+
+/// `PUT` (`add`) or `DELETE /chats/{chat_id}/members/{user}` (admin scope). A removed
+/// member's open streams on this instance end at once, on the others within a second.
+pub(super) async fn set_member(
+    app: &App,
+    chat_id: &str,
+    user: &str,
+    add: bool,
+    req: &Request<Incoming>,
+) -> Response<Body> {
+    let chat_id = match model::parse_chat_id(chat_id) {
+        Ok(id) => id,
+        Err(e) => return input_error(e),
+    };
+    let user = percent_decode(user);
+    if let Err(e) = model::check_user_id(&user) {
+        return reply::error(StatusCode::BAD_REQUEST, e);
+    }
+    let by = match admin(app, req) {
+        Ok(who) => who.user,
+        Err(resp) => return resp,
+    };
+    if add {
+        return match app.store.add_member(chat_id, &user, &by).await {
+            Ok(added) => {
+                tracing::info!(chat_id, user = %user, by = %by, added, "member added");
+                let status = if added {
+                    StatusCode::CREATED
+                } else {
+                    StatusCode::OK
+                };
+                reply::json(
+                    status,
+                    &serde_json::json!({"chat_id": chat_id, "user": user, "added": added}),
+                )
+            }
+            Err(e) => store_error(e),
+        };
+    }
+    match app.store.remove_member(chat_id, &user).await {
+        Ok(true) => {
+            let streams = app.streams.revoke(chat_id, &user);
+            app.metrics
+                .event_streams_revoked_total
+                .inc_by(streams as u64);
+            tracing::info!(chat_id, user = %user, by = %by, streams, "member removed");
+            reply::json(
+                StatusCode::OK,
+                &serde_json::json!({"chat_id": chat_id, "user": user, "removed": true}),
+            )
+        }
+        Ok(false) => reply::error(
+            StatusCode::NOT_FOUND,
+            format!("{user} is not a member of chat {chat_id}"),
+        ),
+        Err(e) => store_error(e),
+    }
 }
 
 /// `key=value` pairs of a query string, percent-decoded.

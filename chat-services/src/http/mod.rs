@@ -1,6 +1,7 @@
 //! The HTTP server (hyper 1, HTTP/1.1): routing, graceful shutdown, and the shared state
 //! handlers see. JSON everywhere; every error is `{"error": "..."}` naming the problem.
 
+mod access;
 mod admin;
 mod api;
 pub(crate) mod reply;
@@ -44,6 +45,12 @@ pub(crate) struct App {
     pub shutdown: CancellationToken,
     pub sse_heartbeat: Duration,
     pub limits: Limits,
+    /// Who is asking (bearer tokens, the session cookie), or nobody (`--allow-anonymous`).
+    pub auth: crate::auth::Auth,
+    /// The session cookie is `Secure`.
+    pub cookie_secure: bool,
+    /// The open event streams of identified users, held to the chat's members.
+    pub streams: Arc<access::Streams>,
     /// Test hook (`failpoints`): history of this chat answers this much later.
     pub slow_history: Option<(i64, Duration)>,
     /// Test hook (`failpoints`): sends to this chat answer 503 while the count lasts.
@@ -121,7 +128,23 @@ pub(crate) async fn serve(listener: TcpListener, app: Arc<App>, shutdown: Cancel
     }
 }
 
+/// Every answer says its content type is the one to use and that no other site's page may
+/// learn where it came from.
 async fn route(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
+    let mut resp = dispatch(app, req).await;
+    let headers = resp.headers_mut();
+    headers.insert(
+        "x-content-type-options",
+        hyper::header::HeaderValue::from_static("nosniff"),
+    );
+    headers.insert(
+        "referrer-policy",
+        hyper::header::HeaderValue::from_static("no-referrer"),
+    );
+    resp
+}
+
+async fn dispatch(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
     let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let method = req.method().clone();
@@ -134,6 +157,7 @@ async fn route(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     };
     match segments.as_slice() {
         [""] => get_only(api::page(&app)),
+        [name @ ("page.js" | "page.css")] => get_only(api::page_file(name)),
         ["healthz"] => get_only(reply::json(
             StatusCode::OK,
             &serde_json::json!({"status": "alive"}),
@@ -142,14 +166,29 @@ async fn route(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
             StatusCode::NOT_FOUND,
             format!("{path} is served on the admin listener (--admin-addr)"),
         ),
+        ["session"] => match method {
+            Method::GET => api::session(&app, &req),
+            Method::POST => api::sign_in(&app, &req),
+            Method::DELETE => api::sign_out(&app),
+            _ => reply::method_not_allowed(&method, &path, "GET, POST, DELETE"),
+        },
         ["chats", chat_id, "messages"] => match method {
-            Method::GET => api::history(&app, chat_id, req.uri().query()).await,
+            Method::GET => api::history(&app, chat_id, &req).await,
             Method::POST => api::send(&app, chat_id, req).await,
             _ => reply::method_not_allowed(&method, &path, "GET, POST"),
         },
         ["chats", chat_id, "events"] if method == Method::GET => {
-            api::events(app.clone(), chat_id, &req)
+            api::events(app.clone(), chat_id, &req).await
         }
+        ["chats", chat_id, "members"] => match method {
+            Method::GET => api::members(&app, chat_id, &req).await,
+            _ => reply::method_not_allowed(&method, &path, "GET"),
+        },
+        ["chats", chat_id, "members", user] => match method {
+            Method::PUT => api::set_member(&app, chat_id, user, true, &req).await,
+            Method::DELETE => api::set_member(&app, chat_id, user, false, &req).await,
+            _ => reply::method_not_allowed(&method, &path, "PUT, DELETE"),
+        },
         ["chats", _, "events"] => reply::method_not_allowed(&method, &path, "GET"),
         _ => reply::error(StatusCode::NOT_FOUND, format!("no route {path}")),
     }

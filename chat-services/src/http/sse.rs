@@ -58,8 +58,21 @@ const REPLAY_PAGE: i64 = 500;
 /// Frames queued for one client before its stream waits (and its live feed may lag).
 const CLIENT_QUEUE: usize = 64;
 
-/// Start streaming chat `chat_id` after `after` (`None`: from now on).
-pub(crate) fn respond(app: Arc<App>, chat_id: i64, after: Option<Cursor>) -> Response<Body> {
+/// What ends a user's stream besides the client: leaving the chat, or the token expiring
+/// (the page then signs in again and resumes with `Last-Event-ID`).
+pub(crate) struct Entitlement {
+    pub watch: super::access::Watch,
+    pub expires_in: std::time::Duration,
+}
+
+/// Start streaming chat `chat_id` after `after` (`None`: from now on), for as long as
+/// `entitlement` (if any) holds.
+pub(crate) fn respond(
+    app: Arc<App>,
+    chat_id: i64,
+    after: Option<Cursor>,
+    entitlement: Option<Entitlement>,
+) -> Response<Body> {
     let Ok(permit) = app.limits.event_streams.clone().try_acquire_owned() else {
         app.metrics.event_streams_refused_total.inc();
         let mut resp = super::reply::error(
@@ -79,7 +92,19 @@ pub(crate) fn respond(app: Arc<App>, chat_id: i64, after: Option<Cursor>) -> Res
     let live = app.hub.subscribe(chat_id);
     tokio::spawn(async move {
         app.metrics.sse_clients.inc();
-        if let Err(e) = stream_events(&app, chat_id, after, live, &client).await {
+        let streamed = stream_events(&app, chat_id, after, live, &client);
+        let ended = match entitlement {
+            None => streamed.await,
+            Some(entitlement) => tokio::select! {
+                ended = streamed => ended,
+                _ = entitlement.watch.revoked.cancelled() => Err(StreamEnd::Revoked),
+                _ = tokio::time::sleep(entitlement.expires_in) => {
+                    app.metrics.event_streams_revoked_total.inc();
+                    Err(StreamEnd::Expired)
+                }
+            },
+        };
+        if let Err(e) = ended {
             debug!(chat_id, error = %e, "event stream ended");
         }
         app.metrics.sse_clients.dec();
@@ -112,6 +137,10 @@ enum StreamEnd {
     TooSlow,
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error("the user is no longer a member of the chat")]
+    Revoked,
+    #[error("the user's token expired")]
+    Expired,
 }
 
 async fn stream_events(

@@ -227,6 +227,10 @@ impl<'a> Stack<'a> {
             self.shards.to_string(),
         ];
         args.extend(self.redis_flags());
+        // The older tests predate identities: anonymous unless a test configures tokens.
+        if !extra.contains(&"--jwks-file") {
+            args.push("--allow-anonymous=true".into());
+        }
         // A flag given again in `extra` replaces the default's value (clap takes each once).
         let mut rest = extra.iter();
         while let Some(flag) = rest.next() {
@@ -629,4 +633,116 @@ pub(crate) async fn assert_received_in_sent_order(stack: &Stack<'_>, from: Side,
     ))
     .await;
     assert_eq!(received, sent, "chat {chat}: received once, in sent order");
+}
+
+/// The team's identity provider, as the services see it: a signing key (P-256, from
+/// rcgen), the JWKS file the services verify with, and tokens for any user.
+pub(crate) struct Idp {
+    keys: Vec<chat_services::token::SigningKey>,
+    pub(crate) jwks: std::path::PathBuf,
+}
+
+pub(crate) const ISSUER: &str = "https://id.test.invalid/";
+pub(crate) const AUDIENCE: &str = "chat";
+
+impl Idp {
+    pub(crate) fn new() -> Self {
+        let jwks = testkit::scratch_dir("idp").join("jwks.json");
+        let mut idp = Self {
+            keys: Vec::new(),
+            jwks,
+        };
+        idp.rotate();
+        idp
+    }
+
+    /// A new signing key (the newest signs from now on), published beside the old ones.
+    pub(crate) fn rotate(&mut self) {
+        let pem = rcgen::KeyPair::generate().unwrap().serialize_pem();
+        let kid = format!("key-{}", self.keys.len() + 1);
+        self.keys
+            .push(chat_services::token::SigningKey::from_pem(pem.as_bytes(), &kid).unwrap());
+        let keys: Vec<_> = self.keys.iter().collect();
+        // Written whole, then renamed, as a provider's sync job would.
+        let tmp = self.jwks.with_extension("tmp");
+        std::fs::write(&tmp, chat_services::token::jwks(&keys).unwrap()).unwrap();
+        std::fs::rename(&tmp, &self.jwks).unwrap();
+    }
+
+    fn newest(&self) -> &chat_services::token::SigningKey {
+        self.keys.last().unwrap()
+    }
+
+    /// A token for `user`, valid for an hour.
+    pub(crate) fn token(&self, user: &str) -> String {
+        self.token_for(user, Duration::from_secs(3600), None)
+    }
+
+    pub(crate) fn token_for(&self, user: &str, ttl: Duration, scope: Option<&str>) -> String {
+        self.newest()
+            .mint(ISSUER, AUDIENCE, user, ttl, scope)
+            .unwrap()
+    }
+
+    /// A token that may manage members.
+    pub(crate) fn admin(&self) -> String {
+        self.token_for("admin", Duration::from_secs(3600), Some("chat:admin"))
+    }
+
+    /// Token claims signed as given (for expired, foreign and malformed tokens).
+    pub(crate) fn sign(&self, claims: serde_json::Value) -> String {
+        self.newest().sign(&claims).unwrap()
+    }
+
+    /// The service flags that verify this provider's tokens.
+    pub(crate) fn flags(&self) -> Vec<String> {
+        vec![
+            "--jwks-file".into(),
+            self.jwks.display().to_string(),
+            "--jwt-issuer".into(),
+            ISSUER.into(),
+            "--jwt-audience".into(),
+            AUDIENCE.into(),
+            "--jwt-leeway".into(),
+            "0s".into(),
+        ]
+    }
+}
+
+/// `Authorization: Bearer <token>`.
+pub(crate) fn bearer(token: &str) -> (&'static str, String) {
+    ("authorization", format!("Bearer {token}"))
+}
+
+/// Make `user` a member of `chat_id` on the service at `addr` (with an admin token).
+pub(crate) async fn add_member(addr: SocketAddr, idp: &Idp, chat_id: i64, user: &str) {
+    let (name, value) = bearer(&idp.admin());
+    let reply = testkit::http::request(
+        addr,
+        "PUT",
+        &format!("/chats/{chat_id}/members/{user}"),
+        &[(name, &value)],
+        bytes::Bytes::new(),
+    )
+    .await
+    .unwrap();
+    assert!(matches!(reply.status, 200 | 201), "{}", reply.body);
+}
+
+/// Send `body` to chat `chat_id` as the holder of `token`; the reply.
+pub(crate) async fn send_as(
+    addr: SocketAddr,
+    token: &str,
+    chat_id: i64,
+    body: &str,
+) -> testkit::http::Reply {
+    let (name, value) = bearer(token);
+    testkit::http::post_json(
+        addr,
+        &format!("/chats/{chat_id}/messages"),
+        &serde_json::json!({"body": body}),
+        &[(name, &value)],
+    )
+    .await
+    .unwrap()
 }

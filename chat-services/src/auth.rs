@@ -1,0 +1,447 @@
+//! Who is asking: bearer tokens (JWTs signed by the team's identity provider) verified here
+//! against its published keys (a JWKS file), and the session cookie the page signs in with.
+//!
+//! A token is accepted when its signature verifies with the key its header names (`kid`),
+//! with that key's own algorithm (RS256, ES256 or EdDSA: never one the token picks), and
+//! its issuer, audience, expiry and not-before hold, within the clock skew allowed. Its
+//! subject (`sub`) is the user. A `kid` not in the key set re-reads the file (at most once
+//! a second), so a rotation at the provider is picked up without a restart.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, RwLock};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use hyper::header::{HeaderMap, AUTHORIZATION, COOKIE};
+use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, JwkSet, KeyAlgorithm, PublicKeyUse};
+use jsonwebtoken::{errors::ErrorKind, Algorithm, DecodingKey, Validation};
+use tracing::{info, warn};
+
+use crate::model::check_user_id;
+use outbox_core::ConfigError;
+
+/// The cookie the page's session is kept in (the token itself, `HttpOnly`).
+pub(crate) const SESSION_COOKIE: &str = "chat_session";
+/// The least time between two reads of the key set for tokens naming an unknown key: a
+/// client sending made-up key ids costs one file read a second at most.
+const RELOAD_AT_MOST_EVERY: Duration = Duration::from_secs(1);
+
+/// Who a request comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Identity {
+    /// The token's subject.
+    pub user: String,
+    /// When the token expires (its `exp`, seconds since the epoch).
+    pub expires_at: u64,
+    /// The first second this token is refused (its expiry past the clock skew allowed): an
+    /// event stream opened with it ends then.
+    pub refused_from: u64,
+    /// The token carries the admin scope: it may manage chat members.
+    pub admin: bool,
+}
+
+impl Identity {
+    /// The time left until the token is refused (zero if it is).
+    pub(crate) fn remaining(&self) -> Duration {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default();
+        Duration::from_secs(self.refused_from).saturating_sub(now)
+    }
+}
+
+/// Why a request has no identity (answered 401 with the reason).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum AuthError {
+    #[error("no credentials: send 'Authorization: Bearer <token>' (a JWT from the identity provider), or sign in with POST /session")]
+    Missing,
+    #[error("the Authorization header must be 'Bearer <token>'")]
+    NotBearer,
+    #[error("invalid token: {0}")]
+    Invalid(String),
+}
+
+/// How the service learns who is asking.
+pub(crate) enum Auth {
+    /// `--allow-anonymous`: nobody is identified, every chat is open to every caller.
+    Anonymous,
+    Tokens(Verifier),
+}
+
+/// What `--jwks-file`, `--jwt-issuer`, `--jwt-audience` and friends configure.
+#[derive(Debug, Clone)]
+pub struct TokenConfig {
+    pub jwks_file: PathBuf,
+    pub issuer: String,
+    pub audiences: Vec<String>,
+    pub leeway: Duration,
+    pub admin_scope: String,
+}
+
+/// Verifies tokens against the provider's keys.
+pub(crate) struct Verifier {
+    config: TokenConfig,
+    keys: RwLock<Arc<Keys>>,
+    last_read: Mutex<Instant>,
+}
+
+/// The usable keys of a key set, by `kid`.
+struct Keys {
+    by_kid: HashMap<String, Key>,
+    /// Keys without a `kid`: used only when the set holds exactly one key.
+    unnamed: Vec<Key>,
+}
+
+struct Key {
+    key: DecodingKey,
+    alg: Algorithm,
+}
+
+/// The algorithm a key is used with: its `alg` if named (one of ours), else the one its
+/// type implies.
+fn key_algorithm(alg: Option<KeyAlgorithm>, params: &AlgorithmParameters) -> Option<Algorithm> {
+    match (alg, params) {
+        (Some(KeyAlgorithm::RS256), AlgorithmParameters::RSA(_)) => Some(Algorithm::RS256),
+        (Some(KeyAlgorithm::ES256), AlgorithmParameters::EllipticCurve(ec))
+            if ec.curve == EllipticCurve::P256 =>
+        {
+            Some(Algorithm::ES256)
+        }
+        (Some(KeyAlgorithm::EdDSA), AlgorithmParameters::OctetKeyPair(okp))
+            if okp.curve == EllipticCurve::Ed25519 =>
+        {
+            Some(Algorithm::EdDSA)
+        }
+        (Some(_), _) => None,
+        (None, AlgorithmParameters::RSA(_)) => Some(Algorithm::RS256),
+        (None, AlgorithmParameters::EllipticCurve(ec)) if ec.curve == EllipticCurve::P256 => {
+            Some(Algorithm::ES256)
+        }
+        (None, AlgorithmParameters::OctetKeyPair(okp)) if okp.curve == EllipticCurve::Ed25519 => {
+            Some(Algorithm::EdDSA)
+        }
+        (None, _) => None,
+    }
+}
+
+impl Keys {
+    /// The signing keys of a JWKS document. Keys of other uses or algorithms are skipped
+    /// (named in a warning); none usable is an error.
+    fn parse(path: &Path, text: &str) -> Result<Self, String> {
+        let set: JwkSet = serde_json::from_str(text)
+            .map_err(|e| format!("{} is not a JWKS document: {e}", path.display()))?;
+        let mut keys = Keys {
+            by_kid: HashMap::new(),
+            unnamed: Vec::new(),
+        };
+        for jwk in &set.keys {
+            let kid = jwk.common.key_id.clone();
+            let name = kid.as_deref().unwrap_or("(no kid)");
+            if matches!(jwk.common.public_key_use, Some(ref u) if *u != PublicKeyUse::Signature) {
+                warn!(kid = name, file = %path.display(), "JWKS key skipped: not a signing key");
+                continue;
+            }
+            let Some(alg) = key_algorithm(jwk.common.key_algorithm, &jwk.algorithm) else {
+                warn!(kid = name, file = %path.display(), "JWKS key skipped: only RS256, ES256 (P-256) and EdDSA (Ed25519) keys are used");
+                continue;
+            };
+            let key = DecodingKey::from_jwk(jwk)
+                .map_err(|e| format!("{}: key {name}: {e}", path.display()))?;
+            match kid {
+                Some(kid) => {
+                    keys.by_kid.insert(kid, Key { key, alg });
+                }
+                None => keys.unnamed.push(Key { key, alg }),
+            }
+        }
+        if keys.by_kid.is_empty() && keys.unnamed.is_empty() {
+            return Err(format!(
+                "{} holds no usable signing key (RS256, ES256 or EdDSA)",
+                path.display()
+            ));
+        }
+        Ok(keys)
+    }
+
+    fn find(&self, kid: Option<&str>) -> Option<&Key> {
+        match kid {
+            Some(kid) => self.by_kid.get(kid),
+            None if self.by_kid.len() + self.unnamed.len() == 1 => {
+                self.unnamed.first().or_else(|| self.by_kid.values().next())
+            }
+            None => None,
+        }
+    }
+}
+
+/// The claims read from a verified token.
+/// `sub` and `exp` are required, but checked by the validation (which names a missing one),
+/// not by deserializing.
+#[derive(serde::Deserialize)]
+struct Claims {
+    #[serde(default)]
+    sub: Option<String>,
+    #[serde(default)]
+    exp: Option<u64>,
+    /// OAuth 2 scopes, space-separated (`scope`), or a list (`scp`, as some providers send).
+    #[serde(default)]
+    scope: Option<String>,
+    #[serde(default)]
+    scp: Option<serde_json::Value>,
+}
+
+impl Claims {
+    fn has_scope(&self, wanted: &str) -> bool {
+        let in_scope = self
+            .scope
+            .as_deref()
+            .is_some_and(|s| s.split(' ').any(|s| s == wanted));
+        let in_scp = match &self.scp {
+            Some(serde_json::Value::String(s)) => s.split(' ').any(|s| s == wanted),
+            Some(serde_json::Value::Array(items)) => items.iter().any(|v| v == wanted),
+            _ => false,
+        };
+        in_scope || in_scp
+    }
+}
+
+fn reason(kind: &ErrorKind) -> String {
+    match kind {
+        ErrorKind::ExpiredSignature => "it has expired".into(),
+        ErrorKind::ImmatureSignature => "it is not valid yet (nbf)".into(),
+        ErrorKind::InvalidIssuer => "wrong issuer".into(),
+        ErrorKind::InvalidAudience => "wrong audience".into(),
+        ErrorKind::InvalidSignature => "the signature does not verify".into(),
+        ErrorKind::InvalidAlgorithm => "its algorithm is not the key's".into(),
+        ErrorKind::MissingRequiredClaim(claim) => format!("the '{claim}' claim is missing"),
+        ErrorKind::InvalidClaimFormat(claim) => format!("the '{claim}' claim is malformed"),
+        ErrorKind::InvalidToken
+        | ErrorKind::Base64(_)
+        | ErrorKind::Json(_)
+        | ErrorKind::Utf8(_) => "not a JWT".into(),
+        _ => "it cannot be verified".into(),
+    }
+}
+
+impl Verifier {
+    /// Read the key set, or say what to change.
+    pub(crate) fn load(config: TokenConfig) -> Result<Self, ConfigError> {
+        let keys = read_keys(&config.jwks_file).map_err(|e| {
+            ConfigError(format!(
+                "--jwks-file: {e}; point it at the identity provider's JWKS document"
+            ))
+        })?;
+        info!(
+            file = %config.jwks_file.display(),
+            keys = keys.by_kid.len() + keys.unnamed.len(),
+            issuer = %config.issuer,
+            "verifying bearer tokens"
+        );
+        Ok(Self {
+            config,
+            keys: RwLock::new(Arc::new(keys)),
+            last_read: Mutex::new(Instant::now()),
+        })
+    }
+
+    /// The identity a token stands for.
+    pub(crate) fn verify(&self, token: &str) -> Result<Identity, AuthError> {
+        let header =
+            jsonwebtoken::decode_header(token).map_err(|e| AuthError::Invalid(reason(e.kind())))?;
+        let kid = header.kid.as_deref();
+        let keys = self.keys.read().expect("not poisoned").clone();
+        let keys = match keys.find(kid) {
+            Some(_) => keys,
+            None => self.reread(kid).ok_or_else(|| {
+                AuthError::Invalid(match kid {
+                    Some(kid) => format!("no key '{}' in the key set", kid.escape_debug()),
+                    None => "it names no key (kid)".into(),
+                })
+            })?,
+        };
+        let key = keys.find(kid).expect("found above");
+        let mut validation = Validation::new(key.alg);
+        validation.leeway = self.config.leeway.as_secs();
+        validation.validate_nbf = true;
+        validation.set_issuer(&[&self.config.issuer]);
+        validation.set_audience(&self.config.audiences);
+        validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
+        let data = jsonwebtoken::decode::<Claims>(token, &key.key, &validation)
+            .map_err(|e| AuthError::Invalid(reason(e.kind())))?;
+        let claims = data.claims;
+        let (Some(user), Some(exp)) = (claims.sub.clone(), claims.exp) else {
+            return Err(AuthError::Invalid(
+                "the 'sub' and 'exp' claims are required".into(),
+            ));
+        };
+        check_user_id(&user).map_err(|e| AuthError::Invalid(format!("sub: {e}")))?;
+        Ok(Identity {
+            admin: claims.has_scope(&self.config.admin_scope),
+            user,
+            expires_at: exp,
+            refused_from: exp + self.config.leeway.as_secs() + 1,
+        })
+    }
+
+    /// Read the key set again for a key it did not have, unless it was read within the last
+    /// second; the new set if it has the key.
+    fn reread(&self, kid: Option<&str>) -> Option<Arc<Keys>> {
+        {
+            let mut last = self.last_read.lock().expect("not poisoned");
+            if last.elapsed() < RELOAD_AT_MOST_EVERY {
+                return None;
+            }
+            *last = Instant::now();
+        }
+        match read_keys(&self.config.jwks_file) {
+            Ok(keys) => {
+                let keys = Arc::new(keys);
+                info!(file = %self.config.jwks_file.display(), keys = keys.by_kid.len() + keys.unnamed.len(), "key set read again");
+                *self.keys.write().expect("not poisoned") = keys.clone();
+                keys.find(kid).is_some().then_some(keys)
+            }
+            Err(e) => {
+                // Keep the keys we have: a half-written file must not sign everyone out.
+                warn!(error = %e, "key set could not be read again; keeping the previous keys");
+                None
+            }
+        }
+    }
+}
+
+fn read_keys(path: &Path) -> Result<Keys, String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+    Keys::parse(path, &text)
+}
+
+impl Auth {
+    /// Who sent these headers: the bearer token, else the session cookie. `Ok(None)` only
+    /// with `--allow-anonymous`.
+    pub(crate) fn identify(&self, headers: &HeaderMap) -> Result<Option<Identity>, AuthError> {
+        let Auth::Tokens(verifier) = self else {
+            return Ok(None);
+        };
+        let token = match bearer(headers)? {
+            Some(token) => token,
+            None => session_cookie(headers).ok_or(AuthError::Missing)?,
+        };
+        verifier.verify(token).map(Some)
+    }
+
+    /// The bearer token itself (signing in with it), verified.
+    pub(crate) fn sign_in<'h>(
+        &self,
+        headers: &'h HeaderMap,
+    ) -> Result<Option<(Identity, &'h str)>, AuthError> {
+        let Auth::Tokens(verifier) = self else {
+            return Ok(None);
+        };
+        let token = bearer(headers)?.ok_or(AuthError::Missing)?;
+        Ok(Some((verifier.verify(token)?, token)))
+    }
+
+    pub(crate) fn is_anonymous(&self) -> bool {
+        matches!(self, Auth::Anonymous)
+    }
+
+    /// The scope a token needs to manage members.
+    pub(crate) fn admin_scope(&self) -> &str {
+        match self {
+            Auth::Anonymous => "",
+            Auth::Tokens(verifier) => &verifier.config.admin_scope,
+        }
+    }
+}
+
+/// The token of an `Authorization: Bearer` header, if there is one.
+fn bearer(headers: &HeaderMap) -> Result<Option<&str>, AuthError> {
+    let Some(value) = headers.get(AUTHORIZATION) else {
+        return Ok(None);
+    };
+    let value = value.to_str().map_err(|_| AuthError::NotBearer)?;
+    match value.split_once(' ') {
+        Some((scheme, token))
+            if scheme.eq_ignore_ascii_case("bearer") && !token.trim().is_empty() =>
+        {
+            Ok(Some(token.trim()))
+        }
+        _ => Err(AuthError::NotBearer),
+    }
+}
+
+/// The session cookie's value, if sent.
+fn session_cookie(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get_all(COOKIE)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(';'))
+        .filter_map(|pair| pair.trim().split_once('='))
+        .find(|(name, _)| *name == SESSION_COOKIE)
+        .map(|(_, value)| value)
+        .filter(|value| !value.is_empty())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use hyper::header::HeaderValue;
+
+    #[test]
+    fn credentials_come_from_the_header_or_the_cookie() {
+        let mut headers = HeaderMap::new();
+        assert_eq!(bearer(&headers), Ok(None));
+        headers.insert(
+            AUTHORIZATION,
+            HeaderValue::from_static("Bearer abc.def.ghi"),
+        );
+        assert_eq!(bearer(&headers), Ok(Some("abc.def.ghi")));
+        headers.insert(
+            AUTHORIZATION,
+            HeaderValue::from_static("Basic dXNlcjpwdw=="),
+        );
+        assert_eq!(bearer(&headers), Err(AuthError::NotBearer));
+        headers.insert(AUTHORIZATION, HeaderValue::from_static("Bearer "));
+        assert_eq!(bearer(&headers), Err(AuthError::NotBearer));
+        headers.insert(
+            COOKIE,
+            HeaderValue::from_static("theme=dark; chat_session=t.o.k; other=1"),
+        );
+        assert_eq!(session_cookie(&headers), Some("t.o.k"));
+        headers.insert(COOKIE, HeaderValue::from_static("chat_session_x=1"));
+        assert_eq!(session_cookie(&headers), None);
+    }
+
+    #[test]
+    fn scopes_are_read_from_scope_or_scp() {
+        let claims = |json: &str| serde_json::from_str::<Claims>(json).unwrap();
+        assert!(claims(r#"{"sub":"a","exp":1,"scope":"read chat:admin"}"#).has_scope("chat:admin"));
+        assert!(
+            !claims(r#"{"sub":"a","exp":1,"scope":"chat:administrator"}"#).has_scope("chat:admin")
+        );
+        assert!(claims(r#"{"sub":"a","exp":1,"scp":["chat:admin"]}"#).has_scope("chat:admin"));
+        assert!(!claims(r#"{"sub":"a","exp":1}"#).has_scope("chat:admin"));
+    }
+
+    #[test]
+    fn a_key_is_used_only_with_its_own_algorithm() {
+        let set = r#"{"keys":[
+            {"kty":"OKP","crv":"Ed25519","x":"11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo","kid":"ed"},
+            {"kty":"oct","k":"c2VjcmV0","kid":"hmac"},
+            {"kty":"OKP","crv":"Ed25519","x":"11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo","kid":"enc","use":"enc"}
+        ]}"#;
+        let keys = Keys::parse(Path::new("jwks.json"), set).unwrap();
+        assert_eq!(
+            keys.by_kid.len(),
+            1,
+            "HMAC and encryption keys are never used"
+        );
+        assert_eq!(keys.find(Some("ed")).unwrap().alg, Algorithm::EdDSA);
+        assert!(keys.find(Some("hmac")).is_none());
+        // One key: a token without kid may use it.
+        assert!(keys.find(None).is_some());
+        let none = r#"{"keys":[{"kty":"oct","k":"c2VjcmV0"}]}"#;
+        assert!(Keys::parse(Path::new("jwks.json"), none).is_err());
+    }
+}

@@ -1,0 +1,209 @@
+"use strict";
+// Messages are rendered with textContent only: a body is text, never markup.
+const side = document.getElementById("side").textContent;
+const list = document.getElementById("messages");
+const statusEl = document.getElementById("status");
+const errorEl = document.getElementById("error");
+const whoEl = document.getElementById("who");
+const signinForm = document.getElementById("signin");
+const fragment = new URLSearchParams(location.hash.slice(1));
+let chatId = Number(fragment.get("chat")) || 7;
+let source = null;
+// The feed position this page has everything up to (history, then the event stream).
+let lastPos = 0;
+let shown = new Set();
+let reopenTimer = null;
+// Which open() is current: what an earlier one had in flight (its history, a send's
+// answer) is dropped when it lands, never drawn into the chat shown now.
+let generation = 0;
+let historyRequest = null;
+
+function setStatus(text, cls) { statusEl.textContent = text; statusEl.className = cls || ""; }
+
+// Items are placed by their feed position, so every tab shows the order history shows.
+function show(message, fromFeed) {
+  if (fromFeed && message.pos > lastPos) lastPos = message.pos;
+  if (shown.has(message.id)) return;
+  shown.add(message.id);
+  const item = document.createElement("div");
+  item.className = "message " + (message.side === side ? "sent" : "received");
+  item.dataset.id = message.id;
+  item.dataset.pos = message.pos;
+  const meta = document.createElement("div");
+  meta.className = "meta";
+  // The sender's name where the message has one (a service run with --allow-anonymous
+  // sends none), and always its side.
+  meta.textContent = (message.sender ? message.sender + " · " : "") + message.side + " · " +
+    new Date(message.created_at).toLocaleTimeString();
+  const body = document.createElement("div");
+  body.className = "body";
+  body.textContent = message.body;
+  item.append(meta, body);
+  const atBottom = list.scrollHeight - list.scrollTop - list.clientHeight < 40;
+  let before = null;
+  for (let next = list.lastElementChild; next && Number(next.dataset.pos) > message.pos; next = next.previousElementSibling) {
+    before = next;
+  }
+  list.insertBefore(item, before);
+  if (atBottom || message.side === side) list.scrollTop = list.scrollHeight;
+}
+
+function listen() {
+  clearTimeout(reopenTimer);
+  if (source) source.close();
+  // The browser resends Last-Event-ID on its own reconnects; `after` covers the first
+  // connection and reopenings after the server refused one.
+  source = new EventSource(`/chats/${chatId}/events?after=p${lastPos}`);
+  source.addEventListener("open", () => setStatus("live", "live"));
+  source.addEventListener("message", (event) => {
+    const message = JSON.parse(event.data);
+    if (message.chat_id === chatId) show(message, true);
+  });
+  source.addEventListener("error", () => {
+    setStatus("reconnecting", "reconnecting");
+    // Refused (the session expired, or the user left the chat): ask who we are before
+    // opening again, so an expired session shows the sign-in instead of retrying blind.
+    if (source.readyState === EventSource.CLOSED) {
+      reopenTimer = setTimeout(async () => { if (await whoami()) listen(); }, 1000);
+    }
+  });
+}
+
+async function open(chat) {
+  const mine = ++generation;
+  if (historyRequest) historyRequest.abort();
+  historyRequest = new AbortController();
+  const { signal } = historyRequest;
+  chatId = chat;
+  location.hash = "chat=" + chat;
+  document.getElementById("chat").value = chat;
+  clearTimeout(reopenTimer);
+  if (source) source.close();
+  source = null;
+  list.replaceChildren();
+  shown = new Set();
+  lastPos = 0;
+  errorEl.textContent = "";
+  setStatus("connecting");
+  try {
+    const response = await fetch(`/chats/${chat}/messages?limit=200`, { signal });
+    const data = await response.json();
+    if (mine !== generation) return;
+    if (response.status === 401) askToSignIn(data.error);
+    if (!response.ok) throw new Error(data.error || response.statusText);
+    data.messages.forEach((message) => show(message, true));
+  } catch (e) {
+    if (mine !== generation) return;
+    errorEl.textContent = "history: " + e.message;
+  }
+  listen();
+}
+
+async function send(text) {
+  // One key per message: a retried request returns the original instead of sending twice.
+  const key = crypto.randomUUID ? crypto.randomUUID() : String(Date.now()) + Math.random();
+  // The chat it was written in: a switch during the retries must not post it elsewhere.
+  const chat = chatId;
+  for (let attempt = 0; attempt < 5; attempt++) {
+    try {
+      const response = await fetch(`/chats/${chat}/messages`, {
+        method: "POST",
+        headers: { "Content-Type": "application/json", "Idempotency-Key": key },
+        body: JSON.stringify({ body: text }),
+      });
+      const data = await response.json();
+      if (response.ok) {
+        if (data.chat_id === chatId) show(data, false);
+        if (chat === chatId) errorEl.textContent = "";
+        return true;
+      }
+      if (response.status === 401) askToSignIn(data.error);
+      if (response.status !== 503) return unsent(chat, text, data.error);
+      if (chat === chatId) errorEl.textContent = data.error + " (retrying)";
+    } catch (e) {
+      if (chat === chatId) errorEl.textContent = "network error (retrying)";
+    }
+    await new Promise((resolve) => setTimeout(resolve, 1000 * (attempt + 1)));
+  }
+  return unsent(chat, text, "not sent");
+}
+
+// A send that failed: its text goes back into the compose box if its chat is still open,
+// or is named in the error line otherwise (never into another chat's box).
+function unsent(chat, text, error) {
+  if (chat === chatId) { errorEl.textContent = error; return false; }
+  errorEl.textContent = `to chat ${chat}, not sent (${error}): ${text}`;
+  return true;
+}
+
+document.getElementById("pick").addEventListener("submit", (event) => {
+  event.preventDefault();
+  const chat = Number(document.getElementById("chat").value);
+  if (Number.isInteger(chat) && chat > 0) open(chat);
+});
+
+const bodyInput = document.getElementById("body");
+document.getElementById("compose").addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const text = bodyInput.value;
+  if (!text.trim()) return;
+  bodyInput.value = "";
+  if (!(await send(text))) bodyInput.value = text;
+  bodyInput.focus();
+});
+bodyInput.addEventListener("keydown", (event) => {
+  if (event.key === "Enter" && !event.shiftKey) {
+    event.preventDefault();
+    document.getElementById("compose").requestSubmit();
+  }
+});
+
+// The session: the service keeps the token in an HttpOnly cookie (EventSource cannot send
+// headers), so the page never stores it. A link from the identity provider (or
+// deploy/local.sh) may carry it in the fragment, which is never sent to a server.
+function askToSignIn(reason) {
+  whoEl.textContent = "";
+  setStatus("signed out");
+  signinForm.classList.add("shown");
+  if (reason) errorEl.textContent = reason;
+}
+
+async function whoami() {
+  try {
+    const response = await fetch("/session");
+    const data = await response.json();
+    if (!response.ok) { askToSignIn(data.error); return false; }
+    signinForm.classList.remove("shown");
+    whoEl.textContent = data.anonymous ? "anonymous" : "signed in as " + data.user;
+    return true;
+  } catch (e) {
+    errorEl.textContent = "network error";
+    return false;
+  }
+}
+
+async function signIn(token) {
+  const response = await fetch("/session", { method: "POST", headers: { Authorization: "Bearer " + token } });
+  const data = await response.json();
+  if (!response.ok) { askToSignIn("sign-in refused: " + data.error); return false; }
+  errorEl.textContent = "";
+  return whoami();
+}
+
+signinForm.addEventListener("submit", async (event) => {
+  event.preventDefault();
+  const input = document.getElementById("token");
+  const token = input.value.trim();
+  input.value = "";
+  if (token && (await signIn(token))) open(chatId);
+});
+
+(async () => {
+  const token = fragment.get("token");
+  if (token) {
+    // Out of the address bar and the history before anything else.
+    history.replaceState(null, "", location.pathname + "#chat=" + chatId);
+    await signIn(token);
+  }
+  if (await whoami()) open(chatId);
+})();

@@ -1,0 +1,516 @@
+//! Who may do what: bearer tokens verified against the provider's JWKS, chat membership,
+//! the sender of every message end to end, the page's session cookie, and streams that end
+//! when their user leaves the chat or their token expires.
+
+use std::time::Duration;
+
+use crate::support::{add_member, bearer, send_as, Idp, Stack, AUDIENCE, ISSUER};
+use chat_services::Side;
+use testkit::http::{request, Reply, SseClient};
+use testkit::{shared_postgres, wait_until};
+
+async fn get_as(addr: std::net::SocketAddr, path: &str, token: Option<&str>) -> Reply {
+    let auth = token.map(bearer);
+    let headers: Vec<(&str, &str)> = auth.iter().map(|(n, v)| (*n, v.as_str())).collect();
+    request(addr, "GET", path, &headers, bytes::Bytes::new())
+        .await
+        .unwrap()
+}
+
+fn now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_secs()
+}
+
+fn assert_401(reply: &Reply, says: &str) {
+    assert_eq!(reply.status, 401, "{}", reply.body);
+    assert!(
+        reply
+            .header("www-authenticate")
+            .is_some_and(|c| c.starts_with("Bearer")),
+        "{:?}",
+        reply.headers
+    );
+    let error = reply.json()["error"].as_str().unwrap().to_string();
+    assert!(error.contains(says), "{error:?} does not say {says:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_without_a_valid_token_is_refused_on_post_history_and_events() {
+    let stack = Stack::start(shared_postgres()).await;
+    let idp = Idp::new();
+    let flags = idp.flags();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let svc = stack.service(Side::Consumers, &flags).await;
+    let a = svc.addr;
+    add_member(a, &idp, 7, "alice").await;
+
+    // No credentials at all.
+    assert_401(
+        &get_as(a, "/chats/7/messages", None).await,
+        "no credentials",
+    );
+    assert_401(&get_as(a, "/chats/7/events", None).await, "no credentials");
+    let post = testkit::http::post_json(
+        a,
+        "/chats/7/messages",
+        &serde_json::json!({"body": "x"}),
+        &[],
+    )
+    .await
+    .unwrap();
+    assert_401(&post, "no credentials");
+
+    let claims = |f: &dyn Fn(&mut serde_json::Value)| {
+        let mut c = serde_json::json!({
+            "iss": ISSUER, "aud": AUDIENCE, "sub": "alice", "exp": now() + 600,
+        });
+        f(&mut c);
+        idp.sign(c)
+    };
+    let expired = claims(&|c| c["exp"] = (now() - 5).into());
+    let wrong_issuer = claims(&|c| c["iss"] = "https://evil.invalid/".into());
+    let wrong_audience = claims(&|c| c["aud"] = "other-service".into());
+    let no_subject = claims(&|c| {
+        c.as_object_mut().unwrap().remove("sub");
+    });
+    let not_yet = claims(&|c| c["nbf"] = (now() + 600).into());
+    // Signed by a key the provider never published, under a kid it does publish.
+    let foreign = {
+        let pem = rcgen::KeyPair::generate().unwrap().serialize_pem();
+        chat_services::token::SigningKey::from_pem(pem.as_bytes(), "key-1")
+            .unwrap()
+            .mint(ISSUER, AUDIENCE, "alice", Duration::from_secs(600), None)
+            .unwrap()
+    };
+    let unknown_kid = {
+        let pem = rcgen::KeyPair::generate().unwrap().serialize_pem();
+        chat_services::token::SigningKey::from_pem(pem.as_bytes(), "made-up")
+            .unwrap()
+            .mint(ISSUER, AUDIENCE, "alice", Duration::from_secs(600), None)
+            .unwrap()
+    };
+    // The same claims with the signature of another token: tampering.
+    let tampered = {
+        let good = idp.token("alice");
+        let other = idp.token("mallory");
+        let (head, _) = good.rsplit_once('.').unwrap();
+        let (_, sig) = other.rsplit_once('.').unwrap();
+        format!("{head}.{sig}")
+    };
+    // alg "none" (the classic forgery) and a token with an HMAC header.
+    let unsigned = {
+        use base64::Engine;
+        let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD;
+        let header = b64.encode(r#"{"alg":"none","typ":"JWT","kid":"key-1"}"#);
+        let body = b64.encode(
+            serde_json::json!({"iss": ISSUER, "aud": AUDIENCE, "sub": "alice", "exp": now() + 600})
+                .to_string(),
+        );
+        format!("{header}.{body}.")
+    };
+    for (token, says) in [
+        (expired.as_str(), "expired"),
+        (&wrong_issuer, "wrong issuer"),
+        (&wrong_audience, "wrong audience"),
+        (&no_subject, "'sub' claim is missing"),
+        (&not_yet, "not valid yet"),
+        (&foreign, "signature does not verify"),
+        (&unknown_kid, "no key 'made-up'"),
+        (&tampered, "signature does not verify"),
+        (&unsigned, "invalid token"),
+        ("not-a-jwt", "invalid token"),
+    ] {
+        for path in ["/chats/7/messages", "/chats/7/events"] {
+            assert_401(&get_as(a, path, Some(token)).await, says);
+        }
+        let reply = send_as(a, token, 7, "forged").await;
+        assert_401(&reply, says);
+    }
+    // The valid token of a member passes.
+    let alice = idp.token("alice");
+    assert_eq!(
+        get_as(a, "/chats/7/messages", Some(&alice)).await.status,
+        200
+    );
+    let sent = send_as(a, &alice, 7, "hello").await;
+    assert_eq!(sent.status, 201, "{}", sent.body);
+    assert_eq!(sent.json()["sender"], "alice");
+    assert_eq!(
+        stack
+            .count("SELECT count(*) FROM consumers.messages WHERE body = 'forged'")
+            .await,
+        0
+    );
+    let metrics = testkit::http::get(svc.admin, "/metrics").await.unwrap().1;
+    assert!(
+        testkit::http::metric_value(
+            &metrics,
+            "chat_requests_refused_total{reason=\"invalid_token\"}"
+        )
+        .is_some_and(|n| n >= 30.0),
+        "{metrics}"
+    );
+    svc.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_non_member_gets_the_same_answer_as_for_a_chat_that_does_not_exist() {
+    let stack = Stack::start(shared_postgres()).await;
+    let idp = Idp::new();
+    let flags = idp.flags();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let svc = stack.service(Side::Consumers, &flags).await;
+    let a = svc.addr;
+    add_member(a, &idp, 7, "alice").await;
+    add_member(a, &idp, 8, "bob").await;
+    let bob_writes = send_as(a, &idp.token("bob"), 8, "in chat 8").await;
+    assert_eq!(bob_writes.status, 201);
+
+    let alice = idp.token("alice");
+    // Chat 8 exists (bob wrote in it); chat 9 has never existed.
+    for verb in ["history", "events", "send"] {
+        let answer = |chat: i64| {
+            let alice = alice.clone();
+            async move {
+                let reply = match verb {
+                    "history" => get_as(a, &format!("/chats/{chat}/messages"), Some(&alice)).await,
+                    "events" => get_as(a, &format!("/chats/{chat}/events"), Some(&alice)).await,
+                    _ => send_as(a, &alice, chat, "let me in").await,
+                };
+                (
+                    reply.status,
+                    reply.json()["error"]
+                        .as_str()
+                        .unwrap()
+                        .replace(&chat.to_string(), "N"),
+                )
+            }
+        };
+        let existing = answer(8).await;
+        let missing = answer(9).await;
+        assert_eq!(existing.0, 404, "{verb}: {existing:?}");
+        assert_eq!(
+            existing, missing,
+            "{verb}: a non-member can tell chat 8 exists"
+        );
+    }
+    assert_eq!(
+        stack
+            .count("SELECT count(*) FROM consumers.messages WHERE body = 'let me in'")
+            .await,
+        0
+    );
+    // Members are managed with the admin scope only.
+    let (name, value) = bearer(&alice);
+    let reply = request(
+        a,
+        "PUT",
+        "/chats/8/members/alice",
+        &[(name, &value)],
+        bytes::Bytes::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(reply.status, 403, "{}", reply.body);
+    assert!(reply.body.contains("scope 'chat:admin'"), "{}", reply.body);
+    let members = get_as(a, "/chats/8/members", Some(&idp.admin())).await;
+    assert_eq!(members.json()["members"], serde_json::json!(["bob"]));
+    svc.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_posts_and_the_other_sides_member_sees_it_with_its_sender() {
+    let stack = Stack::start(shared_postgres()).await;
+    let idp = Idp::new();
+    let flags = idp.flags();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let consumers = stack.service(Side::Consumers, &flags).await;
+    let workers = stack.service(Side::Workers, &flags).await;
+    add_member(consumers.addr, &idp, 3, "alice").await;
+    add_member(workers.addr, &idp, 3, "bob").await;
+    let bob = idp.token("bob");
+    let (name, value) = bearer(&bob);
+    let mut feed =
+        SseClient::connect_with(workers.addr, "/chats/3/events?after=p0", &[(name, &value)])
+            .await
+            .unwrap();
+
+    let sent = send_as(consumers.addr, &idp.token("alice"), 3, "hi bob").await;
+    assert_eq!(sent.status, 201, "{}", sent.body);
+    let (_, shown) = crate::support::next_message(&mut feed, Duration::from_secs(20)).await;
+    assert_eq!(shown["id"], sent.json()["id"]);
+    assert_eq!(shown["sender"], "alice");
+    assert_eq!(shown["side"], "consumers");
+    let history = get_as(workers.addr, "/chats/3/messages", Some(&bob)).await;
+    assert_eq!(history.json()["messages"][0]["sender"], "alice");
+    // And in the inbox row itself.
+    assert_eq!(
+        stack
+            .count("SELECT count(*) FROM workers.inbox WHERE sender = 'alice' AND body = 'hi bob'")
+            .await,
+        1
+    );
+    // Bob answers; alice's history shows him.
+    let answer = send_as(workers.addr, &bob, 3, "hi alice").await;
+    assert_eq!(answer.status, 201);
+    let alice = idp.token("alice");
+    wait_until(
+        Duration::from_secs(20),
+        "bob's answer at consumers",
+        || async {
+            let history = get_as(consumers.addr, "/chats/3/messages", Some(&alice)).await;
+            let messages = history.json()["messages"].clone();
+            match messages.as_array().and_then(|m| m.last()) {
+                Some(last) if last["body"] == "hi alice" => {
+                    assert_eq!(last["sender"], "bob");
+                    Ok(())
+                }
+                _ => Err(messages.to_string()),
+            }
+        },
+    )
+    .await;
+    consumers.stop().await;
+    workers.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removed_member_s_stream_ends_within_a_second_on_every_instance() {
+    // Two shards: each instance holds one (a service in the tests waits for a shard).
+    let stack = Stack::start_sharded(shared_postgres(), 2).await;
+    let idp = Idp::new();
+    let flags = idp.flags();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let mut extra = flags.clone();
+    extra.extend(["--consumer-name", "workers-2"]);
+    let one = stack.service(Side::Workers, &flags).await;
+    let two = stack.service(Side::Workers, &extra).await;
+    add_member(one.addr, &idp, 5, "carol").await;
+    let carol = idp.token("carol");
+    let (name, value) = bearer(&carol);
+    let mut on_one = SseClient::connect_with(one.addr, "/chats/5/events", &[(name, &value)])
+        .await
+        .unwrap();
+    let mut on_two = SseClient::connect_with(two.addr, "/chats/5/events", &[(name, &value)])
+        .await
+        .unwrap();
+    // Both streams are live: a message reaches both.
+    let sent = send_as(one.addr, &carol, 5, "still here").await;
+    assert_eq!(sent.status, 201);
+    for feed in [&mut on_one, &mut on_two] {
+        let (_, shown) = crate::support::next_message(feed, Duration::from_secs(10)).await;
+        assert_eq!(shown["body"], "still here");
+    }
+
+    let (name, admin) = bearer(&idp.admin());
+    let removed_at = std::time::Instant::now();
+    let reply = request(
+        one.addr,
+        "DELETE",
+        "/chats/5/members/carol",
+        &[(name, &admin)],
+        bytes::Bytes::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    for (instance, feed) in [
+        ("the instance that removed her", &on_one),
+        ("the other instance", &on_two),
+    ] {
+        wait_until(Duration::from_secs(3), instance, || async {
+            if feed.is_closed() {
+                Ok(())
+            } else {
+                Err("stream still open".to_string())
+            }
+        })
+        .await;
+        let took = removed_at.elapsed();
+        assert!(
+            took < Duration::from_millis(1500),
+            "{instance}: stream ended {took:?} after the removal"
+        );
+    }
+    // And she cannot come back in.
+    assert_eq!(
+        get_as(two.addr, "/chats/5/events", Some(&carol))
+            .await
+            .status,
+        404
+    );
+    assert_eq!(send_as(two.addr, &carol, 5, "after").await.status, 404);
+    one.stop().await;
+    two.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rotated_key_is_used_without_a_restart() {
+    let stack = Stack::start(shared_postgres()).await;
+    let mut idp = Idp::new();
+    let flags = idp.flags();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let svc = stack.service(Side::Consumers, &flags).await;
+    add_member(svc.addr, &idp, 2, "dave").await;
+    let before = idp.token("dave");
+    idp.rotate();
+    let after = idp.token("dave");
+    assert_ne!(
+        jsonwebtoken::decode_header(&before).unwrap().kid,
+        jsonwebtoken::decode_header(&after).unwrap().kid
+    );
+    // The new kid makes the service read the key set again (at most once a second).
+    wait_until(Duration::from_secs(5), "the new key accepted", || async {
+        match get_as(svc.addr, "/chats/2/messages", Some(&after)).await {
+            r if r.status == 200 => Ok(()),
+            r => Err(r.body),
+        }
+    })
+    .await;
+    // Tokens of the old key stay good while it is published.
+    assert_eq!(
+        get_as(svc.addr, "/chats/2/messages", Some(&before))
+            .await
+            .status,
+        200
+    );
+    svc.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_signs_in_with_a_cookie_and_its_stream_ends_when_the_token_expires() {
+    let stack = Stack::start(shared_postgres()).await;
+    let idp = Idp::new();
+    let flags = idp.flags();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let svc = stack.service(Side::Consumers, &flags).await;
+    let a = svc.addr;
+    add_member(a, &idp, 4, "erin").await;
+    let short = idp.token_for("erin", Duration::from_secs(3), None);
+    let (name, value) = bearer(&short);
+    let signed_in = request(
+        a,
+        "POST",
+        "/session",
+        &[(name, &value)],
+        bytes::Bytes::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(signed_in.status, 200, "{}", signed_in.body);
+    assert_eq!(signed_in.json()["user"], "erin");
+    let cookie = signed_in.header("set-cookie").unwrap().to_string();
+    for attribute in ["HttpOnly", "SameSite=Strict", "Path=/", "Max-Age="] {
+        assert!(cookie.contains(attribute), "{cookie}");
+    }
+    let pair = cookie.split(';').next().unwrap().to_string();
+    // The cookie alone identifies the page's requests, the event stream included.
+    let session = request(
+        a,
+        "GET",
+        "/session",
+        &[("cookie", &pair)],
+        bytes::Bytes::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(session.json()["user"], "erin");
+    let opened = std::time::Instant::now();
+    let feed = SseClient::connect_with(a, "/chats/4/events", &[("cookie", &pair)])
+        .await
+        .unwrap();
+    wait_until(
+        Duration::from_secs(10),
+        "the stream ended at expiry",
+        || async {
+            if feed.is_closed() {
+                Ok(())
+            } else {
+                Err("open".to_string())
+            }
+        },
+    )
+    .await;
+    assert!(
+        opened.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        opened.elapsed()
+    );
+    // Expired: the page is asked to sign in again.
+    let again = SseClient::connect_with(a, "/chats/4/events", &[("cookie", &pair)]).await;
+    assert!(again.err().unwrap().to_string().contains("401"));
+    let out = request(a, "DELETE", "/session", &[], bytes::Bytes::new())
+        .await
+        .unwrap();
+    assert!(out.header("set-cookie").unwrap().contains("Max-Age=0"));
+    svc.stop().await;
+}
+
+#[test]
+fn a_service_without_authentication_refuses_to_start_and_says_what_to_set() {
+    let parse = |extra: &[&str]| {
+        let mut argv = vec![
+            "chat-service",
+            "--side",
+            "consumers",
+            "--database-url",
+            "postgres://consumers@localhost/chat?sslmode=disable",
+            "--redis-url",
+            "redis://localhost",
+        ];
+        argv.extend(extra);
+        <chat_services::Cli as clap::Parser>::try_parse_from(argv)
+            .unwrap()
+            .validate()
+            .err()
+            .map(|e| e.to_string())
+    };
+    let refused = parse(&[]).expect("refused");
+    assert!(
+        refused.contains("--jwks-file") && refused.contains("--allow-anonymous"),
+        "{refused}"
+    );
+    assert_eq!(parse(&["--allow-anonymous"]), None);
+    let missing = parse(&[
+        "--jwks-file",
+        "/nonexistent/jwks.json",
+        "--jwt-issuer",
+        "i",
+        "--jwt-audience",
+        "a",
+    ])
+    .unwrap();
+    assert!(
+        missing.contains("cannot read /nonexistent/jwks.json"),
+        "{missing}"
+    );
+    let idp = Idp::new();
+    let jwks = idp.jwks.display().to_string();
+    let no_audience = parse(&["--jwks-file", &jwks, "--jwt-issuer", "i"]).unwrap();
+    assert!(no_audience.contains("--jwt-audience"), "{no_audience}");
+    let both = parse(&[
+        "--jwks-file",
+        &jwks,
+        "--jwt-issuer",
+        "i",
+        "--jwt-audience",
+        "a",
+        "--allow-anonymous",
+    ])
+    .unwrap();
+    assert!(both.contains("exclude each other"), "{both}");
+    assert_eq!(
+        parse(&[
+            "--jwks-file",
+            &jwks,
+            "--jwt-issuer",
+            "i",
+            "--jwt-audience",
+            "a"
+        ]),
+        None
+    );
+}
