@@ -199,9 +199,8 @@ for member in "$consumers_port alice" "$workers_port bob"; do
   status=$(http_put "$port" "/chats/7/members/$user" "$admin_token")
   case $status in 200|201) ;; *) log "adding $user to chat 7 answered $status"; exit 1 ;; esac
 done
-mkdir -p "$state/tokens"
-mint --sub alice >"$state/tokens/alice"
-mint --sub bob >"$state/tokens/bob"
+# Bearer tokens: readable by their owner only.
+(umask 077 && mkdir -p "$state/tokens" && mint --sub alice >"$state/tokens/alice" && mint --sub bob >"$state/tokens/bob")
 log "chat 7 has alice (consumers) and bob (workers); tokens in $state/tokens/"
 
 cat <<MSG

@@ -4,8 +4,10 @@
 //! A token is accepted when its signature verifies with the key its header names (`kid`),
 //! with that key's own algorithm (RS256, ES256 or EdDSA: never one the token picks), and
 //! its issuer, audience, expiry and not-before hold, within the clock skew allowed. Its
-//! subject (`sub`) is the user. A `kid` not in the key set re-reads the file (at most once
-//! a second), so a rotation at the provider is picked up without a restart.
+//! subject (`sub`) is the user. The key set is read again when its file changes (looked at
+//! at most once a second, so a key withdrawn after a compromise stops verifying within a
+//! second) and when a token names a key it does not hold, so a rotation at the provider is
+//! picked up without a restart.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -20,8 +22,11 @@ use tracing::{info, warn};
 use crate::model::check_user_id;
 use outbox_core::ConfigError;
 
-/// The cookie the page's session is kept in (the token itself, `HttpOnly`).
+/// The cookie the page's session is kept in (the token itself, `HttpOnly`). With
+/// `--cookie-secure` it is `__Host-` prefixed: the browser then takes it only over HTTPS,
+/// from this host, for `/`, so no sibling subdomain can plant one.
 pub(crate) const SESSION_COOKIE: &str = "chat_session";
+pub(crate) const SECURE_SESSION_COOKIE: &str = "__Host-chat_session";
 /// The least time between two reads of the key set for tokens naming an unknown key: a
 /// client sending made-up key ids costs one file read a second at most.
 const RELOAD_AT_MOST_EVERY: Duration = Duration::from_secs(1);
@@ -72,6 +77,8 @@ pub(crate) enum Auth {
 #[derive(Debug, Clone)]
 pub struct TokenConfig {
     pub jwks_file: PathBuf,
+    /// The session cookie is `Secure` (and `__Host-` prefixed).
+    pub cookie_secure: bool,
     pub issuer: String,
     pub audiences: Vec<String>,
     pub leeway: Duration,
@@ -82,7 +89,18 @@ pub struct TokenConfig {
 pub(crate) struct Verifier {
     config: TokenConfig,
     keys: RwLock<Arc<Keys>>,
-    last_read: Mutex<Instant>,
+    /// When the file was last read or looked at, and its modification time then.
+    file: Mutex<FileState>,
+}
+
+struct FileState {
+    read_at: Instant,
+    looked_at: Instant,
+    modified: Option<SystemTime>,
+}
+
+fn modified(path: &Path) -> Option<SystemTime> {
+    std::fs::metadata(path).and_then(|m| m.modified()).ok()
 }
 
 /// The usable keys of a key set, by `kid`.
@@ -153,6 +171,9 @@ impl Keys {
                 }
                 None => keys.unnamed.push(Key { key, alg }),
             }
+        }
+        if !keys.unnamed.is_empty() && keys.by_kid.len() + keys.unnamed.len() > 1 {
+            warn!(file = %path.display(), unnamed = keys.unnamed.len(), "JWKS keys without a kid are not used: the set holds more than one key, so a token cannot say which");
         }
         if keys.by_kid.is_empty() && keys.unnamed.is_empty() {
             return Err(format!(
@@ -237,11 +258,24 @@ impl Verifier {
             issuer = %config.issuer,
             "verifying bearer tokens"
         );
+        let now = Instant::now();
         Ok(Self {
+            file: Mutex::new(FileState {
+                read_at: now,
+                looked_at: now,
+                modified: modified(&config.jwks_file),
+            }),
             config,
             keys: RwLock::new(Arc::new(keys)),
-            last_read: Mutex::new(Instant::now()),
         })
+    }
+
+    fn cookie_name(&self) -> &'static str {
+        if self.config.cookie_secure {
+            SECURE_SESSION_COOKIE
+        } else {
+            SESSION_COOKIE
+        }
     }
 
     /// The identity a token stands for.
@@ -249,6 +283,7 @@ impl Verifier {
         let header =
             jsonwebtoken::decode_header(token).map_err(|e| AuthError::Invalid(reason(e.kind())))?;
         let kid = header.kid.as_deref();
+        self.reread_if_changed();
         let keys = self.keys.read().expect("not poisoned").clone();
         let keys = match keys.find(kid) {
             Some(_) => keys,
@@ -279,7 +314,9 @@ impl Verifier {
             admin: claims.has_scope(&self.config.admin_scope),
             user,
             expires_at: exp,
-            refused_from: exp + self.config.leeway.as_secs() + 1,
+            refused_from: exp
+                .saturating_add(self.config.leeway.as_secs())
+                .saturating_add(1),
         })
     }
 
@@ -287,18 +324,42 @@ impl Verifier {
     /// second; the new set if it has the key.
     fn reread(&self, kid: Option<&str>) -> Option<Arc<Keys>> {
         {
-            let mut last = self.last_read.lock().expect("not poisoned");
-            if last.elapsed() < RELOAD_AT_MOST_EVERY {
+            let mut file = self.file.lock().expect("not poisoned");
+            if file.read_at.elapsed() < RELOAD_AT_MOST_EVERY {
                 return None;
             }
-            *last = Instant::now();
+            file.read_at = Instant::now();
+            file.modified = modified(&self.config.jwks_file);
         }
+        self.read_again().filter(|keys| keys.find(kid).is_some())
+    }
+
+    /// Read the key set again if its file changed since it was last looked at (looked at
+    /// at most once a second: one `stat`).
+    fn reread_if_changed(&self) {
+        {
+            let mut file = self.file.lock().expect("not poisoned");
+            if file.looked_at.elapsed() < RELOAD_AT_MOST_EVERY {
+                return;
+            }
+            file.looked_at = Instant::now();
+            let now = modified(&self.config.jwks_file);
+            if now == file.modified {
+                return;
+            }
+            file.modified = now;
+            file.read_at = Instant::now();
+        }
+        self.read_again();
+    }
+
+    fn read_again(&self) -> Option<Arc<Keys>> {
         match read_keys(&self.config.jwks_file) {
             Ok(keys) => {
                 let keys = Arc::new(keys);
                 info!(file = %self.config.jwks_file.display(), keys = keys.by_kid.len() + keys.unnamed.len(), "key set read again");
                 *self.keys.write().expect("not poisoned") = keys.clone();
-                keys.find(kid).is_some().then_some(keys)
+                Some(keys)
             }
             Err(e) => {
                 // Keep the keys we have: a half-written file must not sign everyone out.
@@ -324,9 +385,30 @@ impl Auth {
         };
         let token = match bearer(headers)? {
             Some(token) => token,
-            None => session_cookie(headers).ok_or(AuthError::Missing)?,
+            None => session_cookie(headers, verifier.cookie_name()).ok_or(AuthError::Missing)?,
         };
         verifier.verify(token).map(Some)
+    }
+
+    /// Who a bearer token says the caller is; a session cookie is not enough (the calls
+    /// that manage members come from backends, never from the page).
+    pub(crate) fn identify_bearer(
+        &self,
+        headers: &HeaderMap,
+    ) -> Result<Option<Identity>, AuthError> {
+        let Auth::Tokens(verifier) = self else {
+            return Ok(None);
+        };
+        let token = bearer(headers)?.ok_or(AuthError::Missing)?;
+        verifier.verify(token).map(Some)
+    }
+
+    /// The session cookie's name.
+    pub(crate) fn cookie_name(&self) -> &'static str {
+        match self {
+            Auth::Tokens(verifier) => verifier.cookie_name(),
+            Auth::Anonymous => SESSION_COOKIE,
+        }
     }
 
     /// The bearer token itself (signing in with it), verified.
@@ -370,15 +452,15 @@ fn bearer(headers: &HeaderMap) -> Result<Option<&str>, AuthError> {
     }
 }
 
-/// The session cookie's value, if sent.
-fn session_cookie(headers: &HeaderMap) -> Option<&str> {
+/// The value of the session cookie `name`, if sent.
+fn session_cookie<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
     headers
         .get_all(COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
         .filter_map(|pair| pair.trim().split_once('='))
-        .find(|(name, _)| *name == SESSION_COOKIE)
+        .find(|(cookie, _)| *cookie == name)
         .map(|(_, value)| value)
         .filter(|value| !value.is_empty())
 }
@@ -408,9 +490,10 @@ mod tests {
             COOKIE,
             HeaderValue::from_static("theme=dark; chat_session=t.o.k; other=1"),
         );
-        assert_eq!(session_cookie(&headers), Some("t.o.k"));
+        assert_eq!(session_cookie(&headers, SESSION_COOKIE), Some("t.o.k"));
+        assert_eq!(session_cookie(&headers, SECURE_SESSION_COOKIE), None);
         headers.insert(COOKIE, HeaderValue::from_static("chat_session_x=1"));
-        assert_eq!(session_cookie(&headers), None);
+        assert_eq!(session_cookie(&headers, SESSION_COOKIE), None);
     }
 
     #[test]

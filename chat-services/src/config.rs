@@ -102,6 +102,24 @@ pub struct Cli {
     /// Open event streams (SSE) at most on this instance; beyond it 503 (clients retry).
     #[arg(long, env = "CHAT_MAX_EVENT_STREAMS", default_value_t = 5_000)]
     pub max_event_streams: usize,
+    /// Sends per second one user may keep up on this instance (a token bucket); past it
+    /// 429 with Retry-After. Not applied with --allow-anonymous (there is no user).
+    #[arg(long, env = "CHAT_SEND_RATE", default_value_t = 5.0)]
+    pub send_rate: f64,
+    /// Sends one user may make at once after being idle (the bucket's size).
+    #[arg(long, env = "CHAT_SEND_BURST", default_value_t = 20)]
+    pub send_burst: u32,
+    /// Event streams one user may hold open on this instance; past it 429.
+    #[arg(long, env = "CHAT_MAX_EVENT_STREAMS_PER_USER", default_value_t = 16)]
+    pub max_event_streams_per_user: usize,
+    /// How long a request's body may take to arrive; past it 408 and the connection closes.
+    #[arg(long, env = "CHAT_BODY_READ_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10s")]
+    pub body_read_timeout: Duration,
+    /// How long writing an answer may wait for a client that does not read; past it the
+    /// connection is closed (memory and a connection slot are freed; an event stream
+    /// resumes with Last-Event-ID).
+    #[arg(long, env = "CHAT_WRITE_TIMEOUT", value_parser = humantime::parse_duration, default_value = "30s")]
+    pub write_timeout: Duration,
     /// How long a connection may take to send a request's headers, and stay idle between
     /// requests, before it is closed.
     #[arg(long, env = "CHAT_HEADER_READ_TIMEOUT", value_parser = humantime::parse_duration, default_value = "30s")]
@@ -211,6 +229,7 @@ impl AuthArgs {
         }
         let config = crate::auth::TokenConfig {
             jwks_file: jwks_file.clone(),
+            cookie_secure: self.cookie_secure,
             issuer,
             audiences,
             leeway: self.jwt_leeway,
@@ -281,6 +300,11 @@ pub struct ServiceConfig {
     pub db_pool_size: usize,
     pub max_connections: usize,
     pub max_event_streams: usize,
+    pub send_rate: f64,
+    pub send_burst: u32,
+    pub max_event_streams_per_user: usize,
+    pub body_read_timeout: Duration,
+    pub write_timeout: Duration,
     pub header_read_timeout: Duration,
     pub outbox_retention: Duration,
     pub outbox_retention_interval: Duration,
@@ -360,6 +384,11 @@ impl Cli {
             db_pool_size: self.db_pool_size,
             max_connections: self.max_connections,
             max_event_streams: self.max_event_streams,
+            send_rate: self.send_rate,
+            send_burst: self.send_burst,
+            max_event_streams_per_user: self.max_event_streams_per_user,
+            body_read_timeout: self.body_read_timeout,
+            write_timeout: self.write_timeout,
             header_read_timeout: self.header_read_timeout,
             outbox_retention: self.outbox_retention,
             outbox_retention_interval: self.outbox_retention_interval,
@@ -468,6 +497,15 @@ impl Cli {
         }
         if self.max_connections == 0 || self.max_event_streams == 0 {
             return refuse("--max-connections and --max-event-streams must be at least 1");
+        }
+        if !(self.send_rate.is_finite() && self.send_rate > 0.0) || self.send_burst == 0 {
+            return refuse("--send-rate must be a number above 0 and --send-burst at least 1");
+        }
+        if self.max_event_streams_per_user == 0
+            || self.body_read_timeout.is_zero()
+            || self.write_timeout.is_zero()
+        {
+            return refuse("--max-event-streams-per-user must be at least 1, --body-read-timeout and --write-timeout greater than zero");
         }
         if self.header_read_timeout.is_zero() {
             return refuse("--header-read-timeout must be greater than zero");

@@ -29,6 +29,7 @@ pub(crate) struct Metrics {
     pub live_chats: IntGauge,
     pub requests_refused_total: IntCounterVec,
     pub event_streams_revoked_total: IntCounter,
+    pub membership_checks_failed_total: IntCounter,
 }
 
 impl Metrics {
@@ -89,6 +90,10 @@ impl Metrics {
             .expect("unique metric");
         Self {
             requests_refused_total,
+            membership_checks_failed_total: counter(
+                "chat_membership_checks_failed_total",
+                "Checks of the open event streams against chat members that the database did not answer",
+            ),
             event_streams_revoked_total: counter(
                 "chat_event_streams_revoked_total",
                 "Event streams ended because their user left the chat or their token expired",

@@ -54,7 +54,7 @@ function listen() {
   // The browser resends Last-Event-ID on its own reconnects; `after` covers the first
   // connection and reopenings after the server refused one.
   source = new EventSource(`/chats/${chatId}/events?after=p${lastPos}`);
-  source.addEventListener("open", () => setStatus("live", "live"));
+  source.addEventListener("open", () => { reopenDelay = 1000; setStatus("live", "live"); });
   source.addEventListener("message", (event) => {
     const message = JSON.parse(event.data);
     if (message.chat_id === chatId) show(message, true);
@@ -64,9 +64,31 @@ function listen() {
     // Refused (the session expired, or the user left the chat): ask who we are before
     // opening again, so an expired session shows the sign-in instead of retrying blind.
     if (source.readyState === EventSource.CLOSED) {
-      reopenTimer = setTimeout(async () => { if (await whoami()) listen(); }, 1000);
+      reopenTimer = setTimeout(reopen, reopenDelay);
+      reopenDelay = Math.min(reopenDelay * 2, 30000);
     }
   });
+}
+
+// The server refused the stream (EventSource does not say why): ask the history, whose
+// answer does. Not a member (any more) or not signed in: say so and stop; anything else
+// (an instance going away, a 503): open again, later each time.
+let reopenDelay = 1000;
+async function reopen() {
+  const chat = chatId;
+  try {
+    const response = await fetch(`/chats/${chat}/messages?limit=1`);
+    if (chat !== chatId) return;
+    if (response.status === 401) { askToSignIn((await response.json()).error); return; }
+    if (response.status === 404) {
+      setStatus("closed");
+      errorEl.textContent = `chat ${chat}: you are not a member (or it does not exist)`;
+      return;
+    }
+  } catch (e) {
+    // Unreachable: try again later, as for any other refusal.
+  }
+  if (chat === chatId) listen();
 }
 
 async function open(chat) {
@@ -78,6 +100,7 @@ async function open(chat) {
   location.hash = "chat=" + chat;
   document.getElementById("chat").value = chat;
   clearTimeout(reopenTimer);
+  reopenDelay = 1000;
   if (source) source.close();
   source = null;
   list.replaceChildren();
@@ -203,7 +226,27 @@ signinForm.addEventListener("submit", async (event) => {
   if (token) {
     // Out of the address bar and the history before anything else.
     history.replaceState(null, "", location.pathname + "#chat=" + chatId);
-    await signIn(token);
   }
-  if (await whoami()) open(chatId);
+  const signedIn = await whoami();
+  if (token) {
+    // Never signed in by a link alone: anyone can send a link carrying their own token
+    // (the victim would then post where its sender reads). The token waits in the form
+    // for the user to press sign in, saying whose it claims to be.
+    signinForm.classList.add("shown");
+    document.getElementById("token").value = token;
+    errorEl.textContent = "This link signs you in as " + claimedUser(token) +
+      (signedIn ? " instead of the current session" : "") + ": press sign in to accept.";
+    if (!signedIn) return;
+  }
+  if (signedIn) open(chatId);
 })();
+
+// The subject a token claims (unverified: shown only so the user can decide).
+function claimedUser(token) {
+  try {
+    const part = token.split(".")[1].replace(/-/g, "+").replace(/_/g, "/");
+    return JSON.parse(atob(part)).sub || "someone";
+  } catch (e) {
+    return "someone";
+  }
+}

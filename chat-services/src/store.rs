@@ -113,10 +113,24 @@ const IDLE_CHECK_AFTER: Duration = Duration::from_secs(10);
 const SESSION_LIMITS: &str =
     "-c statement_timeout=4s -c lock_timeout=3s -c idle_in_transaction_session_timeout=60s";
 
+/// An Idempotency-Key as stored: each sender's keys are their own (two users choosing the
+/// same key never meet, nor learn of each other's messages). A user id holds no control
+/// character and a key only visible ASCII, so the separator is unambiguous. Keys of
+/// anonymous sends, and of every send before identities, are stored as they are.
+fn stored_key(sender: Option<&str>, key: &str) -> String {
+    match sender {
+        Some(sender) => format!("{sender}\u{1f}{key}"),
+        None => key.to_string(),
+    }
+}
+
 /// One send's statement, runnable again with the same message id and key.
 struct Send<'a> {
     message: &'a Message,
+    /// The key as stored: scoped to the sender (see [`stored_key`]).
     key: &'a str,
+    /// The key as the client knows it (answered with an unknown outcome).
+    client_key: &'a str,
     payload: &'a serde_json::Value,
 }
 
@@ -491,9 +505,11 @@ impl Store {
         let key = idempotency_key
             .map(str::to_string)
             .unwrap_or_else(|| format!("auto:{}", message.id));
+        let stored = stored_key(sender, &key);
         let send = Send {
             message: &message,
-            key: &key,
+            key: &stored,
+            client_key: &key,
             payload: &payload,
         };
         let deadline = tokio::time::Instant::now() + RESOLVE_WITHIN;
@@ -527,7 +543,7 @@ impl Store {
                 Ok(client
                     .query_one(
                         &format!("SELECT id, chat_id, body, created_at, pos, sender FROM {s}.messages WHERE idempotency_key = $1"),
-                        &[&key],
+                        &[&stored],
                     )
                     .await?)
             })
@@ -578,9 +594,9 @@ impl Store {
                 Attempt::Unknown(e) => e,
             };
             if tokio::time::Instant::now() + pause > deadline {
-                warn!(error = %e, key = %send.key, "send's outcome still unknown");
+                warn!(error = %e, key = %send.client_key, "send's outcome still unknown");
                 return Err(StoreError::OutcomeUnknown {
-                    idempotency_key: send.key.to_string(),
+                    idempotency_key: send.client_key.to_string(),
                 });
             }
             tokio::time::sleep(pause).await;

@@ -218,6 +218,84 @@ async fn a_non_member_gets_the_same_answer_as_for_a_chat_that_does_not_exist() {
     assert!(reply.body.contains("scope 'chat:admin'"), "{}", reply.body);
     let members = get_as(a, "/chats/8/members", Some(&idp.admin())).await;
     assert_eq!(members.json()["members"], serde_json::json!(["bob"]));
+    // A user id is the path segment as it is: '+' stays '+'; bad UTF-8 is refused.
+    let (name, admin) = bearer(&idp.admin());
+    let plus = request(
+        a,
+        "PUT",
+        "/chats/8/members/a+b%40x",
+        &[(name, &admin)],
+        bytes::Bytes::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(plus.json()["user"], "a+b@x", "{}", plus.body);
+    let bad = request(
+        a,
+        "PUT",
+        "/chats/8/members/%ff",
+        &[(name, &admin)],
+        bytes::Bytes::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(bad.status, 400, "{}", bad.body);
+    // The page's cookie never manages members, even an admin's.
+    let session = request(
+        a,
+        "POST",
+        "/session",
+        &[(name, &admin)],
+        bytes::Bytes::new(),
+    )
+    .await
+    .unwrap();
+    let cookie = session
+        .header("set-cookie")
+        .unwrap()
+        .split(';')
+        .next()
+        .unwrap()
+        .to_string();
+    let by_cookie = request(
+        a,
+        "PUT",
+        "/chats/8/members/x",
+        &[("cookie", &cookie)],
+        bytes::Bytes::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(by_cookie.status, 401, "{}", by_cookie.body);
+
+    // Idempotency keys are each user's own: bob reusing alice's key in his chat writes his
+    // own message and learns nothing of hers.
+    add_member(a, &idp, 7, "alice").await;
+    let with_key = |token: String, chat: i64, body: &'static str| async move {
+        let (name, value) = bearer(&token);
+        testkit::http::post_json(
+            a,
+            &format!("/chats/{chat}/messages"),
+            &serde_json::json!({"body": body}),
+            &[(name, &value), ("idempotency-key", "shared-key")],
+        )
+        .await
+        .unwrap()
+    };
+    let hers = with_key(idp.token("alice"), 7, "alice's").await;
+    let his = with_key(idp.token("bob"), 8, "bob's").await;
+    assert_eq!(
+        (hers.status, his.status),
+        (201, 201),
+        "{} {}",
+        hers.body,
+        his.body
+    );
+    assert_ne!(hers.json()["id"], his.json()["id"]);
+    assert_eq!(his.json()["body"], "bob's");
+    let again = with_key(idp.token("alice"), 7, "alice's").await;
+    assert_eq!(again.json()["id"], hers.json()["id"]);
+    assert_eq!(again.header("idempotency-replayed"), Some("true"));
     svc.stop().await;
 }
 
@@ -373,6 +451,32 @@ async fn a_rotated_key_is_used_without_a_restart() {
     // Tokens of the old key stay good while it is published.
     assert_eq!(
         get_as(svc.addr, "/chats/2/messages", Some(&before))
+            .await
+            .status,
+        200
+    );
+    // Withdrawn (a compromise): its tokens are refused within a second or two, with no
+    // token of an unknown key needed to make the service look.
+    idp.withdraw_oldest();
+    let withdrawn = std::time::Instant::now();
+    wait_until(
+        Duration::from_secs(5),
+        "the withdrawn key refused",
+        || async {
+            match get_as(svc.addr, "/chats/2/messages", Some(&before)).await {
+                r if r.status == 401 => Ok(()),
+                r => Err(r.body),
+            }
+        },
+    )
+    .await;
+    assert!(
+        withdrawn.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        withdrawn.elapsed()
+    );
+    assert_eq!(
+        get_as(svc.addr, "/chats/2/messages", Some(&after))
             .await
             .status,
         200

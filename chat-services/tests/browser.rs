@@ -358,3 +358,174 @@ async fn a_send_retried_after_the_user_switched_chats_lands_in_the_chat_it_was_w
     consumers.stop().await;
     stack.stop().await;
 }
+
+/// The page's status text, once it is `want`.
+async fn wait_status(page: &Client, want: &str) {
+    wait_until(
+        Duration::from_secs(20),
+        &format!("status {want}"),
+        || async {
+            let status = page
+                .find(Locator::Id("status"))
+                .await
+                .map_err(|e| e.to_string())?;
+            let text = status.text().await.map_err(|e| e.to_string())?;
+            if text == want {
+                Ok(())
+            } else {
+                Err(text)
+            }
+        },
+    )
+    .await;
+}
+
+/// The meta line (sender · side · time) of the page's messages.
+async fn metas(page: &Client) -> Vec<String> {
+    let mut texts = Vec::new();
+    if let Ok(items) = page
+        .find_all(Locator::Css("#messages .message .meta"))
+        .await
+    {
+        for item in items {
+            texts.push(item.text().await.unwrap_or_default());
+        }
+    }
+    texts
+}
+
+async fn two_users_scenario(
+    alice_page: &Client,
+    bob_page: &Client,
+    urls: [String; 2],
+    tokens: [String; 2],
+) {
+    let [consumers, workers] = urls;
+    let [alice, bob] = tokens;
+    // Alice follows a sign-in link: it fills the form, and nothing happens until she
+    // accepts (a link alone never signs anyone in).
+    alice_page
+        .goto(&format!("{consumers}/#chat=12&token={alice}"))
+        .await
+        .unwrap();
+    wait_status(alice_page, "signed out").await;
+    assert!(
+        !alice_page
+            .current_url()
+            .await
+            .unwrap()
+            .as_str()
+            .contains("token="),
+        "the token left the address bar"
+    );
+    let error = alice_page
+        .find(Locator::Id("error"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(error.contains("signs you in as alice"), "{error}");
+    alice_page
+        .find(Locator::Css("#signin button"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_status(alice_page, "live").await;
+    // Bob pastes his token into the sign-in form.
+    bob_page.goto(&format!("{workers}/#chat=12")).await.unwrap();
+    wait_status(bob_page, "signed out").await;
+    bob_page
+        .find(Locator::Id("token"))
+        .await
+        .unwrap()
+        .send_keys(&bob)
+        .await
+        .unwrap();
+    bob_page
+        .find(Locator::Css("#signin button"))
+        .await
+        .unwrap()
+        .click()
+        .await
+        .unwrap();
+    wait_status(bob_page, "live").await;
+    let who = bob_page
+        .find(Locator::Id("who"))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert_eq!(who, "signed in as bob");
+
+    let input = alice_page.find(Locator::Id("body")).await.unwrap();
+    input.send_keys("hi bob\n").await.unwrap();
+    wait_until(
+        Duration::from_secs(20),
+        "alice's message on bob's page",
+        || async {
+            let shown = metas(bob_page).await;
+            match shown.first() {
+                Some(meta) if meta.starts_with("alice · consumers") => Ok(()),
+                _ => Err(format!("{shown:?}")),
+            }
+        },
+    )
+    .await;
+    let input = bob_page.find(Locator::Id("body")).await.unwrap();
+    input.send_keys("hi alice\n").await.unwrap();
+    wait_until(
+        Duration::from_secs(20),
+        "bob's answer on alice's page",
+        || async {
+            let shown = metas(alice_page).await;
+            match shown.get(1) {
+                Some(meta) if meta.starts_with("bob · workers") => Ok(()),
+                _ => Err(format!("{shown:?}")),
+            }
+        },
+    )
+    .await;
+    // The cookie is HttpOnly: the page's script cannot read the token.
+    let cookies = alice_page
+        .execute("return document.cookie", vec![])
+        .await
+        .unwrap();
+    assert_eq!(cookies, serde_json::json!(""));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_users_sign_in_on_the_two_sides_and_see_each_other_by_name() {
+    let stack = Stack::start(shared_postgres()).await;
+    let idp = crate::support::Idp::new();
+    let flags = idp.flags();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let consumers = stack.service(Side::Consumers, &flags).await;
+    let workers = stack.service(Side::Workers, &flags).await;
+    crate::support::add_member(consumers.addr, &idp, 12, "alice").await;
+    crate::support::add_member(workers.addr, &idp, 12, "bob").await;
+    let (_driver, webdriver) = chromedriver().await;
+    let alice_page = browser(&webdriver).await;
+    let bob_page = browser(&webdriver).await;
+    let outcome = tokio::spawn({
+        let (a, b) = (alice_page.clone(), bob_page.clone());
+        let urls = [
+            format!("http://{}", consumers.addr),
+            format!("http://{}", workers.addr),
+        ];
+        let tokens = [idp.token("alice"), idp.token("bob")];
+        async move { two_users_scenario(&a, &b, urls, tokens).await }
+    })
+    .await;
+    let _ = alice_page.close().await;
+    let _ = bob_page.close().await;
+    if let Err(panic) = outcome {
+        std::panic::resume_unwind(panic.into_panic());
+    }
+    consumers.stop().await;
+    workers.stop().await;
+    stack.stop().await;
+}

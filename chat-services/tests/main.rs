@@ -27,3 +27,4 @@ mod retention;
 mod send_outcome;
 mod shards;
 mod shown;
+mod user_limits;

@@ -34,8 +34,14 @@ enum Cmd {
         sub: String,
         #[arg(long, env = "CHAT_JWT_ISSUER")]
         issuer: String,
-        #[arg(long, env = "CHAT_JWT_AUDIENCE")]
-        audience: String,
+        /// The audience; with the services' comma-separated list, the first.
+        #[arg(
+            long,
+            env = "CHAT_JWT_AUDIENCE",
+            value_delimiter = ',',
+            required = true
+        )]
+        audience: Vec<String>,
         /// How long the token is valid.
         #[arg(long, value_parser = humantime::parse_duration, default_value = "8h")]
         ttl: Duration,
@@ -62,7 +68,7 @@ fn main() -> ExitCode {
             audience,
             ttl,
             scope,
-        } => key.mint(issuer, audience, sub, *ttl, scope.as_deref()),
+        } => key.mint(issuer, &audience[0], sub, *ttl, scope.as_deref()),
     });
     match printed {
         Ok(out) => {

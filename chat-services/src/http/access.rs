@@ -9,30 +9,28 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info};
+use tracing::{info, warn};
 
 use crate::metrics::Metrics;
 use crate::store::Store;
 
 /// How often open streams are checked against the members.
 const CHECK_EVERY: Duration = Duration::from_secs(1);
+/// How long membership may go unchecked before every watched stream is ended: they come
+/// back through the membership check of a new request, which fails closed.
+const UNCHECKED_AT_MOST: Duration = Duration::from_secs(30);
 
-/// The streams being watched, by a number of their own.
+/// The streams being watched: by chat and user, then by a number of their own.
 #[derive(Default)]
 pub(crate) struct Streams {
-    open: Mutex<HashMap<u64, Watched>>,
+    open: Mutex<HashMap<(i64, String), HashMap<u64, CancellationToken>>>,
     next: AtomicU64,
-}
-
-struct Watched {
-    chat_id: i64,
-    user: String,
-    revoked: CancellationToken,
 }
 
 /// One stream's place in [`Streams`]; leaves it when dropped.
 pub(crate) struct Watch {
     streams: Arc<Streams>,
+    key: (i64, String),
     id: u64,
     /// Cancelled when the user is no member of the chat any more.
     pub revoked: CancellationToken,
@@ -40,11 +38,13 @@ pub(crate) struct Watch {
 
 impl Drop for Watch {
     fn drop(&mut self) {
-        self.streams
-            .open
-            .lock()
-            .expect("not poisoned")
-            .remove(&self.id);
+        let mut open = self.streams.open.lock().expect("not poisoned");
+        if let Some(streams) = open.get_mut(&self.key) {
+            streams.remove(&self.id);
+            if streams.is_empty() {
+                open.remove(&self.key);
+            }
+        }
     }
 }
 
@@ -53,16 +53,16 @@ impl Streams {
     pub(crate) fn watch(self: &Arc<Self>, chat_id: i64, user: &str) -> Watch {
         let id = self.next.fetch_add(1, Ordering::Relaxed);
         let revoked = CancellationToken::new();
-        self.open.lock().expect("not poisoned").insert(
-            id,
-            Watched {
-                chat_id,
-                user: user.to_string(),
-                revoked: revoked.clone(),
-            },
-        );
+        let key = (chat_id, user.to_string());
+        self.open
+            .lock()
+            .expect("not poisoned")
+            .entry(key.clone())
+            .or_default()
+            .insert(id, revoked.clone());
         Watch {
             streams: self.clone(),
+            key,
             id,
             revoked,
         }
@@ -71,29 +71,39 @@ impl Streams {
     /// End `user`'s streams of chat `chat_id` on this instance; how many.
     pub(crate) fn revoke(&self, chat_id: i64, user: &str) -> usize {
         let open = self.open.lock().expect("not poisoned");
-        let mut n = 0;
-        for w in open.values() {
-            if w.chat_id == chat_id && w.user == user && !w.revoked.is_cancelled() {
-                w.revoked.cancel();
-                n += 1;
-            }
-        }
-        n
+        let Some(streams) = open.get(&(chat_id, user.to_string())) else {
+            return 0;
+        };
+        streams
+            .values()
+            .filter(|t| !t.is_cancelled())
+            .map(|t| t.cancel())
+            .count()
     }
 
-    /// The `(chat, user)` pairs of the open streams, each once.
-    fn pairs(&self) -> Vec<(i64, String)> {
+    /// End every watched stream; how many.
+    fn revoke_all(&self) -> usize {
         let open = self.open.lock().expect("not poisoned");
-        let mut pairs: Vec<(i64, String)> =
-            open.values().map(|w| (w.chat_id, w.user.clone())).collect();
-        pairs.sort();
-        pairs.dedup();
-        pairs
+        open.values()
+            .flat_map(|streams| streams.values())
+            .filter(|t| !t.is_cancelled())
+            .map(|t| t.cancel())
+            .count()
+    }
+
+    /// The `(chat, user)` pairs of the open streams.
+    fn pairs(&self) -> Vec<(i64, String)> {
+        self.open
+            .lock()
+            .expect("not poisoned")
+            .keys()
+            .cloned()
+            .collect()
     }
 
     /// Check the open streams against the members every second until `shutdown`. When the
     /// database does not answer, streams stay open (they get nothing from it either) and are
-    /// checked again a second later.
+    /// checked again a second later; unchecked for [`UNCHECKED_AT_MOST`], they are ended.
     pub(crate) async fn run(
         self: Arc<Self>,
         store: Store,
@@ -102,6 +112,7 @@ impl Streams {
     ) {
         let mut every = tokio::time::interval(CHECK_EVERY);
         every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut checked = tokio::time::Instant::now();
         loop {
             tokio::select! {
                 _ = shutdown.cancelled() => return,
@@ -109,12 +120,24 @@ impl Streams {
             }
             let pairs = self.pairs();
             if pairs.is_empty() {
+                checked = tokio::time::Instant::now();
                 continue;
             }
             let members = match store.memberships(&pairs).await {
-                Ok(members) => members,
+                Ok(members) => {
+                    checked = tokio::time::Instant::now();
+                    members
+                }
                 Err(e) => {
-                    debug!(error = %e, "membership of open streams not checked");
+                    metrics.membership_checks_failed_total.inc();
+                    if checked.elapsed() >= UNCHECKED_AT_MOST {
+                        let n = self.revoke_all();
+                        metrics.event_streams_revoked_total.inc_by(n as u64);
+                        warn!(error = %e, streams = n, "membership of open streams unchecked for 30 s; ended them (they come back through the membership check)");
+                        checked = tokio::time::Instant::now();
+                    } else {
+                        warn!(error = %e, "membership of open streams not checked; trying again in a second");
+                    }
                     continue;
                 }
             };

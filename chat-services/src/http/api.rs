@@ -2,6 +2,7 @@
 
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
 
 use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
@@ -14,7 +15,7 @@ use uuid::Uuid;
 
 use super::reply::{self, Body};
 use super::{sse, App};
-use crate::auth::{AuthError, Identity, SESSION_COOKIE};
+use crate::auth::{AuthError, Identity};
 use crate::model::{self, InputError};
 use crate::store::StoreError;
 
@@ -22,6 +23,9 @@ use crate::store::StoreError;
 const MAX_REQUEST_BYTES: usize = 64 * 1024;
 const DEFAULT_HISTORY: i64 = 50;
 const MAX_HISTORY: i64 = 500;
+/// Bytes of one history answer at most (500 messages of 4,000 escaped control characters
+/// would be ~12 MB held for a client that never reads).
+const MAX_HISTORY_BYTES: usize = 1024 * 1024;
 
 const PAGE: &str = include_str!("../page.html");
 const PAGE_JS: &str = include_str!("../page.js");
@@ -115,6 +119,19 @@ fn unauthorized(app: &App, e: AuthError) -> Response<Body> {
     resp
 }
 
+/// 429 with `Retry-After` (whole seconds, at least 1), counted under `reason`.
+fn too_many(app: &App, reason: &str, wait: Duration, message: String) -> Response<Body> {
+    app.metrics
+        .requests_refused_total
+        .with_label_values(&[reason])
+        .inc();
+    let mut resp = reply::error(StatusCode::TOO_MANY_REQUESTS, message);
+    let secs = wait.as_secs_f64().ceil().max(1.0) as u64;
+    resp.headers_mut()
+        .insert("retry-after", HeaderValue::from(secs));
+    resp
+}
+
 /// What a chat that does not exist, and a chat the caller is not in, both answer: a
 /// non-member learns nothing, not even that the chat exists.
 fn no_chat(chat_id: i64) -> Response<Body> {
@@ -188,10 +205,37 @@ pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Re
             )
         }
     };
-    let raw = match Limited::new(req.into_body(), MAX_REQUEST_BYTES)
-        .collect()
-        .await
-    {
+    if let Some(who) = &who {
+        if let Err(wait) = app.limits.quotas.take_send(&who.user) {
+            return too_many(
+                app,
+                "send_rate",
+                wait,
+                format!(
+                    "{} is sending faster than this instance allows ({}/s, bursts of {}); retry after the Retry-After seconds",
+                    who.user, app.limits.quotas.rate(), app.limits.quotas.burst()
+                ),
+            );
+        }
+    }
+    let body = Limited::new(req.into_body(), MAX_REQUEST_BYTES).collect();
+    let Ok(raw) = tokio::time::timeout(app.limits.body_read_timeout, body).await else {
+        app.metrics
+            .requests_refused_total
+            .with_label_values(&["body_timeout"])
+            .inc();
+        let mut resp = reply::error(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the request body did not arrive within {:?}",
+                app.limits.body_read_timeout
+            ),
+        );
+        resp.headers_mut()
+            .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+        return resp;
+    };
+    let raw = match raw {
         Ok(collected) => collected.to_bytes(),
         Err(e)
             if e.downcast_ref::<http_body_util::LengthLimitError>()
@@ -292,9 +336,43 @@ pub(super) async fn history(app: &App, chat_id: &str, req: &Request<Incoming>) -
         }
     }
     match app.store.history(chat_id, limit, before).await {
-        Ok(messages) => reply::json(StatusCode::OK, &serde_json::json!({ "messages": messages })),
+        Ok(messages) => history_page(&messages),
         Err(e) => store_error(e),
     }
+}
+
+/// A history answer of at most [`MAX_HISTORY_BYTES`]: the newest messages that fit, oldest
+/// first, and `"truncated": true` when older ones were left out (the client pages back
+/// with `before` the first one it got). A client that reads slowly holds this much at most.
+fn history_page(messages: &[crate::model::HistoryItem]) -> Response<Body> {
+    let mut kept: Vec<Vec<u8>> = Vec::with_capacity(messages.len());
+    let mut bytes = 0;
+    for item in messages.iter().rev() {
+        let json = serde_json::to_vec(item).expect("a message serializes");
+        if bytes + json.len() + 1 > MAX_HISTORY_BYTES && !kept.is_empty() {
+            break;
+        }
+        bytes += json.len() + 1;
+        kept.push(json);
+    }
+    let truncated = kept.len() < messages.len();
+    let mut body = Vec::with_capacity(bytes + 40);
+    body.extend_from_slice(b"{\"messages\":[");
+    for (i, json) in kept.iter().rev().enumerate() {
+        if i > 0 {
+            body.push(b',');
+        }
+        body.extend_from_slice(json);
+    }
+    body.extend_from_slice(if truncated {
+        b"],\"truncated\":true}"
+    } else {
+        b"]}"
+    });
+    let mut resp = Response::new(reply::full(body));
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
 }
 
 /// `GET /chats/{chat_id}/events`.
@@ -311,10 +389,27 @@ pub(super) async fn events(
         Ok(who) => who,
         Err(resp) => return resp,
     };
-    let entitlement = who.map(|who| sse::Entitlement {
-        watch: app.streams.watch(chat_id, &who.user),
-        expires_in: who.remaining(),
-    });
+    let entitlement = match who {
+        None => None,
+        Some(who) => {
+            let Some(slot) = app.limits.quotas.open_stream(&who.user) else {
+                return too_many(
+                    &app,
+                    "streams_per_user",
+                    Duration::from_secs(1),
+                    format!(
+                    "{} has {} event streams open on this instance, the most allowed; close one",
+                    who.user, app.limits.quotas.max_streams()
+                ),
+                );
+            };
+            Some(sse::Entitlement {
+                watch: app.streams.watch(chat_id, &who.user),
+                expires_in: who.remaining(),
+                _slot: slot,
+            })
+        }
+    };
     let bad_position = |name: &str, raw: &str| {
         reply::error(
             StatusCode::BAD_REQUEST,
@@ -350,8 +445,9 @@ pub(super) async fn events(
 /// The session cookie holding `token` for `max_age` seconds (0: removes it).
 fn session_cookie(app: &App, token: &str, max_age: u64) -> HeaderValue {
     let secure = if app.cookie_secure { "; Secure" } else { "" };
+    let name = app.auth.cookie_name();
     HeaderValue::from_str(&format!(
-        "{SESSION_COOKIE}={token}; Path=/; Max-Age={max_age}; HttpOnly; SameSite=Strict{secure}"
+        "{name}={token}; Path=/; Max-Age={max_age}; HttpOnly; SameSite=Strict{secure}"
     ))
     .expect("a token from a header is a valid header value")
 }
@@ -411,7 +507,7 @@ fn admin(app: &App, req: &Request<Incoming>) -> Result<Identity, Response<Body>>
     }
     let who = app
         .auth
-        .identify(req.headers())
+        .identify_bearer(req.headers())
         .map_err(|e| unauthorized(app, e))?
         .expect("not anonymous");
     if !who.admin {
@@ -461,7 +557,12 @@ pub(super) async fn set_member(
         Ok(id) => id,
         Err(e) => return input_error(e),
     };
-    let user = percent_decode(user);
+    let Some(user) = path_decode(user) else {
+        return reply::error(
+            StatusCode::BAD_REQUEST,
+            "the user id in the path is not valid percent-encoded UTF-8",
+        );
+    };
     if let Err(e) = model::check_user_id(&user) {
         return reply::error(StatusCode::BAD_REQUEST, e);
     }
@@ -519,7 +620,18 @@ fn query_pairs(query: Option<&str>) -> Vec<(String, String)> {
         .collect()
 }
 
+/// A path segment, percent-decoded (`+` is itself there, unlike in a query); `None` if
+/// the bytes are not UTF-8, so two spellings never name one user.
+fn path_decode(s: &str) -> Option<String> {
+    String::from_utf8(decode(s, false)).ok()
+}
+
 fn percent_decode(s: &str) -> String {
+    String::from_utf8_lossy(&decode(s, true)).into_owned()
+}
+
+/// `%XX` decoded, and `+` as a space where `plus_is_space` (query strings).
+fn decode(s: &str, plus_is_space: bool) -> Vec<u8> {
     fn hex(b: u8) -> Option<u8> {
         match b {
             b'0'..=b'9' => Some(b - b'0'),
@@ -533,7 +645,7 @@ fn percent_decode(s: &str) -> String {
     let mut i = 0;
     while i < bytes.len() {
         match bytes[i] {
-            b'+' => out.push(b' '),
+            b'+' if plus_is_space => out.push(b' '),
             b'%' if i + 2 < bytes.len() => match (hex(bytes[i + 1]), hex(bytes[i + 2])) {
                 (Some(high), Some(low)) => {
                     out.push(high * 16 + low);
@@ -545,7 +657,7 @@ fn percent_decode(s: &str) -> String {
         }
         i += 1;
     }
-    String::from_utf8_lossy(&out).into_owned()
+    out
 }
 
 #[cfg(test)]
@@ -567,5 +679,7 @@ mod tests {
         assert_eq!(percent_decode("a%20b+c"), "a b c");
         assert_eq!(percent_decode("%zz"), "%zz");
         assert_eq!(percent_decode("%é1"), "%é1");
+        assert_eq!(path_decode("a+b%40x").as_deref(), Some("a+b@x"));
+        assert_eq!(path_decode("%ff"), None);
     }
 }

@@ -4,6 +4,7 @@
 mod access;
 mod admin;
 mod api;
+mod quota;
 pub(crate) mod reply;
 pub(crate) mod sse;
 
@@ -67,6 +68,11 @@ pub(crate) struct Limits {
     /// Bytes queued for one event stream's client at most.
     pub sse_client_buffer: usize,
     pub header_read_timeout: Duration,
+    /// Each user's share: sends per second, open streams.
+    pub quotas: Arc<quota::Quotas>,
+    pub body_read_timeout: Duration,
+    /// How long a write to a client may wait for it to read.
+    pub write_timeout: Duration,
 }
 
 impl Limits {
@@ -77,6 +83,13 @@ impl Limits {
             feed_reads: Semaphore::new((config.db_pool_size / 2).max(1)),
             sse_client_buffer: config.sse_client_buffer,
             header_read_timeout: config.header_read_timeout,
+            quotas: Arc::new(quota::Quotas::new(
+                config.send_rate,
+                config.send_burst,
+                config.max_event_streams_per_user,
+            )),
+            body_read_timeout: config.body_read_timeout,
+            write_timeout: config.write_timeout,
         }
     }
 }
@@ -105,6 +118,12 @@ pub(crate) async fn serve(listener: TcpListener, app: Arc<App>, shutdown: Cancel
             continue;
         };
         let header_read_timeout = app.limits.header_read_timeout;
+        // A client that stops reading an answer holds its buffers and its connection: past
+        // the write deadline the connection is closed (an event stream resumes with
+        // Last-Event-ID, missing nothing).
+        let mut stream = tokio_io_timeout::TimeoutStream::new(stream);
+        stream.set_write_timeout(Some(app.limits.write_timeout));
+        let stream = Box::pin(stream);
         let app = app.clone();
         let service = hyper::service::service_fn(move |req| {
             let app = app.clone();

@@ -63,6 +63,8 @@ const CLIENT_QUEUE: usize = 64;
 pub(crate) struct Entitlement {
     pub watch: super::access::Watch,
     pub expires_in: std::time::Duration,
+    /// The user's place among their open streams, held as long as the stream.
+    pub _slot: super::quota::StreamSlot,
 }
 
 /// Start streaming chat `chat_id` after `after` (`None`: from now on), for as long as

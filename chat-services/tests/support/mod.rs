@@ -639,6 +639,7 @@ pub(crate) async fn assert_received_in_sent_order(stack: &Stack<'_>, from: Side,
 /// rcgen), the JWKS file the services verify with, and tokens for any user.
 pub(crate) struct Idp {
     keys: Vec<chat_services::token::SigningKey>,
+    minted: usize,
     pub(crate) jwks: std::path::PathBuf,
 }
 
@@ -650,6 +651,7 @@ impl Idp {
         let jwks = testkit::scratch_dir("idp").join("jwks.json");
         let mut idp = Self {
             keys: Vec::new(),
+            minted: 0,
             jwks,
         };
         idp.rotate();
@@ -659,9 +661,20 @@ impl Idp {
     /// A new signing key (the newest signs from now on), published beside the old ones.
     pub(crate) fn rotate(&mut self) {
         let pem = rcgen::KeyPair::generate().unwrap().serialize_pem();
-        let kid = format!("key-{}", self.keys.len() + 1);
+        self.minted += 1;
+        let kid = format!("key-{}", self.minted);
         self.keys
             .push(chat_services::token::SigningKey::from_pem(pem.as_bytes(), &kid).unwrap());
+        self.publish();
+    }
+
+    /// Stop publishing the oldest key (as after a compromise).
+    pub(crate) fn withdraw_oldest(&mut self) {
+        self.keys.remove(0);
+        self.publish();
+    }
+
+    fn publish(&self) {
         let keys: Vec<_> = self.keys.iter().collect();
         // Written whole, then renamed, as a provider's sync job would.
         let tmp = self.jwks.with_extension("tmp");

@@ -1,0 +1,238 @@
+//! What one user, or one client, may take: sends at a rate (429 with Retry-After), event
+//! streams at once, a request body's arrival, and an answer's reading. Others are not
+//! affected; memory stays bounded.
+
+use std::time::{Duration, Instant};
+
+use crate::support::{add_member, bearer, send_as, Idp, Stack};
+use chat_services::Side;
+use testkit::http::SseClient;
+use testkit::{shared_postgres, wait_until};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+fn flags(idp: &Idp, extra: &[&str]) -> Vec<String> {
+    let mut flags = idp.flags();
+    flags.extend(extra.iter().map(|s| s.to_string()));
+    flags
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_sending_past_the_rate_gets_429_with_retry_after_and_others_do_not() {
+    let stack = Stack::start(shared_postgres()).await;
+    let idp = Idp::new();
+    let flags = flags(&idp, &["--send-rate", "1", "--send-burst", "3"]);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let svc = stack.service(Side::Consumers, &flags).await;
+    for user in ["alice", "bob"] {
+        add_member(svc.addr, &idp, 1, user).await;
+    }
+    let alice = idp.token("alice");
+    for i in 0..3 {
+        let reply = send_as(svc.addr, &alice, 1, &format!("burst {i}")).await;
+        assert_eq!(reply.status, 201, "{}", reply.body);
+    }
+    let refused = send_as(svc.addr, &alice, 1, "one too many").await;
+    assert_eq!(refused.status, 429, "{}", refused.body);
+    let retry: u64 = refused.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=2).contains(&retry), "Retry-After {retry}");
+    assert!(refused.json()["error"].as_str().unwrap().contains("1/s"));
+    // Bob's bucket is his own.
+    let bob = send_as(svc.addr, &idp.token("bob"), 1, "bob is fine").await;
+    assert_eq!(bob.status, 201, "{}", bob.body);
+    // After Retry-After, alice may send again; nothing refused was written.
+    let waited = Instant::now();
+    wait_until(
+        Duration::from_secs(5),
+        "alice's bucket refilled",
+        || async {
+            match send_as(svc.addr, &alice, 1, "later").await {
+                r if r.status == 201 => Ok(()),
+                r => Err(r.body),
+            }
+        },
+    )
+    .await;
+    assert!(waited.elapsed() <= Duration::from_secs(retry + 1));
+    assert_eq!(
+        stack
+            .count("SELECT count(*) FROM consumers.messages WHERE body = 'one too many'")
+            .await,
+        0
+    );
+    svc.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_user_opening_streams_past_the_cap_is_refused_and_nobody_else_is() {
+    let stack = Stack::start(shared_postgres()).await;
+    let idp = Idp::new();
+    let flags = flags(&idp, &["--max-event-streams-per-user", "2"]);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let svc = stack.service(Side::Consumers, &flags).await;
+    for user in ["alice", "bob"] {
+        add_member(svc.addr, &idp, 1, user).await;
+    }
+    let (name, alice) = bearer(&idp.token("alice"));
+    let first = SseClient::connect_with(svc.addr, "/chats/1/events", &[(name, &alice)])
+        .await
+        .unwrap();
+    let _second = SseClient::connect_with(svc.addr, "/chats/1/events", &[(name, &alice)])
+        .await
+        .unwrap();
+    let third = SseClient::connect_with(svc.addr, "/chats/1/events", &[(name, &alice)]).await;
+    let error = third.err().expect("a third stream is refused").to_string();
+    assert!(
+        error.contains("429") && error.contains("2 event streams"),
+        "{error}"
+    );
+    let (_, bob) = bearer(&idp.token("bob"));
+    SseClient::connect_with(svc.addr, "/chats/1/events", &[(name, &bob)])
+        .await
+        .expect("bob's streams are counted apart");
+    // A stream closed gives its place back.
+    drop(first);
+    wait_until(Duration::from_secs(10), "alice's place back", || async {
+        SseClient::connect_with(svc.addr, "/chats/1/events", &[(name, &alice)])
+            .await
+            .map(drop)
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    svc.stop().await;
+}
+
+/// Reads what the server sends until it closes the connection; panics if it has not
+/// within 10 s.
+async fn read_to_close(stream: &mut TcpStream) -> Vec<u8> {
+    let mut all = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut all))
+        .await
+        .expect("the server closes the connection")
+        .ok();
+    all
+}
+
+/// A client connection with a small receive window, as a client that stopped reading.
+async fn small_window(addr: std::net::SocketAddr) -> TcpStream {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.connect(addr).await.unwrap()
+}
+
+fn rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse::<f64>().ok())
+        .unwrap()
+        / 1024.0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_body_and_a_client_that_never_reads_are_cut_at_their_deadlines() {
+    let stack = Stack::start(shared_postgres()).await;
+    let idp = Idp::new();
+    let flags = flags(
+        &idp,
+        &[
+            "--body-read-timeout",
+            "1s",
+            "--write-timeout",
+            "2s",
+            "--header-read-timeout",
+            "3s",
+        ],
+    );
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let svc = stack
+        .service_process(Side::Consumers, "limits", &flags)
+        .await;
+    add_member(svc.addr, &idp, 9, "alice").await;
+    let token = idp.token("alice");
+
+    // A POST that announces 64 KiB and sends 10 bytes: 408 after the body deadline.
+    let mut stalled = TcpStream::connect(svc.addr).await.unwrap();
+    let head = format!(
+        "POST /chats/9/messages HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {token}\r\ncontent-type: application/json\r\ncontent-length: 65536\r\n\r\n{{\"body\":\"x"
+    );
+    stalled.write_all(head.as_bytes()).await.unwrap();
+    let started = Instant::now();
+    let answer = String::from_utf8_lossy(&read_to_close(&mut stalled).await).into_owned();
+    let took = started.elapsed();
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    assert!(answer.contains("did not arrive within 1s"), "{answer}");
+    assert!(took < Duration::from_secs(3), "cut after {took:?}");
+
+    // The largest history there is: 500 messages of 4,000 control characters, each
+    // escaped to 6 bytes in JSON (~12 MB whole).
+    let db = stack.db.connect().await.unwrap();
+    db.execute(
+        "INSERT INTO consumers.messages (id, chat_id, body, idempotency_key, sender)
+         SELECT gen_random_uuid(), 9, repeat(chr(1), 4000), 'bulk-' || g, 'alice'
+           FROM generate_series(1, 500) g",
+        &[],
+    )
+    .await
+    .unwrap();
+    let (name, value) = bearer(&token);
+    let reply = testkit::http::request(
+        svc.addr,
+        "GET",
+        "/chats/9/messages?limit=500",
+        &[(name, &value)],
+        bytes::Bytes::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(reply.status, 200);
+    assert!(
+        reply.body.len() <= 1024 * 1024,
+        "{} bytes",
+        reply.body.len()
+    );
+    let page = reply.json();
+    assert_eq!(page["truncated"], true);
+    let kept = page["messages"].as_array().unwrap();
+    assert!(kept.len() >= 40 && kept.len() < 500, "{} kept", kept.len());
+    // The newest are kept, oldest first.
+    assert_eq!(kept.last().unwrap()["body"].as_str().unwrap().len(), 4000);
+
+    // 40 clients ask for it and never read: each costs at most its capped answer (on
+    // loopback the kernel's buffers take all of it, so the write deadline is not reached),
+    // and each connection is closed at the idle deadline.
+    let pid = svc.child.pid();
+    let before = rss_mib(pid);
+    let mut silent = Vec::new();
+    for _ in 0..40 {
+        let mut s = small_window(svc.addr).await;
+        let request = format!(
+            "GET /chats/9/messages?limit=500 HTTP/1.1\r\nhost: x\r\nauthorization: Bearer {token}\r\n\r\n"
+        );
+        s.write_all(request.as_bytes()).await.unwrap();
+        silent.push(s);
+    }
+    let mut peak = before;
+    let watch_until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < watch_until {
+        peak = peak.max(rss_mib(pid));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!("RSS with 40 clients that never read a 1 MiB answer: {before:.1} -> {peak:.1} MiB");
+    assert!(peak - before < 80.0, "RSS {before:.1} -> {peak:.1} MiB");
+    // Closed: reading now yields at most the capped answer, then the close.
+    for s in &mut silent {
+        let got = read_to_close(s).await;
+        assert!(got.len() < 1024 * 1024 + 1024, "{} bytes", got.len());
+    }
+    let metrics = testkit::http::get(svc.admin, "/metrics").await.unwrap().1;
+    assert_eq!(
+        testkit::http::metric_value(
+            &metrics,
+            "chat_requests_refused_total{reason=\"body_timeout\"}"
+        ),
+        Some(1.0)
+    );
+}
