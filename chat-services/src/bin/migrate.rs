@@ -48,10 +48,8 @@ async fn run(cli: &Cli) -> Result<outbox_migrations::Report, Error> {
     let report = outbox_migrations::apply(&mut client).await?;
     for (role, file) in &cli.role_passwords {
         let password = outbox_core::connect::read_secret_file(file)?;
-        // The password travels as a literal (ALTER ROLE takes no parameters); quote it.
-        let literal = password.replace('\'', "''");
         client
-            .batch_execute(&format!("ALTER ROLE {role} PASSWORD '{literal}'"))
+            .batch_execute(&password_statement(role, &password))
             .await
             .map_err(|e| Error::Password {
                 role: role.clone(),
@@ -62,4 +60,31 @@ async fn run(cli: &Cli) -> Result<outbox_migrations::Report, Error> {
         tracing::info!(%role, "password set");
     }
     Ok(report)
+}
+
+/// `ALTER ROLE` with the SCRAM-SHA-256 verifier of `password`, computed here (a fresh salt
+/// each time): the password itself never reaches the server, so it cannot land in its log
+/// (on an error, or with `log_statement = ddl`) nor in anything that records statements.
+fn password_statement(role: &str, password: &str) -> String {
+    let verifier = postgres_protocol::password::scram_sha_256(password.as_bytes());
+    // A verifier is base64, digits and `$:` only: nothing to quote.
+    format!("ALTER ROLE {role} PASSWORD '{verifier}'")
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_statement_carries_a_verifier_never_the_password() {
+        let statement = super::password_statement("consumers", "hunter2-s3cret'");
+        assert!(!statement.contains("hunter2"), "{statement}");
+        assert!(
+            statement.starts_with("ALTER ROLE consumers PASSWORD 'SCRAM-SHA-256$4096:"),
+            "{statement}"
+        );
+        assert_ne!(
+            statement,
+            super::password_statement("consumers", "hunter2-s3cret'"),
+            "salted"
+        );
+    }
 }
