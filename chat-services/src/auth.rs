@@ -370,6 +370,24 @@ impl Verifier {
     }
 }
 
+/// Token verification exactly as the services do it, for tools and benchmarks.
+pub struct TokenVerifier(Verifier);
+
+impl TokenVerifier {
+    /// Read the key set, or say what to change.
+    pub fn load(config: TokenConfig) -> Result<Self, ConfigError> {
+        Verifier::load(config).map(Self)
+    }
+
+    /// The user a token stands for, or why it is refused.
+    pub fn verify(&self, token: &str) -> Result<String, String> {
+        self.0
+            .verify(token)
+            .map(|who| who.user)
+            .map_err(|e| e.to_string())
+    }
+}
+
 fn read_keys(path: &Path) -> Result<Keys, String> {
     let text = std::fs::read_to_string(path)
         .map_err(|e| format!("cannot read {}: {e}", path.display()))?;

@@ -2,6 +2,7 @@
 //! soak, and benchmarks beside baselines (dual write, NOTIFY relay, polling relay), each
 //! printing a table and writing a JSON result to `target/lab/`.
 
+pub mod auth_cost;
 pub mod baseline;
 pub mod chaos;
 pub mod clients;

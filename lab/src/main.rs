@@ -1,7 +1,7 @@
 //! `chat-lab`: parse the command line and run one experiment.
 
 use clap::{Parser, Subcommand};
-use lab::{baseline, chaos, latency, rebuild, soak, throughput};
+use lab::{auth_cost, baseline, chaos, latency, rebuild, soak, throughput};
 
 #[derive(Debug, Parser)]
 #[command(name = "chat-lab", version)]
@@ -23,6 +23,8 @@ enum Command {
     Throughput(throughput::Args),
     /// A rebuild's cost at scale: rows/s and the relay's peak memory.
     Rebuild(rebuild::Args),
+    /// What verifying a bearer token costs a request, per algorithm the services accept.
+    AuthCost(auth_cost::Args),
     /// The baselines the experiments compare against (started by the lab itself).
     #[command(subcommand, hide = true)]
     Baseline(baseline::Command),
@@ -38,6 +40,7 @@ fn main() -> anyhow::Result<()> {
             Command::Latency(args) => latency::run(args).await,
             Command::Throughput(args) => throughput::run(args).await,
             Command::Rebuild(args) => rebuild::run(args).await,
+            Command::AuthCost(args) => auth_cost::run(args).await,
             Command::Baseline(command) => baseline::run(command).await,
         }
     })
