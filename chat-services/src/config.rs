@@ -90,6 +90,13 @@ pub struct Cli {
     /// Redis lost data can republish only rows still in the outbox.
     #[arg(long, env = "CHAT_OUTBOX_RETENTION", value_parser = humantime::parse_duration, default_value = "24h")]
     pub outbox_retention: Duration,
+    /// Sent and received messages older than this are deleted (off unless set): history,
+    /// feeds and resuming streams show what remains. The inbox is what keeps a message from
+    /// being recorded twice, so this must exceed how long the other side can deliver a
+    /// message again (its --outbox-retention, from which a rebuild republishes): at least
+    /// twice this side's --outbox-retention, and 2 days.
+    #[arg(long, env = "CHAT_MESSAGE_RETENTION", value_parser = humantime::parse_duration)]
+    pub message_retention: Option<Duration>,
     /// How often retention runs.
     #[arg(long, env = "CHAT_OUTBOX_RETENTION_INTERVAL", value_parser = humantime::parse_duration, default_value = "1m")]
     pub outbox_retention_interval: Duration,
@@ -308,6 +315,7 @@ pub struct ServiceConfig {
     pub header_read_timeout: Duration,
     pub outbox_retention: Duration,
     pub outbox_retention_interval: Duration,
+    pub message_retention: Option<Duration>,
     pub auth: AuthMode,
     pub cookie_secure: bool,
     pub crash_after_inbox_commit: Option<u64>,
@@ -392,6 +400,7 @@ impl Cli {
             header_read_timeout: self.header_read_timeout,
             outbox_retention: self.outbox_retention,
             outbox_retention_interval: self.outbox_retention_interval,
+            message_retention: self.message_retention,
             #[cfg(feature = "failpoints")]
             crash_after_inbox_commit: self.crash_after_inbox_commit,
             #[cfg(not(feature = "failpoints"))]
@@ -492,6 +501,16 @@ impl Cli {
         {
             return refuse("--outbox-retention must be at least 1m and --outbox-retention-interval greater than zero");
         }
+        if let Some(messages) = self.message_retention {
+            let floor = (self.outbox_retention * 2).max(Duration::from_secs(2 * 24 * 3600));
+            if messages < floor {
+                return Err(ConfigError(format!(
+                    "--message-retention {} is below {}: the inbox must remember a message for as long as the other side may deliver it again (twice --outbox-retention, and 2 days at least)",
+                    humantime::format_duration(messages),
+                    humantime::format_duration(floor)
+                )));
+            }
+        }
         if self.db_pool_size == 0 {
             return refuse("--db-pool-size must be at least 1");
         }
@@ -526,7 +545,7 @@ pub struct MigrateCli {
     #[command(flatten)]
     pub secrets: DatabaseSecrets,
     /// Set a role's password from a file, `ROLE=FILE` (repeatable), e.g.
-    /// consumers=/run/secrets/consumers-password. Postgres stores it hashed (SCRAM).
+    /// consumers=/run/secrets/consumers-password. It is sent as a SCRAM-SHA-256 verifier computed here, never the password itself.
     #[arg(long = "role-password", value_parser = parse_role_password)]
     pub role_passwords: Vec<(String, PathBuf)>,
 }

@@ -40,7 +40,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-pub use auth::TokenConfig;
+pub use auth::{TokenConfig, TokenVerifier};
 pub use config::{AuthArgs, AuthMode, Cli, Command, DeadLetterCommand, MigrateCli, ServiceConfig};
 pub use dead_letters::{run as dead_letters, Outcome as DeadLetterOutcome};
 pub use inbox::{ConsumerRole, ConsumerStatus};
@@ -320,8 +320,11 @@ impl Background {
             retention: tokio::spawn(retention::run(
                 app.store.clone(),
                 app.metrics.clone(),
-                cfg.outbox_retention,
-                cfg.outbox_retention_interval,
+                retention::Retention {
+                    outbox: cfg.outbox_retention,
+                    messages: cfg.message_retention,
+                    every: cfg.outbox_retention_interval,
+                },
                 shutdown.clone(),
             )),
             streams: tokio::spawn(app.streams.clone().run(

@@ -30,6 +30,7 @@ pub(crate) struct Metrics {
     pub requests_refused_total: IntCounterVec,
     pub event_streams_revoked_total: IntCounter,
     pub membership_checks_failed_total: IntCounter,
+    pub messages_deleted_total: IntCounterVec,
 }
 
 impl Metrics {
@@ -88,7 +89,19 @@ impl Metrics {
         registry
             .register(Box::new(requests_refused_total.clone()))
             .expect("unique metric");
+        let messages_deleted_total = IntCounterVec::new(
+            Opts::new(
+                "chat_messages_deleted_total",
+                "Messages deleted by --message-retention, sent or received",
+            ),
+            &["what"],
+        )
+        .expect("valid metric");
+        registry
+            .register(Box::new(messages_deleted_total.clone()))
+            .expect("unique metric");
         Self {
+            messages_deleted_total,
             requests_refused_total,
             membership_checks_failed_total: counter(
                 "chat_membership_checks_failed_total",

@@ -1001,6 +1001,52 @@ impl Store {
         .await
     }
 
+    /// Delete up to `batch` of this side's messages (`sent`) or received messages older
+    /// than `older_than`; returns how many. Message ids are UUIDv7 (time first), so the
+    /// rows are found by a range of the primary key, oldest first, however large the table.
+    pub(crate) async fn delete_old_messages(
+        &self,
+        sent: bool,
+        older_than: Duration,
+        batch: i64,
+    ) -> Result<u64, StoreError> {
+        let cutoff = std::time::SystemTime::now()
+            .checked_sub(older_than)
+            .unwrap_or(std::time::UNIX_EPOCH);
+        let cutoff_ms = cutoff
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_millis() as u64;
+        // The least UUIDv7 of that millisecond: every id below it is older.
+        let mut bound = [0u8; 16];
+        bound[..6].copy_from_slice(&cutoff_ms.to_be_bytes()[2..]);
+        bound[6] = 0x70;
+        bound[8] = 0x80;
+        let bound = Uuid::from_bytes(bound);
+        let cutoff = OffsetDateTime::from(cutoff);
+        self.bounded(STATEMENT_DEADLINE, async {
+            let s = self.side.schema();
+            let (table, id, at) = if sent {
+                ("messages", "id", "created_at")
+            } else {
+                ("inbox", "message_id", "sent_at")
+            };
+            let client = self.pool.get().await?;
+            let statement = client
+                .prepare_cached(&format!(
+                    "DELETE FROM {s}.{table} WHERE {id} IN (
+                       SELECT {id} FROM {s}.{table}
+                        WHERE {id} < $1 AND {at} < $2
+                        ORDER BY {id} LIMIT $3 FOR UPDATE SKIP LOCKED)"
+                ))
+                .await?;
+            Ok(client
+                .execute(&statement, &[&bound, &cutoff, &batch])
+                .await?)
+        })
+        .await
+    }
+
     /// Delete up to `batch` outbox rows older than `older_than`; returns how many. Deletes
     /// are not published (the publication sends inserts only); rows locked by someone else
     /// are skipped, so concurrent instances share the work instead of waiting.
