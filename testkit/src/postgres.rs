@@ -258,7 +258,7 @@ impl PgServer {
             ("port", port.to_string()),
             ("wal_level", "logical".into()),
             ("max_wal_senders", "100".into()),
-            ("max_replication_slots", "100".into()),
+            ("max_replication_slots", "400".into()),
             ("max_connections", "200".into()),
             ("wal_sender_timeout", "5s".into()),
             ("shared_buffers", "64MB".into()),
