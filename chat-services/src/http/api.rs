@@ -264,7 +264,7 @@ pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Re
             );
         }
     }
-    match app
+    let sent = app
         .store
         .send(
             chat_id,
@@ -272,8 +272,16 @@ pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Re
             idempotency_key.as_deref(),
             who.as_ref().map(|w| w.user.as_str()),
         )
-        .await
-    {
+        .await;
+    // A send is charged only when it wrote a message: a replay of one already written, and
+    // an attempt the database did not take (a 503 the client retries with its key), are
+    // given back, so a careful client's retries never run into 429 and tempt it to send
+    // again under a new key.
+    let wrote = matches!(&sent, Ok(sent) if !sent.replayed);
+    if let (Some(who), false) = (&who, wrote) {
+        app.limits.quotas.give_back(&who.user);
+    }
+    match sent {
         Ok(sent) => {
             // Committed: show it on this side's other tabs and devices, on every instance.
             app.announcer.announce(&sent.item);
@@ -349,7 +357,8 @@ fn history_page(messages: &[crate::model::HistoryItem]) -> Response<Body> {
     let mut bytes = 0;
     for item in messages.iter().rev() {
         let json = serde_json::to_vec(item).expect("a message serializes");
-        if bytes + json.len() + 1 > MAX_HISTORY_BYTES && !kept.is_empty() {
+        // 40: the wrapper, `{"messages":[` and `],"truncated":true}`.
+        if bytes + json.len() + 1 + 40 > MAX_HISTORY_BYTES && !kept.is_empty() {
             break;
         }
         bytes += json.len() + 1;
@@ -438,6 +447,10 @@ pub(super) async fn events(
             }
         }
         after
+    };
+    let after = match sse::clamp(&app, chat_id, after).await {
+        Ok(after) => after,
+        Err(e) => return store_error(e),
     };
     sse::respond(app, chat_id, after, entitlement)
 }

@@ -67,6 +67,26 @@ pub(crate) struct Entitlement {
     pub _slot: super::quota::StreamSlot,
 }
 
+/// A cursor past the feed's tip names positions the database does not have (it was
+/// restored from a backup since): the client resumes from the tip, or it would be shown
+/// nothing new until some future position passed its cursor. The tip is read before the
+/// stream subscribes to live messages: read after, a message committed in between would
+/// sit at or below it and be taken for one the client had.
+pub(crate) async fn clamp(
+    app: &App,
+    chat_id: i64,
+    after: Option<Cursor>,
+) -> Result<Option<Cursor>, StoreError> {
+    match after {
+        Some(Cursor::Pos(pos)) => {
+            let tips = app.store.tips(&[chat_id]).await?;
+            let tip = tips.first().map_or(0, |(_, tip)| *tip);
+            Ok(Some(Cursor::Pos(pos.min(tip))))
+        }
+        other => Ok(other),
+    }
+}
+
 /// Start streaming chat `chat_id` after `after` (`None`: from now on), for as long as
 /// `entitlement` (if any) holds.
 pub(crate) fn respond(
@@ -160,10 +180,8 @@ async fn stream_events(
         Ok::<_, StreamEnd>(tips.first().map_or(0, |(_, pos)| *pos))
     };
     let mut last = match after {
-        // A cursor past the feed's tip names positions the database does not have (it was
-        // restored from a backup since): the client resumes from the tip, or it would be
-        // shown nothing new until some future position passed its cursor.
-        Some(Cursor::Pos(pos)) => pos.min(tip().await?),
+        // Clamped to the feed's tip before this stream subscribed (see `clamp`).
+        Some(Cursor::Pos(pos)) => pos,
         Some(Cursor::InboxSeq(seq)) => app.store.position_of_inbox_seq(chat_id, seq).await?,
         None => tip().await?,
     };
