@@ -70,7 +70,7 @@ pub(crate) enum AuthError {
 pub(crate) enum Auth {
     /// `--allow-anonymous`: nobody is identified, every chat is open to every caller.
     Anonymous,
-    Tokens(Verifier),
+    Tokens(Box<Verifier>),
 }
 
 /// What `--jwks-file`, `--jwt-issuer`, `--jwt-audience` and friends configure.
@@ -96,11 +96,31 @@ pub(crate) struct Verifier {
 struct FileState {
     read_at: Instant,
     looked_at: Instant,
-    modified: Option<SystemTime>,
+    /// What the file was when last read well; `None` after a failed read, so the next look
+    /// reads it again whatever it says.
+    modified: Option<Stamp>,
 }
 
-fn modified(path: &Path) -> Option<SystemTime> {
-    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+/// What tells one version of the key file from another: a rename or a symlink swap (as
+/// Kubernetes updates a mounted ConfigMap) changes the inode, an in-place write the size or
+/// the change time, even within one second of the modification time.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Stamp {
+    inode: u64,
+    len: u64,
+    modified: Option<SystemTime>,
+    changed: (i64, i64),
+}
+
+fn modified(path: &Path) -> Option<Stamp> {
+    use std::os::unix::fs::MetadataExt;
+    let m = std::fs::metadata(path).ok()?;
+    Some(Stamp {
+        inode: m.ino(),
+        len: m.len(),
+        modified: m.modified().ok(),
+        changed: (m.ctime(), m.ctime_nsec()),
+    })
 }
 
 /// The usable keys of a key set, by `kid`.
@@ -362,7 +382,9 @@ impl Verifier {
                 Some(keys)
             }
             Err(e) => {
-                // Keep the keys we have: a half-written file must not sign everyone out.
+                // Keep the keys we have: a half-written file must not sign everyone out. And
+                // look again next time, whatever the file's stamp says then.
+                self.file.lock().expect("not poisoned").modified = None;
                 warn!(error = %e, "key set could not be read again; keeping the previous keys");
                 None
             }

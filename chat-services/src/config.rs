@@ -42,6 +42,13 @@ pub struct Cli {
     /// HTTP listen address (the API, the page, event streams, /healthz).
     #[arg(long, env = "LISTEN_ADDR", default_value = "127.0.0.1:8080")]
     pub listen: String,
+    /// Serve --listen over TLS with this certificate chain (PEM), read again when it
+    /// changes (a renewal needs no restart). With --tls-key-file.
+    #[arg(long, env = "CHAT_TLS_CERT_FILE", requires = "tls_key_file")]
+    pub tls_cert_file: Option<PathBuf>,
+    /// The private key (PEM) of --tls-cert-file.
+    #[arg(long, env = "CHAT_TLS_KEY_FILE", requires = "tls_cert_file")]
+    pub tls_key_file: Option<PathBuf>,
     /// Admin listen address: /healthz, /readyz and /metrics, kept off the public listener;
     /// empty to disable.
     #[arg(long, env = "CHAT_ADMIN_ADDR", default_value = "127.0.0.1:9090")]
@@ -90,11 +97,12 @@ pub struct Cli {
     /// Redis lost data can republish only rows still in the outbox.
     #[arg(long, env = "CHAT_OUTBOX_RETENTION", value_parser = humantime::parse_duration, default_value = "24h")]
     pub outbox_retention: Duration,
-    /// Sent and received messages older than this are deleted (off unless set): history,
-    /// feeds and resuming streams show what remains. The inbox is what keeps a message from
-    /// being recorded twice, so this must exceed how long the other side can deliver a
-    /// message again (its --outbox-retention, from which a rebuild republishes): at least
-    /// twice this side's --outbox-retention, and 2 days.
+    /// Sent messages written, and received messages recorded, longer ago than this are
+    /// deleted (off unless set): history, feeds and resuming streams show what remains. A
+    /// received message's row is what keeps a redelivery from being recorded twice, so this
+    /// must exceed how long after recording one can come again: the other side's
+    /// --outbox-retention (a rebuild republishes from it) and how long dead letters wait
+    /// before a replay. At least twice this side's --outbox-retention, and 2 days.
     #[arg(long, env = "CHAT_MESSAGE_RETENTION", value_parser = humantime::parse_duration)]
     pub message_retention: Option<Duration>,
     /// How often retention runs.
@@ -185,8 +193,8 @@ pub struct AuthArgs {
     /// a warning at every start.
     #[arg(long, env = "CHAT_ALLOW_ANONYMOUS", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
     pub allow_anonymous: bool,
-    /// Mark the session cookie `Secure` (sent over HTTPS only). Set it wherever clients
-    /// reach the service through TLS.
+    /// Mark the session cookie `Secure` (sent over HTTPS only, named `__Host-chat_session`).
+    /// Set it wherever clients reach the service through TLS (implied by --tls-cert-file).
     #[arg(long, env = "CHAT_COOKIE_SECURE", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
     pub cookie_secure: bool,
 }
@@ -200,7 +208,7 @@ pub enum AuthMode {
 }
 
 impl AuthArgs {
-    fn validate(&self) -> Result<AuthMode, ConfigError> {
+    fn validate(&self, cookie_secure: bool) -> Result<AuthMode, ConfigError> {
         let refuse = |message: String| Err(ConfigError(message));
         let Some(jwks_file) = &self.jwks_file else {
             if self.allow_anonymous {
@@ -236,7 +244,7 @@ impl AuthArgs {
         }
         let config = crate::auth::TokenConfig {
             jwks_file: jwks_file.clone(),
-            cookie_secure: self.cookie_secure,
+            cookie_secure,
             issuer,
             audiences,
             leeway: self.jwt_leeway,
@@ -292,6 +300,8 @@ pub struct ServiceConfig {
     pub postgres: PgEndpoint,
     pub redis: RedisTarget,
     pub listen: SocketAddr,
+    /// TLS on --listen: the certificate chain and key files.
+    pub tls: Option<(PathBuf, PathBuf)>,
     pub admin_addr: Option<SocketAddr>,
     pub consumer_name: String,
     pub inbound_stream: String,
@@ -360,13 +370,24 @@ impl Cli {
         let stream_shards = self.stream_layout()?;
         self.check_bounds()?;
         // An operator's command (dead letters) serves nobody: it needs no identities.
+        let tls = match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(cert), Some(key)) => {
+                // Loaded now, so a bad pair refuses the start with its reason.
+                crate::http::tls::Certificate::load(cert.clone(), key.clone())?;
+                Some((cert.clone(), key.clone()))
+            }
+            _ => None,
+        };
+        // Served over TLS, the session cookie is for HTTPS only.
+        let cookie_secure = self.auth.cookie_secure || tls.is_some();
         let auth = match self.command {
             Some(_) => AuthMode::Anonymous,
-            None => self.auth.validate()?,
+            None => self.auth.validate(cookie_secure)?,
         };
         Ok(ServiceConfig {
             auth,
-            cookie_secure: self.auth.cookie_secure,
+            tls,
+            cookie_secure,
             side: self.side,
             postgres,
             redis,

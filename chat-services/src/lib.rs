@@ -81,6 +81,8 @@ pub struct Service {
     app: Arc<http::App>,
     publisher: notify::Publisher,
     status_tx: watch::Sender<inbox::ConsumerStatus>,
+    /// The public listener's certificate, with `--tls-cert-file`.
+    tls: Option<Arc<http::tls::Certificate>>,
 }
 
 async fn listen(flag: &'static str, addr: SocketAddr) -> Result<TcpListener, StartError> {
@@ -95,6 +97,10 @@ impl Service {
         config: ServiceConfig,
         shutdown: CancellationToken,
     ) -> Result<Self, StartError> {
+        let tls = match &config.tls {
+            Some((cert, key)) => Some(http::tls::Certificate::load(cert.clone(), key.clone())?),
+            None => None,
+        };
         let listener = listen("--listen", config.listen).await?;
         let admin = match config.admin_addr {
             Some(addr) => Some(listen("--admin-addr", addr).await?),
@@ -125,7 +131,7 @@ impl Service {
                     auth::Auth::Anonymous
                 }
                 config::AuthMode::Tokens(tokens) => {
-                    auth::Auth::Tokens(auth::Verifier::load(tokens.clone())?)
+                    auth::Auth::Tokens(Box::new(auth::Verifier::load(tokens.clone())?))
                 }
             },
             cookie_secure: config.cookie_secure,
@@ -142,6 +148,7 @@ impl Service {
             app,
             publisher,
             status_tx,
+            tls,
         })
     }
 
@@ -176,7 +183,11 @@ impl Service {
                 shutdown.clone(),
             ))
         });
-        http::serve(self.listener, self.app.clone(), shutdown).await;
+        let tls = self.tls.map(|certificate| {
+            tokio::spawn(certificate.clone().watch(shutdown.clone()));
+            certificate.acceptor()
+        });
+        http::serve(self.listener, self.app.clone(), tls, shutdown).await;
         if let Some(admin) = admin {
             let _ = admin.await;
         }

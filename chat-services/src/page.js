@@ -128,6 +128,7 @@ async function send(text) {
   // The chat it was written in: a switch during the retries must not post it elsewhere.
   const chat = chatId;
   for (let attempt = 0; attempt < 5; attempt++) {
+    let wait = 1000 * (attempt + 1);
     try {
       const response = await fetch(`/chats/${chat}/messages`, {
         method: "POST",
@@ -141,12 +142,16 @@ async function send(text) {
         return true;
       }
       if (response.status === 401) askToSignIn(data.error);
-      if (response.status !== 503) return unsent(chat, text, data.error);
+      // Too fast (429) or not taken (503): the same message again, with the same key,
+      // once the server says (a new key would risk sending it twice).
+      if (response.status !== 503 && response.status !== 429) return unsent(chat, text, data.error);
+      const after = Number(response.headers.get("Retry-After"));
+      if (after > 0) wait = Math.max(wait, after * 1000);
       if (chat === chatId) errorEl.textContent = data.error + " (retrying)";
     } catch (e) {
       if (chat === chatId) errorEl.textContent = "network error (retrying)";
     }
-    await new Promise((resolve) => setTimeout(resolve, 1000 * (attempt + 1)));
+    await new Promise((resolve) => setTimeout(resolve, wait));
   }
   return unsent(chat, text, "not sent");
 }

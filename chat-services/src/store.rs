@@ -1001,9 +1001,12 @@ impl Store {
         .await
     }
 
-    /// Delete up to `batch` of this side's messages (`sent`) or received messages older
-    /// than `older_than`; returns how many. Message ids are UUIDv7 (time first), so the
-    /// rows are found by a range of the primary key, oldest first, however large the table.
+    /// Delete up to `batch` of this side's sent messages written before `older_than`, or of
+    /// its received messages recorded before it; returns how many. Sent messages are found
+    /// by their UUIDv7 ids (time first), received ones by their inbox sequence (the order
+    /// they were recorded in): a range of an index, oldest first, however large the table.
+    /// A received message goes by when it was *recorded*, not sent: its row is what keeps a
+    /// redelivery from being recorded twice, and a delivery can come long after the send.
     pub(crate) async fn delete_old_messages(
         &self,
         sent: bool,
@@ -1026,23 +1029,33 @@ impl Store {
         let cutoff = OffsetDateTime::from(cutoff);
         self.bounded(STATEMENT_DEADLINE, async {
             let s = self.side.schema();
-            let (table, id, at) = if sent {
-                ("messages", "id", "created_at")
-            } else {
-                ("inbox", "message_id", "sent_at")
-            };
             let client = self.pool.get().await?;
-            let statement = client
-                .prepare_cached(&format!(
-                    "DELETE FROM {s}.{table} WHERE {id} IN (
-                       SELECT {id} FROM {s}.{table}
-                        WHERE {id} < $1 AND {at} < $2
-                        ORDER BY {id} LIMIT $3 FOR UPDATE SKIP LOCKED)"
-                ))
-                .await?;
-            Ok(client
-                .execute(&statement, &[&bound, &cutoff, &batch])
-                .await?)
+            let deleted = if sent {
+                let statement = client
+                    .prepare_cached(&format!(
+                        "DELETE FROM {s}.messages WHERE id IN (
+                           SELECT id FROM {s}.messages
+                            WHERE id < $1 AND created_at < $2
+                            ORDER BY id LIMIT $3 FOR UPDATE SKIP LOCKED)"
+                    ))
+                    .await?;
+                client
+                    .execute(&statement, &[&bound, &cutoff, &batch])
+                    .await?
+            } else {
+                // The oldest `batch` rows by sequence, of which those recorded before the
+                // cutoff: the scan reads `batch` rows at most, whatever the table holds.
+                let statement = client
+                    .prepare_cached(&format!(
+                        "DELETE FROM {s}.inbox WHERE seq IN (
+                           SELECT seq FROM (SELECT seq, received_at FROM {s}.inbox
+                                             ORDER BY seq LIMIT $2) oldest
+                            WHERE received_at < $1)"
+                    ))
+                    .await?;
+                client.execute(&statement, &[&cutoff, &batch]).await?
+            };
+            Ok(deleted)
         })
         .await
     }

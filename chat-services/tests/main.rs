@@ -23,6 +23,7 @@ mod frozen;
 mod limits;
 mod local_stack;
 mod plans;
+mod public_tls;
 mod retention;
 mod send_outcome;
 mod shards;

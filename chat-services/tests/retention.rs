@@ -118,13 +118,22 @@ async fn old_messages_are_deleted_and_a_resuming_client_misses_nothing_newer() {
     }
     for n in 0..2 {
         db.execute(
-            "INSERT INTO workers.inbox (message_id, chat_id, body, sent_at, stream_id)
-             VALUES ($1, 3, 'old received', now() - interval '10 days', $2)",
+            "INSERT INTO workers.inbox (message_id, chat_id, body, sent_at, stream_id, received_at)
+             VALUES ($1, 3, 'old received', now() - interval '10 days', $2, now() - interval '9 days')",
             &[&id_days_ago(10), &format!("0-{n}")],
         )
         .await
         .unwrap();
     }
+    // Sent ten days ago and recorded only now (its consumer was down): its row is what
+    // keeps a redelivery out, so it stays.
+    db.execute(
+        "INSERT INTO workers.inbox (message_id, chat_id, body, sent_at, stream_id)
+         VALUES ($1, 3, 'late received', now() - interval '10 days', '0-9')",
+        &[&id_days_ago(10)],
+    )
+    .await
+    .unwrap();
     let flags = [
         "--message-retention",
         "7d",
@@ -163,7 +172,7 @@ async fn old_messages_are_deleted_and_a_resuming_client_misses_nothing_newer() {
                 .await
                 .unwrap();
             let (sent, got): (i64, i64) = (row.get(0), row.get(1));
-            if (sent, got) == (1, 1) {
+            if (sent, got) == (1, 2) {
                 Ok(())
             } else {
                 Err(format!("sent {sent}, received {got}"))
@@ -182,8 +191,9 @@ async fn old_messages_are_deleted_and_a_resuming_client_misses_nothing_newer() {
         .iter()
         .map(|m| m["body"].as_str().unwrap())
         .collect();
-    assert_eq!(bodies, ["recent sent", "recent received"]);
-    let mut feed = testkit::http::SseClient::connect(workers.addr, "/chats/3/events", Some("p1"))
+    assert_eq!(bodies, ["late received", "recent sent", "recent received"]);
+    // After the late one (position 6): the two recent ones, in order.
+    let mut feed = testkit::http::SseClient::connect(workers.addr, "/chats/3/events", Some("p6"))
         .await
         .unwrap();
     for want in [&recent, &received] {

@@ -7,6 +7,7 @@ mod api;
 mod quota;
 pub(crate) mod reply;
 pub(crate) mod sse;
+pub(crate) mod tls;
 
 pub(crate) use admin::ServiceProbe;
 
@@ -99,7 +100,12 @@ const OVER_CAPACITY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type:
 
 /// Serve the API, the page and event streams until `shutdown`, then let in-flight requests
 /// finish (bounded). Probes and metrics are on the admin listener ([`ServiceProbe`]).
-pub(crate) async fn serve(listener: TcpListener, app: Arc<App>, shutdown: CancellationToken) {
+pub(crate) async fn serve(
+    listener: TcpListener,
+    app: Arc<App>,
+    tls: Option<tokio_rustls::TlsAcceptor>,
+    shutdown: CancellationToken,
+) {
     let graceful = GracefulShutdown::new();
     let mut acceptor = outbox_core::admin::Acceptor::new(listener);
     while let Some(stream) = acceptor
@@ -117,26 +123,37 @@ pub(crate) async fn serve(listener: TcpListener, app: Arc<App>, shutdown: Cancel
             });
             continue;
         };
-        let header_read_timeout = app.limits.header_read_timeout;
+        // A peer that vanished (a phone that changed networks) holds its stream, its
+        // user's stream place and a connection until TCP gives up, by default ~15 minutes:
+        // what it was sent and never acknowledged closes the connection after the write
+        // deadline, and an idle connection is probed after 15 s.
+        let socket = socket2::SockRef::from(&stream);
+        let _ = socket.set_tcp_keepalive(
+            &socket2::TcpKeepalive::new()
+                .with_time(Duration::from_secs(15))
+                .with_interval(Duration::from_secs(5))
+                .with_retries(3),
+        );
+        let _ = socket.set_tcp_user_timeout(Some(app.limits.write_timeout));
         // A client that stops reading an answer holds its buffers and its connection: past
         // the write deadline the connection is closed (an event stream resumes with
         // Last-Event-ID, missing nothing).
         let mut stream = tokio_io_timeout::TimeoutStream::new(stream);
         stream.set_write_timeout(Some(app.limits.write_timeout));
         let stream = Box::pin(stream);
-        let app = app.clone();
-        let service = hyper::service::service_fn(move |req| {
-            let app = app.clone();
-            async move { Ok::<_, Infallible>(route(app, req).await) }
-        });
-        let conn = hyper::server::conn::http1::Builder::new()
-            .timer(TokioTimer::new())
-            .header_read_timeout(header_read_timeout)
-            .serve_connection(TokioIo::new(stream), service);
-        let conn = graceful.watch(conn);
+        let (app, watcher, tls) = (app.clone(), graceful.watcher(), tls.clone());
         tokio::spawn(async move {
-            if let Err(e) = conn.await {
-                debug!(error = %e, "connection ended with an error");
+            match tls {
+                None => serve_connection(stream, app, watcher).await,
+                Some(tls) => {
+                    // The handshake has the time the headers have.
+                    let handshake = tls.accept(stream);
+                    match tokio::time::timeout(app.limits.header_read_timeout, handshake).await {
+                        Ok(Ok(stream)) => serve_connection(stream, app, watcher).await,
+                        Ok(Err(e)) => debug!(error = %e, "TLS handshake failed"),
+                        Err(_) => debug!("TLS handshake timed out"),
+                    }
+                }
             }
             drop(permit);
         });
@@ -144,6 +161,25 @@ pub(crate) async fn serve(listener: TcpListener, app: Arc<App>, shutdown: Cancel
     tokio::select! {
         _ = graceful.shutdown() => {}
         _ = tokio::time::sleep(Duration::from_secs(10)) => warn!("connections still open 10 s after shutdown; closing"),
+    }
+}
+
+/// HTTP/1.1 on one connection, plain or TLS, until it ends or the server shuts down.
+async fn serve_connection<IO>(io: IO, app: Arc<App>, watcher: hyper_util::server::graceful::Watcher)
+where
+    IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let header_read_timeout = app.limits.header_read_timeout;
+    let service = hyper::service::service_fn(move |req| {
+        let app = app.clone();
+        async move { Ok::<_, Infallible>(route(app, req).await) }
+    });
+    let conn = hyper::server::conn::http1::Builder::new()
+        .timer(TokioTimer::new())
+        .header_read_timeout(header_read_timeout)
+        .serve_connection(TokioIo::new(io), service);
+    if let Err(e) = watcher.watch(conn).await {
+        debug!(error = %e, "connection ended with an error");
     }
 }
 

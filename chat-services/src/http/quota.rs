@@ -16,8 +16,16 @@ pub(crate) struct Quotas {
     /// Sends a user may make at once after being idle (`--send-burst`).
     burst: f64,
     max_streams: usize,
-    sends: Mutex<HashMap<String, Bucket>>,
+    sends: Mutex<Sends>,
     streams: Mutex<HashMap<String, usize>>,
+}
+
+#[derive(Default)]
+struct Sends {
+    buckets: HashMap<String, Bucket>,
+    /// When full buckets were last dropped: at most once a second, so a map of many busy
+    /// users is not scanned on every send.
+    swept: Option<Instant>,
 }
 
 #[derive(Clone, Copy)]
@@ -77,11 +85,17 @@ impl Quotas {
     pub(crate) fn take_send(&self, user: &str) -> Result<(), Duration> {
         let now = Instant::now();
         let mut sends = self.sends.lock().expect("not poisoned");
-        if sends.len() > SWEEP_ABOVE {
+        let due = sends
+            .swept
+            .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(1));
+        if sends.buckets.len() > SWEEP_ABOVE && due {
             let (rate, burst) = (self.rate, self.burst);
-            sends.retain(|_, b| b.refilled(now, rate, burst) < burst);
+            sends
+                .buckets
+                .retain(|_, b| b.refilled(now, rate, burst) < burst);
+            sends.swept = Some(now);
         }
-        let bucket = sends.entry(user.to_string()).or_insert(Bucket {
+        let bucket = sends.buckets.entry(user.to_string()).or_insert(Bucket {
             tokens: self.burst,
             at: now,
         });
@@ -94,6 +108,14 @@ impl Quotas {
             Ok(())
         } else {
             Err(Duration::from_secs_f64((1.0 - tokens) / self.rate))
+        }
+    }
+
+    /// Give back a send taken by [`Quotas::take_send`] that wrote nothing.
+    pub(crate) fn give_back(&self, user: &str) {
+        let mut sends = self.sends.lock().expect("not poisoned");
+        if let Some(bucket) = sends.buckets.get_mut(user) {
+            bucket.tokens = (bucket.tokens + 1.0).min(self.burst);
         }
     }
 
@@ -129,6 +151,9 @@ mod tests {
         );
         // Another user has a bucket of their own.
         assert!(quotas.take_send("b").is_ok());
+        // A send given back (it wrote nothing) may be made again.
+        quotas.give_back("a");
+        assert!(quotas.take_send("a").is_ok());
     }
 
     #[test]

@@ -668,10 +668,12 @@ impl Idp {
         self.publish();
     }
 
-    /// Stop publishing the oldest key (as after a compromise).
+    /// Stop publishing the oldest key (as after a compromise), written over the file in
+    /// place (as an editor or `kubectl cp` would), not renamed.
     pub(crate) fn withdraw_oldest(&mut self) {
         self.keys.remove(0);
-        self.publish();
+        let keys: Vec<_> = self.keys.iter().collect();
+        std::fs::write(&self.jwks, chat_services::token::jwks(&keys).unwrap()).unwrap();
     }
 
     fn publish(&self) {
