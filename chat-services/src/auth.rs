@@ -98,29 +98,7 @@ struct FileState {
     looked_at: Instant,
     /// What the file was when last read well; `None` after a failed read, so the next look
     /// reads it again whatever it says.
-    modified: Option<Stamp>,
-}
-
-/// What tells one version of the key file from another: a rename or a symlink swap (as
-/// Kubernetes updates a mounted ConfigMap) changes the inode, an in-place write the size or
-/// the change time, even within one second of the modification time.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Stamp {
-    inode: u64,
-    len: u64,
-    modified: Option<SystemTime>,
-    changed: (i64, i64),
-}
-
-fn modified(path: &Path) -> Option<Stamp> {
-    use std::os::unix::fs::MetadataExt;
-    let m = std::fs::metadata(path).ok()?;
-    Some(Stamp {
-        inode: m.ino(),
-        len: m.len(),
-        modified: m.modified().ok(),
-        changed: (m.ctime(), m.ctime_nsec()),
-    })
+    modified: Option<crate::stamp::Stamp>,
 }
 
 /// The usable keys of a key set, by `kid`.
@@ -283,7 +261,7 @@ impl Verifier {
             file: Mutex::new(FileState {
                 read_at: now,
                 looked_at: now,
-                modified: modified(&config.jwks_file),
+                modified: crate::stamp::Stamp::of(&config.jwks_file),
             }),
             config,
             keys: RwLock::new(Arc::new(keys)),
@@ -349,7 +327,7 @@ impl Verifier {
                 return None;
             }
             file.read_at = Instant::now();
-            file.modified = modified(&self.config.jwks_file);
+            file.modified = crate::stamp::Stamp::of(&self.config.jwks_file);
         }
         self.read_again().filter(|keys| keys.find(kid).is_some())
     }
@@ -363,7 +341,7 @@ impl Verifier {
                 return;
             }
             file.looked_at = Instant::now();
-            let now = modified(&self.config.jwks_file);
+            let now = crate::stamp::Stamp::of(&self.config.jwks_file);
             if now == file.modified {
                 return;
             }

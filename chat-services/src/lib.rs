@@ -27,6 +27,7 @@ mod model;
 mod notify;
 mod retention;
 mod side;
+mod stamp;
 mod store;
 pub mod token;
 

@@ -1049,7 +1049,8 @@ impl Store {
                     .prepare_cached(&format!(
                         "DELETE FROM {s}.inbox WHERE seq IN (
                            SELECT seq FROM (SELECT seq, received_at FROM {s}.inbox
-                                             ORDER BY seq LIMIT $2) oldest
+                                             ORDER BY seq LIMIT $2
+                                             FOR UPDATE SKIP LOCKED) oldest
                             WHERE received_at < $1)"
                     ))
                     .await?;

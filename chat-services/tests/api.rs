@@ -1,24 +1,10 @@
 //! The HTTP API's contract: what it accepts, what it refuses (one assertion per bad input),
 //! idempotent retries, history, and the database roles behind it.
 
-use std::net::SocketAddr;
-
 use crate::support::{send, Stack};
 use chat_services::Side;
 use testkit::http::{post_json, request, Reply};
 use testkit::{shared_postgres, PgServer};
-
-async fn post_raw(addr: SocketAddr, path: &str, content_type: &str, body: &str) -> Reply {
-    request(
-        addr,
-        "POST",
-        path,
-        &[("content-type", content_type)],
-        body.to_string(),
-    )
-    .await
-    .unwrap()
-}
 
 fn assert_error(reply: &Reply, status: u16, says: &str) {
     assert_eq!(reply.status, status, "{}", reply.body);
@@ -35,10 +21,32 @@ fn assert_error(reply: &Reply, status: u16, says: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_is_refused_with_a_json_error_naming_the_problem() {
+    // As users send it: with a member's token, so every case passes identification and
+    // membership and meets the input checks themselves.
     let stack = Stack::start(shared_postgres()).await;
-    let svc = stack.service(Side::Consumers, &[]).await;
+    let idp = crate::support::Idp::new();
+    let flags = idp.flags();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let svc = stack.service(Side::Consumers, &flags).await;
     let a = svc.addr;
+    crate::support::add_member(a, &idp, 7, "alice").await;
+    let token = format!("Bearer {}", idp.token("alice"));
+    let auth = ("authorization", token.as_str());
     let json = "application/json";
+    let post_raw = |addr, path: &'static str, content_type: &'static str, body: &str| {
+        let body = body.to_string();
+        async move {
+            request(
+                addr,
+                "POST",
+                path,
+                &[("content-type", content_type), auth],
+                body,
+            )
+            .await
+            .unwrap()
+        }
+    };
 
     assert_error(
         &post_raw(a, "/chats/0/messages", json, r#"{"body":"x"}"#).await,
@@ -134,7 +142,7 @@ async fn bad_input_is_refused_with_a_json_error_naming_the_problem() {
             a,
             "POST",
             "/chats/7/messages",
-            &[],
+            &[auth],
             r#"{"body":"x"}"#.to_string(),
         )
         .await
@@ -152,49 +160,49 @@ async fn bad_input_is_refused_with_a_json_error_naming_the_problem() {
         a,
         "/chats/7/messages",
         &serde_json::json!({"body": "x"}),
-        &[("idempotency-key", "has space")],
+        &[auth, ("idempotency-key", "has space")],
     )
     .await
     .unwrap();
     assert_error(&bad_key, 400, "Idempotency-Key must be");
     assert_error(
-        &request(a, "GET", "/nowhere", &[], "").await.unwrap(),
+        &request(a, "GET", "/nowhere", &[auth], "").await.unwrap(),
         404,
         "no route /nowhere",
     );
     assert_error(
-        &request(a, "GET", "/chats/7", &[], "").await.unwrap(),
+        &request(a, "GET", "/chats/7", &[auth], "").await.unwrap(),
         404,
         "no route",
     );
-    let wrong = request(a, "DELETE", "/chats/7/messages", &[], "")
+    let wrong = request(a, "DELETE", "/chats/7/messages", &[auth], "")
         .await
         .unwrap();
     assert_error(&wrong, 405, "DELETE is not allowed");
     assert_eq!(wrong.header("allow"), Some("GET, POST"));
     assert_error(
-        &request(a, "POST", "/chats/7/events", &[], "")
+        &request(a, "POST", "/chats/7/events", &[auth], "")
             .await
             .unwrap(),
         405,
         "POST is not allowed",
     );
     assert_error(
-        &request(a, "GET", "/chats/7/messages?limit=0", &[], "")
+        &request(a, "GET", "/chats/7/messages?limit=0", &[auth], "")
             .await
             .unwrap(),
         400,
         "limit must be an integer from 1 to 500",
     );
     assert_error(
-        &request(a, "GET", "/chats/7/messages?limit=x", &[], "")
+        &request(a, "GET", "/chats/7/messages?limit=x", &[auth], "")
             .await
             .unwrap(),
         400,
         "limit must be",
     );
     assert_error(
-        &request(a, "GET", "/chats/7/messages?before=nope", &[], "")
+        &request(a, "GET", "/chats/7/messages?before=nope", &[auth], "")
             .await
             .unwrap(),
         400,
@@ -205,7 +213,7 @@ async fn bad_input_is_refused_with_a_json_error_naming_the_problem() {
             a,
             "GET",
             "/chats/7/messages?before=0193c0de-8a4b-7cc1-9a1e-3f1d2e4b5a6c",
-            &[],
+            &[auth],
             "",
         )
         .await
@@ -214,23 +222,29 @@ async fn bad_input_is_refused_with_a_json_error_naming_the_problem() {
         "is not a message of this chat",
     );
     assert_error(
-        &request(a, "GET", "/chats/7/messages?color=red", &[], "")
+        &request(a, "GET", "/chats/7/messages?color=red", &[auth], "")
             .await
             .unwrap(),
         400,
         "unknown query parameter 'color'",
     );
     assert_error(
-        &request(a, "GET", "/chats/7/events?after=-1", &[], "")
+        &request(a, "GET", "/chats/7/events?after=-1", &[auth], "")
             .await
             .unwrap(),
         400,
         "after must be an event id like p42",
     );
     assert_error(
-        &request(a, "GET", "/chats/7/events", &[("last-event-id", "x")], "")
-            .await
-            .unwrap(),
+        &request(
+            a,
+            "GET",
+            "/chats/7/events",
+            &[auth, ("last-event-id", "x")],
+            "",
+        )
+        .await
+        .unwrap(),
         400,
         "Last-Event-ID must be an event id like p42",
     );
@@ -248,7 +262,9 @@ async fn bad_input_is_refused_with_a_json_error_naming_the_problem() {
 
     // An HTML/script body is stored and returned verbatim (rendering is the page's job).
     let script = "<script>alert('x')</script><b>bold</b> & \"quotes\"";
-    let sent = send(a, 7, script).await;
+    let sent = crate::support::send_as(a, &idp.token("alice"), 7, script).await;
+    assert_eq!(sent.status, 201, "{}", sent.body);
+    let sent = sent.json();
     assert_eq!(sent["body"], script);
     let stored: String = db
         .query_one("SELECT body FROM consumers.messages", &[])

@@ -51,11 +51,13 @@ async fn postgres_starts_logical_and_migrated() {
     assert_eq!(
         tables,
         [
+            "consumers.chat_members",
             "consumers.chats",
             "consumers.inbox",
             "consumers.inbox_writer",
             "consumers.messages",
             "consumers.outbox",
+            "workers.chat_members",
             "workers.chats",
             "workers.inbox",
             "workers.inbox_writer",

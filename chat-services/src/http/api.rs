@@ -273,12 +273,11 @@ pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Re
             who.as_ref().map(|w| w.user.as_str()),
         )
         .await;
-    // A send is charged only when it wrote a message: a replay of one already written, and
-    // an attempt the database did not take (a 503 the client retries with its key), are
-    // given back, so a careful client's retries never run into 429 and tempt it to send
-    // again under a new key.
-    let wrote = matches!(&sent, Ok(sent) if !sent.replayed);
-    if let (Some(who), false) = (&who, wrote) {
+    // An attempt the database certainly did not take (503, nothing written) is given back,
+    // so a client retrying it with its key is not pushed into 429. Everything else is
+    // charged: a replay or a mismatch runs the whole statement too, and an unknown outcome
+    // may have written.
+    if let (Some(who), Err(StoreError::Unavailable(_))) = (&who, &sent) {
         app.limits.quotas.give_back(&who.user);
     }
     match sent {

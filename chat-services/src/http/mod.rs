@@ -115,6 +115,10 @@ pub(crate) async fn serve(
         let _ = stream.set_nodelay(true);
         let Ok(permit) = app.limits.connections.clone().try_acquire_owned() else {
             app.metrics.connections_refused_total.inc();
+            // A TLS client would read a plaintext answer as a protocol error: it is closed.
+            if tls.is_some() {
+                continue;
+            }
             tokio::spawn(async move {
                 let mut stream = stream;
                 let _ =
@@ -125,8 +129,8 @@ pub(crate) async fn serve(
         };
         // A peer that vanished (a phone that changed networks) holds its stream, its
         // user's stream place and a connection until TCP gives up, by default ~15 minutes:
-        // what it was sent and never acknowledged closes the connection after the write
-        // deadline, and an idle connection is probed after 15 s.
+        // what it was sent and never acknowledged, or keepalive probes it never answers
+        // (from 15 s idle), close the connection after the write deadline.
         let socket = socket2::SockRef::from(&stream);
         let _ = socket.set_tcp_keepalive(
             &socket2::TcpKeepalive::new()

@@ -7,13 +7,14 @@
 use std::io::BufReader;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, RwLock};
-use std::time::{Duration, SystemTime};
+use std::time::Duration;
 
 use rustls::server::{ClientHello, ResolvesServerCert};
 use rustls::sign::CertifiedKey;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
+use crate::stamp::Stamp;
 use outbox_core::ConfigError;
 
 /// How often the files are looked at.
@@ -24,7 +25,9 @@ pub(crate) struct Certificate {
     cert: PathBuf,
     key: PathBuf,
     current: RwLock<Arc<CertifiedKey>>,
-    modified: Mutex<(Option<SystemTime>, Option<SystemTime>)>,
+    /// The files as last read well; `None` after a failed read, so the next look reads them
+    /// again whatever they say.
+    seen: Mutex<Option<(Option<Stamp>, Option<Stamp>)>>,
 }
 
 impl std::fmt::Debug for Certificate {
@@ -41,8 +44,8 @@ impl ResolvesServerCert for Certificate {
     }
 }
 
-fn modified(path: &Path) -> Option<SystemTime> {
-    std::fs::metadata(path).and_then(|m| m.modified()).ok()
+fn stamps(cert: &Path, key: &Path) -> (Option<Stamp>, Option<Stamp>) {
+    (Stamp::of(cert), Stamp::of(key))
 }
 
 fn load(cert: &Path, key: &Path) -> Result<CertifiedKey, String> {
@@ -73,10 +76,12 @@ fn load(cert: &Path, key: &Path) -> Result<CertifiedKey, String> {
 impl Certificate {
     /// Load the pair, or say what to change.
     pub(crate) fn load(cert: PathBuf, key: PathBuf) -> Result<Arc<Self>, ConfigError> {
+        // Stamped before the read: a change during it is seen at the next look.
+        let seen = stamps(&cert, &key);
         let current = load(&cert, &key)
             .map_err(|e| ConfigError(format!("--tls-cert-file/--tls-key-file: {e}")))?;
         Ok(Arc::new(Self {
-            modified: Mutex::new((modified(&cert), modified(&key))),
+            seen: Mutex::new(Some(seen)),
             cert,
             key,
             current: RwLock::new(Arc::new(current)),
@@ -104,13 +109,13 @@ impl Certificate {
                 _ = shutdown.cancelled() => return,
                 _ = every.tick() => {}
             }
-            let now = (modified(&self.cert), modified(&self.key));
+            let now = stamps(&self.cert, &self.key);
             {
-                let mut seen = self.modified.lock().expect("not poisoned");
-                if *seen == now {
+                let mut seen = self.seen.lock().expect("not poisoned");
+                if *seen == Some(now) {
                     continue;
                 }
-                *seen = now;
+                *seen = Some(now);
             }
             match load(&self.cert, &self.key) {
                 Ok(pair) => {
@@ -118,7 +123,8 @@ impl Certificate {
                     info!(cert = %self.cert.display(), "TLS certificate read again; new connections get it");
                 }
                 Err(e) => {
-                    warn!(error = %e, "TLS certificate not read again; still serving the previous one")
+                    *self.seen.lock().expect("not poisoned") = None;
+                    warn!(error = %e, "TLS certificate not read again; still serving the previous one");
                 }
             }
         }
