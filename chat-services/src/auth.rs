@@ -70,13 +70,13 @@ pub(crate) enum AuthError {
 pub(crate) enum Auth {
     /// `--allow-anonymous`: nobody is identified, every chat is open to every caller.
     Anonymous,
-    Tokens(Box<Verifier>),
+    Tokens(Arc<Verifier>),
 }
 
 /// What `--jwks-file`, `--jwt-issuer`, `--jwt-audience` and friends configure.
 #[derive(Debug, Clone)]
 pub struct TokenConfig {
-    pub jwks_file: PathBuf,
+    pub jwks: KeySource,
     /// The session cookie is `Secure` (and `__Host-` prefixed).
     pub cookie_secure: bool,
     pub issuer: String,
@@ -85,12 +85,29 @@ pub struct TokenConfig {
     pub admin_scope: String,
 }
 
+/// Where the provider's keys are.
+#[derive(Debug, Clone)]
+pub enum KeySource {
+    /// A JWKS file, kept in sync by a job or a sidecar.
+    File(PathBuf),
+    /// The provider's `jwks_uri` (HTTPS), fetched at start, every `refresh`, and when a
+    /// token names a key the set does not hold (at most every 10 s).
+    Url {
+        url: String,
+        /// The CA that signed the provider's certificate (default: the well-known roots).
+        ca_file: Option<PathBuf>,
+        refresh: Duration,
+    },
+}
+
 /// Verifies tokens against the provider's keys.
 pub(crate) struct Verifier {
     config: TokenConfig,
     keys: RwLock<Arc<Keys>>,
     /// When the file was last read or looked at, and its modification time then.
     file: Mutex<FileState>,
+    /// With a URL: wakes the fetcher for a key the set does not hold.
+    wanted: tokio::sync::Notify,
 }
 
 struct FileState {
@@ -182,6 +199,13 @@ impl Keys {
         Ok(keys)
     }
 
+    fn empty() -> Self {
+        Keys {
+            by_kid: HashMap::new(),
+            unnamed: Vec::new(),
+        }
+    }
+
     fn find(&self, kid: Option<&str>) -> Option<&Key> {
         match kid {
             Some(kid) => self.by_kid.get(kid),
@@ -243,28 +267,40 @@ fn reason(kind: &ErrorKind) -> String {
 }
 
 impl Verifier {
-    /// Read the key set, or say what to change.
+    /// Read the key set (a file), or say what to change. With a URL the set starts empty
+    /// and [`Verifier::fetch`] fills it.
     pub(crate) fn load(config: TokenConfig) -> Result<Self, ConfigError> {
-        let keys = read_keys(&config.jwks_file).map_err(|e| {
-            ConfigError(format!(
-                "--jwks-file: {e}; point it at the identity provider's JWKS document"
-            ))
-        })?;
-        info!(
-            file = %config.jwks_file.display(),
-            keys = keys.by_kid.len() + keys.unnamed.len(),
-            issuer = %config.issuer,
-            "verifying bearer tokens"
-        );
+        let (keys, modified) = match &config.jwks {
+            KeySource::File(path) => {
+                let modified = crate::stamp::Stamp::of(path);
+                let keys = read_keys(path).map_err(|e| {
+                    ConfigError(format!(
+                        "--jwks-file: {e}; point it at the identity provider's JWKS document"
+                    ))
+                })?;
+                info!(
+                    file = %path.display(),
+                    keys = keys.by_kid.len() + keys.unnamed.len(),
+                    issuer = %config.issuer,
+                    "verifying bearer tokens"
+                );
+                (keys, modified)
+            }
+            KeySource::Url { url, .. } => {
+                info!(%url, issuer = %config.issuer, "verifying bearer tokens; fetching the key set");
+                (Keys::empty(), None)
+            }
+        };
         let now = Instant::now();
         Ok(Self {
             file: Mutex::new(FileState {
                 read_at: now,
                 looked_at: now,
-                modified: crate::stamp::Stamp::of(&config.jwks_file),
+                modified,
             }),
             config,
             keys: RwLock::new(Arc::new(keys)),
+            wanted: tokio::sync::Notify::new(),
         })
     }
 
@@ -281,16 +317,28 @@ impl Verifier {
         let header =
             jsonwebtoken::decode_header(token).map_err(|e| AuthError::Invalid(reason(e.kind())))?;
         let kid = header.kid.as_deref();
-        self.reread_if_changed();
+        let file = match &self.config.jwks {
+            KeySource::File(path) => Some(path.as_path()),
+            KeySource::Url { .. } => None,
+        };
+        if let Some(path) = file {
+            self.reread_if_changed(path);
+        }
         let keys = self.keys.read().expect("not poisoned").clone();
-        let keys = match keys.find(kid) {
-            Some(_) => keys,
-            None => self.reread(kid).ok_or_else(|| {
-                AuthError::Invalid(match kid {
-                    Some(kid) => format!("no key '{}' in the key set", kid.escape_debug()),
-                    None => "it names no key (kid)".into(),
-                })
-            })?,
+        let unknown = || {
+            AuthError::Invalid(match kid {
+                Some(kid) => format!("no key '{}' in the key set", kid.escape_debug()),
+                None => "it names no key (kid)".into(),
+            })
+        };
+        let keys = match (keys.find(kid), file) {
+            (Some(_), _) => keys,
+            (None, Some(path)) => self.reread(path, kid).ok_or_else(unknown)?,
+            (None, None) => {
+                // The fetcher looks (at most every 10 s); the client's retry may pass.
+                self.wanted.notify_one();
+                return Err(unknown());
+            }
         };
         let key = keys.find(kid).expect("found above");
         let mut validation = Validation::new(key.alg);
@@ -320,42 +368,43 @@ impl Verifier {
 
     /// Read the key set again for a key it did not have, unless it was read within the last
     /// second; the new set if it has the key.
-    fn reread(&self, kid: Option<&str>) -> Option<Arc<Keys>> {
+    fn reread(&self, path: &Path, kid: Option<&str>) -> Option<Arc<Keys>> {
         {
             let mut file = self.file.lock().expect("not poisoned");
             if file.read_at.elapsed() < RELOAD_AT_MOST_EVERY {
                 return None;
             }
             file.read_at = Instant::now();
-            file.modified = crate::stamp::Stamp::of(&self.config.jwks_file);
+            file.modified = crate::stamp::Stamp::of(path);
         }
-        self.read_again().filter(|keys| keys.find(kid).is_some())
+        self.read_again(path)
+            .filter(|keys| keys.find(kid).is_some())
     }
 
     /// Read the key set again if its file changed since it was last looked at (looked at
     /// at most once a second: one `stat`).
-    fn reread_if_changed(&self) {
+    fn reread_if_changed(&self, path: &Path) {
         {
             let mut file = self.file.lock().expect("not poisoned");
             if file.looked_at.elapsed() < RELOAD_AT_MOST_EVERY {
                 return;
             }
             file.looked_at = Instant::now();
-            let now = crate::stamp::Stamp::of(&self.config.jwks_file);
+            let now = crate::stamp::Stamp::of(path);
             if now == file.modified {
                 return;
             }
             file.modified = now;
             file.read_at = Instant::now();
         }
-        self.read_again();
+        self.read_again(path);
     }
 
-    fn read_again(&self) -> Option<Arc<Keys>> {
-        match read_keys(&self.config.jwks_file) {
+    fn read_again(&self, path: &Path) -> Option<Arc<Keys>> {
+        match read_keys(path) {
             Ok(keys) => {
                 let keys = Arc::new(keys);
-                info!(file = %self.config.jwks_file.display(), keys = keys.by_kid.len() + keys.unnamed.len(), "key set read again");
+                info!(file = %path.display(), keys = keys.by_kid.len() + keys.unnamed.len(), "key set read again");
                 *self.keys.write().expect("not poisoned") = keys.clone();
                 Some(keys)
             }
@@ -368,6 +417,125 @@ impl Verifier {
             }
         }
     }
+}
+
+/// The least time between two fetches of the key set for unknown keys: a client sending
+/// made-up key ids costs the provider one request every 10 s at most.
+const FETCH_AT_MOST_EVERY: Duration = Duration::from_secs(10);
+/// The largest key set accepted.
+const MAX_JWKS_BYTES: usize = 1024 * 1024;
+
+impl Verifier {
+    /// With a URL: fetch the key set now, then every `refresh` and when a token names a
+    /// key it does not hold (at most every 10 s), until `shutdown`. A fetch that fails keeps
+    /// the keys there are and is tried again, sooner while there are none.
+    pub(crate) async fn fetch(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
+        let KeySource::Url {
+            url,
+            ca_file,
+            refresh,
+        } = self.config.jwks.clone()
+        else {
+            return;
+        };
+        let tls = match outbox_core::connect::client_config(
+            outbox_core::connect::SslMode::VerifyFull,
+            ca_file.as_deref(),
+        ) {
+            Ok(config) => tokio_rustls::TlsConnector::from(Arc::new(config)),
+            Err(e) => {
+                warn!(error = %e, "--jwks-ca-file: cannot verify the identity provider; no token can be verified");
+                return;
+            }
+        };
+        let mut backoff = crate::retry_backoff(Duration::from_millis(200));
+        loop {
+            let next = match fetch_jwks(&url, &tls)
+                .await
+                .and_then(|text| Keys::parse(Path::new(&url), &text))
+            {
+                Ok(keys) => {
+                    info!(%url, keys = keys.by_kid.len() + keys.unnamed.len(), "key set fetched");
+                    *self.keys.write().expect("not poisoned") = Arc::new(keys);
+                    backoff.reset();
+                    refresh
+                }
+                Err(e) => {
+                    let pause = backoff.next_delay();
+                    warn!(%url, error = %e, "key set not fetched; keeping the keys there are");
+                    if self.keys.read().expect("not poisoned").by_kid.is_empty() {
+                        pause
+                    } else {
+                        pause.max(FETCH_AT_MOST_EVERY)
+                    }
+                }
+            };
+            let started = tokio::time::Instant::now();
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(next) => {}
+                _ = self.wanted.notified() => {
+                    // Asked for an unknown key: not sooner than 10 s after the last fetch.
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return,
+                        _ = tokio::time::sleep_until(started + FETCH_AT_MOST_EVERY.min(next)) => {}
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// GET an `https://` URL (10 s), its body (at most 1 MiB) if it answers 200.
+async fn fetch_jwks(url: &str, tls: &tokio_rustls::TlsConnector) -> Result<String, String> {
+    use http_body_util::BodyExt;
+    let uri: hyper::Uri = url.parse().map_err(|e| format!("{url}: {e}"))?;
+    let host = uri
+        .host()
+        .ok_or_else(|| format!("{url}: no host"))?
+        .to_string();
+    let port = uri.port_u16().unwrap_or(443);
+    let path = uri
+        .path_and_query()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_else(|| "/".into());
+    let exchange = async {
+        let tcp = tokio::net::TcpStream::connect((host.as_str(), port))
+            .await
+            .map_err(|e| format!("connect {host}:{port}: {e}"))?;
+        let name = rustls::pki_types::ServerName::try_from(host.clone())
+            .map_err(|e| format!("{host}: {e}"))?;
+        let stream = tls
+            .connect(name, tcp)
+            .await
+            .map_err(|e| format!("TLS with {host}: {e}"))?;
+        let (mut sender, conn) =
+            hyper::client::conn::http1::handshake(hyper_util::rt::TokioIo::new(stream))
+                .await
+                .map_err(|e| e.to_string())?;
+        tokio::spawn(conn);
+        let request = hyper::Request::get(path)
+            .header(hyper::header::HOST, host.as_str())
+            .header(hyper::header::ACCEPT, "application/json")
+            .body(http_body_util::Empty::<bytes::Bytes>::new())
+            .map_err(|e| e.to_string())?;
+        let response = sender
+            .send_request(request)
+            .await
+            .map_err(|e| e.to_string())?;
+        if response.status() != hyper::StatusCode::OK {
+            return Err(format!("{url} answered {}", response.status()));
+        }
+        let body = http_body_util::Limited::new(response.into_body(), MAX_JWKS_BYTES)
+            .collect()
+            .await
+            .map_err(|e| format!("{url}: {e}"))?
+            .to_bytes();
+        String::from_utf8(body.to_vec()).map_err(|_| format!("{url}: not UTF-8"))
+    };
+    tokio::time::timeout(Duration::from_secs(10), exchange)
+        .await
+        .map_err(|_| format!("{url}: no answer within 10 s"))?
 }
 
 /// Token verification exactly as the services do it, for tools and benchmarks.
@@ -439,6 +607,14 @@ impl Auth {
         };
         let token = bearer(headers)?.ok_or(AuthError::Missing)?;
         Ok(Some((verifier.verify(token)?, token)))
+    }
+
+    /// The verifier whose key set is fetched from a URL, if it is.
+    pub(crate) fn remote(&self) -> Option<Arc<Verifier>> {
+        match self {
+            Auth::Tokens(v) if matches!(v.config.jwks, KeySource::Url { .. }) => Some(v.clone()),
+            _ => None,
+        }
     }
 
     pub(crate) fn is_anonymous(&self) -> bool {

@@ -169,13 +169,26 @@ pub struct Cli {
 }
 
 /// Who may use the API: bearer tokens of the team's identity provider (JWTs), verified
-/// here against its published keys. One of `--jwks-file` or `--allow-anonymous` is needed.
+/// here against its published keys. One of `--jwks-file`, `--jwks-url` or
+/// `--allow-anonymous` is needed.
 #[derive(Debug, Clone, clap::Args)]
 pub struct AuthArgs {
     /// The identity provider's keys (a JWKS document, JSON) that bearer tokens are verified
     /// with; read again when a token names a key it does not hold (a rotation).
-    #[arg(long, env = "CHAT_JWKS_FILE")]
+    #[arg(long, env = "CHAT_JWKS_FILE", conflicts_with = "jwks_url")]
     pub jwks_file: Option<PathBuf>,
+    /// The identity provider's `jwks_uri` (https://): fetched at start, every
+    /// --jwks-refresh, and when a token names a key the set does not hold (at most every
+    /// 10 s). Instead of --jwks-file.
+    #[arg(long, env = "CHAT_JWKS_URL")]
+    pub jwks_url: Option<String>,
+    /// The CA that signed the identity provider's certificate (PEM), for --jwks-url
+    /// (default: the well-known public roots).
+    #[arg(long, env = "CHAT_JWKS_CA_FILE")]
+    pub jwks_ca_file: Option<PathBuf>,
+    /// How often --jwks-url is fetched again.
+    #[arg(long, env = "CHAT_JWKS_REFRESH", value_parser = humantime::parse_duration, default_value = "5m")]
+    pub jwks_refresh: Duration,
     /// The issuer (`iss`) every token must name, e.g. https://id.example.com/.
     #[arg(long, env = "CHAT_JWT_ISSUER")]
     pub jwt_issuer: Option<String>,
@@ -210,15 +223,37 @@ pub enum AuthMode {
 impl AuthArgs {
     fn validate(&self, cookie_secure: bool) -> Result<AuthMode, ConfigError> {
         let refuse = |message: String| Err(ConfigError(message));
-        let Some(jwks_file) = &self.jwks_file else {
-            if self.allow_anonymous {
-                return Ok(AuthMode::Anonymous);
+        let jwks = match (&self.jwks_file, &self.jwks_url) {
+            (Some(file), _) => crate::auth::KeySource::File(file.clone()),
+            (None, Some(url)) => {
+                if !url.starts_with("https://") || url.parse::<hyper::Uri>().is_err() {
+                    return refuse(format!(
+                        "--jwks-url '{url}' must be an https:// URL (the provider's jwks_uri)"
+                    ));
+                }
+                if self.jwks_refresh < Duration::from_secs(10) {
+                    return refuse("--jwks-refresh must be at least 10s".into());
+                }
+                if let Some(ca) = &self.jwks_ca_file {
+                    outbox_core::connect::root_store(Some(ca))?;
+                }
+                crate::auth::KeySource::Url {
+                    url: url.clone(),
+                    ca_file: self.jwks_ca_file.clone(),
+                    refresh: self.jwks_refresh,
+                }
             }
-            return refuse("no authentication configured: set --jwks-file (CHAT_JWKS_FILE) to the identity provider's JWKS with --jwt-issuer and --jwt-audience, or --allow-anonymous (CHAT_ALLOW_ANONYMOUS=true) for a trusted test setup where anyone may read and post".into());
+            (None, None) => {
+                if self.allow_anonymous {
+                    return Ok(AuthMode::Anonymous);
+                }
+                return refuse("no authentication configured: set --jwks-file (CHAT_JWKS_FILE) or --jwks-url (CHAT_JWKS_URL) to the identity provider's keys, with --jwt-issuer and --jwt-audience, or --allow-anonymous (CHAT_ALLOW_ANONYMOUS=true) for a trusted test setup where anyone may read and post".into());
+            }
         };
         if self.allow_anonymous {
             return refuse(
-                "--allow-anonymous and --jwks-file exclude each other: choose one".into(),
+                "--allow-anonymous and --jwks-file/--jwks-url exclude each other: choose one"
+                    .into(),
             );
         }
         let Some(issuer) = self.jwt_issuer.clone().filter(|i| !i.is_empty()) else {
@@ -243,7 +278,7 @@ impl AuthArgs {
             return refuse("--admin-scope must be one scope, without spaces".into());
         }
         let config = crate::auth::TokenConfig {
-            jwks_file: jwks_file.clone(),
+            jwks,
             cookie_secure,
             issuer,
             audiences,

@@ -41,7 +41,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 use tracing::{error, info, warn};
 
-pub use auth::{TokenConfig, TokenVerifier};
+pub use auth::{KeySource, TokenConfig, TokenVerifier};
 pub use config::{AuthArgs, AuthMode, Cli, Command, DeadLetterCommand, MigrateCli, ServiceConfig};
 pub use dead_letters::{run as dead_letters, Outcome as DeadLetterOutcome};
 pub use inbox::{ConsumerRole, ConsumerStatus};
@@ -132,7 +132,7 @@ impl Service {
                     auth::Auth::Anonymous
                 }
                 config::AuthMode::Tokens(tokens) => {
-                    auth::Auth::Tokens(Box::new(auth::Verifier::load(tokens.clone())?))
+                    auth::Auth::Tokens(Arc::new(auth::Verifier::load(tokens.clone())?))
                 }
             },
             cookie_secure: config.cookie_secure,
@@ -184,6 +184,9 @@ impl Service {
                 shutdown.clone(),
             ))
         });
+        if let Some(verifier) = self.app.auth.remote() {
+            tokio::spawn(verifier.fetch(shutdown.clone()));
+        }
         let tls = self.tls.map(|certificate| {
             tokio::spawn(certificate.clone().watch(shutdown.clone()));
             certificate.acceptor()

@@ -618,3 +618,148 @@ fn a_service_without_authentication_refuses_to_start_and_says_what_to_set() {
         None
     );
 }
+
+/// The provider's `jwks_uri`: an HTTPS server on loopback serving `file` as it is now.
+async fn jwks_endpoint(
+    file: std::path::PathBuf,
+    cert: &testkit::tls::ServerCert,
+) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+    use hyper_util::rt::TokioIo;
+    let chain = rustls_pemfile::certs(&mut std::fs::read(&cert.cert).unwrap().as_slice())
+        .collect::<Result<Vec<_>, _>>()
+        .unwrap();
+    let key = rustls_pemfile::private_key(&mut std::fs::read(&cert.key).unwrap().as_slice())
+        .unwrap()
+        .unwrap();
+    let config = rustls::ServerConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_safe_default_protocol_versions()
+    .unwrap()
+    .with_no_client_auth()
+    .with_single_cert(chain, key)
+    .unwrap();
+    let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let task = tokio::spawn(async move {
+        loop {
+            let Ok((tcp, _)) = listener.accept().await else {
+                return;
+            };
+            let (acceptor, file) = (acceptor.clone(), file.clone());
+            tokio::spawn(async move {
+                let Ok(tls) = acceptor.accept(tcp).await else {
+                    return;
+                };
+                let service = hyper::service::service_fn(move |_req| {
+                    let body = std::fs::read(&file).unwrap();
+                    async move {
+                        Ok::<_, std::convert::Infallible>(hyper::Response::new(
+                            http_body_util::Full::new(bytes::Bytes::from(body)),
+                        ))
+                    }
+                });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(TokioIo::new(tls), service)
+                    .await;
+            });
+        }
+    });
+    (addr, task)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_fetched_from_the_providers_url_follow_a_rotation_and_outlive_an_outage() {
+    let stack = Stack::start(shared_postgres()).await;
+    let mut idp = Idp::new();
+    let ca = testkit::tls::TestCa::new().unwrap();
+    let cert = ca.issue("idp", &["localhost"]).unwrap();
+    let (addr, server) = jwks_endpoint(idp.jwks.clone(), &cert).await;
+    let url = format!("https://localhost:{}/.well-known/jwks.json", addr.port());
+    let ca_file = ca.ca_file().display().to_string();
+    let svc = stack
+        .service(
+            Side::Consumers,
+            &[
+                "--jwks-url",
+                &url,
+                "--jwks-ca-file",
+                &ca_file,
+                "--jwt-issuer",
+                ISSUER,
+                "--jwt-audience",
+                AUDIENCE,
+            ],
+        )
+        .await;
+    // Fetched in the background after start.
+    let admin = idp.admin();
+    wait_until(Duration::from_secs(10), "the key set fetched", || async {
+        match get_as(svc.addr, "/chats/6/members", Some(&admin)).await {
+            r if r.status == 200 => Ok(()),
+            r => Err(r.body),
+        }
+    })
+    .await;
+    add_member(svc.addr, &idp, 6, "frank").await;
+    let before = idp.token("frank");
+    assert_eq!(
+        get_as(svc.addr, "/chats/6/messages", Some(&before))
+            .await
+            .status,
+        200
+    );
+
+    // A new key at the provider: its first token makes the service fetch (at most every
+    // 10 s), and it passes soon after.
+    idp.rotate();
+    let after = idp.token("frank");
+    wait_until(
+        Duration::from_secs(20),
+        "the rotated key fetched",
+        || async {
+            match get_as(svc.addr, "/chats/6/messages", Some(&after)).await {
+                r if r.status == 200 => Ok(()),
+                r => Err(r.body),
+            }
+        },
+    )
+    .await;
+
+    // The provider unreachable: the keys there are keep verifying.
+    server.abort();
+    let _ = server.await;
+    assert_eq!(
+        get_as(svc.addr, "/chats/6/messages", Some(&after))
+            .await
+            .status,
+        200
+    );
+    assert_eq!(
+        get_as(svc.addr, "/chats/6/messages", Some(&before))
+            .await
+            .status,
+        200
+    );
+    // Refused at start: not https.
+    let mut argv = vec!["chat-service".to_string()];
+    argv.extend(stack.service_args(
+        Side::Consumers,
+        &[
+            "--jwks-url",
+            "http://id.example.com/jwks",
+            "--jwt-issuer",
+            "i",
+            "--jwt-audience",
+            "a",
+        ],
+    ));
+    let refused = <chat_services::Cli as clap::Parser>::try_parse_from(argv)
+        .unwrap()
+        .validate()
+        .expect_err("plain http")
+        .to_string();
+    assert!(refused.contains("must be an https:// URL"), "{refused}");
+    svc.stop().await;
+}

@@ -2,12 +2,10 @@
 //! services accept (keys made by openssl, as an identity provider's would be), verified as
 //! the services verify them; microseconds per token, on one core.
 
-use std::process::Command;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, Context};
 use chat_services::token::{jwks, SigningKey};
-use chat_services::{TokenConfig, TokenVerifier};
+use chat_services::{KeySource, TokenConfig, TokenVerifier};
 use serde::Serialize;
 
 #[derive(Debug, clap::Args)]
@@ -29,24 +27,6 @@ pub struct Cost {
 const ISSUER: &str = "https://id.lab.invalid/";
 const AUDIENCE: &str = "chat";
 
-fn openssl_key(dir: &std::path::Path, name: &str, args: &[&str]) -> anyhow::Result<Vec<u8>> {
-    let path = dir.join(format!("{name}.pem"));
-    let out = Command::new("openssl")
-        .arg("genpkey")
-        .args(args)
-        .arg("-out")
-        .arg(&path)
-        .output()
-        .context("openssl (deploy/install-deps.sh installs it)")?;
-    if !out.status.success() {
-        bail!(
-            "openssl genpkey {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
-    Ok(std::fs::read(path)?)
-}
-
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let dir = testkit::scratch_dir("lab-auth-cost");
     let algorithms: [(&'static str, &[&str]); 3] = [
@@ -62,12 +42,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     ];
     let mut costs = Vec::new();
     for (i, (algorithm, openssl_args)) in algorithms.into_iter().enumerate() {
-        let pem = openssl_key(&dir, &format!("key-{i}"), openssl_args)?;
+        let pem = crate::report::openssl_key(&dir, &format!("key-{i}"), openssl_args)?;
         let key = SigningKey::from_pem(&pem, &format!("kid-{i}"))?;
         let jwks_file = dir.join(format!("jwks-{i}.json"));
         std::fs::write(&jwks_file, jwks(&[&key])?)?;
         let verifier = TokenVerifier::load(TokenConfig {
-            jwks_file,
+            jwks: KeySource::File(jwks_file),
             cookie_secure: false,
             issuer: ISSUER.into(),
             audiences: vec![AUDIENCE.into()],

@@ -228,7 +228,7 @@ impl<'a> Stack<'a> {
         ];
         args.extend(self.redis_flags());
         // The older tests predate identities: anonymous unless a test configures tokens.
-        if !extra.contains(&"--jwks-file") {
+        if !extra.contains(&"--jwks-file") && !extra.contains(&"--jwks-url") {
             args.push("--allow-anonymous=true".into());
         }
         // A flag given again in `extra` replaces the default's value (clap takes each once).
