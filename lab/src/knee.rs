@@ -411,7 +411,7 @@ async fn one_at_a_time(
     let mut samples = Vec::with_capacity(SEQUENTIAL_MESSAGES);
     for i in 0..SEQUENTIAL_MESSAGES + 5 {
         let started = Instant::now();
-        let id = crate::latency::post(&mut conn, &format!("one {i}")).await?;
+        let id = crate::latency::post(&mut conn, &format!("one {i}"), &[]).await?;
         let deadline = Instant::now() + Duration::from_secs(10);
         let shown = loop {
             if let Some(at) = arrivals.lock().unwrap().get(&id) {

@@ -17,6 +17,10 @@ use crate::system::{Bins, Kind, Side, System};
 pub enum Variant {
     /// Ours: outbox, logical replication slot, cdc-relay.
     Cdc,
+    /// Ours with identities, as in production: every send and the stream carry a bearer
+    /// token (EdDSA), verified and checked for chat membership by the services.
+    #[value(name = "cdc-tokens")]
+    CdcTokens,
     /// The second design: outbox + NOTIFY, a relay selecting FOR UPDATE batches.
     Notify,
     /// The same relay woken only by a 1 s timer.
@@ -30,6 +34,7 @@ impl Variant {
     pub fn name(self) -> &'static str {
         match self {
             Variant::Cdc => "cdc",
+            Variant::CdcTokens => "cdc-tokens",
             Variant::Notify => "notify",
             Variant::Poll1s => "poll-1s",
             Variant::DualWrite => "dual-write",
@@ -125,8 +130,17 @@ pub async fn measure(
 ) -> anyhow::Result<(Vec<f64>, Option<Stages>)> {
     let system = System::new(durable, Bins::beside_this()?).await?;
     let sender = Side::Consumers;
+    let token = match variant {
+        Variant::CdcTokens => Some(system.enable_tokens().await?),
+        _ => None,
+    };
+    let bearer = token.as_ref().map(|t| format!("Bearer {t}"));
+    let auth: Vec<(&str, &str)> = bearer
+        .iter()
+        .map(|b| ("authorization", b.as_str()))
+        .collect();
     match variant {
-        Variant::Cdc => {
+        Variant::Cdc | Variant::CdcTokens => {
             system.start("relay-consumers", Kind::Relay(sender), &[])?;
             system
                 .wait_relay("relay-consumers", Duration::from_secs(30))
@@ -160,12 +174,13 @@ pub async fn measure(
     }
     let consumers_addr = system.service_addr(Side::Consumers);
     let mut client =
-        SseClient::connect(system.service_addr(Side::Workers), "/chats/1/events", None).await?;
+        SseClient::connect_with(system.service_addr(Side::Workers), "/chats/1/events", &auth)
+            .await?;
     // A kept-alive connection, as a browser sends with.
     let mut consumers = testkit::http::Connection::open(consumers_addr).await?;
     // Warm up connections and caches; not measured.
     for i in 0..5 {
-        let sent = post(&mut consumers, &format!("warm-up {i}")).await?;
+        let sent = post(&mut consumers, &format!("warm-up {i}"), &auth).await?;
         wait_shown(&mut client, &sent).await?;
     }
     // Sends go out on schedule whatever the delivery does (as in the write-up); arrivals are
@@ -191,7 +206,7 @@ pub async fn measure(
         next += interval;
         let started = Instant::now();
         sent.push((
-            post(&mut consumers, &format!("message {i}")).await?,
+            post(&mut consumers, &format!("message {i}"), &auth).await?,
             started,
         ));
     }
@@ -210,20 +225,25 @@ pub async fn measure(
         .map(|(id, started)| arrivals[id].duration_since(*started).as_secs_f64() * 1000.0)
         .collect();
     let stages = match variant {
-        Variant::Cdc => Some(Stages::read(&system).await?),
+        Variant::Cdc | Variant::CdcTokens => Some(Stages::read(&system).await?),
         _ => None,
     };
     system.shutdown();
     Ok((samples, stages))
 }
 
-/// POST one message; its id.
+/// POST one message (with these headers: credentials); its id.
 pub(crate) async fn post(
     consumers: &mut testkit::http::Connection,
     body: &str,
+    headers: &[(&str, &str)],
 ) -> anyhow::Result<String> {
     let reply = consumers
-        .post_json("/chats/1/messages", &serde_json::json!({"body": body}))
+        .post_json_with(
+            "/chats/1/messages",
+            &serde_json::json!({"body": body}),
+            headers,
+        )
         .await?;
     anyhow::ensure!(reply.status == 201, "send failed: {}", reply.body);
     Ok(reply.json()["id"].as_str().unwrap_or_default().to_string())
@@ -259,6 +279,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let variants = if args.variants.is_empty() {
         vec![
             Variant::Cdc,
+            Variant::CdcTokens,
             Variant::Notify,
             Variant::Poll1s,
             Variant::DualWrite,

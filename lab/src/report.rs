@@ -159,3 +159,22 @@ pub fn stat_seconds(fields: &[String], at: &[usize]) -> f64 {
 pub fn cpu_seconds(pid: u32) -> f64 {
     proc_stat(pid).map_or(0.0, |fields| stat_seconds(&fields, &[11, 12]))
 }
+
+/// A private key made by `openssl genpkey <args>` into `dir/<name>.pem`, as PEM.
+pub fn openssl_key(dir: &std::path::Path, name: &str, args: &[&str]) -> anyhow::Result<Vec<u8>> {
+    let path = dir.join(format!("{name}.pem"));
+    let out = std::process::Command::new("openssl")
+        .arg("genpkey")
+        .args(args)
+        .arg("-out")
+        .arg(&path)
+        .output()
+        .map_err(|e| anyhow::anyhow!("openssl (deploy/install-deps.sh installs it): {e}"))?;
+    if !out.status.success() {
+        anyhow::bail!(
+            "openssl genpkey {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(std::fs::read(path)?)
+}

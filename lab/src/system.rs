@@ -76,9 +76,73 @@ pub struct System {
     processes: Mutex<HashMap<String, ChildProcess>>,
     generations: Mutex<HashMap<String, u32>>,
     admin_ports: Mutex<HashMap<String, u16>>,
+    /// The services' flags for verifying tokens, once [`System::enable_tokens`] ran; until
+    /// then they run with `--allow-anonymous`.
+    auth_flags: Mutex<Option<Vec<String>>>,
 }
 
+/// The user the lab's clients are, with tokens, and the chats it is a member of on both
+/// sides.
+pub const LAB_USER: &str = "lab";
+const LAB_CHATS: i64 = 1000;
+
 impl System {
+    /// From now on, services verify bearer tokens as in production (a stand-in identity
+    /// provider's Ed25519 key, made by openssl), with limits far above what the lab sends,
+    /// and [`LAB_USER`] is a member of chats 1 to 1000 on both sides. Returns its token.
+    pub async fn enable_tokens(&self) -> anyhow::Result<String> {
+        let dir = self.logs.join("idp");
+        std::fs::create_dir_all(&dir)?;
+        let pem = report::openssl_key(&dir, "key", &["-algorithm", "ed25519"])?;
+        let key = chat_services::token::SigningKey::from_pem(&pem, "lab-1")?;
+        let jwks = dir.join("jwks.json");
+        std::fs::write(&jwks, chat_services::token::jwks(&[&key])?)?;
+        let (issuer, audience) = ("https://id.lab.invalid/", "chat");
+        let db = self.db.connect().await?;
+        for side in [Side::Consumers, Side::Workers] {
+            db.execute(
+                &format!(
+                    "INSERT INTO {}.chat_members (chat_id, user_id, added_by)
+                     SELECT c, $1, 'lab' FROM generate_series(1, $2::bigint) c
+                     ON CONFLICT DO NOTHING",
+                    side.schema()
+                ),
+                &[&LAB_USER, &LAB_CHATS],
+            )
+            .await?;
+        }
+        *self.auth_flags.lock().unwrap() = Some(vec![
+            "--jwks-file".into(),
+            jwks.display().to_string(),
+            "--jwt-issuer".into(),
+            issuer.into(),
+            "--jwt-audience".into(),
+            audience.into(),
+            "--send-rate".into(),
+            "1000000".into(),
+            "--send-burst".into(),
+            "1000000".into(),
+            "--max-event-streams-per-user".into(),
+            "100000".into(),
+        ]);
+        Ok(key.mint(
+            issuer,
+            audience,
+            LAB_USER,
+            Duration::from_secs(24 * 3600),
+            None,
+        )?)
+    }
+
+    /// The services' identity flags: tokens after [`System::enable_tokens`], else none.
+    fn auth_args(&self) -> Vec<String> {
+        self.auth_flags
+            .lock()
+            .unwrap()
+            .clone()
+            .unwrap_or_else(|| vec!["--allow-anonymous=true".into()])
+    }
+
     /// Servers, database and relay slots; no relay or service runs yet.
     pub async fn new(durable: bool, bins: Bins) -> anyhow::Result<Self> {
         Self::new_sharded(durable, bins, 1).await
@@ -127,6 +191,7 @@ impl System {
             processes: Mutex::new(HashMap::new()),
             generations: Mutex::new(HashMap::new()),
             admin_ports: Mutex::new(HashMap::new()),
+            auth_flags: Mutex::new(None),
             pg,
             redis,
             cluster,
@@ -332,8 +397,7 @@ impl System {
                     .args(["--listen", &self.instance_addr(side, i).to_string()])
                     .args(["--admin-addr", &self.instance_admin(side, i).to_string()])
                     .args(["--consumer-name", &consumer])
-                    // The lab's clients measure delivery, not identity: no tokens.
-                    .arg("--allow-anonymous=true")
+                    .args(self.auth_args())
                     .args(["--lease-ttl", "3s", "--claim-idle", "5s"])
                     .args(["--stream-shards", &self.shards.to_string()]);
                 cmd

@@ -103,13 +103,26 @@ impl Connection {
         path: &str,
         body: &serde_json::Value,
     ) -> anyhow::Result<Reply> {
+        self.post_json_with(path, body, &[]).await
+    }
+
+    /// [`Connection::post_json`] with these request headers too (credentials).
+    pub async fn post_json_with(
+        &mut self,
+        path: &str,
+        body: &serde_json::Value,
+        headers: &[(&str, &str)],
+    ) -> anyhow::Result<Reply> {
         self.sender.ready().await?;
-        let request = Request::builder()
+        let mut request = Request::builder()
             .method("POST")
             .uri(path)
             .header("host", self.addr.to_string())
-            .header("content-type", "application/json")
-            .body(Full::new(Bytes::from(body.to_string())))?;
+            .header("content-type", "application/json");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        let request = request.body(Full::new(Bytes::from(body.to_string())))?;
         let response = self.sender.send_request(request).await?;
         let status = response.status().as_u16();
         let headers = response.headers().clone();
