@@ -64,6 +64,10 @@ pub(crate) enum AuthError {
     NotBearer,
     #[error("invalid token: {0}")]
     Invalid(String),
+    /// With `--jwks-url`, before the provider's keys were first fetched: nothing about
+    /// the token is known yet (503, retried).
+    #[error("the identity provider's keys are not fetched yet; retry shortly")]
+    NoKeys,
 }
 
 /// How the service learns who is asking.
@@ -199,6 +203,10 @@ impl Keys {
         Ok(keys)
     }
 
+    fn is_empty(&self) -> bool {
+        self.by_kid.is_empty() && self.unnamed.is_empty()
+    }
+
     fn empty() -> Self {
         Keys {
             by_kid: HashMap::new(),
@@ -325,6 +333,10 @@ impl Verifier {
             self.reread_if_changed(path);
         }
         let keys = self.keys.read().expect("not poisoned").clone();
+        if file.is_none() && keys.is_empty() {
+            self.wanted.notify_one();
+            return Err(AuthError::NoKeys);
+        }
         let unknown = || {
             AuthError::Invalid(match kid {
                 Some(kid) => format!("no key '{}' in the key set", kid.escape_debug()),
@@ -429,7 +441,11 @@ impl Verifier {
     /// With a URL: fetch the key set now, then every `refresh` and when a token names a
     /// key it does not hold (at most every 10 s), until `shutdown`. A fetch that fails keeps
     /// the keys there are and is tried again, sooner while there are none.
-    pub(crate) async fn fetch(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
+    pub(crate) async fn fetch(
+        self: Arc<Self>,
+        failures: prometheus::IntCounter,
+        shutdown: tokio_util::sync::CancellationToken,
+    ) {
         let KeySource::Url {
             url,
             ca_file,
@@ -448,7 +464,9 @@ impl Verifier {
                 return;
             }
         };
-        let mut backoff = crate::retry_backoff(Duration::from_millis(200));
+        // Up to 30 s between failed fetches: every replica of every side asks the provider.
+        let mut backoff =
+            outbox_core::backoff::Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
         loop {
             let next = match fetch_jwks(&url, &tls)
                 .await
@@ -461,9 +479,10 @@ impl Verifier {
                     refresh
                 }
                 Err(e) => {
+                    failures.inc();
                     let pause = backoff.next_delay();
                     warn!(%url, error = %e, "key set not fetched; keeping the keys there are");
-                    if self.keys.read().expect("not poisoned").by_kid.is_empty() {
+                    if self.keys.read().expect("not poisoned").is_empty() {
                         pause
                     } else {
                         pause.max(FETCH_AT_MOST_EVERY)
@@ -494,6 +513,11 @@ async fn fetch_jwks(url: &str, tls: &tokio_rustls::TlsConnector) -> Result<Strin
         .host()
         .ok_or_else(|| format!("{url}: no host"))?
         .to_string();
+    // Host:port as the URL says it (HTTP/1.1's Host carries a port that is not the default).
+    let authority = uri
+        .authority()
+        .map(|a| a.as_str().to_string())
+        .unwrap_or_else(|| host.clone());
     let port = uri.port_u16().unwrap_or(443);
     let path = uri
         .path_and_query()
@@ -515,7 +539,7 @@ async fn fetch_jwks(url: &str, tls: &tokio_rustls::TlsConnector) -> Result<Strin
                 .map_err(|e| e.to_string())?;
         tokio::spawn(conn);
         let request = hyper::Request::get(path)
-            .header(hyper::header::HOST, host.as_str())
+            .header(hyper::header::HOST, authority.as_str())
             .header(hyper::header::ACCEPT, "application/json")
             .body(http_body_util::Empty::<bytes::Bytes>::new())
             .map_err(|e| e.to_string())?;
@@ -614,6 +638,14 @@ impl Auth {
         match self {
             Auth::Tokens(v) if matches!(v.config.jwks, KeySource::Url { .. }) => Some(v.clone()),
             _ => None,
+        }
+    }
+
+    /// Whether tokens can be verified now: with `--jwks-url`, once the keys were fetched.
+    pub(crate) fn has_keys(&self) -> bool {
+        match self {
+            Auth::Anonymous => true,
+            Auth::Tokens(v) => !v.keys.read().expect("not poisoned").is_empty(),
         }
     }
 

@@ -226,9 +226,13 @@ impl AuthArgs {
         let jwks = match (&self.jwks_file, &self.jwks_url) {
             (Some(file), _) => crate::auth::KeySource::File(file.clone()),
             (None, Some(url)) => {
-                if !url.starts_with("https://") || url.parse::<hyper::Uri>().is_err() {
+                let uri = url.parse::<hyper::Uri>().ok();
+                let authority = uri.as_ref().and_then(|u| u.authority()).map(|a| a.as_str());
+                if !url.starts_with("https://")
+                    || authority.is_none_or(|a| a.contains('@') || a.starts_with('['))
+                {
                     return refuse(format!(
-                        "--jwks-url '{url}' must be an https:// URL (the provider's jwks_uri)"
+                        "--jwks-url '{url}' must be an https:// URL of a host name or IPv4 address, without credentials (the provider's jwks_uri)"
                     ));
                 }
                 if self.jwks_refresh < Duration::from_secs(10) {

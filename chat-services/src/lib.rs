@@ -185,7 +185,10 @@ impl Service {
             ))
         });
         if let Some(verifier) = self.app.auth.remote() {
-            tokio::spawn(verifier.fetch(shutdown.clone()));
+            tokio::spawn(verifier.fetch(
+                self.app.metrics.jwks_fetch_failures_total.clone(),
+                shutdown.clone(),
+            ));
         }
         let tls = self.tls.map(|certificate| {
             tokio::spawn(certificate.clone().watch(shutdown.clone()));

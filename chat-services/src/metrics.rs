@@ -31,6 +31,7 @@ pub(crate) struct Metrics {
     pub event_streams_revoked_total: IntCounter,
     pub membership_checks_failed_total: IntCounter,
     pub messages_deleted_total: IntCounterVec,
+    pub jwks_fetch_failures_total: IntCounter,
 }
 
 impl Metrics {
@@ -101,6 +102,10 @@ impl Metrics {
             .register(Box::new(messages_deleted_total.clone()))
             .expect("unique metric");
         Self {
+            jwks_fetch_failures_total: counter(
+                "chat_jwks_fetch_failures_total",
+                "Fetches of --jwks-url that failed (the keys there are were kept)",
+            ),
             messages_deleted_total,
             requests_refused_total,
             membership_checks_failed_total: counter(

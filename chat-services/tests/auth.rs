@@ -621,9 +621,10 @@ fn a_service_without_authentication_refuses_to_start_and_says_what_to_set() {
 
 /// The provider's `jwks_uri`: an HTTPS server on loopback serving `file` as it is now.
 async fn jwks_endpoint(
+    port: u16,
     file: std::path::PathBuf,
     cert: &testkit::tls::ServerCert,
-) -> (std::net::SocketAddr, tokio::task::JoinHandle<()>) {
+) -> tokio::task::JoinHandle<()> {
     use hyper_util::rt::TokioIo;
     let chain = rustls_pemfile::certs(&mut std::fs::read(&cert.cert).unwrap().as_slice())
         .collect::<Result<Vec<_>, _>>()
@@ -640,9 +641,10 @@ async fn jwks_endpoint(
     .with_single_cert(chain, key)
     .unwrap();
     let acceptor = tokio_rustls::TlsAcceptor::from(std::sync::Arc::new(config));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let task = tokio::spawn(async move {
+    let listener = tokio::net::TcpListener::bind(("127.0.0.1", port))
+        .await
+        .unwrap();
+    tokio::spawn(async move {
         loop {
             let Ok((tcp, _)) = listener.accept().await else {
                 return;
@@ -665,8 +667,7 @@ async fn jwks_endpoint(
                     .await;
             });
         }
-    });
-    (addr, task)
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -675,8 +676,9 @@ async fn keys_fetched_from_the_providers_url_follow_a_rotation_and_outlive_an_ou
     let mut idp = Idp::new();
     let ca = testkit::tls::TestCa::new().unwrap();
     let cert = ca.issue("idp", &["localhost"]).unwrap();
-    let (addr, server) = jwks_endpoint(idp.jwks.clone(), &cert).await;
-    let url = format!("https://localhost:{}/.well-known/jwks.json", addr.port());
+    // The provider is not up yet when the service starts.
+    let port = testkit::http::free_port();
+    let url = format!("https://localhost:{port}/.well-known/jwks.json");
     let ca_file = ca.ca_file().display().to_string();
     let svc = stack
         .service(
@@ -693,7 +695,16 @@ async fn keys_fetched_from_the_providers_url_follow_a_rotation_and_outlive_an_ou
             ],
         )
         .await;
-    // Fetched in the background after start.
+    // No keys yet: not ready, and a request is told to come back (503), not that its token
+    // is bad (401).
+    let (status, body) = testkit::http::get(svc.admin, "/readyz").await.unwrap();
+    assert_eq!(status, 503, "{body}");
+    assert!(body.contains("no_token_keys"), "{body}");
+    let early = get_as(svc.addr, "/chats/6/messages", Some(&idp.token("frank"))).await;
+    assert_eq!(early.status, 503, "{}", early.body);
+    assert!(early.header("retry-after").is_some());
+    let server = jwks_endpoint(port, idp.jwks.clone(), &cert).await;
+    // Fetched in the background once the provider answers.
     let admin = idp.admin();
     wait_until(Duration::from_secs(10), "the key set fetched", || async {
         match get_as(svc.addr, "/chats/6/members", Some(&admin)).await {
@@ -727,9 +738,35 @@ async fn keys_fetched_from_the_providers_url_follow_a_rotation_and_outlive_an_ou
     )
     .await;
 
-    // The provider unreachable: the keys there are keep verifying.
+    // The provider unreachable, and a fetch made to fail (a token of a key nobody has): the
+    // keys there are keep verifying.
     server.abort();
     let _ = server.await;
+    let failures = || async {
+        let metrics = testkit::http::get(svc.admin, "/metrics").await.unwrap().1;
+        testkit::http::metric_value(&metrics, "chat_jwks_fetch_failures_total").unwrap_or(0.0)
+    };
+    let failed_before = failures().await;
+    let stranger = {
+        let pem = rcgen::KeyPair::generate().unwrap().serialize_pem();
+        chat_services::token::SigningKey::from_pem(pem.as_bytes(), "nobody")
+            .unwrap()
+            .mint(ISSUER, AUDIENCE, "frank", Duration::from_secs(600), None)
+            .unwrap()
+    };
+    assert_eq!(
+        get_as(svc.addr, "/chats/6/messages", Some(&stranger))
+            .await
+            .status,
+        401
+    );
+    wait_until(Duration::from_secs(30), "a fetch that failed", || async {
+        match failures().await {
+            n if n > failed_before => Ok(()),
+            n => Err(format!("{n}")),
+        }
+    })
+    .await;
     assert_eq!(
         get_as(svc.addr, "/chats/6/messages", Some(&after))
             .await

@@ -22,6 +22,13 @@ impl Probe for ServiceProbe {
         } else {
             "down"
         };
+        if !app.auth.has_keys() {
+            // Every request would be refused: not ready until the provider's keys are in.
+            return Readiness {
+                ready: false,
+                body: serde_json::json!({"status": "not_ready", "reason": "no_token_keys", "redis": redis, "consumer": consumer.role}),
+            };
+        }
         match postgres {
             Ok(Ok(())) => Readiness {
                 ready: true,

@@ -103,6 +103,8 @@ fn store_error(e: StoreError) -> Response<Body> {
 /// 401 naming why, with the challenge RFC 6750 asks for.
 fn unauthorized(app: &App, e: AuthError) -> Response<Body> {
     let (reason, challenge) = match e {
+        // Not the caller's fault: the keys to judge the token are not there yet.
+        AuthError::NoKeys => return reply::unavailable(e),
         AuthError::Invalid(_) => (
             "invalid_token",
             r#"Bearer realm="chat", error="invalid_token""#,
