@@ -494,6 +494,26 @@ async fn each_role_is_refused_the_other_sides_schema() {
             .batch_execute(&format!("SELECT * FROM {role}.messages"))
             .await
             .unwrap();
+        // ... for its data only: the tables and the schema belong to a role nobody logs in
+        // as, so the service cannot change them, plant a trigger (which would run as whoever
+        // writes next, a migration's superuser included) or add objects.
+        for sql in [
+            format!("ALTER TABLE {role}.messages ADD COLUMN x int"),
+            format!(
+                "CREATE FUNCTION {role}.f() RETURNS trigger LANGUAGE plpgsql AS $$BEGIN RETURN NEW; END$$"
+            ),
+            format!("CREATE TABLE {role}.planted (x int)"),
+            format!("DROP TABLE {role}.outbox"),
+        ] {
+            let err = client.batch_execute(&sql).await.expect_err(&sql);
+            assert!(
+                matches!(
+                    err.code(),
+                    Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE)
+                ),
+                "{sql}: {err:?}"
+            );
+        }
     }
     // A relay role may read its own outbox (to rebuild its stream) and nothing else.
     let relay = db.connect_as("consumers_relay").await.unwrap();
