@@ -606,11 +606,7 @@ impl Auth {
         &self,
         headers: &HeaderMap,
     ) -> Result<Option<Identity>, AuthError> {
-        let Auth::Tokens(verifier) = self else {
-            return Ok(None);
-        };
-        let token = bearer(headers)?.ok_or(AuthError::Missing)?;
-        verifier.verify(token).map(Some)
+        Ok(self.sign_in(headers)?.map(|(who, _)| who))
     }
 
     /// The session cookie's name.

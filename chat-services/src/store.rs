@@ -124,6 +124,19 @@ fn stored_key(sender: Option<&str>, key: &str) -> String {
     }
 }
 
+/// The least UUIDv7 of `at`'s millisecond: every id below it was made earlier.
+fn least_uuid_v7_of(at: std::time::SystemTime) -> Uuid {
+    let ms = at
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_millis() as u64;
+    let mut bytes = [0u8; 16];
+    bytes[..6].copy_from_slice(&ms.to_be_bytes()[2..]);
+    bytes[6] = 0x70; // version 7
+    bytes[8] = 0x80; // RFC 4122 variant
+    Uuid::from_bytes(bytes)
+}
+
 /// One send's statement, runnable again with the same message id and key.
 struct Send<'a> {
     message: &'a Message,
@@ -1016,16 +1029,7 @@ impl Store {
         let cutoff = std::time::SystemTime::now()
             .checked_sub(older_than)
             .unwrap_or(std::time::UNIX_EPOCH);
-        let cutoff_ms = cutoff
-            .duration_since(std::time::UNIX_EPOCH)
-            .unwrap_or_default()
-            .as_millis() as u64;
-        // The least UUIDv7 of that millisecond: every id below it is older.
-        let mut bound = [0u8; 16];
-        bound[..6].copy_from_slice(&cutoff_ms.to_be_bytes()[2..]);
-        bound[6] = 0x70;
-        bound[8] = 0x80;
-        let bound = Uuid::from_bytes(bound);
+        let bound = least_uuid_v7_of(cutoff);
         let cutoff = OffsetDateTime::from(cutoff);
         self.bounded(STATEMENT_DEADLINE, async {
             let s = self.side.schema();

@@ -24,6 +24,15 @@ fn now() -> u64 {
         .as_secs()
 }
 
+/// A token for `user` signed by a key the provider never published, named `kid`.
+fn foreign_token(kid: &str, user: &str) -> String {
+    let pem = rcgen::KeyPair::generate().unwrap().serialize_pem();
+    chat_services::token::SigningKey::from_pem(pem.as_bytes(), kid)
+        .unwrap()
+        .mint(ISSUER, AUDIENCE, user, Duration::from_secs(600), None)
+        .unwrap()
+}
+
 fn assert_401(reply: &Reply, says: &str) {
     assert_eq!(reply.status, 401, "{}", reply.body);
     assert!(
@@ -78,20 +87,8 @@ async fn a_request_without_a_valid_token_is_refused_on_post_history_and_events()
     });
     let not_yet = claims(&|c| c["nbf"] = (now() + 600).into());
     // Signed by a key the provider never published, under a kid it does publish.
-    let foreign = {
-        let pem = rcgen::KeyPair::generate().unwrap().serialize_pem();
-        chat_services::token::SigningKey::from_pem(pem.as_bytes(), "key-1")
-            .unwrap()
-            .mint(ISSUER, AUDIENCE, "alice", Duration::from_secs(600), None)
-            .unwrap()
-    };
-    let unknown_kid = {
-        let pem = rcgen::KeyPair::generate().unwrap().serialize_pem();
-        chat_services::token::SigningKey::from_pem(pem.as_bytes(), "made-up")
-            .unwrap()
-            .mint(ISSUER, AUDIENCE, "alice", Duration::from_secs(600), None)
-            .unwrap()
-    };
+    let foreign = foreign_token("key-1", "alice");
+    let unknown_kid = foreign_token("made-up", "alice");
     // The same claims with the signature of another token: tampering.
     let tampered = {
         let good = idp.token("alice");
@@ -747,13 +744,7 @@ async fn keys_fetched_from_the_providers_url_follow_a_rotation_and_outlive_an_ou
         testkit::http::metric_value(&metrics, "chat_jwks_fetch_failures_total").unwrap_or(0.0)
     };
     let failed_before = failures().await;
-    let stranger = {
-        let pem = rcgen::KeyPair::generate().unwrap().serialize_pem();
-        chat_services::token::SigningKey::from_pem(pem.as_bytes(), "nobody")
-            .unwrap()
-            .mint(ISSUER, AUDIENCE, "frank", Duration::from_secs(600), None)
-            .unwrap()
-    };
+    let stranger = foreign_token("nobody", "frank");
     assert_eq!(
         get_as(svc.addr, "/chats/6/messages", Some(&stranger))
             .await

@@ -11,17 +11,6 @@ use testkit::{shared_postgres, wait_until};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
-fn rss_mib(pid: u32) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    let kb: f64 = status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap();
-    kb / 1024.0
-}
-
 /// User + system CPU seconds of a process so far.
 fn cpu_seconds(pid: u32) -> f64 {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
@@ -88,13 +77,13 @@ async fn twenty_thousand_chats_opened_and_closed_leave_nothing_behind() {
         .service_process(Side::Workers, "workers", &["--sse-heartbeat", "1s"])
         .await;
     let pid = workers.child.pid();
-    let start = rss_mib(pid);
+    let start = crate::support::rss_mib(pid);
 
     // WHEN 20,000 chats are each subscribed and closed, twice over with new chat ids
     open_and_close_20_000_chats(&workers, 1).await;
-    let after_first = rss_mib(pid);
+    let after_first = crate::support::rss_mib(pid);
     open_and_close_20_000_chats(&workers, 20_001).await;
-    let after_second = rss_mib(pid);
+    let after_second = crate::support::rss_mib(pid);
 
     // THEN no live channel is left (checked above, exactly), and memory stays within what
     // the allocator keeps for reuse: 40,000 chats cost less than 150 MiB in all (keeping a

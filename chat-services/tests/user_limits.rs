@@ -135,17 +135,6 @@ async fn small_window(addr: std::net::SocketAddr) -> TcpStream {
     socket.connect(addr).await.unwrap()
 }
 
-fn rss_mib(pid: u32) -> f64 {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
-    status
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse::<f64>().ok())
-        .unwrap()
-        / 1024.0
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_body_and_a_client_that_never_reads_are_cut_at_their_deadlines() {
     let stack = Stack::start(shared_postgres()).await;
@@ -219,7 +208,7 @@ async fn a_stalled_body_and_a_client_that_never_reads_are_cut_at_their_deadlines
     // loopback the kernel's buffers take all of it, so the write deadline is not reached),
     // and each connection is closed at the idle deadline.
     let pid = svc.child.pid();
-    let before = rss_mib(pid);
+    let before = crate::support::rss_mib(pid);
     let mut silent = Vec::new();
     for _ in 0..40 {
         let mut s = small_window(svc.addr).await;
@@ -237,7 +226,7 @@ async fn a_stalled_body_and_a_client_that_never_reads_are_cut_at_their_deadlines
             .await
             .expect("each was answered")
             .unwrap();
-        peak = peak.max(rss_mib(pid));
+        peak = peak.max(crate::support::rss_mib(pid));
     }
     println!("RSS with 40 clients that never read a 1 MiB answer: {before:.1} -> {peak:.1} MiB");
     assert!(peak - before < 80.0, "RSS {before:.1} -> {peak:.1} MiB");

@@ -167,6 +167,44 @@ async fn admit(
     }
 }
 
+/// A request's body, whole: at most [`MAX_REQUEST_BYTES`], arrived within
+/// `--body-read-timeout` (else 408, and the connection closes); or the answer to give.
+async fn read_body(app: &App, body: Incoming) -> Result<bytes::Bytes, Response<Body>> {
+    let body = Limited::new(body, MAX_REQUEST_BYTES).collect();
+    let Ok(raw) = tokio::time::timeout(app.limits.body_read_timeout, body).await else {
+        app.metrics
+            .requests_refused_total
+            .with_label_values(&["body_timeout"])
+            .inc();
+        let mut resp = reply::error(
+            StatusCode::REQUEST_TIMEOUT,
+            format!(
+                "the request body did not arrive within {:?}",
+                app.limits.body_read_timeout
+            ),
+        );
+        resp.headers_mut()
+            .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
+        return Err(resp);
+    };
+    match raw {
+        Ok(collected) => Ok(collected.to_bytes()),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(reply::error(
+                StatusCode::PAYLOAD_TOO_LARGE,
+                format!("request body is over {MAX_REQUEST_BYTES} bytes"),
+            ))
+        }
+        Err(_) => Err(reply::error(
+            StatusCode::BAD_REQUEST,
+            "could not read the request body",
+        )),
+    }
+}
+
 /// `POST /chats/{chat_id}/messages`.
 pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Response<Body> {
     let chat_id = match model::parse_chat_id(chat_id) {
@@ -220,35 +258,9 @@ pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Re
             );
         }
     }
-    let body = Limited::new(req.into_body(), MAX_REQUEST_BYTES).collect();
-    let Ok(raw) = tokio::time::timeout(app.limits.body_read_timeout, body).await else {
-        app.metrics
-            .requests_refused_total
-            .with_label_values(&["body_timeout"])
-            .inc();
-        let mut resp = reply::error(
-            StatusCode::REQUEST_TIMEOUT,
-            format!(
-                "the request body did not arrive within {:?}",
-                app.limits.body_read_timeout
-            ),
-        );
-        resp.headers_mut()
-            .insert(hyper::header::CONNECTION, HeaderValue::from_static("close"));
-        return resp;
-    };
-    let raw = match raw {
-        Ok(collected) => collected.to_bytes(),
-        Err(e)
-            if e.downcast_ref::<http_body_util::LengthLimitError>()
-                .is_some() =>
-        {
-            return reply::error(
-                StatusCode::PAYLOAD_TOO_LARGE,
-                format!("request body is over {MAX_REQUEST_BYTES} bytes"),
-            )
-        }
-        Err(_) => return reply::error(StatusCode::BAD_REQUEST, "could not read the request body"),
+    let raw = match read_body(app, req.into_body()).await {
+        Ok(raw) => raw,
+        Err(resp) => return resp,
     };
     let body = match model::parse_send_request(&raw) {
         Ok(body) => body,

@@ -761,3 +761,15 @@ pub(crate) async fn send_as(
     .await
     .unwrap()
 }
+
+/// The resident memory of process `pid`, in MiB.
+pub(crate) fn rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: f64 = status
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    kb / 1024.0
+}
