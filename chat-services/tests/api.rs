@@ -559,3 +559,51 @@ async fn probes_and_metrics_answer_on_the_admin_listener_only() {
     svc.stop().await;
     stack.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_runs_no_inline_code_cannot_be_framed_and_no_answer_is_sniffed() {
+    let stack = Stack::start(shared_postgres()).await;
+    let svc = stack.service(Side::Consumers, &[]).await;
+    for (path, mime) in [
+        ("/", "text/html"),
+        ("/page.js", "text/javascript"),
+        ("/page.css", "text/css"),
+    ] {
+        let reply = request(svc.addr, "GET", path, &[], "").await.unwrap();
+        assert_eq!(reply.status, 200, "{path}");
+        assert!(
+            reply.header("content-type").unwrap().starts_with(mime),
+            "{path}"
+        );
+        let policy = reply.header("content-security-policy").unwrap();
+        assert!(!policy.contains("unsafe-inline"), "{path}: {policy}");
+        for directive in [
+            "script-src 'self'",
+            "style-src 'self'",
+            "frame-ancestors 'none'",
+        ] {
+            assert!(policy.contains(directive), "{path}: {policy}");
+        }
+    }
+    let (_, page) = testkit::http::get(svc.addr, "/").await.unwrap();
+    assert!(
+        !page.contains("<script>") && !page.contains("<style>"),
+        "inline code in the page"
+    );
+    // Every answer, errors included.
+    for path in ["/", "/chats/7/messages", "/nowhere"] {
+        let reply = request(svc.addr, "GET", path, &[], "").await.unwrap();
+        assert_eq!(
+            reply.header("x-content-type-options"),
+            Some("nosniff"),
+            "{path}"
+        );
+        assert_eq!(
+            reply.header("referrer-policy"),
+            Some("no-referrer"),
+            "{path}"
+        );
+    }
+    svc.stop().await;
+    stack.stop().await;
+}
