@@ -22,6 +22,7 @@ mod fence;
 mod frozen;
 mod limits;
 mod local_stack;
+mod migrations;
 mod plans;
 mod public_tls;
 mod retention;

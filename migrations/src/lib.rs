@@ -6,6 +6,7 @@
 //! roles (cluster-wide, created only when missing), so the connecting role must be a
 //! superuser or hold CREATEROLE and own the database.
 
+use tokio_postgres::error::SqlState;
 use tokio_postgres::Client;
 
 mod embedded {
@@ -37,22 +38,13 @@ pub async fn apply(client: &mut Client) -> Result<Report, MigrateError> {
     client
         .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK_KEY])
         .await?;
-    let result = embedded::migrations::runner()
-        .set_abort_divergent(true)
-        .set_abort_missing(true)
-        .run_async(client)
-        .await;
+    let result = run_retrying_concurrent_runs(client).await;
     // Unlock even when a migration failed; the session ends soon after anyway.
     let unlocked = client
         .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK_KEY])
         .await;
-    let report = result?;
+    let applied = result?;
     unlocked?;
-    let applied = report
-        .applied_migrations()
-        .iter()
-        .map(|m| m.to_string())
-        .collect();
     let current_version = embedded::migrations::runner()
         .get_last_applied_migration_async(client)
         .await?
@@ -61,6 +53,63 @@ pub async fn apply(client: &mut Client) -> Result<Report, MigrateError> {
         applied,
         current_version,
     })
+}
+
+/// Runs of other databases in the same cluster the advisory lock does not hold off; a
+/// migration failing with one of these SQLSTATEs met one and rolled back whole. Roles are
+/// cluster-wide: a role another run created while this one waited on it can stay unseen until
+/// this transaction ends ("role ... does not exist", seen with V19 on a fresh cluster), and
+/// two runs creating the same roles can deadlock. Run again, the migration sees the other's.
+const CONCURRENT_RUN_STATES: &[SqlState] = &[
+    SqlState::UNDEFINED_OBJECT,
+    SqlState::UNIQUE_VIOLATION,
+    SqlState::T_R_DEADLOCK_DETECTED,
+    SqlState::T_R_SERIALIZATION_FAILURE,
+];
+const CONCURRENT_RUN_ATTEMPTS: u32 = 5;
+
+/// The pending migrations applied; a migration that met a concurrent run is tried again.
+/// The names of those this call applied, in order.
+async fn run_retrying_concurrent_runs(client: &mut Client) -> Result<Vec<String>, MigrateError> {
+    let mut applied = Vec::new();
+    let mut attempt = 1;
+    loop {
+        match embedded::migrations::runner()
+            .set_abort_divergent(true)
+            .set_abort_missing(true)
+            .run_async(client)
+            .await
+        {
+            Ok(report) => {
+                applied.extend(report.applied_migrations().iter().map(|m| m.to_string()));
+                return Ok(applied);
+            }
+            Err(e) if attempt < CONCURRENT_RUN_ATTEMPTS && met_concurrent_run(&e) => {
+                // Migrations before the failed one are committed and recorded.
+                if let Some(report) = e.report() {
+                    applied.extend(report.applied_migrations().iter().map(|m| m.to_string()));
+                }
+                tracing::warn!(attempt, error = %e, "a migration met another database's run; trying it again");
+                tokio::time::sleep(std::time::Duration::from_millis(50 * u64::from(attempt))).await;
+                attempt += 1;
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+}
+
+fn met_concurrent_run(e: &refinery::Error) -> bool {
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if let Some(code) = err
+            .downcast_ref::<tokio_postgres::Error>()
+            .and_then(|pg| pg.code())
+        {
+            return CONCURRENT_RUN_STATES.contains(code);
+        }
+        source = err.source();
+    }
+    false
 }
 
 /// Names of all migrations this build carries, in order.
