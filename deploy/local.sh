@@ -36,7 +36,7 @@ if [ "$(id -u)" -ne 0 ]; then
   exit 1
 fi
 
-"$root/deploy/install-deps.sh"
+"$root/deploy/install-deps.sh" --local
 
 log "building ($profile)"
 if [ "$profile" = release ]; then

@@ -366,14 +366,26 @@ fn hash_keys(node: &Yaml) -> Vec<String> {
         .unwrap_or_default()
 }
 
-/// `outbox/<target>[:tag]` → target.
+/// `[localhost/]outbox/<target>[:tag]` → target.
 fn outbox_target(image: &str) -> Option<String> {
-    let rest = image.strip_prefix("outbox/")?;
+    let rest = image
+        .strip_prefix("localhost/outbox/")
+        .or_else(|| image.strip_prefix("outbox/"))?;
     Some(rest.split(':').next().unwrap().to_string())
 }
 
-/// Upstream images the files may use (Postgres and Redis of the supported versions).
-const UPSTREAM_IMAGES: &[&str] = &["postgres:15", "redis:7.0"];
+/// An image as written, or its default when written `${VARIABLE:-default}`.
+fn image_default(image: &str) -> &str {
+    image
+        .strip_prefix("${")
+        .and_then(|rest| rest.strip_suffix('}'))
+        .and_then(|rest| rest.split_once(":-"))
+        .map_or(image, |(_, default)| default)
+}
+
+/// Upstream images the files may use (Postgres and Redis of the supported versions; Redis
+/// 7.2 or later, 7.0 being out of support).
+const UPSTREAM_IMAGES: &[&str] = &["postgres:15-bookworm", "redis:7.2-bookworm"];
 
 // ---------------------------------------------------------------------------------------
 
@@ -443,7 +455,7 @@ async fn compose_references_only_what_exists() {
         let place = format!("compose service {name}");
         let image = string(&svc["image"]);
         let Some(target_name) = outbox_target(&image) else {
-            if !UPSTREAM_IMAGES.contains(&image.as_str()) {
+            if !UPSTREAM_IMAGES.contains(&image_default(&image)) {
                 problems.push(format!(
                     "{place}: image {image} is not ours nor a supported upstream image"
                 ));
@@ -977,4 +989,65 @@ fn help_output_lists_every_environment_variable() {
             }
         }
     }
+}
+
+/// The directories `make-secrets.sh DIR` is run on in the docs and the deploy files.
+fn secret_directories() -> BTreeSet<String> {
+    let mut dirs = BTreeSet::new();
+    for path in [
+        "README.md",
+        "docs/deployment.md",
+        "docs/operations.md",
+        "deploy/compose.yaml",
+    ]
+    .into_iter()
+    .chain(["deploy/k8s/kustomization.yaml", "deploy/local.sh"])
+    {
+        let text = read(path);
+        for (i, _) in text.match_indices("make-secrets.sh ") {
+            let arg: String = text[i + "make-secrets.sh ".len()..]
+                .chars()
+                .take_while(|c| !c.is_whitespace() && *c != '`' && *c != ')')
+                .collect();
+            if let Some(dir) = arg.strip_prefix("deploy/") {
+                dirs.insert(format!("deploy/{}", dir.trim_end_matches('/')));
+            }
+        }
+    }
+    dirs
+}
+
+#[test]
+fn the_build_context_leaves_out_every_secret() {
+    let ignored: BTreeSet<String> = read(".dockerignore")
+        .lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .map(|l| l.trim_start_matches('/').trim_end_matches('/').to_string())
+        .collect();
+    let secret_dirs = secret_directories();
+    assert!(
+        secret_dirs.contains("deploy/.secrets") && secret_dirs.contains("deploy/k8s/secrets"),
+        "{secret_dirs:?}"
+    );
+    // Everything git keeps out (the local stack's state, caches, secrets) stays out of images too.
+    let git_ignored = read(".gitignore")
+        .lines()
+        .map(|l| {
+            l.trim()
+                .trim_start_matches('/')
+                .trim_end_matches('/')
+                .to_string()
+        })
+        .filter(|l| !l.is_empty() && !l.starts_with('#'))
+        .collect::<BTreeSet<_>>();
+    let missing: Vec<&String> = secret_dirs
+        .iter()
+        .chain(&git_ignored)
+        .filter(|path| !ignored.contains(*path))
+        .collect();
+    assert!(
+        missing.is_empty(),
+        ".dockerignore does not exclude {missing:?} (the build context would carry it)"
+    );
 }

@@ -11,6 +11,7 @@ mod attempts;
 mod auth;
 mod browser;
 mod cluster;
+mod containers;
 mod crash;
 mod database_state;
 mod dead_letters;
