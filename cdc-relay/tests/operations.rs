@@ -654,6 +654,26 @@ async fn check_and_slot_commands(pg: &PgServer) {
         })
         .await;
     }
+    // A state directory the check cannot write (a read-only root in a pod): before 17 the
+    // inactive slot's age is unknown, and the check says so and what to change (before: OK).
+    let unwritable = state.join("a-file-not-a-directory");
+    std::fs::write(&unwritable, "").unwrap();
+    let mut blind = check("100000000", "50000000");
+    let dir_arg = blind.iter().position(|a| a == "--state-dir").unwrap() + 1;
+    blind[dir_arg] = unwritable.display().to_string();
+    let out = cli(&blind);
+    let line = String::from_utf8_lossy(&out.stdout).to_string();
+    if major < 17 {
+        assert_eq!(out.status.code(), Some(3), "{line}");
+        assert!(
+            line.starts_with("CDC-RELAY UNKNOWN - ")
+                && line.contains("inactive for an unknown time: cannot ")
+                && line.contains("CDC_CHECK_STATE_DIR"),
+            "{line}"
+        );
+    } else {
+        assert_eq!(out.status.code(), Some(0), "17+ needs no state: {line}");
+    }
     // CRITICAL: no such slot.
     let out = cli(&args(&[
         "check",

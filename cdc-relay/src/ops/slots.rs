@@ -185,11 +185,34 @@ pub async fn check(args: &CheckArgs) -> (CheckStatus, String) {
         );
     };
     // Postgres 17+ knows since when the slot is inactive; older servers need our state file.
-    let inactive_for = match (slot.active, slot.inactive_seconds) {
-        (false, Some(secs)) => Some(Duration::from_secs_f64(secs.max(0.0))),
-        _ => track_inactivity(&args.state_dir, name, slot.active),
+    let (inactive_for, untracked) = match (slot.active, slot.inactive_seconds) {
+        (false, Some(secs)) => (Some(Duration::from_secs_f64(secs.max(0.0))), None),
+        _ => match track_inactivity(&args.state_dir, name, slot.active) {
+            Ok(inactive_for) => (inactive_for, None),
+            Err(why) => (None, Some(why)),
+        },
     };
-    evaluate(args, &slot, inactive_for)
+    let (status, line) = evaluate(args, &slot, inactive_for);
+    let Some(why) = untracked else {
+        return (status, line);
+    };
+    // An inactive slot whose inactivity cannot be timed is not OK: say why, and what to change
+    // (a read-only root filesystem in a pod, typically).
+    // CRITICAL for another reason stays CRITICAL: it is already the page.
+    let status = if status == CheckStatus::Critical {
+        status
+    } else {
+        CheckStatus::Unknown
+    };
+    let (head, perf) = line.split_once(" | ").unwrap_or((&line, ""));
+    let detail = head.split_once(" - ").map_or(head, |(_, d)| d);
+    (
+        status,
+        format!(
+            "CDC-RELAY {} - {detail}; inactive for an unknown time: {why} (point --state-dir / CDC_CHECK_STATE_DIR at a writable directory) | {perf}",
+            status.label()
+        ),
+    )
 }
 
 /// Judge a slot reading; `inactive_for` is how long it has been seen inactive.
@@ -302,25 +325,38 @@ pub(crate) fn evaluate(
     )
 }
 
-/// Remember since when the slot is inactive in `state_dir`; `None` while active.
-fn track_inactivity(state_dir: &Path, slot: &str, active: bool) -> Option<Duration> {
+/// Remember since when the slot is inactive in `state_dir`; `None` while active. An error
+/// says why the state cannot be kept (the directory unwritable, say).
+fn track_inactivity(
+    state_dir: &Path,
+    slot: &str,
+    active: bool,
+) -> Result<Option<Duration>, String> {
     let file = state_dir.join(format!("cdc-relay-check.{slot}.inactive-since"));
     let now = SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .unwrap_or_default()
         .as_secs();
     if active {
+        // Nothing to remember: a file that cannot be removed only makes the next inactive
+        // spell look older, which errs towards alerting.
         let _ = std::fs::remove_file(&file);
-        return None;
+        return Ok(None);
     }
-    let since = std::fs::read_to_string(&file)
-        .ok()
-        .and_then(|s| s.trim().parse::<u64>().ok())
-        .unwrap_or_else(|| {
-            let _ = std::fs::write(&file, now.to_string());
+    let since = match std::fs::read_to_string(&file) {
+        Ok(text) => text.trim().parse::<u64>().ok(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => return Err(format!("cannot read {}: {e}", file.display())),
+    };
+    let since = match since {
+        Some(since) => since,
+        None => {
+            std::fs::write(&file, now.to_string())
+                .map_err(|e| format!("cannot write {}: {e}", file.display()))?;
             now
-        });
-    Some(Duration::from_secs(now.saturating_sub(since)))
+        }
+    };
+    Ok(Some(Duration::from_secs(now.saturating_sub(since))))
 }
 
 /// `cdc-relay drop-slot`.
