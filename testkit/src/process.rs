@@ -271,3 +271,50 @@ pub(crate) fn install_exit_cleanup() {
         libc::atexit(kill_children_at_exit);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The ignored-signal bits of `SigIgn:` in a process's /proc status.
+    fn ignored_mask(status: &str) -> u64 {
+        let hex = status
+            .lines()
+            .find_map(|l| l.strip_prefix("SigIgn:"))
+            .expect("a SigIgn line")
+            .trim();
+        u64::from_str_radix(hex, 16).unwrap()
+    }
+
+    /// Run as `cargo test &` or under nohup, the test process ignores SIGINT (and SIGHUP):
+    /// the processes it starts must not, or the SIGINT a test sends does nothing (issue 25
+    /// item 8: the README run-command test failed after 120 s with the stack still up).
+    #[test]
+    fn children_do_not_inherit_ignored_signals() {
+        // SAFETY: plain dispositions of this test process, restored below; no handler runs.
+        let (int, hup) = unsafe {
+            (
+                libc::signal(libc::SIGINT, libc::SIG_IGN),
+                libc::signal(libc::SIGHUP, libc::SIG_IGN),
+            )
+        };
+        let own = ignored_mask(&std::fs::read_to_string("/proc/self/status").unwrap());
+        let dir = crate::scratch_dir("dispositions");
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "exec cat /proc/self/status"]);
+        let child = ChildProcess::spawn("dispositions", cmd, &dir.join("status.log")).unwrap();
+        let exited = child.wait_exit(Duration::from_secs(10));
+        // SAFETY: as above.
+        unsafe {
+            libc::signal(libc::SIGINT, int);
+            libc::signal(libc::SIGHUP, hup);
+        }
+        assert!(exited.unwrap().success());
+        let bit = |signal: libc::c_int| 1u64 << (signal - 1);
+        assert_ne!(own & bit(libc::SIGINT), 0, "the test itself ignores SIGINT");
+        let child_mask = ignored_mask(&child.log());
+        for (name, signal) in [("SIGINT", libc::SIGINT), ("SIGHUP", libc::SIGHUP)] {
+            assert_eq!(child_mask & bit(signal), 0, "the child ignores {name}");
+        }
+    }
+}
