@@ -11,7 +11,8 @@
 # .local/ in the repository) and is kept between runs. Ports (loopback only): CONSUMERS_PORT
 # (8081), WORKERS_PORT (8082), relay admin CONSUMERS_RELAY_ADMIN (9181) and
 # WORKERS_RELAY_ADMIN (9182), PG_PORT (54329), REDIS_PORT (63790).
-# CHAT_LOCAL_PROFILE=debug uses debug builds. Run as root (Postgres runs as `postgres`).
+# CHAT_LOCAL_PROFILE=debug uses debug builds; CHAT_LOCAL_BIN=DIR uses the binaries in DIR
+# and builds nothing. Run as root (Postgres runs as `postgres`).
 set -euo pipefail
 
 root=$(cd "$(dirname "$0")/.." && pwd)
@@ -38,13 +39,19 @@ fi
 
 "$root/deploy/install-deps.sh" --local
 
-log "building ($profile)"
-if [ "$profile" = release ]; then
-  cargo build --release --quiet --manifest-path "$root/Cargo.toml" -p cdc-relay -p chat-services
+if [ -n "${CHAT_LOCAL_BIN:-}" ]; then
+  # Binaries built already (the test of this script: a build here would replace the ones
+  # the other tests run, built with other features).
+  bin=$CHAT_LOCAL_BIN
 else
-  cargo build --quiet --manifest-path "$root/Cargo.toml" -p cdc-relay -p chat-services
+  log "building ($profile)"
+  if [ "$profile" = release ]; then
+    cargo build --release --quiet --manifest-path "$root/Cargo.toml" -p cdc-relay -p chat-services
+  else
+    cargo build --quiet --manifest-path "$root/Cargo.toml" -p cdc-relay -p chat-services
+  fi
+  bin=$root/target/$profile
 fi
-bin=$root/target/$profile
 
 mkdir -p "$state/logs" "$state/redis" "$state/pg/socket"
 pids=()

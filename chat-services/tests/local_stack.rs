@@ -48,6 +48,14 @@ async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
         .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
         .env("CHAT_LOCAL_DIR", &state)
         .env("CHAT_LOCAL_PROFILE", "debug")
+        // The binaries of this test build: building here would replace them for the tests
+        // running beside this one (a plain build lacks the failpoints they use).
+        .env(
+            "CHAT_LOCAL_BIN",
+            std::path::Path::new(env!("CARGO_BIN_EXE_chat-service"))
+                .parent()
+                .unwrap(),
+        )
         .env("CONSUMERS_PORT", ports[0].to_string())
         .env("WORKERS_PORT", ports[1].to_string())
         .env("CONSUMERS_RELAY_ADMIN", ports[2].to_string())

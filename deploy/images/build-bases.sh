@@ -6,11 +6,14 @@
 #   localhost/outbox/postgres:15        Debian's PostgreSQL 15, with the docker-entrypoint.sh
 #                                       subset deploy/compose.yaml uses (POSTGRES_DB, POSTGRES_PASSWORD_FILE)
 #   localhost/outbox/redis:7            Debian's redis-server (7.0 on bookworm: our tested minimum)
-# An image is rebuilt only when this script changed (its hash is the image's label), so
+# An image is rebuilt only when this script or an entrypoint changed (their hash is the
+# image's label), so
 # CI builds them once per machine. Needs root, mmdebstrap and podman.
 set -euo pipefail
 
-recipe=$(sha256sum "$0" | cut -c1-16)
+here=$(cd "$(dirname "$0")" && pwd)
+# The recipe is this script and the entrypoints it installs.
+recipe=$(cat "$0" "$here"/*-entrypoint.sh | sha256sum | cut -c1-16)
 suite=bookworm
 mirror=http://deb.debian.org/debian
 work=$(mktemp -d)
@@ -20,7 +23,7 @@ current() {
   [ "$(podman image inspect --format '{{index .Labels "outbox.recipe"}}' "$1" 2>/dev/null)" = "$recipe" ]
 }
 
-# Writes a minimal entrypoint into the root filesystem at $1.
+# mmdebstrap hooks per image ($1 in a hook is the root filesystem being made).
 hooks_for() {
   case "$2" in
     runtime)
@@ -30,10 +33,10 @@ hooks_for() {
       ;;
     postgres)
       echo "--essential-hook=mkdir -p \"\$1/etc/postgresql-common\" && echo 'create_main_cluster = false' >\"\$1/etc/postgresql-common/createcluster.conf\""
-      echo "--customize-hook=install -m 755 $(dirname "$0")/postgres-entrypoint.sh \"\$1/usr/local/bin/docker-entrypoint.sh\""
+      echo "--customize-hook=install -m 755 '$here/postgres-entrypoint.sh' \"\$1/usr/local/bin/docker-entrypoint.sh\""
       ;;
     redis)
-      echo "--customize-hook=install -m 755 $(dirname "$0")/redis-entrypoint.sh \"\$1/usr/local/bin/docker-entrypoint.sh\""
+      echo "--customize-hook=install -m 755 '$here/redis-entrypoint.sh' \"\$1/usr/local/bin/docker-entrypoint.sh\""
       ;;
   esac
 }

@@ -98,14 +98,24 @@ async fn run_retrying_concurrent_runs(client: &mut Client) -> Result<Vec<String>
     }
 }
 
+/// Whether `e` is one of [`CONCURRENT_RUN_STATES`]; a missing or duplicate object only when
+/// it is a role (a broken migration's missing table is not retried).
 fn met_concurrent_run(e: &refinery::Error) -> bool {
     let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
     while let Some(err) = source {
-        if let Some(code) = err
+        if let Some(db) = err
             .downcast_ref::<tokio_postgres::Error>()
-            .and_then(|pg| pg.code())
+            .and_then(|pg| pg.as_db_error())
         {
-            return CONCURRENT_RUN_STATES.contains(code);
+            let code = db.code();
+            let about_roles = db.message().starts_with("role ")
+                || db.constraint().is_some_and(|c| c.starts_with("pg_authid"));
+            return CONCURRENT_RUN_STATES.contains(code)
+                && (about_roles
+                    || !matches!(
+                        *code,
+                        SqlState::UNDEFINED_OBJECT | SqlState::UNIQUE_VIOLATION
+                    ));
         }
         source = err.source();
     }
