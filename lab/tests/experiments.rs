@@ -22,6 +22,11 @@ fn bins() -> Bins {
             "cdc-relay",
             "-p",
             "chat-services",
+            // With the lab, whose dependency turns on chat-services' failpoints: the chaos
+            // runs crash services on purpose (--crash-after-inbox-commit). This is also what
+            // `cargo test --workspace` built, so it rebuilds nothing then.
+            "-p",
+            "lab",
             "--bins",
         ])
         .current_dir(env!("CARGO_MANIFEST_DIR"))

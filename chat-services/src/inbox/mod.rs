@@ -88,8 +88,10 @@ pub(crate) struct InboxConfig {
     pub lease_ttl: Duration,
     /// Test hook: SIGKILL this process right after the n-th recorded message was committed
     /// to the inbox and before it is acknowledged.
+    #[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
     pub crash_after_inbox_commit: Option<u64>,
     /// Test hook: SIGKILL this process when about to record a message with this body.
+    #[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
     pub crash_on_body: Option<String>,
 }
 
