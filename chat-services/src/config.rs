@@ -599,7 +599,7 @@ impl Cli {
 #[derive(Debug, Clone, Parser)]
 #[command(name = "migrate", version)]
 pub struct MigrateCli {
-    /// Postgres URL of a superuser (or a CREATEROLE owner of the database).
+    /// Postgres URL of a superuser (or a CREATEROLE owner of the database); with --wait, of any role of the system.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     #[command(flatten)]
@@ -608,6 +608,12 @@ pub struct MigrateCli {
     /// consumers=/run/secrets/consumers-password. It is sent as a SCRAM-SHA-256 verifier computed here, never the password itself.
     #[arg(long = "role-password", value_parser = parse_role_password)]
     pub role_passwords: Vec<(String, PathBuf)>,
+    /// Apply nothing: wait until the database has every migration this release carries, then exit 0 (1 after --wait-timeout). Any role of the system may run it with its own credentials: the init container that holds a pod back until the migration Job ran.
+    #[arg(long, env = "MIGRATE_WAIT", conflicts_with = "role_passwords")]
+    pub wait: bool,
+    /// How long --wait waits.
+    #[arg(long, env = "MIGRATE_WAIT_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10m")]
+    pub wait_timeout: Duration,
 }
 
 #[cfg(feature = "failpoints")]

@@ -14,3 +14,63 @@ async fn databases_of_one_fresh_cluster_migrate_at_once() {
         }
     }
 }
+
+/// `migrate --wait` as a service's own role (the init container of deploy/k8s): it waits
+/// while the database is not migrated (no history yet, or one its role cannot read), gives
+/// up at its deadline saying why, and exits 0 once the migration ran.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn migrate_wait_holds_a_pod_back_until_the_migrations_ran() {
+    let pg = testkit::shared_postgres();
+    // Roles exist cluster-wide once one database is migrated.
+    let _migrated = pg.create_database().await.unwrap();
+    let name = testkit::unique_name("wait");
+    let admin = pg.connect("postgres").await.unwrap();
+    admin
+        .batch_execute(&format!("CREATE DATABASE {name}"))
+        .await
+        .unwrap();
+    let wait = |timeout: &str| {
+        let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_migrate"));
+        cmd.args(["--wait", "--wait-timeout", timeout, "--database-url"])
+            .arg(pg.url("consumers", &name))
+            .env_remove("DATABASE_URL");
+        cmd
+    };
+    let out = wait("2s").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(
+        stderr.contains("gave up waiting after --wait-timeout")
+            && stderr.contains("cannot read the migration history yet"),
+        "{stderr}"
+    );
+
+    // Waiting while the migration Job runs: done once it is.
+    let dir = testkit::scratch_dir("migrate-wait");
+    let waiter =
+        testkit::ChildProcess::spawn("migrate-wait", wait("60s"), &dir.join("wait.log")).unwrap();
+    let mut client = pg.connect(&name).await.unwrap();
+    outbox_migrations::apply(&mut client).await.unwrap();
+    let status = waiter
+        .wait_exit(std::time::Duration::from_secs(30))
+        .unwrap();
+    assert!(status.success(), "{}", waiter.log());
+    assert!(
+        waiter.log().contains("every migration this release needs"),
+        "{}",
+        waiter.log()
+    );
+
+    // And `--wait` sets no passwords.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_migrate"))
+        .args([
+            "--wait",
+            "--role-password",
+            "consumers=/dev/null",
+            "--database-url",
+        ])
+        .arg(pg.url("consumers", &name))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "clap refuses the combination");
+}

@@ -122,6 +122,39 @@ fn met_concurrent_run(e: &refinery::Error) -> bool {
     false
 }
 
+/// Where a database stands against the migrations this build carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchemaState {
+    /// The newest migration applied to the database (`None`: none yet).
+    pub applied: Option<i32>,
+    /// The newest migration this build carries.
+    pub needed: i32,
+}
+
+impl SchemaState {
+    /// Every migration this build needs is applied (a newer release's extra ones too).
+    pub fn is_current(&self) -> bool {
+        self.applied.is_some_and(|v| v >= self.needed)
+    }
+}
+
+/// Reads how far the database is migrated, as any role allowed to read the history (V20
+/// lets the services' and relays' roles); a database never migrated has no history table
+/// and answers an error, as does a role without the grant (a database before V20).
+pub async fn state(client: &Client) -> Result<SchemaState, tokio_postgres::Error> {
+    let applied: Option<i32> = client
+        .query_one("SELECT max(version) FROM refinery_schema_history", &[])
+        .await?
+        .get(0);
+    let needed = embedded::migrations::runner()
+        .get_migrations()
+        .iter()
+        .map(|m| m.version())
+        .max()
+        .expect("at least one migration");
+    Ok(SchemaState { applied, needed })
+}
+
 /// Names of all migrations this build carries, in order.
 pub fn known() -> Vec<String> {
     embedded::migrations::runner()

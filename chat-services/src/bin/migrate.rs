@@ -16,6 +16,8 @@ enum Error {
     Migrate(#[from] outbox_migrations::MigrateError),
     #[error("setting the password of {role}: {message}")]
     Password { role: String, message: String },
+    #[error("gave up waiting after --wait-timeout: {0}")]
+    WaitTimedOut(String),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -23,6 +25,15 @@ async fn main() -> std::process::ExitCode {
     let _ = rustls::crypto::ring::default_provider().install_default();
     logging::init(LogFormat::Text, "info");
     let cli = Cli::parse();
+    if cli.wait {
+        return match wait(&cli).await {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("migrate --wait: {e}");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
     match run(&cli).await {
         Ok(report) => {
             if report.applied.is_empty() {
@@ -60,6 +71,47 @@ async fn run(cli: &Cli) -> Result<outbox_migrations::Report, Error> {
         tracing::info!(%role, "password set");
     }
     Ok(report)
+}
+
+/// `--wait`: polls until the database has every migration this build carries. Anything
+/// in the way (Postgres not up, the history not there or not readable yet) is waited out and
+/// said once per change, with the deadline as the only way to fail.
+async fn wait(cli: &Cli) -> Result<(), Error> {
+    let endpoint = cli.secrets.endpoint(&cli.database_url)?;
+    let deadline = tokio::time::Instant::now() + cli.wait_timeout;
+    let mut last = String::new();
+    loop {
+        let seen = match endpoint
+            .connect_as(std::time::Duration::from_secs(10), "migrate-wait")
+            .await
+        {
+            Ok(client) => match outbox_migrations::state(&client).await {
+                Ok(state) if state.is_current() => {
+                    tracing::info!(version = ?state.applied, "the database has every migration this release needs");
+                    return Ok(());
+                }
+                Ok(state) => format!(
+                    "the database is at migration {}, this release needs {}",
+                    state.applied.map_or("none".into(), |v| v.to_string()),
+                    state.needed
+                ),
+                Err(e) => format!(
+                    "cannot read the migration history yet: {}",
+                    e.as_db_error()
+                        .map_or(e.to_string(), |d| d.message().to_string())
+                ),
+            },
+            Err(e) => format!("cannot connect yet: {e}"),
+        };
+        if seen != last {
+            tracing::info!(state = %seen, "waiting for the migrations");
+            last = seen;
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(Error::WaitTimedOut(last));
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(2)).await;
+    }
 }
 
 /// `ALTER ROLE` with the SCRAM-SHA-256 verifier of `password`, computed here (a fresh salt
