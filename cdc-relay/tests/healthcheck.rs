@@ -63,3 +63,19 @@ fn no_answer_and_bad_usage_fail() {
     assert_eq!(code, Some(1));
     assert!(stderr.contains("only http://"), "{stderr}");
 }
+
+/// `--verbose` prints the status and the body (a relay's `/readyz`: its `last_error`), for
+/// an operator inside a pod with no curl.
+#[test]
+fn verbose_prints_the_answer() {
+    let out = Command::new(env!("CARGO_BIN_EXE_healthcheck"))
+        .args(["--verbose", &answer_once("503 Service Unavailable")])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "503 {\"status\":\"x\"}\n"
+    );
+    assert_eq!(probe(&["--verbose"]).0, Some(2));
+}

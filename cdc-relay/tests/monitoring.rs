@@ -100,12 +100,30 @@ fn every_alert_has_a_runbook_section() {
             docs.contains(&format!("### {alert}\n")),
             "docs/operations.md has no section for {alert}"
         );
+        // A link a pager can open: the published docs' base (Prometheus' external label
+        // runbook_base_url) and the section's anchor.
         assert!(
             rules.contains(&format!(
-                "runbook: docs/operations.md#{}",
+                "runbook_url: \"{{{{ with $externalLabels.runbook_base_url }}}}{{{{ . }}}}{{{{ else }}}}docs/operations.md{{{{ end }}}}#{}\"",
                 alert.to_lowercase()
             )),
             "{alert} links no runbook"
         );
+        // Every section gives the commands to run.
+        let section = docs.split(&format!("### {alert}\n")).nth(1).unwrap();
+        let section = section
+            .split("\n### ")
+            .next()
+            .unwrap()
+            .split("\n## ")
+            .next()
+            .unwrap();
+        assert!(
+            section.contains("\n```\n"),
+            "docs/operations.md's {alert} gives no command to run"
+        );
     }
+    let prometheus =
+        std::fs::read_to_string(root().join("deploy/monitoring/prometheus.yml")).unwrap();
+    assert!(prometheus.contains("runbook_base_url: https://"));
 }

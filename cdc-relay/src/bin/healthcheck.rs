@@ -1,6 +1,8 @@
-//! `healthcheck URL`: exit 0 when an HTTP GET of URL answers 2xx within 2 s, 1 otherwise.
-//! The container images have no shell and no curl; Docker and compose health checks run
-//! this instead (`healthcheck http://127.0.0.1:8080/readyz`).
+//! `healthcheck [--verbose] URL`: exit 0 when an HTTP GET of URL answers 2xx within 2 s, 1
+//! otherwise. The container images have no shell and no curl; Docker and compose health
+//! checks run this instead (`healthcheck http://127.0.0.1:8080/readyz`), and an operator
+//! reads a relay's or service's own view with `--verbose`, which prints the answer's body
+//! (`/readyz`: state, `reason`, `last_error`) from inside the pod.
 
 use std::io::{Read, Write};
 use std::net::{TcpStream, ToSocketAddrs};
@@ -8,18 +10,30 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 const TIMEOUT: Duration = Duration::from_secs(2);
+/// The most of an answer read: /readyz and /healthz are small; /metrics is cut here.
+const MAX_ANSWER: usize = 256 * 1024;
 
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
-    let [url] = args.as_slice() else {
-        eprintln!("usage: healthcheck http://HOST:PORT/PATH");
-        return ExitCode::from(2);
+    let (verbose, url) = match args.as_slice() {
+        [url] if url != "--verbose" => (false, url),
+        [flag, url] if flag == "--verbose" => (true, url),
+        _ => {
+            eprintln!("usage: healthcheck [--verbose] http://HOST:PORT/PATH");
+            return ExitCode::from(2);
+        }
     };
-    match check(url) {
-        Ok(status) if (200..300).contains(&status) => ExitCode::SUCCESS,
-        Ok(status) => {
-            eprintln!("healthcheck: {url} answered {status}");
-            ExitCode::FAILURE
+    match get(url) {
+        Ok((status, body)) => {
+            if verbose {
+                println!("{status} {}", body.trim_end());
+            }
+            if (200..300).contains(&status) {
+                ExitCode::SUCCESS
+            } else {
+                eprintln!("healthcheck: {url} answered {status}");
+                ExitCode::FAILURE
+            }
         }
         Err(e) => {
             eprintln!("healthcheck: {url}: {e}");
@@ -28,8 +42,8 @@ fn main() -> ExitCode {
     }
 }
 
-/// The status code of `GET url` (plain HTTP only: the probes are on loopback).
-fn check(url: &str) -> Result<u16, String> {
+/// The status code and body of `GET url` (plain HTTP only: the probes are on loopback).
+fn get(url: &str) -> Result<(u16, String), String> {
     let rest = url
         .strip_prefix("http://")
         .ok_or("only http:// URLs are supported")?;
@@ -54,19 +68,20 @@ fn check(url: &str) -> Result<u16, String> {
         "GET {path} HTTP/1.0\r\nHost: {authority}\r\nConnection: close\r\n\r\n"
     )
     .map_err(|e| e.to_string())?;
-    // The status line is in the first bytes; the body does not matter.
-    let mut head = [0u8; 64];
-    let mut len = 0;
-    while len < 12 {
-        let n = stream.read(&mut head[len..]).map_err(|e| e.to_string())?;
-        if n == 0 {
-            break;
-        }
-        len += n;
-    }
-    let line = String::from_utf8_lossy(&head[..len]);
-    line.split_whitespace()
+    // HTTP/1.0 with Connection: close: the answer ends when the server closes.
+    let mut answer = Vec::new();
+    stream
+        .take(MAX_ANSWER as u64)
+        .read_to_end(&mut answer)
+        .map_err(|e| e.to_string())?;
+    let text = String::from_utf8_lossy(&answer);
+    let status = text
+        .split_whitespace()
         .nth(1)
         .and_then(|code| code.parse().ok())
-        .ok_or_else(|| format!("not an HTTP response: {line:?}"))
+        .ok_or_else(|| format!("not an HTTP response: {:?}", &text[..text.len().min(64)]))?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map_or(String::new(), |(_, body)| body.to_string());
+    Ok((status, body))
 }
