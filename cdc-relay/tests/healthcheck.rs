@@ -79,3 +79,24 @@ fn verbose_prints_the_answer() {
     );
     assert_eq!(probe(&["--verbose"]).0, Some(2));
 }
+
+/// A server that answers and keeps the connection open (a proxy with keep-alive) passes:
+/// the probe reads the status line, not up to the close (which would time out and fail).
+#[test]
+fn a_probe_does_not_wait_for_the_server_to_close() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let (done, wait) = std::sync::mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        let (mut conn, _) = listener.accept().unwrap();
+        let mut chunk = [0u8; 256];
+        let _ = conn.read(&mut chunk).unwrap();
+        conn.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            .unwrap();
+        // Held open until the probe finished.
+        let _ = wait.recv();
+    });
+    let url = format!("http://127.0.0.1:{port}/readyz");
+    assert_eq!(probe(&[&url]).0, Some(0));
+    let _ = done.send(());
+}

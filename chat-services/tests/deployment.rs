@@ -638,6 +638,11 @@ async fn kubernetes_manifests_reference_only_what_exists() {
         .find(|(_, d)| string_or_empty(&d["kind"]) == "ConfigMap")
         .map(|(_, d)| hash_keys(&d["data"]).into_iter().collect())
         .expect("a ConfigMap");
+    let config = documents
+        .iter()
+        .find(|(_, d)| string_or_empty(&d["kind"]) == "ConfigMap")
+        .map(|(_, d)| d["data"].clone())
+        .unwrap();
     let mut problems = Vec::new();
     let mut named_ports = BTreeSet::new();
 
@@ -694,10 +699,39 @@ async fn kubernetes_manifests_reference_only_what_exists() {
             string_or_empty(&d["kind"]) == "NetworkPolicy" && selects(&d["spec"]["podSelector"])
         });
         match policy {
-            Some((_, p)) if strings(&p["spec"]["policyTypes"]) == ["Ingress", "Egress"] => {}
-            Some(_) => problems.push(format!(
-                "{file}: its NetworkPolicy must restrict both Ingress and Egress"
-            )),
+            Some((_, p)) => {
+                let types: BTreeSet<String> =
+                    strings(&p["spec"]["policyTypes"]).into_iter().collect();
+                if types != BTreeSet::from(["Ingress".to_string(), "Egress".to_string()]) {
+                    problems.push(format!(
+                        "{file}: its NetworkPolicy must restrict both Ingress and Egress"
+                    ));
+                }
+                // Egress to the servers on the ports config.yaml gives them.
+                let egress_ports: BTreeSet<String> = p["spec"]["egress"]
+                    .as_vec()
+                    .into_iter()
+                    .flatten()
+                    .flat_map(|rule| rule["ports"].as_vec().into_iter().flatten())
+                    .map(|port| match &port["port"] {
+                        Yaml::Integer(n) => n.to_string(),
+                        other => string_or_empty(other),
+                    })
+                    .collect();
+                let needed: &[&str] = if kind == "Job" {
+                    &["PG_PORT"]
+                } else {
+                    &["PG_PORT", "REDIS_PORT"]
+                };
+                for key in needed {
+                    let port = string_or_empty(&config[*key]);
+                    if !egress_ports.contains(&port) {
+                        problems.push(format!(
+                            "{file}: its NetworkPolicy does not let it reach {key} {port} (config.yaml)"
+                        ));
+                    }
+                }
+            }
             None => problems.push(format!("{file}: no NetworkPolicy selects its pods")),
         }
         if kind == "Deployment" {
@@ -726,9 +760,41 @@ async fn kubernetes_manifests_reference_only_what_exists() {
             .into_iter()
             .flatten()
             .chain(pod["containers"].as_vec().into_iter().flatten());
+        let workload = string(&doc["metadata"]["name"]);
         for c in containers {
             let cname = string(&c["name"]);
             let place = format!("{file} container {cname}");
+            // Each component reads its own Secret, as files: the service (and the schema
+            // wait, which runs as the service's role) `<side>-credentials`, the relay
+            // `<side>-relay-credentials`, the Job `chat-migrate-credentials`.
+            let own = match (kind.as_str(), cname.as_str()) {
+                ("Job", _) => format!("{workload}-credentials"),
+                (_, "cdc-relay" | "relay-setup") => format!("{workload}-relay-credentials"),
+                _ => format!("{workload}-credentials"),
+            };
+            for mount in c["volumeMounts"].as_vec().into_iter().flatten() {
+                let volume = string(&mount["name"]);
+                let secret = volumes
+                    .get(&volume)
+                    .map(|v| string_or_empty(&v["secret"]["secretName"]))
+                    .unwrap_or_default();
+                if !secret.is_empty() && secret != own {
+                    problems.push(format!(
+                        "{place}: mounts the Secret {secret}; its own is {own}"
+                    ));
+                }
+            }
+            let env_secret = c["envFrom"].as_vec().is_some_and(|v| !v.is_empty())
+                || c["env"]
+                    .as_vec()
+                    .into_iter()
+                    .flatten()
+                    .any(|var| !var["valueFrom"]["secretKeyRef"].is_badvalue());
+            if env_secret {
+                problems.push(format!(
+                    "{place}: takes a Secret through its environment; credentials are mounted files"
+                ));
+            }
             let resources = &c["resources"];
             if resources["requests"]["cpu"].is_badvalue()
                 || resources["requests"]["memory"].is_badvalue()

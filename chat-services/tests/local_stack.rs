@@ -64,6 +64,14 @@ async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
         .env("REDIS_PORT", ports[5].to_string())
         .env("CONSUMERS_ADMIN", ports[6].to_string())
         .env("WORKERS_ADMIN", ports[7].to_string());
+    let bin_dir = std::path::Path::new(env!("CARGO_BIN_EXE_chat-service"))
+        .parent()
+        .unwrap();
+    assert!(
+        bin_dir.join("cdc-relay").exists(),
+        "{} has no cdc-relay: run the tests with `cargo test --workspace`",
+        bin_dir.display()
+    );
     let stack = ChildProcess::spawn("local-stack", cmd, &state.join("run.log")).unwrap();
     wait_until(Duration::from_secs(600), "the chat page URLs", || async {
         let out = stack.log();

@@ -17,7 +17,8 @@ async fn databases_of_one_fresh_cluster_migrate_at_once() {
 
 /// `migrate --wait` as a service's own role (the init container of deploy/k8s): it waits
 /// while the database is not migrated (no history yet, or one its role cannot read), gives
-/// up at its deadline saying why, and exits 0 once the migration ran.
+/// up at its deadline saying why, exits 0 once the migration ran, and does not take another
+/// migration of the same number for this release's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn migrate_wait_holds_a_pod_back_until_the_migrations_ran() {
     let pg = testkit::shared_postgres();
@@ -41,7 +42,7 @@ async fn migrate_wait_holds_a_pod_back_until_the_migrations_ran() {
     assert_eq!(out.status.code(), Some(1), "{stderr}");
     assert!(
         stderr.contains("gave up waiting after --wait-timeout")
-            && stderr.contains("cannot read the migration history yet"),
+            && stderr.contains("the database lacks migrations [1, 2, 3,"),
         "{stderr}"
     );
 
@@ -60,6 +61,20 @@ async fn migrate_wait_holds_a_pod_back_until_the_migrations_ran() {
         "{}",
         waiter.log()
     );
+
+    // A migration of the same number but not this release's (migrate refuses it as
+    // divergent) does not count as applied.
+    client
+        .execute(
+            "UPDATE refinery_schema_history SET checksum = '1' WHERE version = 20",
+            &[],
+        )
+        .await
+        .unwrap();
+    let out = wait("2s").output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("lacks migrations [20]"), "{stderr}");
 
     // And `--wait` sets no passwords.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_migrate"))

@@ -23,8 +23,9 @@ fn bins() -> Bins {
             "-p",
             "chat-services",
             // With the lab, whose dependency turns on chat-services' failpoints: the chaos
-            // runs crash services on purpose (--crash-after-inbox-commit). This is also what
-            // `cargo test --workspace` built, so it rebuilds nothing then.
+            // runs crash services on purpose (--crash-after-inbox-commit). (After `cargo
+            // test --workspace` this relinks the binaries once without the test-support
+            // features; the tests that use them ran before this binary.)
             "-p",
             "lab",
             "--bins",

@@ -123,36 +123,73 @@ fn met_concurrent_run(e: &refinery::Error) -> bool {
 }
 
 /// Where a database stands against the migrations this build carries.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SchemaState {
     /// The newest migration applied to the database (`None`: none yet).
     pub applied: Option<i32>,
     /// The newest migration this build carries.
     pub needed: i32,
+    /// Migrations this build carries that the database lacks, or holds with another
+    /// checksum (a different migration of the same number, which `migrate` refuses).
+    pub missing: Vec<i32>,
 }
 
 impl SchemaState {
-    /// Every migration this build needs is applied (a newer release's extra ones too).
+    /// Every migration this build carries is applied, as this build has it (a newer
+    /// release's extra ones may be there too).
     pub fn is_current(&self) -> bool {
-        self.applied.is_some_and(|v| v >= self.needed)
+        self.missing.is_empty()
     }
 }
 
 /// Reads how far the database is migrated, as any role allowed to read the history (V20
-/// lets the services' and relays' roles); a database never migrated has no history table
-/// and answers an error, as does a role without the grant (a database before V20).
+/// lets the services' and relays' roles). The history table is found wherever `migrate`
+/// created it (its role's first schema on the search path), not through this role's path.
+/// A database never migrated has no history table yet: an error, as is a role without the
+/// grant (a database before V20).
 pub async fn state(client: &Client) -> Result<SchemaState, tokio_postgres::Error> {
-    let applied: Option<i32> = client
-        .query_one("SELECT max(version) FROM refinery_schema_history", &[])
+    let schema: Option<String> = client
+        .query_opt(
+            "SELECT n.nspname::text FROM pg_catalog.pg_class c \
+             JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
+             WHERE c.relname = 'refinery_schema_history' AND c.relkind = 'r' \
+             ORDER BY n.nspname = 'public' DESC LIMIT 1",
+            &[],
+        )
         .await?
-        .get(0);
-    let needed = embedded::migrations::runner()
-        .get_migrations()
+        .map(|row| row.get(0));
+    let rows = match schema {
+        Some(schema) => {
+            let schema = schema.replace('"', "\"\"");
+            client
+                .query(
+                    &format!("SELECT version, checksum FROM \"{schema}\".refinery_schema_history"),
+                    &[],
+                )
+                .await?
+        }
+        None => Vec::new(),
+    };
+    let history: std::collections::HashMap<i32, String> = rows
         .iter()
+        .map(|row| (row.get::<_, i32>(0), row.get::<_, String>(1)))
+        .collect();
+    let carried = embedded::migrations::runner().get_migrations().to_vec();
+    let mut missing: Vec<i32> = carried
+        .iter()
+        .filter(|m| history.get(&m.version()) != Some(&m.checksum().to_string()))
         .map(|m| m.version())
-        .max()
-        .expect("at least one migration");
-    Ok(SchemaState { applied, needed })
+        .collect();
+    missing.sort_unstable();
+    Ok(SchemaState {
+        applied: history.keys().max().copied(),
+        needed: carried
+            .iter()
+            .map(|m| m.version())
+            .max()
+            .expect("at least one migration"),
+        missing,
+    })
 }
 
 /// Names of all migrations this build carries, in order.

@@ -81,33 +81,40 @@ async fn wait(cli: &Cli) -> Result<(), Error> {
     let deadline = tokio::time::Instant::now() + cli.wait_timeout;
     let mut last = String::new();
     loop {
-        let seen = match endpoint
-            .connect_as(std::time::Duration::from_secs(10), "migrate-wait")
-            .await
-        {
-            Ok(client) => match outbox_migrations::state(&client).await {
-                Ok(state) if state.is_current() => {
-                    tracing::info!(version = ?state.applied, "the database has every migration this release needs");
-                    return Ok(());
-                }
-                Ok(state) => format!(
-                    "the database is at migration {}, this release needs {}",
-                    state.applied.map_or("none".into(), |v| v.to_string()),
-                    state.needed
-                ),
-                Err(e) => format!(
+        let attempt = async {
+            let client = endpoint
+                .connect_as(std::time::Duration::from_secs(10), "migrate-wait")
+                .await
+                .map_err(|e| format!("cannot connect yet: {e}"))?;
+            outbox_migrations::state(&client).await.map_err(|e| {
+                format!(
                     "cannot read the migration history yet: {}",
                     e.as_db_error()
                         .map_or(e.to_string(), |d| d.message().to_string())
-                ),
-            },
-            Err(e) => format!("cannot connect yet: {e}"),
+                )
+            })
+        };
+        // The deadline bounds an attempt too (a server that accepts and never answers).
+        let seen = match tokio::time::timeout_at(deadline, attempt).await {
+            Ok(Ok(state)) if state.is_current() => {
+                tracing::info!(version = ?state.applied, "the database has every migration this release needs");
+                return Ok(());
+            }
+            Ok(Ok(state)) => format!(
+                "the database lacks migrations {:?} of this release (it is at {}, this release needs {})",
+                state.missing,
+                state.applied.map_or("none".into(), |v| v.to_string()),
+                state.needed
+            ),
+            Ok(Err(why)) => why,
+            Err(_) => format!("{last} (the last attempt did not finish)"),
         };
         if seen != last {
             tracing::info!(state = %seen, "waiting for the migrations");
             last = seen;
         }
-        if tokio::time::Instant::now() >= deadline {
+        let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+        if left < std::time::Duration::from_secs(2) {
             return Err(Error::WaitTimedOut(last));
         }
         tokio::time::sleep(std::time::Duration::from_secs(2)).await;
