@@ -33,7 +33,9 @@ mod status;
 pub use config::RelayConfig;
 pub use error::RelayError;
 pub use metrics::Metrics;
-pub use ops::{check, drop_slot, reshard, setup, setup_command, slots, CheckStatus, SetupOutcome};
+pub use ops::{
+    check, drop_slot, reshard, setup, setup_command, slots, streams, CheckStatus, SetupOutcome,
+};
 pub use relay::{run, Relay};
 pub use status::{RelayStatus, Role};
 

@@ -24,6 +24,7 @@ async fn main() -> ExitCode {
             Err(e) => Err(e),
         },
         Command::Slots(args) => cdc_relay::slots(&args).await.map(|out| print!("{out}")),
+        Command::Streams(args) => cdc_relay::streams(&args).await.map(|out| print!("{out}")),
         Command::Check(args) => {
             let (status, line) = cdc_relay::check(&args).await;
             println!("{line}");

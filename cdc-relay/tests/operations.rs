@@ -1,5 +1,5 @@
 //! What operators see and what the relay recovers from: slot metrics that follow the world,
-//! the slot commands, a slot invalidated by max_slot_wal_keep_size, and Redis losing data.
+//! the slot commands, the stream command, a slot invalidated by max_slot_wal_keep_size, and Redis losing data.
 //! The slot metrics, the slot commands and the lost slot run on Postgres 16, 17 and 18 too.
 
 use std::process::{Command, Output};
@@ -750,4 +750,119 @@ async fn check_and_slot_commands(pg: &PgServer) {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(slot_json(&url, &fx.slot).is_none());
+}
+
+/// `cdc-relay streams` (issue 26): a group that stopped reading shows its lag (entries not
+/// yet delivered), its pending entries and their age, its consumers and its dead letters,
+/// as JSON and as a table.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_reports_a_stopped_groups_lag_pending_and_dead_letters() {
+    let fx = Fixture::new(shared_postgres(), shared_redis()).await;
+    let relay = fx.spawn_relay("relay", &["--slot-metrics-interval", "100ms"]);
+    relay.wait_streaming().await;
+    let mut conn = fx.redis.connect().await.unwrap();
+    let group = testkit::unique_name("readers");
+    let () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&fx.stream)
+        .arg(&group)
+        .arg("0")
+        .arg("MKSTREAM")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let mut writer = fx.writer().await;
+    for txn in 0..5 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+    let committed = outbox_ids(&fx).await;
+    wait_published(&fx, &committed, &relay).await;
+    // Two delivered to a consumer that then stopped, none acknowledged; one dead letter.
+    let _: redis::Value = redis::cmd("XREADGROUP")
+        .arg("GROUP")
+        .arg(&group)
+        .arg("stopped-consumer")
+        .arg("COUNT")
+        .arg(2)
+        .arg("STREAMS")
+        .arg(&fx.stream)
+        .arg(">")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let _: String = redis::cmd("XADD")
+        .arg(format!("deadletter:{group}"))
+        .arg("*")
+        .arg("reason")
+        .arg("test")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let redis_url = fx.redis.url();
+    let streams = |json: bool| {
+        let mut list = vec!["streams", "--redis-url", &redis_url, "--stream", &fx.stream];
+        if json {
+            list.push("--json");
+        }
+        cli(&args(&list))
+    };
+    let out = streams(true);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let shard = &report[0];
+    let length = stream_ids(&fx).await.len() as u64;
+    assert_eq!(shard["key"], fx.stream.as_str());
+    assert_eq!(shard["length"], length);
+    let g = shard["groups"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|g| g["name"] == group.as_str())
+        .expect("the group");
+    assert_eq!(g["lag"], length - 2, "{g}");
+    assert_eq!(g["pending"], 2, "{g}");
+    assert_eq!(g["consumers"], 1, "{g}");
+    assert_eq!(g["dead_letters"], 1, "{g}");
+    assert!(
+        g["oldest_pending_age_seconds"].as_f64().unwrap() >= 0.0,
+        "{g}"
+    );
+    let table = String::from_utf8_lossy(&streams(false).stdout).to_string();
+    assert!(
+        table.contains(&fx.stream) && table.contains(&group),
+        "{table}"
+    );
+
+    // The relay exports the same, for the lag alerts.
+    let of_group = |name: &str, samples: &std::collections::HashMap<String, f64>| {
+        samples
+            .iter()
+            .find(|(k, _)| {
+                k.starts_with(&format!("{name}{{")) && k.contains(&format!("group=\"{group}\""))
+            })
+            .map(|(_, v)| *v)
+    };
+    wait_until(
+        Duration::from_secs(30),
+        "the relay's stream gauges",
+        || async {
+            let samples = metrics(&relay).await;
+            let lag = of_group("cdc_relay_stream_group_lag_entries", &samples);
+            let pending = of_group("cdc_relay_stream_group_pending_entries", &samples);
+            let age = of_group(
+                "cdc_relay_stream_group_oldest_pending_age_seconds",
+                &samples,
+            );
+            match (lag, pending, age) {
+                (Some(l), Some(2.0), Some(a)) if l == (length - 2) as f64 && a >= 0.0 => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    relay.stop();
 }

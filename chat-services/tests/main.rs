@@ -30,4 +30,5 @@ mod retention;
 mod send_outcome;
 mod shards;
 mod shown;
+mod stages;
 mod user_limits;

@@ -16,9 +16,10 @@ use crate::error::RelayError;
 pub struct ConnectionArgs {
     /// Postgres URL of the relay's role (LOGIN REPLICATION), e.g.
     /// postgres://consumers_relay@db:5432/chat?sslmode=verify-full. sslmode: disable, prefer,
-    /// require, verify-ca, verify-full (the default); sslrootcert=FILE names the CA
+    /// require, verify-ca, verify-full (the default); sslrootcert=FILE names the CA. Needed
+    /// by every command but `streams`, which reads Redis only.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
-    pub database_url: String,
+    pub database_url: Option<String>,
     #[command(flatten)]
     pub database_secrets: DatabaseSecrets,
     /// Logical replication slot (pgoutput) the relay reads and acknowledges. Needed by
@@ -82,7 +83,11 @@ fn check_identifier(flag: &str, value: &str) -> Result<(), RelayError> {
 impl ConnectionArgs {
     /// The database endpoint.
     pub fn database(&self) -> Result<PgEndpoint, RelayError> {
-        Ok(self.database_secrets.endpoint(&self.database_url)?)
+        let url = self
+            .database_url
+            .as_deref()
+            .ok_or_else(|| missing("--database-url", "DATABASE_URL"))?;
+        Ok(self.database_secrets.endpoint(url)?)
     }
 
     /// The slot, required.

@@ -11,7 +11,7 @@ mod operator;
 mod run;
 
 pub use connection::ConnectionArgs;
-pub use operator::{CheckArgs, DropSlotArgs, SetupArgs, SlotsArgs};
+pub use operator::{CheckArgs, DropSlotArgs, SetupArgs, SlotsArgs, StreamsArgs};
 pub use run::{RunArgs, Tuning};
 
 /// Relays a transactional outbox from Postgres (logical replication, pgoutput) into a Redis
@@ -35,6 +35,10 @@ pub enum Command {
     Setup(SetupArgs),
     /// List every logical replication slot of the database with its health.
     Slots(SlotsArgs),
+    /// Show the stream in Redis, shard by shard: length, first and last id, and per consumer
+    /// group its lag (entries not yet delivered), pending entries and the oldest one's age,
+    /// consumers and dead letters.
+    Streams(StreamsArgs),
     /// Nagios-style check of one slot: exit 0 OK, 1 WARNING, 2 CRITICAL, 3 UNKNOWN.
     Check(CheckArgs),
     /// Drop a replication slot (refused while it is active).

@@ -1,4 +1,4 @@
-//! The flags of `setup` and the operator commands (`slots`, `check`, `drop-slot`), each
+//! The flags of `setup` and the operator commands (`slots`, `streams`, `check`, `drop-slot`), each
 //! around the shared connection group.
 
 use clap::Args;
@@ -18,6 +18,16 @@ pub struct SetupArgs {
 #[derive(Debug, Clone, Args)]
 pub struct SlotsArgs {
     /// Where the database is (every logical slot of it is listed).
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
+    /// JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Args)]
+pub struct StreamsArgs {
+    /// Where the stream is (`--redis-url`, `--stream`, `--stream-shards`).
     #[command(flatten)]
     pub connection: ConnectionArgs,
     /// JSON instead of a table.

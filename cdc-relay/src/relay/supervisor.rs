@@ -17,7 +17,7 @@ use crate::config::RelayConfig;
 use crate::context::{Context, SharedContext};
 use crate::error::RelayError;
 use crate::metrics::Metrics;
-use crate::ops::{admin, monitor};
+use crate::ops::{admin, monitor, streams};
 use crate::recovery::take_over;
 use crate::sink::Publisher;
 use crate::status::{RelayStatus, Role};
@@ -66,6 +66,7 @@ impl Relay {
             tokio::spawn(admin::serve(listener, probe, admin_stop.clone()));
         }
         tokio::spawn(monitor::run(ctx.clone(), admin_stop.clone()));
+        tokio::spawn(streams::watch(ctx.clone(), admin_stop.clone()));
         let result = self.supervise(&shutdown).await;
         match &result {
             Ok(()) => ctx.set_role(Role::Stopping),

@@ -190,7 +190,14 @@ where
 /// Every answer says its content type is the one to use and that no other site's page may
 /// learn where it came from.
 async fn route(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
+    let started = std::time::Instant::now();
+    let (name, method) = (route_name(req.uri().path()), req.method().clone());
+    let metrics = app.metrics.clone();
     let mut resp = dispatch(app, req).await;
+    metrics
+        .http_request_duration_seconds
+        .with_label_values(&[name, method_label(&method), resp.status().as_str()])
+        .observe(started.elapsed().as_secs_f64());
     let headers = resp.headers_mut();
     headers.insert(
         "x-content-type-options",
@@ -201,6 +208,36 @@ async fn route(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
         hyper::header::HeaderValue::from_static("no-referrer"),
     );
     resp
+}
+
+/// The route a path matches, as a template (a bounded label: ids and users left out).
+fn route_name(path: &str) -> &'static str {
+    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
+    match segments.as_slice() {
+        [""] => "/",
+        ["page.js"] => "/page.js",
+        ["page.css"] => "/page.css",
+        ["healthz"] => "/healthz",
+        ["session"] => "/session",
+        ["chats", _, "messages"] => "/chats/{id}/messages",
+        ["chats", _, "events"] => "/chats/{id}/events",
+        ["chats", _, "members"] => "/chats/{id}/members",
+        ["chats", _, "members", _] => "/chats/{id}/members/{user}",
+        _ => "other",
+    }
+}
+
+/// A method as a bounded label (anything unusual is `other`).
+fn method_label(method: &Method) -> &'static str {
+    match *method {
+        Method::GET => "GET",
+        Method::POST => "POST",
+        Method::PUT => "PUT",
+        Method::DELETE => "DELETE",
+        Method::HEAD => "HEAD",
+        Method::OPTIONS => "OPTIONS",
+        _ => "other",
+    }
 }
 
 async fn dispatch(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {

@@ -1,0 +1,277 @@
+//! `cdc-relay streams`: what Redis holds of a side's stream, shard by shard, so an operator
+//! need not run `XINFO` by hand: its length, first and last entry id, and for each consumer
+//! group the entries not yet delivered to it (`lag`), the entries delivered and not yet
+//! acknowledged (`pending`), the age of the oldest of those, its consumers and the group's
+//! dead letters. A table, or `--json`. Every relay reads the same into its metrics
+//! ([`watch`]), for the lag alerts.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::connect::RedisConn;
+use outbox_core::stream::keys::dead_letter_base;
+use outbox_core::stream::{shard_key, shard_keys};
+use serde::Serialize;
+use tokio_util::sync::CancellationToken;
+use tracing::debug;
+
+use crate::cli::StreamsArgs;
+use crate::context::Context;
+use crate::error::RelayError;
+
+const TIMEOUT: Duration = Duration::from_secs(10);
+
+/// One shard of the stream.
+#[derive(Debug, Serialize)]
+pub(crate) struct ShardReport {
+    key: String,
+    exists: bool,
+    length: u64,
+    first_id: Option<String>,
+    last_id: Option<String>,
+    groups: Vec<GroupReport>,
+}
+
+/// One consumer group of a shard.
+#[derive(Debug, Serialize)]
+pub(crate) struct GroupReport {
+    name: String,
+    consumers: u64,
+    /// Entries not yet delivered to the group (`XINFO GROUPS` lag; `None` when Redis cannot
+    /// tell, e.g. after entries were deleted from the middle of the stream).
+    lag: Option<u64>,
+    /// Delivered to a consumer, not yet acknowledged.
+    pending: u64,
+    /// How long ago the oldest pending entry was added to the stream.
+    oldest_pending_age_seconds: Option<f64>,
+    last_delivered_id: String,
+    /// Entries in the group's dead-letter stream for this shard.
+    dead_letters: u64,
+}
+
+/// Reads every shard of `--stream` (`--stream-shards` of them).
+async fn read(args: &StreamsArgs) -> Result<Vec<ShardReport>, RelayError> {
+    let redis = args.connection.redis(TIMEOUT)?;
+    let stream = args.connection.stream()?;
+    let mut conn = redis.connect(TIMEOUT).await?;
+    let shards = args.connection.stream_shards;
+    let now_ms = redis_time_ms(&mut conn).await?;
+    let mut reports = Vec::new();
+    for (shard, key) in shard_keys(stream, shards).into_iter().enumerate() {
+        reports.push(read_shard(&mut conn, key, shard as u32, shards, now_ms).await?);
+    }
+    Ok(reports)
+}
+
+async fn read_shard(
+    conn: &mut RedisConn,
+    key: String,
+    shard: u32,
+    shards: u32,
+    now_ms: u64,
+) -> Result<ShardReport, RelayError> {
+    let exists: bool = redis::cmd("EXISTS").arg(&key).query_async(conn).await?;
+    if !exists {
+        return Ok(ShardReport {
+            key,
+            exists,
+            length: 0,
+            first_id: None,
+            last_id: None,
+            groups: Vec::new(),
+        });
+    }
+    let info: redis::streams::StreamInfoStreamReply = redis::cmd("XINFO")
+        .arg("STREAM")
+        .arg(&key)
+        .query_async(conn)
+        .await?;
+    let groups: redis::streams::StreamInfoGroupsReply = redis::cmd("XINFO")
+        .arg("GROUPS")
+        .arg(&key)
+        .query_async(conn)
+        .await?;
+    let mut reports = Vec::new();
+    for g in groups.groups {
+        let pending: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
+            .arg(&key)
+            .arg(&g.name)
+            .query_async(conn)
+            .await?;
+        let oldest_pending_age_seconds = match &pending {
+            redis::streams::StreamPendingReply::Data(data) => {
+                entry_ms(&data.start_id).map(|ms| now_ms.saturating_sub(ms) as f64 / 1000.0)
+            }
+            _ => None,
+        };
+        let dead_letter_key = shard_key(&dead_letter_base(&g.name), shard, shards);
+        let dead_letters: u64 = redis::cmd("XLEN")
+            .arg(&dead_letter_key)
+            .query_async(conn)
+            .await?;
+        reports.push(GroupReport {
+            name: g.name,
+            consumers: g.consumers as u64,
+            lag: g.lag.map(|l| l as u64),
+            pending: g.pending as u64,
+            oldest_pending_age_seconds,
+            last_delivered_id: g.last_delivered_id,
+            dead_letters,
+        });
+    }
+    let (first_id, last_id) = if info.length == 0 {
+        (None, None)
+    } else {
+        (
+            Some(info.first_entry.id.clone()),
+            Some(info.last_entry.id.clone()),
+        )
+    };
+    Ok(ShardReport {
+        key,
+        exists,
+        length: info.length as u64,
+        first_id,
+        last_id,
+        groups: reports,
+    })
+}
+
+/// Keep the stream gauges current until `shutdown` (every relay, standbys included: the
+/// stream's consumers are watched whichever relay writes it).
+pub(crate) async fn watch(ctx: Arc<Context>, shutdown: CancellationToken) {
+    let cfg = &ctx.config;
+    let m = &ctx.metrics;
+    let (base, shards) = (cfg.stream.clone(), cfg.stream_shards);
+    let mut conn: Option<RedisConn> = None;
+    let mut interval = tokio::time::interval(cfg.slot_metrics_interval);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = shutdown.cancelled() => return,
+            _ = interval.tick() => {}
+        }
+        if conn.is_none() {
+            conn = cfg.redis.connect(cfg.redis_timeout).await.ok();
+        }
+        let Some(c) = conn.as_mut() else {
+            m.stream_up.set(0);
+            continue;
+        };
+        let read = async {
+            let now_ms = redis_time_ms(c).await?;
+            let mut reports = Vec::new();
+            for (shard, key) in shard_keys(&base, shards).into_iter().enumerate() {
+                reports.push(read_shard(c, key, shard as u32, shards, now_ms).await?);
+            }
+            Ok::<_, RelayError>(reports)
+        };
+        match read.await {
+            Ok(reports) => {
+                m.stream_up.set(1);
+                // Groups come and go: only what this round saw is exported.
+                m.stream_group_lag_entries.reset();
+                m.stream_group_pending_entries.reset();
+                m.stream_group_oldest_pending_seconds.reset();
+                m.stream_group_consumers.reset();
+                for (shard, report) in reports.iter().enumerate() {
+                    let shard = shard.to_string();
+                    m.stream_length_entries
+                        .with_label_values(&[&shard])
+                        .set(report.length as i64);
+                    for g in &report.groups {
+                        let labels = [shard.as_str(), g.name.as_str()];
+                        m.stream_group_lag_entries
+                            .with_label_values(&labels)
+                            .set(g.lag.map_or(f64::NAN, |l| l as f64));
+                        m.stream_group_pending_entries
+                            .with_label_values(&labels)
+                            .set(g.pending as i64);
+                        m.stream_group_oldest_pending_seconds
+                            .with_label_values(&labels)
+                            .set(g.oldest_pending_age_seconds.unwrap_or(0.0));
+                        m.stream_group_consumers
+                            .with_label_values(&labels)
+                            .set(g.consumers as i64);
+                    }
+                }
+            }
+            Err(e) => {
+                debug!(error = %e, "stream health query failed");
+                m.stream_up.set(0);
+                conn = None;
+            }
+        }
+    }
+}
+
+/// Redis's own clock, in ms (entry ids carry its time, not ours).
+async fn redis_time_ms(conn: &mut RedisConn) -> Result<u64, RelayError> {
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await?;
+    Ok(secs * 1000 + micros / 1000)
+}
+
+/// The milliseconds part of a stream entry id (`1700000000000-3` → 1700000000000).
+fn entry_ms(id: &str) -> Option<u64> {
+    id.split('-').next()?.parse().ok()
+}
+
+/// `cdc-relay streams`: a table, or JSON.
+pub async fn streams(args: &StreamsArgs) -> Result<String, RelayError> {
+    let reports = read(args).await?;
+    if args.json {
+        return Ok(serde_json::to_string_pretty(&reports).expect("serializes") + "\n");
+    }
+    let dash = || "-".to_string();
+    let mut out = format!(
+        "{:<28} {:>9} {:<22} {:<22} {:<16} {:>9} {:>7} {:>9} {:>12} {:>6}\n",
+        "stream",
+        "length",
+        "first id",
+        "last id",
+        "group",
+        "consumers",
+        "lag",
+        "pending",
+        "oldest (s)",
+        "dead"
+    );
+    for shard in &reports {
+        let head = format!(
+            "{:<28} {:>9} {:<22} {:<22}",
+            shard.key,
+            if shard.exists {
+                shard.length.to_string()
+            } else {
+                "(none)".into()
+            },
+            shard.first_id.clone().unwrap_or_else(dash),
+            shard.last_id.clone().unwrap_or_else(dash),
+        );
+        if shard.groups.is_empty() {
+            out.push_str(&format!("{head} {:<16}\n", "(no groups)"));
+        }
+        for g in &shard.groups {
+            out.push_str(&format!(
+                "{head} {:<16} {:>9} {:>7} {:>9} {:>12} {:>6}\n",
+                g.name,
+                g.consumers,
+                g.lag.map_or_else(dash, |l| l.to_string()),
+                g.pending,
+                g.oldest_pending_age_seconds
+                    .map_or_else(dash, |a| format!("{a:.1}")),
+                g.dead_letters,
+            ));
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn an_entry_id_carries_its_milliseconds() {
+        assert_eq!(super::entry_ms("1700000000123-7"), Some(1_700_000_000_123));
+        assert_eq!(super::entry_ms("x"), None);
+    }
+}
