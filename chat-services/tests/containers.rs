@@ -443,6 +443,8 @@ async fn compose_runs_under_podman_and_a_relay_or_redis_restart_loses_nothing() 
         .collect();
     env.extend([
         ("OUTBOX_SECRETS".into(), secrets.display().to_string()),
+        // The images this run built, not whatever `local` ones the machine has.
+        ("OUTBOX_TAG".into(), tag.clone()),
         (
             "POSTGRES_IMAGE".into(),
             "localhost/outbox/postgres:15".into(),
@@ -568,4 +570,27 @@ async fn compose_runs_under_podman_and_a_relay_or_redis_restart_loses_nothing() 
         6,
         "postgres, redis, two services, two relays"
     );
+    // The relays read their streams' consumer groups as the ACL users of
+    // deploy/redis/users.acl allow (the other tests' Redis has no ACLs).
+    wait_until(
+        Duration::from_secs(60),
+        "both relays' stream gauges",
+        || async {
+            for i in [4, 5] {
+                let (_, metrics) = testkit::http::get(addr(i), "/metrics")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let up = testkit::http::metric_value(&metrics, "cdc_relay_stream_up");
+                if up != Some(1.0) || !metrics.contains("cdc_relay_stream_group_lag_entries{") {
+                    let stream_lines: Vec<&str> = metrics
+                    .lines()
+                    .filter(|l| l.starts_with("cdc_relay_stream") || l.starts_with("cdc_relay_state"))
+                    .collect();
+                return Err(format!("relay {i}: cdc_relay_stream_up {up:?}: {stream_lines:?}"));
+                }
+            }
+            Ok(())
+        },
+    )
+    .await;
 }
