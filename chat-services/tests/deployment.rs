@@ -1248,3 +1248,62 @@ fn kubernetes_manifests_validate_against_the_schemas_offline() {
     let (ok, report) = validate(&[broken]);
     assert!(!ok, "a Deployment with `replicas: two` passed: {report}");
 }
+
+/// Every variable the README and the docs name is one something reads: a binary (its clap
+/// definitions), the compose file (`${NAME}`), the Kubernetes ConfigMap (a key), the local
+/// stack, or a test knob. A documented variable nothing reads (`CDC_STREAM_SHARDS` said to
+/// configure the receiving service, which reads `CHAT_INBOUND_STREAM_SHARDS`) fails here.
+#[test]
+fn every_documented_variable_is_read_by_something() {
+    let mut known: BTreeSet<String> = binaries()
+        .values()
+        .flat_map(|subcommands| subcommands.values())
+        .flat_map(|accepts| accepts.envs.iter().cloned())
+        .collect();
+    let compose = read("deploy/compose.yaml");
+    for (i, _) in compose.match_indices("${") {
+        let name: String = compose[i + 2..]
+            .chars()
+            .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+            .collect();
+        known.insert(name);
+    }
+    for (_, doc) in k8s_documents() {
+        if string_or_empty(&doc["kind"]) == "ConfigMap" {
+            known.extend(hash_keys(&doc["data"]));
+        }
+    }
+    let local = read("deploy/local.sh");
+    for (i, _) in local.match_indices("${") {
+        let name: String = local[i + 2..]
+            .chars()
+            .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+            .collect();
+        known.insert(name);
+    }
+    // Read by the tests: how long the standby-load test runs (README, "Measured").
+    known.insert("CDC_STANDBY_LOAD_SECONDS".into());
+    let mut unread = BTreeSet::new();
+    for path in ["README.md", "docs/deployment.md", "docs/operations.md"] {
+        let text = read(path);
+        let mut rest = text.as_str();
+        while let Some(i) = rest.find(|c: char| c.is_ascii_uppercase()) {
+            let word: String = rest[i..]
+                .chars()
+                .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                .collect();
+            rest = &rest[i + word.len().max(1)..];
+            let ours = ["CDC_", "CHAT_", "DATABASE_", "REDIS_", "MIGRATE_", "LOG_"]
+                .iter()
+                .any(|prefix| word.starts_with(prefix));
+            if ours && !known.contains(&word) {
+                unread.insert(format!("{path}: {word}"));
+            }
+        }
+    }
+    assert!(
+        unread.is_empty(),
+        "documented variables nothing reads:\n{}",
+        unread.into_iter().collect::<Vec<_>>().join("\n")
+    );
+}

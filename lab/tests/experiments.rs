@@ -259,10 +259,12 @@ async fn the_drain_reports_its_cpu_by_process_and_the_rate_the_cores_allow() {
     let cli = <Cli as clap::Parser>::parse_from([
         "chat-lab",
         "throughput",
+        // Enough that the walsender's share is several 10 ms ticks: with 2,000 it read 0
+        // once (a 0.05 s drain).
         "--single-row-txns",
-        "2000",
+        "20000",
         "--batch-txns",
-        "5",
+        "20",
         "--rounds",
         "1",
         "--skip-notify",
