@@ -51,12 +51,12 @@ pub struct Metrics {
     pub slot_spilled_bytes_total: IntCounter,
     pub slot_spilled_transactions_total: IntCounter,
     pub postgres_up: IntGauge,
-    // The stream as its consumers see it, read from Redis (XINFO, XPENDING) every
-    // --slot-metrics-interval, by every relay.
+    // The stream as its consumers see it, read from Redis (XLEN, XINFO, XPENDING) every
+    // --slot-metrics-interval by the relay holding the slot.
     pub stream_length_entries: IntGaugeVec,
     pub stream_group_lag_entries: GaugeVec,
     pub stream_group_pending_entries: IntGaugeVec,
-    pub stream_group_oldest_pending_seconds: GaugeVec,
+    pub stream_group_oldest_pending_idle_seconds: GaugeVec,
     pub stream_group_consumers: IntGaugeVec,
     pub stream_up: IntGauge,
 }
@@ -139,9 +139,9 @@ impl Metrics {
             stream_length_entries: b.register(IntGaugeVec::new(Opts::new("cdc_relay_stream_length_entries", "Entries in each shard of the stream (XLEN)"), &["shard"]).expect("valid metric")),
             stream_group_lag_entries: b.register(GaugeVec::new(Opts::new("cdc_relay_stream_group_lag_entries", "Entries of the shard not yet delivered to the consumer group (XINFO GROUPS lag; NaN when Redis cannot tell)"), &["shard", "group"]).expect("valid metric")),
             stream_group_pending_entries: b.register(IntGaugeVec::new(Opts::new("cdc_relay_stream_group_pending_entries", "Entries delivered to the group's consumers and not yet acknowledged"), &["shard", "group"]).expect("valid metric")),
-            stream_group_oldest_pending_seconds: b.register(GaugeVec::new(Opts::new("cdc_relay_stream_group_oldest_pending_age_seconds", "Age of the group's oldest unacknowledged entry, by Redis's clock (0 with none pending)"), &["shard", "group"]).expect("valid metric")),
+            stream_group_oldest_pending_idle_seconds: b.register(GaugeVec::new(Opts::new("cdc_relay_stream_group_oldest_pending_idle_seconds", "Time since the group's oldest unacknowledged entry was last delivered (XPENDING idle; 0 with none pending)"), &["shard", "group"]).expect("valid metric")),
             stream_group_consumers: b.register(IntGaugeVec::new(Opts::new("cdc_relay_stream_group_consumers", "Consumers the group knows on the shard"), &["shard", "group"]).expect("valid metric")),
-            stream_up: b.gauge("cdc_relay_stream_up", "1 when the last read of the stream's consumer groups succeeded"),
+            stream_up: b.gauge("cdc_relay_stream_up", "1 when this relay holds the slot and its last read of the stream's consumer groups succeeded"),
             registry,
         };
         metrics.set_role(Role::Starting);

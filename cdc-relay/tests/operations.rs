@@ -753,8 +753,8 @@ async fn check_and_slot_commands(pg: &PgServer) {
 }
 
 /// `cdc-relay streams` (issue 26): a group that stopped reading shows its lag (entries not
-/// yet delivered), its pending entries and their age, its consumers and its dead letters,
-/// as JSON and as a table.
+/// yet delivered), its pending entries and how long the oldest waits, its consumers and its
+/// dead letters, as JSON and as a table; the relay holding the slot exports the same.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn streams_reports_a_stopped_groups_lag_pending_and_dead_letters() {
     let fx = Fixture::new(shared_postgres(), shared_redis()).await;
@@ -828,7 +828,7 @@ async fn streams_reports_a_stopped_groups_lag_pending_and_dead_letters() {
     assert_eq!(g["consumers"], 1, "{g}");
     assert_eq!(g["dead_letters"], 1, "{g}");
     assert!(
-        g["oldest_pending_age_seconds"].as_f64().unwrap() >= 0.0,
+        g["oldest_pending_idle_seconds"].as_f64().unwrap() >= 0.0,
         "{g}"
     );
     let table = String::from_utf8_lossy(&streams(false).stdout).to_string();
@@ -854,7 +854,7 @@ async fn streams_reports_a_stopped_groups_lag_pending_and_dead_letters() {
             let lag = of_group("cdc_relay_stream_group_lag_entries", &samples);
             let pending = of_group("cdc_relay_stream_group_pending_entries", &samples);
             let age = of_group(
-                "cdc_relay_stream_group_oldest_pending_age_seconds",
+                "cdc_relay_stream_group_oldest_pending_idle_seconds",
                 &samples,
             );
             match (lag, pending, age) {

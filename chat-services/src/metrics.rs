@@ -19,7 +19,6 @@ pub(crate) struct Metrics {
     pub sse_slow_clients_dropped_total: IntCounter,
     pub live_hints_unpublished_total: IntCounter,
     pub delivery_seconds: Histogram,
-    pub published_to_recorded_seconds: Histogram,
     pub http_request_duration_seconds: HistogramVec,
     pub outbox_deleted_total: IntCounter,
     pub dead_letter_entries: IntGauge,
@@ -69,19 +68,6 @@ impl Metrics {
         .expect("valid metric");
         registry
             .register(Box::new(delivery_seconds.clone()))
-            .expect("unique metric");
-        let published_to_recorded_seconds = Histogram::with_opts(
-            HistogramOpts::new(
-                "chat_published_to_recorded_seconds",
-                "From the relay's write of a message to the stream (its entry id, by Redis's clock) to its inbox commit here",
-            )
-            .buckets(vec![
-                0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0,
-            ]),
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(published_to_recorded_seconds.clone()))
             .expect("unique metric");
         let http_request_duration_seconds = HistogramVec::new(
             HistogramOpts::new(
@@ -164,7 +150,6 @@ impl Metrics {
             ),
             inbox_write_retries_total,
             delivery_seconds,
-            published_to_recorded_seconds,
             http_request_duration_seconds,
             messages_sent_total: counter(
                 "chat_messages_sent_total",

@@ -23,7 +23,7 @@ pub struct ConnectionArgs {
     #[command(flatten)]
     pub database_secrets: DatabaseSecrets,
     /// Logical replication slot (pgoutput) the relay reads and acknowledges. Needed by
-    /// every command but `slots`, which lists them all.
+    /// every command but `slots`, which lists them all, and `streams`, which reads Redis.
     #[arg(long, env = "CDC_SLOT")]
     pub slot: Option<String>,
     /// Publication that contains the outbox table (run, setup, reshard).

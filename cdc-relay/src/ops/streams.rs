@@ -1,9 +1,10 @@
 //! `cdc-relay streams`: what Redis holds of a side's stream, shard by shard, so an operator
 //! need not run `XINFO` by hand: its length, first and last entry id, and for each consumer
 //! group the entries not yet delivered to it (`lag`), the entries delivered and not yet
-//! acknowledged (`pending`), the age of the oldest of those, its consumers and the group's
-//! dead letters. A table, or `--json`. Every relay reads the same into its metrics
-//! ([`watch`]), for the lag alerts.
+//! acknowledged (`pending`), how long the oldest of those has waited since it was last
+//! delivered (`XPENDING` idle: entry ids are commit positions, not times), its consumers and
+//! the group's dead letters. A table, or `--json`. The relay holding the slot reads the same
+//! into its metrics ([`watch`]), for the lag alerts.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -42,11 +43,12 @@ pub(crate) struct GroupReport {
     lag: Option<u64>,
     /// Delivered to a consumer, not yet acknowledged.
     pending: u64,
-    /// How long ago the oldest pending entry was added to the stream.
-    oldest_pending_age_seconds: Option<f64>,
+    /// How long ago the oldest pending entry was last delivered (`XPENDING` idle).
+    oldest_pending_idle_seconds: Option<f64>,
     last_delivered_id: String,
-    /// Entries in the group's dead-letter stream for this shard.
-    dead_letters: u64,
+    /// Entries in the group's dead-letter stream for this shard (`None` where this role may
+    /// not read it: a relay's ACL user covers its own stream only).
+    dead_letters: Option<u64>,
 }
 
 /// Reads every shard of `--stream` (`--stream-shards` of them).
@@ -55,12 +57,19 @@ async fn read(args: &StreamsArgs) -> Result<Vec<ShardReport>, RelayError> {
     let stream = args.connection.stream()?;
     let mut conn = redis.connect(TIMEOUT).await?;
     let shards = args.connection.stream_shards;
-    let now_ms = redis_time_ms(&mut conn).await?;
     let mut reports = Vec::new();
     for (shard, key) in shard_keys(stream, shards).into_iter().enumerate() {
-        reports.push(read_shard(&mut conn, key, shard as u32, shards, now_ms).await?);
+        reports.push(read_shard(&mut conn, key, shard as u32, shards, Detail::Full).await?);
     }
     Ok(reports)
+}
+
+/// What to read of a shard: everything (the command), or what the gauges need (the watch:
+/// no entries' payloads, no dead letters, which the relay's ACL user may not read).
+#[derive(Clone, Copy, PartialEq)]
+enum Detail {
+    Full,
+    Gauges,
 }
 
 async fn read_shard(
@@ -68,7 +77,7 @@ async fn read_shard(
     key: String,
     shard: u32,
     shards: u32,
-    now_ms: u64,
+    detail: Detail,
 ) -> Result<ShardReport, RelayError> {
     let exists: bool = redis::cmd("EXISTS").arg(&key).query_async(conn).await?;
     if !exists {
@@ -81,11 +90,28 @@ async fn read_shard(
             groups: Vec::new(),
         });
     }
-    let info: redis::streams::StreamInfoStreamReply = redis::cmd("XINFO")
-        .arg("STREAM")
-        .arg(&key)
-        .query_async(conn)
-        .await?;
+    let (length, first_id, last_id) = match detail {
+        Detail::Full => {
+            let info: redis::streams::StreamInfoStreamReply = redis::cmd("XINFO")
+                .arg("STREAM")
+                .arg(&key)
+                .query_async(conn)
+                .await?;
+            if info.length == 0 {
+                (0, None, None)
+            } else {
+                (
+                    info.length as u64,
+                    Some(info.first_entry.id),
+                    Some(info.last_entry.id),
+                )
+            }
+        }
+        Detail::Gauges => {
+            let length: u64 = redis::cmd("XLEN").arg(&key).query_async(conn).await?;
+            (length, None, None)
+        }
+    };
     let groups: redis::streams::StreamInfoGroupsReply = redis::cmd("XINFO")
         .arg("GROUPS")
         .arg(&key)
@@ -93,52 +119,56 @@ async fn read_shard(
         .await?;
     let mut reports = Vec::new();
     for g in groups.groups {
-        let pending: redis::streams::StreamPendingReply = redis::cmd("XPENDING")
+        // The oldest pending entry, with its idle time (the extended form). A group
+        // destroyed since XINFO answers NOGROUP: it is gone, not a failed round.
+        let oldest: redis::streams::StreamPendingCountReply = match redis::cmd("XPENDING")
             .arg(&key)
             .arg(&g.name)
+            .arg("-")
+            .arg("+")
+            .arg(1)
             .query_async(conn)
-            .await?;
-        let oldest_pending_age_seconds = match &pending {
-            redis::streams::StreamPendingReply::Data(data) => {
-                entry_ms(&data.start_id).map(|ms| now_ms.saturating_sub(ms) as f64 / 1000.0)
-            }
-            _ => None,
+            .await
+        {
+            Ok(reply) => reply,
+            Err(e) if e.code() == Some("NOGROUP") => continue,
+            Err(e) => return Err(e.into()),
         };
-        let dead_letter_key = shard_key(&dead_letter_base(&g.name), shard, shards);
-        let dead_letters: u64 = redis::cmd("XLEN")
-            .arg(&dead_letter_key)
-            .query_async(conn)
-            .await?;
+        let oldest_pending_idle_seconds = oldest
+            .ids
+            .first()
+            .map(|p| p.last_delivered_ms as f64 / 1000.0);
+        let dead_letters = match detail {
+            Detail::Full => redis::cmd("XLEN")
+                .arg(shard_key(&dead_letter_base(&g.name), shard, shards))
+                .query_async::<u64>(conn)
+                .await
+                .ok(),
+            Detail::Gauges => None,
+        };
         reports.push(GroupReport {
             name: g.name,
             consumers: g.consumers as u64,
             lag: g.lag.map(|l| l as u64),
             pending: g.pending as u64,
-            oldest_pending_age_seconds,
+            oldest_pending_idle_seconds,
             last_delivered_id: g.last_delivered_id,
             dead_letters,
         });
     }
-    let (first_id, last_id) = if info.length == 0 {
-        (None, None)
-    } else {
-        (
-            Some(info.first_entry.id.clone()),
-            Some(info.last_entry.id.clone()),
-        )
-    };
     Ok(ShardReport {
         key,
         exists,
-        length: info.length as u64,
+        length,
         first_id,
         last_id,
         groups: reports,
     })
 }
 
-/// Keep the stream gauges current until `shutdown` (every relay, standbys included: the
-/// stream's consumers are watched whichever relay writes it).
+/// Keep the stream gauges current until `shutdown`. Only the relay holding the slot reads
+/// (one reader per side, whatever the replicas); the others export no group gauges, so a
+/// value read before a takeover cannot outlive it under the alerts' `max by`.
 pub(crate) async fn watch(ctx: Arc<Context>, shutdown: CancellationToken) {
     let cfg = &ctx.config;
     let m = &ctx.metrics;
@@ -146,23 +176,35 @@ pub(crate) async fn watch(ctx: Arc<Context>, shutdown: CancellationToken) {
     let mut conn: Option<RedisConn> = None;
     let mut interval = tokio::time::interval(cfg.slot_metrics_interval);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let clear = || {
+        m.stream_length_entries.reset();
+        m.stream_group_lag_entries.reset();
+        m.stream_group_pending_entries.reset();
+        m.stream_group_oldest_pending_idle_seconds.reset();
+        m.stream_group_consumers.reset();
+    };
     loop {
         tokio::select! {
             _ = shutdown.cancelled() => return,
             _ = interval.tick() => {}
         }
+        if m.slot_held.get() != 1 {
+            clear();
+            m.stream_up.set(0);
+            continue;
+        }
         if conn.is_none() {
             conn = cfg.redis.connect(cfg.redis_timeout).await.ok();
         }
         let Some(c) = conn.as_mut() else {
+            clear();
             m.stream_up.set(0);
             continue;
         };
         let read = async {
-            let now_ms = redis_time_ms(c).await?;
             let mut reports = Vec::new();
             for (shard, key) in shard_keys(&base, shards).into_iter().enumerate() {
-                reports.push(read_shard(c, key, shard as u32, shards, now_ms).await?);
+                reports.push(read_shard(c, key, shard as u32, shards, Detail::Gauges).await?);
             }
             Ok::<_, RelayError>(reports)
         };
@@ -170,10 +212,7 @@ pub(crate) async fn watch(ctx: Arc<Context>, shutdown: CancellationToken) {
             Ok(reports) => {
                 m.stream_up.set(1);
                 // Groups come and go: only what this round saw is exported.
-                m.stream_group_lag_entries.reset();
-                m.stream_group_pending_entries.reset();
-                m.stream_group_oldest_pending_seconds.reset();
-                m.stream_group_consumers.reset();
+                clear();
                 for (shard, report) in reports.iter().enumerate() {
                     let shard = shard.to_string();
                     m.stream_length_entries
@@ -187,9 +226,9 @@ pub(crate) async fn watch(ctx: Arc<Context>, shutdown: CancellationToken) {
                         m.stream_group_pending_entries
                             .with_label_values(&labels)
                             .set(g.pending as i64);
-                        m.stream_group_oldest_pending_seconds
+                        m.stream_group_oldest_pending_idle_seconds
                             .with_label_values(&labels)
-                            .set(g.oldest_pending_age_seconds.unwrap_or(0.0));
+                            .set(g.oldest_pending_idle_seconds.unwrap_or(0.0));
                         m.stream_group_consumers
                             .with_label_values(&labels)
                             .set(g.consumers as i64);
@@ -197,23 +236,14 @@ pub(crate) async fn watch(ctx: Arc<Context>, shutdown: CancellationToken) {
                 }
             }
             Err(e) => {
+                // Stale values would keep (or hide) an alert: export none instead.
                 debug!(error = %e, "stream health query failed");
+                clear();
                 m.stream_up.set(0);
                 conn = None;
             }
         }
     }
-}
-
-/// Redis's own clock, in ms (entry ids carry its time, not ours).
-async fn redis_time_ms(conn: &mut RedisConn) -> Result<u64, RelayError> {
-    let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(conn).await?;
-    Ok(secs * 1000 + micros / 1000)
-}
-
-/// The milliseconds part of a stream entry id (`1700000000000-3` → 1700000000000).
-fn entry_ms(id: &str) -> Option<u64> {
-    id.split('-').next()?.parse().ok()
 }
 
 /// `cdc-relay streams`: a table, or JSON.
@@ -233,7 +263,7 @@ pub async fn streams(args: &StreamsArgs) -> Result<String, RelayError> {
         "consumers",
         "lag",
         "pending",
-        "oldest (s)",
+        "idle (s)",
         "dead"
     );
     for shard in &reports {
@@ -258,20 +288,11 @@ pub async fn streams(args: &StreamsArgs) -> Result<String, RelayError> {
                 g.consumers,
                 g.lag.map_or_else(dash, |l| l.to_string()),
                 g.pending,
-                g.oldest_pending_age_seconds
+                g.oldest_pending_idle_seconds
                     .map_or_else(dash, |a| format!("{a:.1}")),
-                g.dead_letters,
+                g.dead_letters.map_or_else(dash, |d| d.to_string()),
             ));
         }
     }
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn an_entry_id_carries_its_milliseconds() {
-        assert_eq!(super::entry_ms("1700000000123-7"), Some(1_700_000_000_123));
-        assert_eq!(super::entry_ms("x"), None);
-    }
 }

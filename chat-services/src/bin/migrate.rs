@@ -107,6 +107,7 @@ async fn wait(cli: &Cli) -> Result<(), Error> {
                 state.needed
             ),
             Ok(Err(why)) => why,
+            Err(_) if last.is_empty() => "the database did not answer".to_string(),
             Err(_) => format!("{last} (the last attempt did not finish)"),
         };
         if seen != last {

@@ -765,18 +765,6 @@ impl Active<'_> {
                     .delivery_seconds
                     .observe((now - written).as_seconds_f64().max(0.0));
             }
-            // The entry id's first part is Redis's clock (ms) when the relay wrote it.
-            if let Some(published_ms) = entry
-                .id
-                .split('-')
-                .next()
-                .and_then(|ms| ms.parse::<i128>().ok())
-            {
-                let now_ms = now.unix_timestamp_nanos() / 1_000_000;
-                metrics
-                    .published_to_recorded_seconds
-                    .observe(((now_ms - published_ms).max(0) as f64) / 1000.0);
-            }
         }
         let ids: Vec<String> = received.iter().map(|(e, _)| e.id.clone()).collect();
         self.ack(&ids).await
