@@ -583,10 +583,14 @@ async fn compose_runs_under_podman_and_a_relay_or_redis_restart_loses_nothing() 
                 let up = testkit::http::metric_value(&metrics, "cdc_relay_stream_up");
                 if up != Some(1.0) || !metrics.contains("cdc_relay_stream_group_lag_entries{") {
                     let stream_lines: Vec<&str> = metrics
-                    .lines()
-                    .filter(|l| l.starts_with("cdc_relay_stream") || l.starts_with("cdc_relay_state"))
-                    .collect();
-                return Err(format!("relay {i}: cdc_relay_stream_up {up:?}: {stream_lines:?}"));
+                        .lines()
+                        .filter(|l| {
+                            l.starts_with("cdc_relay_stream") || l.starts_with("cdc_relay_state")
+                        })
+                        .collect();
+                    return Err(format!(
+                        "relay {i}: cdc_relay_stream_up {up:?}: {stream_lines:?}"
+                    ));
                 }
             }
             Ok(())

@@ -10,6 +10,9 @@ DECLARE
   schema text;
   reader text;
 BEGIN
+  IF history IS NULL THEN
+    RAISE EXCEPTION 'refinery_schema_history is not on the search path of the role running migrate';
+  END IF;
   SELECT n.nspname INTO STRICT schema
     FROM pg_catalog.pg_class c JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace
    WHERE c.oid = history;

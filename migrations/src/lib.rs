@@ -144,7 +144,8 @@ impl SchemaState {
 
 /// Reads how far the database is migrated, as any role allowed to read the history (V20
 /// lets the services' and relays' roles). The history table is found wherever `migrate`
-/// created it (its role's first schema on the search path), not through this role's path.
+/// created it (its role's first schema on the search path), not through this role's path:
+/// the one this role was granted.
 /// A database never migrated has no history table yet: an error, as is a role without the
 /// grant (a database before V20).
 pub async fn state(client: &Client) -> Result<SchemaState, tokio_postgres::Error> {
@@ -153,6 +154,7 @@ pub async fn state(client: &Client) -> Result<SchemaState, tokio_postgres::Error
             "SELECT n.nspname::text FROM pg_catalog.pg_class c \
              JOIN pg_catalog.pg_namespace n ON n.oid = c.relnamespace \
              WHERE c.relname = 'refinery_schema_history' AND c.relkind = 'r' \
+             AND pg_catalog.has_table_privilege(c.oid, 'SELECT') \
              ORDER BY n.nspname = 'public' DESC LIMIT 1",
             &[],
         )

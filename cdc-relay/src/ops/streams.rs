@@ -19,6 +19,7 @@ use tracing::debug;
 use crate::cli::StreamsArgs;
 use crate::context::Context;
 use crate::error::RelayError;
+use crate::status::Role;
 
 const TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -188,7 +189,9 @@ pub(crate) async fn watch(ctx: Arc<Context>, shutdown: CancellationToken) {
             _ = shutdown.cancelled() => return,
             _ = interval.tick() => {}
         }
-        if m.slot_held.get() != 1 {
+        // The role, not the monitor's slot_held: that one trails by an interval and stays as
+        // it was while Postgres does not answer.
+        if ctx.role() != Role::Streaming {
             clear();
             m.stream_up.set(0);
             continue;
