@@ -208,3 +208,46 @@ async fn a_foreign_writer_moving_the_stream_top_stops_the_relay_instead_of_dropp
         crate::support::tail(&log)
     );
 }
+
+/// `setup` run before Redis is up (an init container or a compose start racing Redis; seen
+/// in CI as `cdc-relay: redis: timed out`) waits for it, says so, and records the stream
+/// once it answers, instead of failing the whole start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn setup_waits_for_a_redis_that_is_not_up_yet() {
+    let fx = Fixture::new(shared_postgres(), shared_redis()).await;
+    let redis = testkit::RedisServer::start().unwrap();
+    redis.stop().unwrap();
+    let slot = unique_name("late_redis");
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_cdc-relay"));
+    cmd.args(setup_args(
+        &fx,
+        &["--slot", &slot, "--redis-url", &redis.url()],
+    ));
+    let dir = testkit::scratch_dir("late-redis");
+    let setup = testkit::ChildProcess::spawn("setup", cmd, &dir.join("setup.log")).unwrap();
+    wait_until(
+        Duration::from_secs(30),
+        "setup waiting for Redis",
+        || async {
+            if setup.log().contains("waiting for Redis: ") {
+                Ok(())
+            } else if !setup.is_running() {
+                panic!("setup exited without waiting: {}", setup.log());
+            } else {
+                Err(setup.log())
+            }
+        },
+    )
+    .await;
+    redis.start_again().unwrap();
+    let status = setup.wait_exit(Duration::from_secs(60)).unwrap();
+    let log = setup.log();
+    assert!(status.success(), "{log}");
+    assert!(
+        log.contains(&format!(
+            "stream {} starts at the slot's position",
+            fx.stream
+        )),
+        "{log}"
+    );
+}

@@ -21,6 +21,9 @@ use crate::source::{
 /// Connecting and each step's wait.
 const TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How long `setup` waits for a Redis that is not there yet (or fails transiently).
+const REDIS_PATIENCE: Duration = Duration::from_secs(120);
+
 /// `setup`: the slot, and with --redis-url and --stream the stream's starting record; what
 /// was done, a line per step as it is done (so the slot's line is there even when the
 /// record's step fails), to `out`.
@@ -49,7 +52,24 @@ pub async fn setup_command(
             args.connection.redis_cluster,
             &[("--stream", stream)],
         )?;
-        let line = match init_stream_record(&pg, &outcome, &redis, stream, shards, TIMEOUT).await? {
+        // Redis may come up after Postgres (an init container, a compose start): a transient
+        // failure is retried for REDIS_PATIENCE, said once per cause, before giving up.
+        let deadline = tokio::time::Instant::now() + REDIS_PATIENCE;
+        let mut said = String::new();
+        let recorded = loop {
+            match init_stream_record(&pg, &outcome, &redis, stream, shards, TIMEOUT).await {
+                Err(e) if e.is_transient() && tokio::time::Instant::now() < deadline => {
+                    let why = e.to_string();
+                    if why != said {
+                        say(out, &format!("waiting for Redis: {why}"));
+                        said = why;
+                    }
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+                other => break other?,
+            }
+        };
+        let line = match recorded {
             RecordOutcome::Written => format!("stream {stream} starts at the slot's position"),
             RecordOutcome::LeftAlone(why) => {
                 format!("stream {stream}: record left alone ({why}); `run` checks it")
