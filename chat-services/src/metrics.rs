@@ -43,80 +43,63 @@ impl Metrics {
             .collect();
         let registry = Registry::new_custom(None, Some(labels)).expect("valid labels");
         let counter = |name: &str, help: &str| {
-            let c = IntCounter::new(name, help).expect("valid metric");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("unique metric");
-            c
+            registered(
+                &registry,
+                IntCounter::new(name, help).expect("valid metric"),
+            )
         };
         let gauge = |name: &str, help: &str| {
-            let g = IntGauge::new(name, help).expect("valid metric");
-            registry
-                .register(Box::new(g.clone()))
-                .expect("unique metric");
-            g
+            registered(&registry, IntGauge::new(name, help).expect("valid metric"))
         };
-        let delivery_seconds = Histogram::with_opts(
-            HistogramOpts::new(
-                "chat_delivery_seconds",
-                "From the sender's outbox write (its created_at) to the message being shown here",
+        let counters = |name: &str, help: &str, labels: &[&str]| {
+            registered(
+                &registry,
+                IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"),
             )
-            .buckets(vec![
-                0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0,
-            ]),
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(delivery_seconds.clone()))
-            .expect("unique metric");
-        let http_request_duration_seconds = HistogramVec::new(
-            HistogramOpts::new(
-                "chat_http_request_duration_seconds",
-                "Public HTTP requests, from their head read to the answer's head (an event stream's: until it opened), by route, method and status",
+        };
+        let delivery_seconds = registered(
+            &registry,
+            Histogram::with_opts(
+                HistogramOpts::new(
+                    "chat_delivery_seconds",
+                    "From the sender's outbox write (its created_at) to the message being shown here",
+                )
+                .buckets(vec![
+                    0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1, 0.5, 1.0, 5.0, 30.0,
+                ]),
             )
-            .buckets(vec![
-                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                10.0,
-            ]),
-            &["route", "method", "status"],
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(http_request_duration_seconds.clone()))
-            .expect("unique metric");
-        let inbox_write_retries_total = IntCounterVec::new(
-            Opts::new(
-                "chat_inbox_write_retries_total",
-                "Inbox writes retried in place, by cause: unavailable (connection, shutdown) or database_state (read-only, permissions, missing table, locks); never a delivery",
-            ),
+            .expect("valid metric"),
+        );
+        let http_request_duration_seconds = registered(
+            &registry,
+            HistogramVec::new(
+                HistogramOpts::new(
+                    "chat_http_request_duration_seconds",
+                    "Public HTTP requests, from their head read to the answer's head (an event stream's: until it opened), by route, method and status",
+                )
+                .buckets(vec![
+                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0,
+                ]),
+                &["route", "method", "status"],
+            )
+            .expect("valid metric"),
+        );
+        let inbox_write_retries_total = counters(
+            "chat_inbox_write_retries_total",
+            "Inbox writes retried in place, by cause: unavailable (connection, shutdown) or database_state (read-only, permissions, missing table, locks); never a delivery",
             &["cause"],
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(inbox_write_retries_total.clone()))
-            .expect("unique metric");
-        let requests_refused_total = IntCounterVec::new(
-            Opts::new(
-                "chat_requests_refused_total",
-                "Requests refused for who sent them, by reason: no_credentials, invalid_token, not_member (answered as a missing chat), not_admin",
-            ),
+        );
+        let requests_refused_total = counters(
+            "chat_requests_refused_total",
+            "Requests refused for who sent them, by reason: no_credentials, invalid_token, not_member (answered as a missing chat), not_admin",
             &["reason"],
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(requests_refused_total.clone()))
-            .expect("unique metric");
-        let messages_deleted_total = IntCounterVec::new(
-            Opts::new(
-                "chat_messages_deleted_total",
-                "Messages deleted by --message-retention, sent or received",
-            ),
+        );
+        let messages_deleted_total = counters(
+            "chat_messages_deleted_total",
+            "Messages deleted by --message-retention, sent or received",
             &["what"],
-        )
-        .expect("valid metric");
-        registry
-            .register(Box::new(messages_deleted_total.clone()))
-            .expect("unique metric");
+        );
         Self {
             jwks_fetch_failures_total: counter(
                 "chat_jwks_fetch_failures_total",
@@ -215,4 +198,15 @@ impl Metrics {
             .expect("text encoding cannot fail");
         String::from_utf8(out).expect("metrics are UTF-8")
     }
+}
+
+/// `metric`, registered in `registry` (each name once).
+fn registered<M: prometheus::core::Collector + Clone + 'static>(
+    registry: &Registry,
+    metric: M,
+) -> M {
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("unique metric");
+    metric
 }

@@ -528,32 +528,30 @@ async fn compose_runs_under_podman_and_a_relay_or_redis_restart_loses_nothing() 
         up_started.elapsed()
     );
 
-    // The consumers' relay restarted (SIGTERM, then a new process on the same slot), with
-    // messages written while it is down.
-    run(project
-        .compose()
-        .args(["stop", "--timeout", "30", "consumers-relay"]));
-    users
-        .send_round("relay down", addr, &mut from_alice, &mut from_bob)
-        .await;
-    run(project.compose().args(["start", "consumers-relay"]));
-    users
-        .send_round("relay back", addr, &mut from_alice, &mut from_bob)
-        .await;
-    shows_exactly(addr(1), &users.bob, "alice", &from_alice).await;
-    shows_exactly(addr(0), &users.alice, "bob", &from_bob).await;
-
-    // Redis stopped while messages are written, then started on its append-only file.
-    run(project.compose().args(["stop", "--timeout", "30", "redis"]));
-    users
-        .send_round("redis down", addr, &mut from_alice, &mut from_bob)
-        .await;
-    run(project.compose().args(["start", "redis"]));
-    users
-        .send_round("redis back", addr, &mut from_alice, &mut from_bob)
-        .await;
-    shows_exactly(addr(1), &users.bob, "alice", &from_alice).await;
-    shows_exactly(addr(0), &users.alice, "bob", &from_bob).await;
+    // The consumers' relay stopped (SIGTERM) and started again on the same slot, then Redis
+    // stopped and started on its append-only file, each with messages written meanwhile.
+    for service in ["consumers-relay", "redis"] {
+        run(project.compose().args(["stop", "--timeout", "30", service]));
+        users
+            .send_round(
+                &format!("{service} down"),
+                addr,
+                &mut from_alice,
+                &mut from_bob,
+            )
+            .await;
+        run(project.compose().args(["start", service]));
+        users
+            .send_round(
+                &format!("{service} back"),
+                addr,
+                &mut from_alice,
+                &mut from_bob,
+            )
+            .await;
+        shows_exactly(addr(1), &users.bob, "alice", &from_alice).await;
+        shows_exactly(addr(0), &users.alice, "bob", &from_bob).await;
+    }
     wait_until(
         Duration::from_secs(60),
         "every container ready again",

@@ -1249,6 +1249,18 @@ fn kubernetes_manifests_validate_against_the_schemas_offline() {
     assert!(!ok, "a Deployment with `replicas: two` passed: {report}");
 }
 
+/// The names of `${NAME...}` references in a compose file or a shell script.
+fn braced_refs(text: &str) -> Vec<String> {
+    text.match_indices("${")
+        .map(|(i, _)| {
+            text[i + 2..]
+                .chars()
+                .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                .collect()
+        })
+        .collect()
+}
+
 /// Every variable the README and the docs name is one something reads: a binary (its clap
 /// definitions), the compose file (`${NAME}`), the Kubernetes ConfigMap (a key), the local
 /// stack, or a test knob. A documented variable nothing reads (`CDC_STREAM_SHARDS` said to
@@ -1260,27 +1272,13 @@ fn every_documented_variable_is_read_by_something() {
         .flat_map(|subcommands| subcommands.values())
         .flat_map(|accepts| accepts.envs.iter().cloned())
         .collect();
-    let compose = read("deploy/compose.yaml");
-    for (i, _) in compose.match_indices("${") {
-        let name: String = compose[i + 2..]
-            .chars()
-            .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
-            .collect();
-        known.insert(name);
-    }
+    known.extend(braced_refs(&read("deploy/compose.yaml")));
     for (_, doc) in k8s_documents() {
         if string_or_empty(&doc["kind"]) == "ConfigMap" {
             known.extend(hash_keys(&doc["data"]));
         }
     }
-    let local = read("deploy/local.sh");
-    for (i, _) in local.match_indices("${") {
-        let name: String = local[i + 2..]
-            .chars()
-            .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
-            .collect();
-        known.insert(name);
-    }
+    known.extend(braced_refs(&read("deploy/local.sh")));
     // Knobs the tests read (`std::env::var("...")`), e.g. how long the standby-load test runs.
     for dir in [
         "cdc-relay/tests",
