@@ -7,6 +7,7 @@
 //!   documented there for a consumer in any language.
 //! - [`lease`]: the Redis lease (the relay's rebuild lock, a service's shard consumer).
 //! - [`backoff`], [`shutdown`], [`logging`], [`admin`]: what every binary runs on.
+//! - [`telemetry`]: trace context through the outbox and stream, spans over OTLP.
 //! - [`error`]: configuring and connecting fail with these, classified once.
 
 pub mod admin;
@@ -17,5 +18,6 @@ pub mod lease;
 pub mod logging;
 pub mod shutdown;
 pub mod stream;
+pub mod telemetry;
 
 pub use error::{ConfigError, Error};

@@ -14,6 +14,7 @@
 //! ([`unique_name`]); a test that stops or kills a server starts its own.
 
 pub mod http;
+pub mod otlp;
 mod postgres;
 mod process;
 pub mod proxy;

@@ -1,0 +1,265 @@
+//! One message's trace across the four processes it passes: W3C trace context
+//! (`traceparent`) in the HTTP request, the outbox row, the stream entry and the live
+//! hint, and spans exported over OTLP/HTTP.
+//!
+//! Off unless an endpoint is configured: then no span is made anywhere, and a
+//! `traceparent` that came in is still passed on unchanged (validated), so a trace started
+//! upstream continues through the instances that do export. Spans go through the SDK's
+//! batch processor, on its own thread: the hot path only fills a queue.
+
+use std::sync::OnceLock;
+use std::time::{Duration, SystemTime};
+
+use opentelemetry::trace::{SpanKind, TraceContextExt, Tracer as _};
+use opentelemetry::{Context, KeyValue};
+use opentelemetry_sdk::trace::{SdkTracerProvider, Tracer};
+
+use crate::error::ConfigError;
+
+/// A span of ours (the SDK's; ended when dropped, or by `end`).
+pub type Span = opentelemetry_sdk::trace::Span;
+pub use opentelemetry::trace::{Span as SpanExt, SpanContext, Status};
+
+/// The name of the W3C trace context header, outbox column and stream entry field.
+pub const TRACEPARENT: &str = "traceparent";
+
+static TRACER: OnceLock<Tracer> = OnceLock::new();
+
+/// Where spans go.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct TraceArgs {
+    /// OTLP/HTTP (protobuf) collector to export spans to, e.g. `http://127.0.0.1:4318`
+    /// (spans go to `<endpoint>/v1/traces`; `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, when
+    /// set, names the full URL instead). Unset: no spans are made; a `traceparent` that
+    /// comes in is still passed on. `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`,
+    /// `OTEL_TRACES_SAMPLER[_ARG]`, `OTEL_BSP_*` and `OTEL_EXPORTER_OTLP_HEADERS` apply.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", value_parser = parse_endpoint)]
+    pub otlp_endpoint: Option<String>,
+}
+
+fn parse_endpoint(raw: &str) -> Result<String, String> {
+    let raw = raw.trim();
+    if raw.starts_with("https://") {
+        return Err(format!(
+            "'{raw}': OTLP over TLS is not built in; export to a collector beside the process (http://, loopback or the pod network) and let it forward over TLS"
+        ));
+    }
+    let Some(rest) = raw.strip_prefix("http://") else {
+        return Err(format!(
+            "'{raw}' is not an http:// URL (e.g. http://127.0.0.1:4318)"
+        ));
+    };
+    if rest.is_empty() || rest.starts_with('/') {
+        return Err(format!("'{raw}' names no host"));
+    }
+    Ok(raw.trim_end_matches('/').to_string())
+}
+
+/// Flushes the spans still queued when dropped (at the end of `main`).
+pub struct Telemetry {
+    provider: SdkTracerProvider,
+}
+
+impl Drop for Telemetry {
+    fn drop(&mut self) {
+        if let Err(e) = self.provider.shutdown_with_timeout(Duration::from_secs(5)) {
+            tracing::warn!(error = %e, "spans still queued at exit may not have reached the collector");
+        }
+    }
+}
+
+/// Start exporting spans as `service_name` (unless `OTEL_SERVICE_NAME` says otherwise),
+/// when an endpoint is configured. Refuses settings it cannot honour.
+pub fn init(args: &TraceArgs, service_name: &str) -> Result<Option<Telemetry>, ConfigError> {
+    let env = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+    let signal_endpoint = env("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT");
+    if args.otlp_endpoint.is_none() && signal_endpoint.is_none() {
+        return Ok(None);
+    }
+    if env("OTEL_SDK_DISABLED").is_some_and(|v| v.eq_ignore_ascii_case("true")) {
+        return Ok(None);
+    }
+    for var in [
+        "OTEL_EXPORTER_OTLP_PROTOCOL",
+        "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
+    ] {
+        if let Some(protocol) = env(var) {
+            if protocol != "http/protobuf" {
+                return Err(ConfigError::new(format!(
+                    "{var}={protocol}: only http/protobuf is built in; unset it or set http/protobuf"
+                )));
+            }
+        }
+    }
+    if let Some(url) = &signal_endpoint {
+        parse_endpoint(url)
+            .map_err(|e| ConfigError::new(format!("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: {e}")))?;
+    }
+    use opentelemetry_otlp::WithExportConfig;
+    let mut exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_timeout(Duration::from_secs(5));
+    // The signal's own URL, when given, is taken whole by the exporter; the generic
+    // endpoint gets the signal's path, as the specification says.
+    if signal_endpoint.is_none() {
+        if let Some(endpoint) = &args.otlp_endpoint {
+            exporter = exporter.with_endpoint(format!("{endpoint}/v1/traces"));
+        }
+    }
+    let exporter = exporter
+        .build()
+        .map_err(|e| ConfigError::new(format!("OTLP exporter: {e}")))?;
+    let mut resource = opentelemetry_sdk::Resource::builder();
+    if env("OTEL_SERVICE_NAME").is_none() {
+        resource = resource.with_service_name(service_name.to_string());
+    }
+    let provider = SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(resource.build())
+        .build();
+    let tracer = opentelemetry::trace::TracerProvider::tracer(&provider, "outbox");
+    if TRACER.set(tracer).is_err() {
+        return Err(ConfigError::new("tracing was set up twice in one process"));
+    }
+    tracing::info!(
+        endpoint = signal_endpoint.as_deref().or(args.otlp_endpoint.as_deref()),
+        "exporting spans over OTLP"
+    );
+    Ok(Some(Telemetry { provider }))
+}
+
+/// Whether spans are made in this process.
+pub fn enabled() -> bool {
+    TRACER.get().is_some()
+}
+
+/// The span context a `traceparent` names, read as the W3C specification says (by the
+/// SDK's propagator), or `None` for anything else: a bad value is dropped, never passed on.
+pub fn parse(traceparent: &str) -> Option<SpanContext> {
+    struct One<'a>(&'a str);
+    impl opentelemetry::propagation::Extractor for One<'_> {
+        fn get(&self, key: &str) -> Option<&str> {
+            (key == TRACEPARENT).then_some(self.0)
+        }
+        fn keys(&self) -> Vec<&str> {
+            vec![TRACEPARENT]
+        }
+    }
+    use opentelemetry::propagation::TextMapPropagator as _;
+    let cx =
+        opentelemetry_sdk::propagation::TraceContextPropagator::new().extract(&One(traceparent));
+    let context = cx.span().span_context().clone();
+    context.is_valid().then_some(context)
+}
+
+/// The `traceparent` of a span context.
+pub fn format(context: &SpanContext) -> String {
+    format!(
+        "00-{}-{}-{:02x}",
+        context.trace_id(),
+        context.span_id(),
+        context.trace_flags().to_u8()
+    )
+}
+
+/// Start a span of `kind` under `parent` (a new trace without one), from `start` (now
+/// when `None`). `None` when spans are off.
+pub fn start(
+    name: &'static str,
+    kind: SpanKind,
+    parent: Option<&SpanContext>,
+    start: Option<SystemTime>,
+    attributes: Vec<KeyValue>,
+) -> Option<Span> {
+    let tracer = TRACER.get()?;
+    let cx = match parent {
+        Some(parent) => Context::new().with_remote_span_context(parent.clone()),
+        None => Context::new(),
+    };
+    let mut builder = tracer
+        .span_builder(name)
+        .with_kind(kind)
+        .with_attributes(attributes);
+    if let Some(start) = start {
+        builder = builder.with_start_time(start);
+    }
+    Some(builder.start_with_context(tracer, &cx))
+}
+
+/// What a hop passes on: its own span's context when it made one, else what it was given.
+pub fn passed_on(span: Option<&Span>, given: Option<&SpanContext>) -> Option<String> {
+    use opentelemetry::trace::Span as _;
+    match span {
+        Some(span) if span.span_context().is_valid() => Some(format(span.span_context())),
+        _ => given.map(format),
+    }
+}
+
+/// The trace id to put in log lines of one message (empty without a trace).
+pub fn trace_id(span: Option<&Span>, given: Option<&SpanContext>) -> String {
+    use opentelemetry::trace::Span as _;
+    span.map(|s| s.span_context().clone())
+        .or_else(|| given.cloned())
+        .filter(SpanContext::is_valid)
+        .map(|c| c.trace_id().to_string())
+        .unwrap_or_default()
+}
+
+pub use opentelemetry::trace::SpanKind as Kind;
+pub use opentelemetry::KeyValue as Attribute;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn traceparents_round_trip_and_bad_ones_are_dropped() {
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        let context = parse(tp).unwrap();
+        assert!(context.is_sampled() && context.is_remote());
+        assert_eq!(format(&context), tp);
+        // A later version is read as 00 (its extra fields ignored); unknown flags dropped.
+        let future = "cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-03-extra";
+        assert_eq!(format(&parse(future).unwrap()), tp);
+        for bad in [
+            "",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7",
+            "00-00000000000000000000000000000000-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-0000000000000000-01",
+            "00-4BF92F3577B34DA6A3CE929D0E0E4736-00f067aa0ba902b7-01",
+            "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x",
+            "00-4bf92f3577b34da6a3ce929d0e0e473-600f067aa0ba902b7-01",
+        ] {
+            assert_eq!(parse(bad), None, "{bad}");
+        }
+    }
+
+    #[test]
+    fn endpoints_must_be_plain_http_with_a_host() {
+        assert_eq!(
+            parse_endpoint("http://127.0.0.1:4318/").unwrap(),
+            "http://127.0.0.1:4318"
+        );
+        assert!(parse_endpoint("https://collector:4318")
+            .unwrap_err()
+            .contains("TLS"));
+        assert!(parse_endpoint("collector:4318").is_err());
+        assert!(parse_endpoint("http://").is_err());
+    }
+
+    #[test]
+    fn without_an_endpoint_nothing_is_made_and_context_is_passed_on() {
+        assert!(!enabled());
+        assert!(start("x", Kind::Internal, None, None, vec![]).is_none());
+        let given = parse("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01");
+        assert_eq!(
+            passed_on(None, given.as_ref()).as_deref(),
+            Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01")
+        );
+        assert_eq!(
+            trace_id(None, given.as_ref()),
+            "4bf92f3577b34da6a3ce929d0e0e4736"
+        );
+    }
+}
