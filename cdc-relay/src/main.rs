@@ -16,11 +16,15 @@ async fn main() -> ExitCode {
     outbox_core::logging::init(cli.log_format, "info,pgwire_replication=off");
     let result = match cli.command {
         Command::Run(args) => match args.validate() {
-            Ok(config) => {
-                let shutdown = CancellationToken::new();
-                outbox_core::shutdown::cancel_on_signal(shutdown.clone());
-                cdc_relay::run(config, shutdown).await
-            }
+            Ok(config) => match outbox_core::telemetry::init(&args.trace, "cdc-relay") {
+                // Dropped after the relay stopped: the spans still queued are flushed.
+                Ok(_telemetry) => {
+                    let shutdown = CancellationToken::new();
+                    outbox_core::shutdown::cancel_on_signal(shutdown.clone());
+                    cdc_relay::run(config, shutdown).await
+                }
+                Err(e) => Err(e.into()),
+            },
             Err(e) => Err(e),
         },
         Command::Slots(args) => cdc_relay::slots(&args).await.map(|out| print!("{out}")),

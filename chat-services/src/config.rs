@@ -144,6 +144,8 @@ pub struct Cli {
     pub log_format: LogFormat,
     #[command(flatten)]
     pub auth: AuthArgs,
+    #[command(flatten)]
+    pub trace: outbox_core::telemetry::TraceArgs,
     /// Fault injection for tests and the lab: SIGKILL the process right after the n-th
     /// received message is committed to the inbox, before XACK. Only in builds with the
     /// `failpoints` feature.

@@ -32,10 +32,25 @@ pub(crate) fn frame(item: &crate::model::HistoryItem) -> Bytes {
 /// Messages a chat's channel buffers for its slowest subscriber before it lags.
 const CHAT_BUFFER: usize = 256;
 
+/// What a received message's live push continues: when the inbox recorded it and the
+/// trace of that write. Sent messages have none.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub(crate) struct Delivery {
+    /// When the inbox commit was done, Unix microseconds (the start of recorded → pushed).
+    pub recorded_at_micros: u64,
+    /// The inbox write's span (or the entry's trace context when spans are off).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub traceparent: Option<String>,
+}
+
 #[derive(Debug, Clone)]
 pub(crate) enum Live {
     /// A message committed at feed position `pos`, as a ready SSE frame.
-    Message { pos: i64, frame: Bytes },
+    Message {
+        pos: i64,
+        frame: Bytes,
+        delivery: Option<Arc<Delivery>>,
+    },
     /// The chat's feed reaches position `pos`: a stream behind it reads what it missed.
     Tip(i64),
     /// Something may have been missed (a notification feed reconnected, the inbox changed
@@ -72,8 +87,21 @@ impl Hub {
     }
 
     /// Hand a committed message to the chat's subscribers, if any (never blocks).
-    pub(crate) fn publish(&self, chat_id: i64, pos: i64, frame: Bytes) {
-        self.send(chat_id, Live::Message { pos, frame });
+    pub(crate) fn publish(
+        &self,
+        chat_id: i64,
+        pos: i64,
+        frame: Bytes,
+        delivery: Option<Arc<Delivery>>,
+    ) {
+        self.send(
+            chat_id,
+            Live::Message {
+                pos,
+                frame,
+                delivery,
+            },
+        );
     }
 
     /// Tell the chat's subscribers how far its feed reaches.

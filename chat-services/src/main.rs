@@ -35,6 +35,15 @@ async fn main() -> ExitCode {
             }
         };
     }
+    // Dropped at the end of main, after the service stopped: queued spans are flushed.
+    let _telemetry =
+        match outbox_core::telemetry::init(&cli.trace, &format!("chat-{}", cli.side.as_str())) {
+            Ok(telemetry) => telemetry,
+            Err(e) => {
+                eprintln!("chat-service: invalid configuration: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
     let shutdown = CancellationToken::new();
     let service = match Service::bind(config, shutdown.clone()).await {
         Ok(service) => service,

@@ -19,6 +19,8 @@ pub(crate) struct Metrics {
     pub sse_slow_clients_dropped_total: IntCounter,
     pub live_hints_unpublished_total: IntCounter,
     pub delivery_seconds: Histogram,
+    pub published_to_recorded_seconds: Histogram,
+    pub recorded_to_pushed_seconds: Histogram,
     pub http_request_duration_seconds: HistogramVec,
     pub outbox_deleted_total: IntCounter,
     pub dead_letter_entries: IntGauge,
@@ -69,6 +71,24 @@ impl Metrics {
                 ]),
             )
             .expect("valid metric"),
+        );
+        let stage = |name: &str, help: &str| {
+            registered(
+                &registry,
+                Histogram::with_opts(HistogramOpts::new(name, help).buckets(vec![
+                    0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.01, 0.025, 0.05, 0.1,
+                    0.5, 1.0, 5.0, 30.0,
+                ]))
+                .expect("valid metric"),
+            )
+        };
+        let published_to_recorded_seconds = stage(
+            "chat_published_to_recorded_seconds",
+            "From Redis storing a received entry (its published_at) to its first inbox commit here",
+        );
+        let recorded_to_pushed_seconds = stage(
+            "chat_recorded_to_pushed_seconds",
+            "From a received message's inbox commit to its live push to one event stream (each stream counts; catch-ups from the database do not)",
         );
         let http_request_duration_seconds = registered(
             &registry,
@@ -133,6 +153,8 @@ impl Metrics {
             ),
             inbox_write_retries_total,
             delivery_seconds,
+            published_to_recorded_seconds,
+            recorded_to_pushed_seconds,
             http_request_duration_seconds,
             messages_sent_total: counter(
                 "chat_messages_sent_total",

@@ -26,7 +26,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use crate::hub::{frame, Hub};
+use crate::hub::{frame, Delivery, Hub};
 use crate::metrics::Metrics;
 use crate::model::HistoryItem;
 use crate::side::Side;
@@ -98,6 +98,9 @@ struct Notification {
     /// Something may have been missed: every stream re-reads its chat's feed.
     #[serde(default)]
     resync: bool,
+    /// A received message's recording (instances before it send none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    delivery: Option<Delivery>,
 }
 
 /// Hands committed feed items to this instance's streams and, through Redis, to the other
@@ -140,17 +143,22 @@ impl Announcer {
     }
 
     /// Show a committed item on every instance.
-    pub(crate) fn announce(&self, item: &HistoryItem) {
+    pub(crate) fn announce(&self, item: &HistoryItem, delivery: Option<Delivery>) {
         let frame = frame(item);
-        self.hub
-            .publish(item.message.chat_id, item.pos, frame.clone());
         let note = Notification {
             from: instance_id().to_string(),
             chat_id: item.message.chat_id,
             pos: item.pos,
             frame: String::from_utf8_lossy(&frame).into_owned(),
             resync: false,
+            delivery: delivery.clone(),
         };
+        self.hub.publish(
+            item.message.chat_id,
+            item.pos,
+            frame,
+            delivery.map(Arc::new),
+        );
         if self.queue.try_send(note).is_err() {
             self.metrics.live_hints_unpublished_total.inc();
             self.owed.store(true, Ordering::SeqCst);
@@ -174,6 +182,7 @@ fn resync_note() -> Notification {
         pos: 0,
         frame: String::new(),
         resync: true,
+        delivery: None,
     }
 }
 
@@ -333,7 +342,12 @@ fn take_note(hub: &Hub, payload: &str) {
     if note.resync {
         hub.resync_all();
     } else if note.from != instance_id() {
-        hub.publish(note.chat_id, note.pos, Bytes::from(note.frame));
+        hub.publish(
+            note.chat_id,
+            note.pos,
+            Bytes::from(note.frame),
+            note.delivery.map(Arc::new),
+        );
     }
 }
 

@@ -145,6 +145,8 @@ struct Send<'a> {
     /// The key as the client knows it (answered with an unknown outcome).
     client_key: &'a str,
     payload: &'a serde_json::Value,
+    /// The sending request's trace context, for the outbox row.
+    traceparent: Option<&'a str>,
 }
 
 impl Send<'_> {
@@ -195,8 +197,8 @@ impl Send<'_> {
                    ON CONFLICT DO NOTHING
                    RETURNING pos, chat_id
                  ),
-                 o AS (INSERT INTO {s}.outbox (event, payload, partition_key)
-                       SELECT $6, $7, chat_id::text FROM m)
+                 o AS (INSERT INTO {s}.outbox (event, payload, partition_key, traceparent)
+                       SELECT $6, $7, chat_id::text, $9 FROM m)
                  SELECT pos FROM m"
             ))
             .await
@@ -217,6 +219,7 @@ impl Send<'_> {
                     &MESSAGE_CREATED,
                     self.payload,
                     &m.sender,
+                    &self.traceparent,
                 ],
             )
             .await;
@@ -495,6 +498,7 @@ impl Store {
         body: &str,
         idempotency_key: Option<&str>,
         sender: Option<&str>,
+        traceparent: Option<&str>,
     ) -> Result<Sent, StoreError> {
         let s = self.side.schema();
         // The message's timestamp comes from here (like its UUIDv7), at the database's
@@ -524,6 +528,7 @@ impl Store {
             key: &stored,
             client_key: &key,
             payload: &payload,
+            traceparent,
         };
         let deadline = tokio::time::Instant::now() + RESOLVE_WITHIN;
         let written = match send.execute_by(self, deadline).await {

@@ -1,6 +1,7 @@
 //! Where a message's time goes, by stage (issue 26): each message sent is counted once in
-//! the receiver's write → shown histogram, and each request in the sender's HTTP histogram
-//! under its route and status.
+//! each of the receiver's histograms (outbox write → shown, published → recorded, recorded
+//! → pushed to its one stream), and each request in the sender's HTTP histogram under its
+//! route and status.
 
 use std::time::Duration;
 
@@ -33,10 +34,18 @@ async fn each_stage_histogram_counts_every_message_once() {
         next_message(&mut on_workers, Duration::from_secs(10)).await;
     }
     let (_, received) = testkit::http::get(workers.admin, "/metrics").await.unwrap();
-    assert_eq!(
-        sample(&received, "chat_delivery_seconds_count", &[]),
-        Some(SENT as f64)
-    );
+    // One SSE stream: each message is pushed live once.
+    for histogram in [
+        "chat_delivery_seconds_count",
+        "chat_published_to_recorded_seconds_count",
+        "chat_recorded_to_pushed_seconds_count",
+    ] {
+        assert_eq!(
+            sample(&received, histogram, &[]),
+            Some(SENT as f64),
+            "{histogram}"
+        );
+    }
     let (_, sent) = testkit::http::get(consumers.admin, "/metrics")
         .await
         .unwrap();

@@ -29,6 +29,8 @@ pub struct RunArgs {
     pub standby_urls: Vec<String>,
     #[command(flatten)]
     pub tuning: Tuning,
+    #[command(flatten)]
+    pub trace: outbox_core::telemetry::TraceArgs,
 }
 
 /// Knobs with production defaults.

@@ -59,16 +59,21 @@ pub struct OutboxEvent {
     /// What decides the row's shard (`partition_key`, the chat id for chat messages);
     /// `None` when the column is NULL or the table has none. Not written to the stream.
     pub partition_key: Option<Bytes>,
+    /// The W3C trace context the entry carries (`traceparent`): the row's, valid, until the
+    /// relay's own publish span replaces it. `None`: NULL, invalid, or no such column.
+    pub traceparent: Option<Bytes>,
 }
 
 impl OutboxEvent {
     /// The entry's field values, in the order of `outbox_core::stream::entry::FIELDS`.
-    pub fn field_values(&self) -> [&[u8]; 4] {
+    /// The script adds `published_at` itself and takes an empty `traceparent` as none.
+    pub fn field_values(&self) -> [&[u8]; 5] {
         [
             &self.event,
             &self.payload,
             &self.outbox_id,
             &self.created_at,
+            self.traceparent.as_deref().unwrap_or_default(),
         ]
     }
 
@@ -79,6 +84,7 @@ impl OutboxEvent {
             + self.event.len()
             + self.payload.len()
             + self.created_at.len()
+            + self.traceparent.as_ref().map_or(0, Bytes::len)
             + FIELD_NAMES_AND_FRAMING
     }
 }
@@ -112,6 +118,7 @@ struct OutboxColumns {
     payload: usize,
     created_at: usize,
     partition_key: Option<usize>,
+    traceparent: Option<usize>,
     count: usize,
 }
 
@@ -178,12 +185,17 @@ impl RelationCache {
                         .iter()
                         .position(|c| c.name == "partition_key")
                 };
+                let traceparent = relation
+                    .columns
+                    .iter()
+                    .position(|c| c.name == "traceparent");
                 Known::Outbox(OutboxColumns {
                     id: find("id")?,
                     event: find("event")?,
                     payload: find("payload")?,
                     created_at: find("created_at")?,
                     partition_key,
+                    traceparent,
                     count: relation.columns.len(),
                 })
             } else {
@@ -226,6 +238,17 @@ impl RelationCache {
             },
             None => None,
         };
+        // Trace context is a courtesy: one that is not valid is dropped, never an error
+        // (a client may send anything in its header).
+        let traceparent = columns.traceparent.and_then(|index| {
+            match std::mem::replace(&mut values[index], Value::Null) {
+                Value::Text(bytes) => std::str::from_utf8(&bytes)
+                    .ok()
+                    .and_then(outbox_core::telemetry::parse)
+                    .map(|_| bytes),
+                _ => None,
+            }
+        });
         let mut take = |index: usize, column: &'static str| match std::mem::replace(
             &mut values[index],
             Value::Null,
@@ -250,6 +273,7 @@ impl RelationCache {
             payload: take(columns.payload, "payload")?,
             created_at: rfc3339_utc(take(columns.created_at, "created_at")?),
             partition_key,
+            traceparent,
         }))
     }
 }
@@ -343,8 +367,34 @@ mod tests {
                 payload: Bytes::from_static(b"{\"a\": 1}"),
                 created_at: Bytes::from_static(b"2026-11-29T21:12:00.5Z"),
                 partition_key: None,
+                traceparent: None,
             })
         );
+    }
+
+    #[test]
+    fn a_valid_traceparent_is_carried_and_any_other_dropped() {
+        let mut cache = cache();
+        cache
+            .on_relation(&relation(
+                5,
+                "consumers",
+                "outbox",
+                &["id", "event", "payload", "created_at", "traceparent"],
+            ))
+            .unwrap();
+        let traced = |value: Value| match cache.on_insert(Insert {
+            relation_id: 5,
+            values: vec![text("1"), text("e"), text("{}"), text("x"), value],
+        }) {
+            Ok(Row::Outbox(event)) => event.traceparent,
+            other => panic!("{other:?}"),
+        };
+        let tp = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01";
+        assert_eq!(traced(text(tp)), Some(Bytes::from(tp)));
+        assert_eq!(traced(text("00-not-a-trace-01")), None);
+        assert_eq!(traced(text("")), None);
+        assert_eq!(traced(Value::Null), None);
     }
 
     #[test]

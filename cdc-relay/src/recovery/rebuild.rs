@@ -434,7 +434,11 @@ async fn republish(
                         payload: text(2),
                         created_at: rfc3339_utc(text(3)),
                         partition_key,
+                        // A rebuild republishes rows long after their request: their
+                        // traces ended then.
+                        traceparent: None,
                     },
+                    span: None,
                 },
                 0,
             );

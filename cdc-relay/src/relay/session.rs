@@ -24,10 +24,11 @@ use outbox_core::stream::{shard_of, EntryId};
 
 use crate::config::{BatchLimits, OnLostSlot};
 use crate::context::Context;
+use crate::decode::OutboxEvent;
 use crate::decode::{self, PgOutput, RelationCache, Row};
 use crate::error::RelayError;
 use crate::recovery::Started;
-use crate::sink::{Batch, Confirmed, Pipeline, StreamEntry};
+use crate::sink::{Batch, Confirmed, Pipeline, PublishSpan, StreamEntry};
 use crate::source::{replication_error, ReplicationPhase};
 use crate::status::Role;
 
@@ -228,7 +229,7 @@ impl Session<'_> {
                     self.relations.on_relation(&relation)?;
                 }
                 PgOutput::Insert(insert) => match self.relations.on_insert(insert)? {
-                    Row::Outbox(event) => {
+                    Row::Outbox(mut event) => {
                         let shard = shard_of(event.partition_key.as_deref(), self.state.shards());
                         let txn = self.state.open.as_mut().ok_or_else(|| {
                             RelayError::Protocol("insert outside a transaction".into())
@@ -238,12 +239,19 @@ impl Session<'_> {
                             seq: txn.next_seq,
                         };
                         txn.next_seq += 1;
+                        let span = publish_span(
+                            &mut event,
+                            id,
+                            &self.ctx.config.stream,
+                            txn.commit_time_micros,
+                        );
                         self.state.filling.push(
                             StreamEntry {
                                 id,
                                 shard,
                                 event,
                                 commit_time_micros: 0,
+                                span,
                             },
                             txn.commit_time_micros,
                         );
@@ -415,6 +423,46 @@ impl Session<'_> {
         info!(acknowledged_lsn = %sent, "stopped");
         Ok(())
     }
+}
+
+/// The relay's span of an entry whose row carries trace context: a child of the sending
+/// request's span, from the transaction's commit (Postgres's clock) to Redis confirming
+/// the entry. The entry then carries the span's own context, so the receiver's spans hang
+/// below it. Without spans (or trace context) the row's context passes on unchanged.
+fn publish_span(
+    event: &mut OutboxEvent,
+    id: EntryId,
+    stream: &str,
+    commit_time_micros: i64,
+) -> Option<PublishSpan> {
+    use outbox_core::telemetry::{self, Attribute, Kind};
+    if !telemetry::enabled() {
+        return None;
+    }
+    let parent = telemetry::parse(std::str::from_utf8(event.traceparent.as_deref()?).ok()?)?;
+    let committed = std::time::UNIX_EPOCH
+        .checked_add(Duration::from_micros(
+            (commit_time_micros + PG_EPOCH_OFFSET_MICROS).max(0) as u64,
+        ))
+        .filter(|t| *t <= std::time::SystemTime::now());
+    let span = telemetry::start(
+        "outbox publish",
+        Kind::Producer,
+        Some(&parent),
+        committed,
+        vec![
+            Attribute::new("messaging.system", "redis"),
+            Attribute::new("messaging.operation.type", "publish"),
+            Attribute::new("messaging.destination.name", stream.to_string()),
+            Attribute::new("messaging.message.id", id.to_string()),
+            Attribute::new(
+                "outbox.id",
+                String::from_utf8_lossy(&event.outbox_id).into_owned(),
+            ),
+        ],
+    )?;
+    event.traceparent = telemetry::passed_on(Some(&span), Some(&parent)).map(Into::into);
+    Some(PublishSpan::new(span))
 }
 
 fn unix_micros() -> i64 {

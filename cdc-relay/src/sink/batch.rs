@@ -7,7 +7,10 @@
 //! Entries of a transaction still open at sealing time ride along (they are idempotent) but
 //! earn no acknowledgement until a later batch carries their Commit.
 
+use std::sync::{Arc, Mutex};
+
 use outbox_core::stream::EntryId;
+use outbox_core::telemetry;
 use pgwire_replication::Lsn;
 
 use crate::config::BatchLimits;
@@ -22,6 +25,28 @@ pub(crate) struct StreamEntry {
     /// Its transaction's commit time (Postgres epoch microseconds; 0 when republished), for
     /// the commit-to-published latency.
     pub commit_time_micros: i64,
+    /// The relay's span of this entry, when it makes spans and the row had trace context.
+    pub span: Option<PublishSpan>,
+}
+
+/// The relay's span of one entry, from its commit to Redis confirming it: shared by the
+/// copies of the entry a retry makes, ended once, at the confirmation. A session that ends
+/// first drops it, which ends it there.
+#[derive(Debug, Clone)]
+pub(crate) struct PublishSpan(Arc<Mutex<Option<telemetry::Span>>>);
+
+impl PublishSpan {
+    pub(crate) fn new(span: telemetry::Span) -> Self {
+        Self(Arc::new(Mutex::new(Some(span))))
+    }
+
+    /// Redis confirmed the entry.
+    pub(crate) fn end(&self) {
+        use telemetry::SpanExt as _;
+        if let Some(mut span) = self.0.lock().unwrap().take() {
+            span.end();
+        }
+    }
 }
 
 #[derive(Debug, Default)]
@@ -101,7 +126,9 @@ mod tests {
                 payload: Bytes::from_static(b"{}"),
                 created_at: Bytes::from_static(b"t"),
                 partition_key: None,
+                traceparent: None,
             },
+            span: None,
         }
     }
 

@@ -9,7 +9,7 @@ mod publisher;
 mod rebuild_lock;
 mod record;
 
-pub(crate) use batch::{Batch, StreamEntry};
+pub(crate) use batch::{Batch, PublishSpan, StreamEntry};
 pub(crate) use pipeline::{Confirmed, Pipeline};
 pub(crate) use publisher::Publisher;
 pub(crate) use rebuild_lock::RebuildLock;

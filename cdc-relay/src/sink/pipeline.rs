@@ -381,6 +381,9 @@ impl Pipeline {
                 let mut commit_times_micros: Vec<i64> = Vec::new();
                 let mut last_commit = None;
                 for entry in &head.part.entries {
+                    if let Some(span) = &entry.span {
+                        span.end();
+                    }
                     if last_commit != Some(entry.id.commit_lsn) && entry.commit_time_micros > 0 {
                         commit_times_micros.push(entry.commit_time_micros);
                     }

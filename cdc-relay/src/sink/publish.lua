@@ -18,7 +18,9 @@
 --          existed state nothing, which means 1)
 -- ARGV[7]  the writer epoch of the relay session (see `writer_epoch` below); a session
 --          older than the one the record names is refused with FENCED
--- ARGV[8..] five per entry: id, event, payload, outbox_id, created_at; ids strictly increase
+-- ARGV[8..] six per entry: id, event, payload, outbox_id, created_at, traceparent ('': none);
+--          ids strictly increase. Each new entry also gets `published_at`: this call's TIME
+--          in Unix microseconds, the start of the consumers' published-to-recorded latency
 --
 -- Returns {published, duplicates, unread_trimmed}. An entry whose id is not above the
 -- stream's last-generated-id is a replay (Postgres re-sends what the slot did not
@@ -34,7 +36,7 @@
 local stream, origin_key = KEYS[1], KEYS[2]
 local system_id, timeline, maxlen, fence, ack, shards = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6]
 local epoch = tonumber(ARGV[7])
-local FIRST = 8
+local FIRST, PER = 8, 6
 
 local origin = redis.call('HMGET', origin_key, 'system_id', 'timeline', 'acked_through', 'shards', 'writer_epoch')
 if not origin[1] then
@@ -79,9 +81,19 @@ local function record(last_i)
   end
 end
 
+-- Redis's clock, read once per call: every entry of the batch was stored at that moment.
+local clock = redis.call('TIME')
+local published_at = clock[1] .. string.sub('000000' .. clock[2], -6)
+
 local function add(i)
-  redis.call('XADD', stream, ARGV[i],
-    'event', ARGV[i + 1], 'payload', ARGV[i + 2], 'outbox_id', ARGV[i + 3], 'created_at', ARGV[i + 4])
+  if ARGV[i + 5] == '' then
+    redis.call('XADD', stream, ARGV[i],
+      'event', ARGV[i + 1], 'payload', ARGV[i + 2], 'outbox_id', ARGV[i + 3], 'created_at', ARGV[i + 4], 'published_at', published_at)
+  else
+    redis.call('XADD', stream, ARGV[i],
+      'event', ARGV[i + 1], 'payload', ARGV[i + 2], 'outbox_id', ARGV[i + 3], 'created_at', ARGV[i + 4], 'published_at', published_at,
+      'traceparent', ARGV[i + 5])
+  end
 end
 
 -- At the cap, whatever still has to go after trim_acked (see trim.lua) is unread:
@@ -96,18 +108,18 @@ end
 
 -- Fast path: the batch starts above the top, and ids increase, so every entry is new.
 if #ARGV < FIRST or id_less(top, ARGV[FIRST]) then
-  for i = FIRST, #ARGV, 5 do
+  for i = FIRST, #ARGV, PER do
     add(i)
   end
   local unread = 0
   if #ARGV >= FIRST then unread = trim() end
-  record(#ARGV >= FIRST and (#ARGV - 4) or nil)
-  return {(#ARGV - FIRST + 1) / 5, 0, unread}
+  record(#ARGV >= FIRST and (#ARGV - PER + 1) or nil)
+  return {(#ARGV - FIRST + 1) / PER, 0, unread}
 end
 
 -- A replay: skip the entries Redis already has, checking each still stored one.
 local published, duplicates, last_i = 0, 0, nil
-for i = FIRST, #ARGV, 5 do
+for i = FIRST, #ARGV, PER do
   local id = ARGV[i]
   if id_less(top, id) then
     add(i)

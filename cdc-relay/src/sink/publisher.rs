@@ -402,15 +402,23 @@ mod tests {
 
     #[test]
     fn the_script_writes_the_contracts_fields_in_their_order() {
-        let xadd = SCRIPT
-            .lines()
-            .skip_while(|l| !l.contains("redis.call('XADD', stream, ARGV[i],"))
-            .take(2)
-            .collect::<String>();
-        let named: Vec<&str> = xadd
-            .split('\'')
-            .filter(|w| outbox_core::stream::entry::FIELDS.contains(w))
+        use outbox_core::stream::entry::{FIELDS, TRACEPARENT};
+        let add = SCRIPT
+            .split("local function add(i)")
+            .nth(1)
+            .and_then(|rest| rest.split("\nend\n").next())
+            .expect("publish.lua defines add()");
+        let calls: Vec<Vec<&str>> = add
+            .split("redis.call('XADD'")
+            .skip(1)
+            .map(|call| {
+                call.split('\'')
+                    .filter(|w| FIELDS.contains(w) || *w == TRACEPARENT)
+                    .collect()
+            })
             .collect();
-        assert_eq!(named, outbox_core::stream::entry::FIELDS, "{xadd}");
+        let mut traced = FIELDS.to_vec();
+        traced.push(TRACEPARENT);
+        assert_eq!(calls, vec![FIELDS.to_vec(), traced], "{add}");
     }
 }

@@ -205,8 +205,58 @@ async fn read_body(app: &App, body: Incoming) -> Result<bytes::Bytes, Response<B
     }
 }
 
-/// `POST /chats/{chat_id}/messages`.
+/// `POST /chats/{chat_id}/messages`, under a server span continuing the request's
+/// `traceparent` (or starting a trace) when spans are on. The outbox row gets the span's
+/// context, or the request's unchanged when spans are off; log lines of the send carry the
+/// trace id.
 pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Response<Body> {
+    use outbox_core::telemetry::{self, Attribute, Kind, SpanExt as _, Status};
+    use tracing::Instrument as _;
+    let given = req
+        .headers()
+        .get(telemetry::TRACEPARENT)
+        .and_then(|v| v.to_str().ok())
+        .and_then(telemetry::parse);
+    let mut span = telemetry::start(
+        "POST /chats/{chat_id}/messages",
+        Kind::Server,
+        given.as_ref(),
+        None,
+        vec![
+            Attribute::new("http.request.method", "POST"),
+            Attribute::new("http.route", "/chats/{chat_id}/messages"),
+            Attribute::new("chat.side", app.side.as_str()),
+        ],
+    );
+    let traceparent = telemetry::passed_on(span.as_ref(), given.as_ref());
+    let trace_id = telemetry::trace_id(span.as_ref(), given.as_ref());
+    let resp = if trace_id.is_empty() {
+        send_traced(app, chat_id, req, None).await
+    } else {
+        send_traced(app, chat_id, req, traceparent)
+            .instrument(tracing::info_span!("send", trace_id = %trace_id))
+            .await
+    };
+    if let Some(span) = &mut span {
+        let status = resp.status();
+        span.set_attribute(Attribute::new(
+            "http.response.status_code",
+            i64::from(status.as_u16()),
+        ));
+        if status.is_server_error() {
+            span.set_status(Status::error(status.to_string()));
+        }
+        span.end();
+    }
+    resp
+}
+
+async fn send_traced(
+    app: &App,
+    chat_id: &str,
+    req: Request<Incoming>,
+    traceparent: Option<String>,
+) -> Response<Body> {
     let chat_id = match model::parse_chat_id(chat_id) {
         Ok(id) => id,
         Err(e) => return input_error(e),
@@ -285,6 +335,7 @@ pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Re
             &body,
             idempotency_key.as_deref(),
             who.as_ref().map(|w| w.user.as_str()),
+            traceparent.as_deref(),
         )
         .await;
     // An attempt the database certainly did not take (503, nothing written) is given back,
@@ -297,7 +348,7 @@ pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Re
     match sent {
         Ok(sent) => {
             // Committed: show it on this side's other tabs and devices, on every instance.
-            app.announcer.announce(&sent.item);
+            app.announcer.announce(&sent.item, None);
             let mut resp = reply::json(StatusCode::CREATED, &sent.item);
             if sent.replayed {
                 resp.headers_mut()

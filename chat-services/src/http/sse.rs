@@ -11,6 +11,9 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::telemetry;
 
 use bytes::Bytes;
 use futures::stream;
@@ -24,7 +27,7 @@ use tracing::debug;
 
 use super::reply::Body;
 use super::App;
-use crate::hub::{frame, Live, Subscription};
+use crate::hub::{frame, Delivery, Live, Subscription};
 use crate::store::StoreError;
 
 /// Where a client resumes.
@@ -197,9 +200,16 @@ async fn stream_events(
             _ = app.shutdown.cancelled() => return Ok(()),
             _ = client.tx.closed() => return Err(StreamEnd::ClientGone),
             received = live.recv() => match received {
-                Ok(Live::Message { pos, frame }) => {
+                Ok(Live::Message { pos, frame, delivery }) => {
                     if pos == last + 1 {
+                        let span = delivery.as_deref().and_then(push_span);
                         send(frame).await?;
+                        drop(span);
+                        if let Some(delivery) = delivery {
+                            app.metrics
+                                .recorded_to_pushed_seconds
+                                .observe(seconds_since_micros(delivery.recorded_at_micros));
+                        }
                         last = pos;
                     } else if pos > last {
                         // A message between was announced elsewhere, late, or never.
@@ -224,6 +234,29 @@ async fn stream_events(
             _ = heartbeat.tick() => send(Bytes::from_static(b": heartbeat\n\n")).await?,
         }
     }
+}
+
+/// The live push of a received message to one stream: a child of its inbox write's span
+/// (ended when dropped, once the frame is queued for the client).
+fn push_span(delivery: &Delivery) -> Option<telemetry::Span> {
+    use telemetry::{Attribute, Kind};
+    let parent = telemetry::parse(delivery.traceparent.as_deref()?)?;
+    telemetry::start(
+        "sse push",
+        Kind::Producer,
+        Some(&parent),
+        None,
+        vec![Attribute::new("messaging.operation.type", "send")],
+    )
+}
+
+/// Seconds from a Unix time in microseconds to now (0 if that is in the future: clocks of
+/// two instances).
+fn seconds_since_micros(micros: u64) -> f64 {
+    let then = std::time::UNIX_EPOCH + Duration::from_micros(micros);
+    std::time::SystemTime::now()
+        .duration_since(then)
+        .map_or(0.0, |d| d.as_secs_f64())
 }
 
 /// Queue a frame for the client. A client whose queue holds more than its byte budget, or

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use outbox_core::stream::entry::dead_letter;
+use outbox_core::stream::entry::{self, dead_letter};
 use redis::Value;
 use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
@@ -20,6 +20,19 @@ pub(super) struct Entry {
     /// `None`: the entry was trimmed from the stream before it was acknowledged.
     pub(super) fields: Option<HashMap<String, String>>,
     pub(super) deliveries: u64,
+}
+
+impl Entry {
+    /// The trace context the entry carries, if valid.
+    pub(super) fn trace_context(&self) -> Option<outbox_core::telemetry::SpanContext> {
+        let traceparent = self.fields.as_ref()?.get(entry::TRACEPARENT)?;
+        outbox_core::telemetry::parse(traceparent)
+    }
+
+    /// The trace id for log lines of this entry (empty without one).
+    pub(super) fn trace_id(&self) -> String {
+        outbox_core::telemetry::trace_id(None, self.trace_context().as_ref())
+    }
 }
 
 impl Active<'_> {
@@ -435,7 +448,7 @@ impl Active<'_> {
             error!(trimmed, max_len, dead_letter_stream = %self.cfg().dead_letter_stream, "dead-letter stream full: its oldest entries were trimmed and can no longer be replayed; act on the dead letters (chat-service dead-letters) or raise --dead-letter-max-len");
         }
         self.count_dead_letters().await?;
-        warn!(stream_id = %entry.id, %reason, dead_letter_stream = %self.cfg().dead_letter_stream, "entry dead-lettered");
+        warn!(stream_id = %entry.id, trace_id = %entry.trace_id(), %reason, dead_letter_stream = %self.cfg().dead_letter_stream, "entry dead-lettered");
         Ok(())
     }
 }

@@ -32,11 +32,13 @@ use outbox_core::stream::entry;
 use outbox_core::stream::keys::{self, origin_key};
 use outbox_core::stream::record::{check_layout, recorded_shards};
 use outbox_core::stream::shard_key;
+use outbox_core::telemetry;
 use tokio::sync::watch;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, error, info, warn};
 
+use crate::hub::Delivery;
 use crate::metrics::Metrics;
 use crate::model::{self, HistoryItem};
 use crate::notify::Announcer;
@@ -551,6 +553,7 @@ impl Active<'_> {
         attempts: &HashMap<String, u64>,
         shutdown: &CancellationToken,
     ) -> Result<Flow, ConsumeError> {
+        let read_at = std::time::SystemTime::now();
         let mut received = Vec::new();
         let mut dead = Vec::new();
         let mut gone = Vec::new();
@@ -637,7 +640,7 @@ impl Active<'_> {
                     positions
                 }
             };
-            self.after_commit(&received, &recorded).await?;
+            self.after_commit(&received, &recorded, read_at).await?;
         }
         for (entry, reason) in dead {
             self.dead_letter(&entry, &reason).await?;
@@ -707,8 +710,14 @@ impl Active<'_> {
         &mut self,
         received: &[(Entry, model::Message)],
         recorded: &HashMap<uuid::Uuid, Position>,
+        read_at: std::time::SystemTime,
     ) -> Result<(), ConsumeError> {
         let metrics = &self.inbox.metrics;
+        let committed = std::time::SystemTime::now();
+        let committed_micros = committed
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_micros() as u64);
+        let mut deliveries: HashMap<uuid::Uuid, Delivery> = HashMap::new();
         let mut shown: Vec<HistoryItem> = Vec::with_capacity(received.len());
         for (entry, message) in received {
             let Some(position) = recorded.get(&message.id) else {
@@ -719,7 +728,30 @@ impl Active<'_> {
                     message.id, entry.id
                 )));
             };
+            let fields = entry.fields.as_ref();
+            let published = fields
+                .and_then(|f| {
+                    entry::EntryFields::decode(|name| f.get(name).map(String::as_str)).ok()
+                })
+                .and_then(|f| f.published_at());
+            let given = entry.trace_context();
+            let span = record_span(given.as_ref(), read_at, entry, message, position);
+            deliveries.insert(
+                message.id,
+                Delivery {
+                    recorded_at_micros: committed_micros,
+                    traceparent: telemetry::passed_on(span.as_ref(), given.as_ref()),
+                },
+            );
+            drop(span);
             if position.new {
+                if let Some(published) = published {
+                    metrics.published_to_recorded_seconds.observe(
+                        committed
+                            .duration_since(published)
+                            .map_or(0.0, |d| d.as_secs_f64()),
+                    );
+                }
                 metrics.messages_received_total.inc();
                 #[cfg(feature = "failpoints")]
                 if self.cfg().crash_after_inbox_commit
@@ -738,7 +770,7 @@ impl Active<'_> {
                 }
             } else {
                 metrics.duplicates_skipped_total.inc();
-                info!(message_id = %message.id, stream_id = %entry.id, pos = position.pos, "redelivery of a message already in the inbox; shown again, recorded once");
+                info!(message_id = %message.id, stream_id = %entry.id, trace_id = %entry.trace_id(), pos = position.pos, "redelivery of a message already in the inbox; shown again, recorded once");
             }
             shown.push(HistoryItem {
                 message: message.clone(),
@@ -748,7 +780,8 @@ impl Active<'_> {
         shown.sort_by_key(|item| (item.message.chat_id, item.pos));
         shown.dedup_by_key(|item| item.message.id);
         for item in &shown {
-            self.inbox.announcer.announce(item);
+            let delivery = deliveries.remove(&item.message.id);
+            self.inbox.announcer.announce(item, delivery);
         }
         let now = time::OffsetDateTime::now_utc();
         for (entry, _) in received {
@@ -769,6 +802,32 @@ impl Active<'_> {
         let ids: Vec<String> = received.iter().map(|(e, _)| e.id.clone()).collect();
         self.ack(&ids).await
     }
+}
+
+/// The inbox write's span of one message: a child of the relay's publish span (the
+/// entry's context), from the batch being read to its commit (ended when dropped).
+fn record_span(
+    parent: Option<&telemetry::SpanContext>,
+    read_at: std::time::SystemTime,
+    entry: &Entry,
+    message: &model::Message,
+    position: &Position,
+) -> Option<telemetry::Span> {
+    use telemetry::{Attribute, Kind};
+    telemetry::start(
+        "inbox record",
+        Kind::Consumer,
+        Some(parent?),
+        Some(read_at),
+        vec![
+            Attribute::new("messaging.system", "redis"),
+            Attribute::new("messaging.operation.type", "process"),
+            Attribute::new("messaging.message.id", entry.id.clone()),
+            Attribute::new("chat.message.id", message.id.to_string()),
+            Attribute::new("chat.id", message.chat_id),
+            Attribute::new("chat.inbox.duplicate", !position.new),
+        ],
+    )
 }
 
 enum Recorded {

@@ -3,9 +3,10 @@
 
 use std::fmt;
 
-/// The entry fields, in the order the relay writes them (`publish.lua` names them in this
-/// order; a test holds it to that).
-pub const FIELDS: [&str; 4] = [EVENT, PAYLOAD, OUTBOX_ID, CREATED_AT];
+/// The fields every entry has, in the order the relay writes them (`publish.lua` names
+/// them in this order; a test holds it to that). [`TRACEPARENT`] follows when the outbox
+/// row had trace context. Entries written by relays before `published_at` lack it.
+pub const FIELDS: [&str; 5] = [EVENT, PAYLOAD, OUTBOX_ID, CREATED_AT, PUBLISHED_AT];
 /// The event type (`outbox.event`), e.g. `message.created`.
 pub const EVENT: &str = "event";
 /// The event's JSON document (`outbox.payload`, jsonb as Postgres prints it: keys
@@ -15,6 +16,12 @@ pub const PAYLOAD: &str = "payload";
 pub const OUTBOX_ID: &str = "outbox_id";
 /// When the outbox row was written, RFC 3339 in UTC (`2026-11-29T21:12:00.123456Z`).
 pub const CREATED_AT: &str = "created_at";
+/// When Redis stored the entry (its clock, in the publishing call), Unix microseconds in
+/// decimal. A rebuild's republished entries carry the rebuild's time.
+pub const PUBLISHED_AT: &str = "published_at";
+/// W3C trace context (`00-<trace id>-<span id>-<flags>`) of the relay's publish span, or
+/// the outbox row's own when the relay exports no spans; absent when the row had none.
+pub const TRACEPARENT: &str = "traceparent";
 
 /// A stream entry id `<final_lsn>-<k>`: the transaction's commit LSN (plus the stream's id
 /// offset after a rebuild) and the insert's position inside it. Ids grow strictly in commit
@@ -62,6 +69,8 @@ pub struct EntryFields<'a> {
     pub payload: &'a str,
     pub outbox_id: Option<&'a str>,
     pub created_at: Option<&'a str>,
+    pub published_at: Option<&'a str>,
+    pub traceparent: Option<&'a str>,
 }
 
 impl<'a> EntryFields<'a> {
@@ -72,7 +81,15 @@ impl<'a> EntryFields<'a> {
             payload: field(PAYLOAD).ok_or(MissingField(PAYLOAD))?,
             outbox_id: field(OUTBOX_ID),
             created_at: field(CREATED_AT),
+            published_at: field(PUBLISHED_AT),
+            traceparent: field(TRACEPARENT),
         })
+    }
+
+    /// When Redis stored the entry, if it says (and says it readably).
+    pub fn published_at(&self) -> Option<std::time::SystemTime> {
+        let micros: u64 = self.published_at?.parse().ok()?;
+        std::time::UNIX_EPOCH.checked_add(std::time::Duration::from_micros(micros))
     }
 }
 
@@ -130,6 +147,15 @@ mod tests {
         let fields = EntryFields::decode(|k| map.get(k).map(String::as_str)).unwrap();
         assert_eq!((fields.event, fields.payload), ("e", "{}"));
         assert_eq!((fields.outbox_id, fields.created_at), (None, Some("t")));
+        assert_eq!((fields.published_at(), fields.traceparent), (None, None));
+        let published = EntryFields {
+            published_at: Some("1764620000123456"),
+            ..fields
+        };
+        assert_eq!(
+            published.published_at(),
+            Some(std::time::UNIX_EPOCH + std::time::Duration::from_micros(1_764_620_000_123_456))
+        );
         let none = EntryFields::decode(|_| None).unwrap_err();
         assert_eq!(none, MissingField("event"));
         assert_eq!(dead_letter::entry_field(PAYLOAD), "entry.payload");
