@@ -21,6 +21,10 @@ pub enum Variant {
     /// token (EdDSA), verified and checked for chat membership by the services.
     #[value(name = "cdc-tokens")]
     CdcTokens,
+    /// Ours with every process exporting spans over OTLP (to a receiver in the lab
+    /// process), each POST carrying a `traceparent`: what tracing costs.
+    #[value(name = "cdc-traced")]
+    CdcTraced,
     /// The second design: outbox + NOTIFY, a relay selecting FOR UPDATE batches.
     Notify,
     /// The same relay woken only by a 1 s timer.
@@ -35,6 +39,7 @@ impl Variant {
         match self {
             Variant::Cdc => "cdc",
             Variant::CdcTokens => "cdc-tokens",
+            Variant::CdcTraced => "cdc-traced",
             Variant::Notify => "notify",
             Variant::Poll1s => "poll-1s",
             Variant::DualWrite => "dual-write",
@@ -87,19 +92,78 @@ pub fn summarize(variant: &str, mut samples_ms: Vec<f64>) -> Summary {
     }
 }
 
-/// Where the time goes, averaged over a run (from the components' own metrics).
-#[derive(Debug, Clone, Copy, Serialize)]
+/// Where the time goes over a run, from the components' own metrics: averages, and p50/p99
+/// estimated from the histograms' buckets (as Prometheus's `histogram_quantile` does).
+#[derive(Debug, Clone, Serialize)]
 pub struct Stages {
+    pub variant: String,
     /// Relay: from the transaction's commit timestamp to Redis confirming its entry.
     pub commit_to_published_ms: f64,
     /// Relay: one publish call to Redis (script + AOF fsync).
     pub publish_call_ms: f64,
     /// Workers: from the outbox row's created_at to the message shown (pushed to clients).
     pub outbox_write_to_shown_ms: f64,
+    /// p50 and p99 (ms) of each stage histogram, in path order.
+    pub quantiles: Vec<StageQuantiles>,
+    /// CPU (user + system) of the relay and both services per message sent, in ms.
+    pub cpu_ms_per_message: f64,
+    /// Spans the OTLP receiver got (traced runs).
+    pub spans_received: Option<usize>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct StageQuantiles {
+    pub histogram: String,
+    pub count: f64,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+}
+
+/// The `q` quantile of histogram `name` in a Prometheus text exposition, interpolated
+/// linearly inside its bucket (NaN without observations).
+pub fn histogram_quantile(text: &str, name: &str, q: f64) -> f64 {
+    let bucket = format!("{name}_bucket");
+    let mut buckets: Vec<(f64, f64)> = testkit::http::metric_samples(text)
+        .into_iter()
+        .filter(|(k, _)| k.split('{').next() == Some(bucket.as_str()))
+        .filter_map(|(k, v)| {
+            let le = k.split("le=\"").nth(1)?.split('"').next()?;
+            let le = if le == "+Inf" {
+                f64::INFINITY
+            } else {
+                le.parse().ok()?
+            };
+            Some((le, v))
+        })
+        .collect();
+    buckets.sort_by(|a, b| a.0.total_cmp(&b.0));
+    let Some(&(_, total)) = buckets.last() else {
+        return f64::NAN;
+    };
+    if total == 0.0 {
+        return f64::NAN;
+    }
+    let rank = q * total;
+    let (mut lower, mut below) = (0.0, 0.0);
+    for &(le, count) in &buckets {
+        if count >= rank {
+            if le.is_infinite() {
+                return lower;
+            }
+            return lower + (le - lower) * (rank - below) / (count - below).max(f64::MIN_POSITIVE);
+        }
+        (lower, below) = (le, count);
+    }
+    lower
 }
 
 impl Stages {
-    async fn read(system: &System) -> anyhow::Result<Self> {
+    async fn read(
+        system: &System,
+        variant: Variant,
+        cpu_ms_per_message: f64,
+        spans_received: Option<usize>,
+    ) -> anyhow::Result<Self> {
         let avg = |text: &str, name: &str| {
             let sum = testkit::http::metric_value(text, &format!("{name}_sum")).unwrap_or(f64::NAN);
             let count =
@@ -112,10 +176,28 @@ impl Stages {
         let (_, relay) = testkit::http::get(relay, "/metrics").await?;
         let (_, workers) =
             testkit::http::get(system.service_admin(Side::Workers), "/metrics").await?;
+        let quantiles = [
+            (&relay, "cdc_relay_commit_to_published_seconds"),
+            (&workers, "chat_published_to_recorded_seconds"),
+            (&workers, "chat_recorded_to_pushed_seconds"),
+            (&workers, "chat_delivery_seconds"),
+        ]
+        .into_iter()
+        .map(|(text, name)| StageQuantiles {
+            histogram: name.to_string(),
+            count: testkit::http::metric_value(text, &format!("{name}_count")).unwrap_or(0.0),
+            p50_ms: 1000.0 * histogram_quantile(text, name, 0.50),
+            p99_ms: 1000.0 * histogram_quantile(text, name, 0.99),
+        })
+        .collect();
         Ok(Self {
+            variant: variant.name().to_string(),
             commit_to_published_ms: avg(&relay, "cdc_relay_commit_to_published_seconds"),
             publish_call_ms: avg(&relay, "cdc_relay_publish_batch_duration_seconds"),
             outbox_write_to_shown_ms: avg(&workers, "chat_delivery_seconds"),
+            quantiles,
+            cpu_ms_per_message,
+            spans_received,
         })
     }
 }
@@ -130,6 +212,18 @@ pub async fn measure(
 ) -> anyhow::Result<(Vec<f64>, Option<Stages>)> {
     let system = System::new(durable, Bins::beside_this()?).await?;
     let sender = Side::Consumers;
+    let ours = matches!(
+        variant,
+        Variant::Cdc | Variant::CdcTokens | Variant::CdcTraced
+    );
+    let receiver = match variant {
+        Variant::CdcTraced => Some(testkit::otlp::OtlpReceiver::start().await?),
+        _ => None,
+    };
+    let traced: Vec<String> = receiver
+        .iter()
+        .flat_map(|r| ["--otlp-endpoint".to_string(), r.endpoint()])
+        .collect();
     let token = match variant {
         Variant::CdcTokens => Some(system.enable_tokens().await?),
         _ => None,
@@ -140,12 +234,12 @@ pub async fn measure(
         .map(|b| ("authorization", b.as_str()))
         .collect();
     match variant {
-        Variant::Cdc | Variant::CdcTokens => {
-            system.start("relay-consumers", Kind::Relay(sender), &[])?;
+        Variant::Cdc | Variant::CdcTokens | Variant::CdcTraced => {
+            system.start("relay-consumers", Kind::Relay(sender), &traced)?;
             system
                 .wait_relay("relay-consumers", Duration::from_secs(30))
                 .await?;
-            system.start("consumers", Kind::Service(sender), &[])?;
+            system.start("consumers", Kind::Service(sender), &traced)?;
         }
         Variant::Notify | Variant::Poll1s => {
             let mode = if variant == Variant::Notify {
@@ -168,7 +262,7 @@ pub async fn measure(
             )?;
         }
     }
-    system.start("workers", Kind::Service(Side::Workers), &[])?;
+    system.start("workers", Kind::Service(Side::Workers), &traced)?;
     for side in [Side::Consumers, Side::Workers] {
         system.wait_service(side, Duration::from_secs(30)).await?;
     }
@@ -201,12 +295,29 @@ pub async fn measure(
     };
     let mut sent = Vec::with_capacity(messages);
     let mut next = tokio::time::Instant::now();
+    let ours_cpu = || {
+        ["relay-consumers", "consumers", "workers"]
+            .iter()
+            .map(|name| system.cpu_seconds(name))
+            .sum::<f64>()
+    };
+    let cpu_before = ours_cpu();
     for i in 0..messages {
         tokio::time::sleep_until(next).await;
         next += interval;
         let started = Instant::now();
+        // Traced runs continue a trace of the client's, as a traced front end would.
+        let traceparent = format!(
+            "00-{:032x}-{:016x}-01",
+            rand::random::<u128>() | 1,
+            rand::random::<u64>() | 1
+        );
+        let mut headers = auth.clone();
+        if variant == Variant::CdcTraced {
+            headers.push(("traceparent", traceparent.as_str()));
+        }
         sent.push((
-            post(&mut consumers, &format!("message {i}"), &auth).await?,
+            post(&mut consumers, &format!("message {i}"), &headers).await?,
             started,
         ));
     }
@@ -219,16 +330,23 @@ pub async fn measure(
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     reader.abort();
+    let cpu_ms_per_message = 1000.0 * (ours_cpu() - cpu_before) / messages as f64;
     let arrivals = arrivals.lock().unwrap().clone();
     let samples: Vec<f64> = sent
         .iter()
         .map(|(id, started)| arrivals[id].duration_since(*started).as_secs_f64() * 1000.0)
         .collect();
-    let stages = match variant {
-        Variant::Cdc | Variant::CdcTokens => Some(Stages::read(&system).await?),
-        _ => None,
+    let stages = if ours {
+        Some(Stages::read(&system, variant, cpu_ms_per_message, None).await?)
+    } else {
+        None
     };
     system.shutdown();
+    // Stopped services flush what their batch processors still held.
+    let stages = stages.map(|s| Stages {
+        spans_received: receiver.as_ref().map(|r| r.spans().len()),
+        ..s
+    });
     Ok((samples, stages))
 }
 
@@ -280,6 +398,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         vec![
             Variant::Cdc,
             Variant::CdcTokens,
+            Variant::CdcTraced,
             Variant::Notify,
             Variant::Poll1s,
             Variant::DualWrite,
@@ -307,9 +426,22 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     print_table(&results, args.messages, args.interval, !args.no_fsync);
     for s in &cdc_stages {
         println!(
-            "cdc stages (averages): commit→published {:.2} ms (of which the Redis call {:.2} ms), outbox write→shown {:.2} ms",
-            s.commit_to_published_ms, s.publish_call_ms, s.outbox_write_to_shown_ms
+            "{} stages (averages): commit→published {:.2} ms (of which the Redis call {:.2} ms), outbox write→shown {:.2} ms; relay + services CPU {:.3} ms per message{}",
+            s.variant,
+            s.commit_to_published_ms,
+            s.publish_call_ms,
+            s.outbox_write_to_shown_ms,
+            s.cpu_ms_per_message,
+            s.spans_received
+                .map(|n| format!("; {n} spans exported"))
+                .unwrap_or_default()
         );
+        for q in &s.quantiles {
+            println!(
+                "  {:<42} count {:>6}  p50 {:>7.2} ms  p99 {:>7.2} ms",
+                q.histogram, q.count, q.p50_ms, q.p99_ms
+            );
+        }
     }
     let machine = report::machine();
     println!("machine: {}", machine.describe());
@@ -346,5 +478,27 @@ pub fn print_table(results: &[Summary], messages: usize, interval: Duration, fsy
             "{:<12} {:>8} {:>9.2} {:>9.2} {:>9.2} {:>9.2}",
             r.variant, r.samples, r.p50_ms, r.p95_ms, r.p99_ms, r.max_ms
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_interpolate_inside_their_bucket() {
+        let text = "\
+# TYPE h histogram
+h_bucket{le=\"0.001\"} 50
+h_bucket{le=\"0.002\"} 90
+h_bucket{le=\"0.01\"} 100
+h_bucket{le=\"+Inf\"} 100
+h_sum 0.1
+h_count 100
+";
+        assert!((histogram_quantile(text, "h", 0.5) - 0.001).abs() < 1e-12);
+        assert!((histogram_quantile(text, "h", 0.7) - 0.0015).abs() < 1e-12);
+        assert!((histogram_quantile(text, "h", 0.99) - 0.0092).abs() < 1e-12);
+        assert!(histogram_quantile("", "h", 0.5).is_nan());
     }
 }

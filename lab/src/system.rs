@@ -45,6 +45,36 @@ pub struct Bins {
 }
 
 impl Bins {
+    /// The debug builds beside the test binary `lab` (`CARGO_BIN_EXE_chat-lab`), built now
+    /// if they are stale, for tests. With the lab, whose dependency turns on chat-services'
+    /// failpoints: the chaos runs crash services on purpose (--crash-after-inbox-commit).
+    /// (After `cargo test --workspace` this relinks the binaries once without the
+    /// test-support features; the tests that use them ran before.)
+    pub fn built_for_tests(lab: PathBuf, manifest_dir: &str) -> Self {
+        let dir = lab.parent().expect("a directory").to_path_buf();
+        let status = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
+            .args([
+                "build",
+                "--quiet",
+                "-p",
+                "cdc-relay",
+                "-p",
+                "chat-services",
+                "-p",
+                "lab",
+                "--bins",
+            ])
+            .current_dir(manifest_dir)
+            .status()
+            .expect("cargo build");
+        assert!(status.success(), "cargo build of the binaries failed");
+        Self {
+            relay: dir.join("cdc-relay"),
+            service: dir.join("chat-service"),
+            lab,
+        }
+    }
+
     /// Beside this executable (`cargo build --release --workspace`).
     pub fn beside_this() -> anyhow::Result<Self> {
         Ok(Self {
@@ -79,6 +109,8 @@ pub struct System {
     /// The services' flags for verifying tokens, once [`System::enable_tokens`] ran; until
     /// then they run with `--allow-anonymous`.
     auth_flags: Mutex<Option<Vec<String>>>,
+    /// Environment variables of the processes started from now on.
+    env: Mutex<Vec<(String, String)>>,
 }
 
 /// The user the lab's clients are, with tokens, and the chats it is a member of on both
@@ -192,6 +224,7 @@ impl System {
             generations: Mutex::new(HashMap::new()),
             admin_ports: Mutex::new(HashMap::new()),
             auth_flags: Mutex::new(None),
+            env: Mutex::new(Vec::new()),
             pg,
             redis,
             cluster,
@@ -404,6 +437,7 @@ impl System {
             }
         };
         cmd.args(extra).env("RUST_LOG", "info");
+        cmd.envs(self.env.lock().unwrap().iter().cloned());
         let generation = {
             let mut g = self.generations.lock().unwrap();
             let n = g.entry(name.to_string()).or_insert(0);
@@ -424,6 +458,14 @@ impl System {
             }
         }
         Ok(())
+    }
+
+    /// Set `name=value` in the environment of every process started from now on.
+    pub fn set_env(&self, name: &str, value: &str) {
+        self.env
+            .lock()
+            .unwrap()
+            .push((name.to_string(), value.to_string()));
     }
 
     /// The admin address of relay process `name`.

@@ -3,7 +3,6 @@
 //! nothing; the dual-write baseline must reproduce the write-up's loss (messages 7 and 8).
 
 use std::path::PathBuf;
-use std::process::Command;
 use std::time::Duration;
 
 use lab::chaos::{self, Direction, Topology, Variant};
@@ -12,33 +11,10 @@ use lab::system::Bins;
 
 /// The debug builds of the binaries the experiments run, built now if they are stale.
 fn bins() -> Bins {
-    let lab = PathBuf::from(env!("CARGO_BIN_EXE_chat-lab"));
-    let dir = lab.parent().unwrap().to_path_buf();
-    let status = Command::new(env!("CARGO"))
-        .args([
-            "build",
-            "--quiet",
-            "-p",
-            "cdc-relay",
-            "-p",
-            "chat-services",
-            // With the lab, whose dependency turns on chat-services' failpoints: the chaos
-            // runs crash services on purpose (--crash-after-inbox-commit). (After `cargo
-            // test --workspace` this relinks the binaries once without the test-support
-            // features; the tests that use them ran before this binary.)
-            "-p",
-            "lab",
-            "--bins",
-        ])
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
-        .status()
-        .expect("cargo build");
-    assert!(status.success());
-    Bins {
-        relay: dir.join("cdc-relay"),
-        service: dir.join("chat-service"),
-        lab,
-    }
+    Bins::built_for_tests(
+        PathBuf::from(env!("CARGO_BIN_EXE_chat-lab")),
+        env!("CARGO_MANIFEST_DIR"),
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

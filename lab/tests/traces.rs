@@ -1,0 +1,162 @@
+//! One message's trace across the four processes it passes (issue 26): a POST on Consumers
+//! with a `traceparent` yields the sending service's server span under that parent, the
+//! relay's publish span under it, and Workers' inbox write and live push under those, all
+//! in the request's trace, exported over OTLP to a receiver on loopback; a POST without one
+//! starts a trace that goes the same way.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use lab::system::{Bins, Kind, Side, System};
+use testkit::http::{Connection, SseClient};
+use testkit::otlp::{OtlpReceiver, ReceivedSpan};
+
+fn bins() -> Bins {
+    Bins::built_for_tests(
+        PathBuf::from(env!("CARGO_BIN_EXE_chat-lab")),
+        env!("CARGO_MANIFEST_DIR"),
+    )
+}
+
+const SERVER: i32 = 2;
+const PRODUCER: i32 = 4;
+const CONSUMER: i32 = 5;
+
+/// The hops of one message, each the child of the one before: (service, span, kind).
+const PATH: [(&str, &str, i32); 4] = [
+    ("chat-consumers", "POST /chats/{chat_id}/messages", SERVER),
+    ("cdc-relay", "outbox publish", PRODUCER),
+    ("chat-workers", "inbox record", CONSUMER),
+    ("chat-workers", "sse push", PRODUCER),
+];
+
+/// The spans of trace `trace_id` along [`PATH`], the first under `root_parent`, if all
+/// arrived.
+fn chain<'a>(
+    spans: &'a [ReceivedSpan],
+    trace_id: &str,
+    root_parent: &str,
+) -> Option<Vec<&'a ReceivedSpan>> {
+    let mut parent = root_parent.to_string();
+    let mut found = Vec::new();
+    for (service, name, kind) in PATH {
+        let span = spans.iter().find(|s| {
+            s.trace_id == trace_id
+                && s.parent_span_id == parent
+                && s.service == service
+                && s.name == name
+                && s.kind == kind
+        })?;
+        parent = span.span_id.clone();
+        found.push(span);
+    }
+    Some(found)
+}
+
+async fn post(consumers: &mut Connection, body: &str, headers: &[(&str, &str)]) -> String {
+    let reply = consumers
+        .post_json_with(
+            "/chats/1/messages",
+            &serde_json::json!({ "body": body }),
+            headers,
+        )
+        .await
+        .unwrap();
+    assert_eq!(reply.status, 201, "{}", reply.body);
+    reply.json()["id"].as_str().unwrap().to_string()
+}
+
+async fn shown(client: &mut SseClient, id: &str) {
+    loop {
+        let event = client
+            .next(Duration::from_secs(20))
+            .await
+            .expect("the message shown on Workers");
+        let data: serde_json::Value = serde_json::from_str(&event.data).unwrap();
+        if data["id"] == id {
+            return;
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_post_is_one_trace_from_the_request_to_the_live_push() {
+    let receiver = OtlpReceiver::start().await.unwrap();
+    let system = System::new(false, bins()).await.unwrap();
+    // Export within 100 ms of a span ending rather than the default 5 s.
+    system.set_env("OTEL_BSP_SCHEDULE_DELAY", "100");
+    let otlp = ["--otlp-endpoint".to_string(), receiver.endpoint()];
+    system
+        .start("relay-consumers", Kind::Relay(Side::Consumers), &otlp)
+        .unwrap();
+    system
+        .wait_relay("relay-consumers", Duration::from_secs(30))
+        .await
+        .unwrap();
+    system
+        .start("consumers", Kind::Service(Side::Consumers), &otlp)
+        .unwrap();
+    system
+        .start("workers", Kind::Service(Side::Workers), &otlp)
+        .unwrap();
+    for side in [Side::Consumers, Side::Workers] {
+        system
+            .wait_service(side, Duration::from_secs(30))
+            .await
+            .unwrap();
+    }
+    let mut client =
+        SseClient::connect(system.service_addr(Side::Workers), "/chats/1/events", None)
+            .await
+            .unwrap();
+    let mut consumers = Connection::open(system.service_addr(Side::Consumers))
+        .await
+        .unwrap();
+
+    let (trace_id, caller) = ("0af7651916cd43dd8448eb211c80319c", "b7ad6b7169203331");
+    let traceparent = format!("00-{trace_id}-{caller}-01");
+    let id = post(&mut consumers, "traced", &[("traceparent", &traceparent)]).await;
+    shown(&mut client, &id).await;
+    let spans = receiver
+        .wait_for(
+            Duration::from_secs(30),
+            "the traced message's spans, request to push",
+            |spans| chain(spans, trace_id, caller).is_some(),
+        )
+        .await;
+    let hops = chain(&spans, trace_id, caller).unwrap();
+    for pair in hops.windows(2) {
+        // A hop starts after its parent did (one clock: all on this machine).
+        assert!(
+            pair[1].start_unix_nanos >= pair[0].start_unix_nanos,
+            "{pair:#?}"
+        );
+    }
+    for hop in &hops {
+        assert!(hop.end_unix_nanos >= hop.start_unix_nanos, "{hop:#?}");
+    }
+
+    // Without a traceparent the request starts a trace of its own, which goes the same way.
+    let untraced = post(&mut consumers, "untraced", &[]).await;
+    shown(&mut client, &untraced).await;
+    let roots = |spans: &[ReceivedSpan]| -> Vec<String> {
+        spans
+            .iter()
+            .filter(|s| s.kind == SERVER && s.parent_span_id.is_empty())
+            .map(|s| s.trace_id.clone())
+            .collect()
+    };
+    let spans = receiver
+        .wait_for(
+            Duration::from_secs(30),
+            "a new trace for the message sent without a traceparent",
+            |spans| roots(spans).iter().any(|t| chain(spans, t, "").is_some()),
+        )
+        .await;
+    let started = roots(&spans);
+    assert_eq!(started.len(), 1, "{spans:#?}");
+    assert_ne!(started[0], trace_id);
+    // Nothing else: one span per hop per message.
+    assert_eq!(spans.len(), 2 * PATH.len(), "{spans:#?}");
+    system.shutdown();
+}
