@@ -146,6 +146,12 @@ pub struct Cli {
     pub auth: AuthArgs,
     #[command(flatten)]
     pub trace: outbox_core::telemetry::TraceArgs,
+    /// Continue the `traceparent` a send carries (its trace id, parent and sampling
+    /// decision), and pass it on when spans are off. Only behind a gateway or front end
+    /// that sets or checks it: otherwise any client picks its own trace ids and sampling.
+    /// Off: each send starts a trace of its own, linked to the client's context.
+    #[arg(long, env = "CHAT_TRUST_TRACEPARENT", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
+    pub trust_traceparent: bool,
     /// Fault injection for tests and the lab: SIGKILL the process right after the n-th
     /// received message is committed to the inbox, before XACK. Only in builds with the
     /// `failpoints` feature.
@@ -355,6 +361,7 @@ pub struct ServiceConfig {
     pub sse_heartbeat: Duration,
     pub feed_check_interval: Duration,
     pub sse_client_buffer: usize,
+    pub trust_traceparent: bool,
     pub db_pool_size: usize,
     pub max_connections: usize,
     pub max_event_streams: usize,
@@ -451,6 +458,7 @@ impl Cli {
             sse_heartbeat: self.sse_heartbeat,
             feed_check_interval: self.feed_check_interval,
             sse_client_buffer: self.sse_client_buffer,
+            trust_traceparent: self.trust_traceparent,
             db_pool_size: self.db_pool_size,
             max_connections: self.max_connections,
             max_event_streams: self.max_event_streams,

@@ -125,6 +125,7 @@ impl Service {
             consumer: status_rx,
             shutdown,
             sse_heartbeat: config.sse_heartbeat,
+            trust_traceparent: config.trust_traceparent,
             limits: http::Limits::new(&config),
             auth: match &config.auth {
                 config::AuthMode::Anonymous => {

@@ -98,9 +98,19 @@ struct Notification {
     /// Something may have been missed: every stream re-reads its chat's feed.
     #[serde(default)]
     resync: bool,
-    /// A received message's recording (instances before it send none).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// A received message's recording (instances before it send none). One this version
+    /// cannot read is dropped, not the hint with it.
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "lenient"
+    )]
     delivery: Option<Delivery>,
+}
+
+fn lenient<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Delivery>, D::Error> {
+    let value = <serde_json::Value as serde::Deserialize>::deserialize(d)?;
+    Ok(serde_json::from_value(value).ok())
 }
 
 /// Hands committed feed items to this instance's streams and, through Redis, to the other
@@ -509,6 +519,37 @@ pub(crate) async fn watch_tips(
                     break;
                 }
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_hint_keeps_its_delivery_and_survives_one_it_cannot_read() {
+        let note = Notification {
+            from: "a".into(),
+            chat_id: 7,
+            pos: 3,
+            frame: "f".into(),
+            resync: false,
+            delivery: Some(Delivery {
+                recorded_at_micros: 5,
+                traceparent: Some("00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01".into()),
+            }),
+        };
+        let json = serde_json::to_string(&note).unwrap();
+        let back: Notification = serde_json::from_str(&json).unwrap();
+        assert_eq!(back.delivery, note.delivery);
+        // From an instance before deliveries, and from a later one that changed its form.
+        for json in [
+            r#"{"from":"a","chat_id":7,"pos":3,"frame":"f"}"#,
+            r#"{"from":"a","chat_id":7,"pos":3,"frame":"f","delivery":{"recorded_at_micros":"soon"}}"#,
+        ] {
+            let note: Notification = serde_json::from_str(json).unwrap();
+            assert_eq!((note.pos, note.delivery), (3, None));
         }
     }
 }

@@ -31,4 +31,5 @@ mod send_outcome;
 mod shards;
 mod shown;
 mod stages;
+mod trace_context;
 mod user_limits;

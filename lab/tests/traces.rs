@@ -93,8 +93,18 @@ async fn a_post_is_one_trace_from_the_request_to_the_live_push() {
         .wait_relay("relay-consumers", Duration::from_secs(30))
         .await
         .unwrap();
+    // The first instance sits behind a front end whose traceparent it continues; the
+    // second, facing clients directly, starts traces of its own.
+    let trusting: Vec<String> = otlp
+        .iter()
+        .cloned()
+        .chain(["--trust-traceparent".to_string()])
+        .collect();
     system
-        .start("consumers", Kind::Service(Side::Consumers), &otlp)
+        .start("consumers", Kind::Service(Side::Consumers), &trusting)
+        .unwrap();
+    system
+        .start("consumers-2", Kind::Instance(Side::Consumers, 1), &otlp)
         .unwrap();
     system
         .start("workers", Kind::Service(Side::Workers), &otlp)
@@ -105,6 +115,10 @@ async fn a_post_is_one_trace_from_the_request_to_the_live_push() {
             .await
             .unwrap();
     }
+    system
+        .wait_instance(Side::Consumers, 1, Duration::from_secs(30))
+        .await
+        .unwrap();
     let mut client =
         SseClient::connect(system.service_addr(Side::Workers), "/chats/1/events", None)
             .await
@@ -136,27 +150,51 @@ async fn a_post_is_one_trace_from_the_request_to_the_live_push() {
         assert!(hop.end_unix_nanos >= hop.start_unix_nanos, "{hop:#?}");
     }
 
-    // Without a traceparent the request starts a trace of its own, which goes the same way.
+    // Without a traceparent the request starts a trace of its own, which goes the same
+    // way; so does one the instance does not trust, linking to the client's context.
     let untraced = post(&mut consumers, "untraced", &[]).await;
     shown(&mut client, &untraced).await;
-    let roots = |spans: &[ReceivedSpan]| -> Vec<String> {
+    let mut facing = Connection::open(system.instance_addr(Side::Consumers, 1))
+        .await
+        .unwrap();
+    let stranger = "00-1f2e3d4c5b6a79881f2e3d4c5b6a7988-1122334455667788-01";
+    let untrusted = post(&mut facing, "untrusted", &[("traceparent", stranger)]).await;
+    shown(&mut client, &untrusted).await;
+    let roots = |spans: &[ReceivedSpan]| -> Vec<ReceivedSpan> {
         spans
             .iter()
             .filter(|s| s.kind == SERVER && s.parent_span_id.is_empty())
-            .map(|s| s.trace_id.clone())
+            .filter(|s| chain(spans, &s.trace_id, "").is_some())
+            .cloned()
             .collect()
     };
-    let spans = receiver
+    receiver
         .wait_for(
             Duration::from_secs(30),
-            "a new trace for the message sent without a traceparent",
-            |spans| roots(spans).iter().any(|t| chain(spans, t, "").is_some()),
+            "new traces for the message sent without a traceparent and the untrusted one",
+            |spans| roots(spans).len() == 2,
         )
         .await;
-    let started = roots(&spans);
-    assert_eq!(started.len(), 1, "{spans:#?}");
-    assert_ne!(started[0], trace_id);
-    // Nothing else: one span per hop per message.
-    assert_eq!(spans.len(), 2 * PATH.len(), "{spans:#?}");
+    // Stopped, every process flushed what it held: nothing more than one span per hop per
+    // message arrived.
     system.shutdown();
+    let spans = receiver.spans();
+    assert_eq!(spans.len(), 3 * PATH.len(), "{spans:#?}");
+    let started = roots(&spans);
+    assert_eq!(started.len(), 2, "{spans:#?}");
+    assert!(started
+        .iter()
+        .all(|s| s.trace_id != trace_id && !s.trace_id.contains("1f2e3d4c")));
+    let linked: Vec<&ReceivedSpan> = started
+        .iter()
+        .filter(|s| {
+            s.links
+                == [(
+                    "1f2e3d4c5b6a79881f2e3d4c5b6a7988".to_string(),
+                    "1122334455667788".to_string(),
+                )]
+        })
+        .collect();
+    assert_eq!(linked.len(), 1, "{started:#?}");
+    assert!(started.iter().any(|s| s.links.is_empty()), "{started:#?}");
 }

@@ -32,8 +32,9 @@ pub struct TraceArgs {
     /// (spans go to `<endpoint>/v1/traces`; `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, when
     /// set, names the full URL instead). Unset: no spans are made; a `traceparent` that
     /// comes in is still passed on. `OTEL_SERVICE_NAME`, `OTEL_RESOURCE_ATTRIBUTES`,
-    /// `OTEL_TRACES_SAMPLER[_ARG]`, `OTEL_BSP_*` and `OTEL_EXPORTER_OTLP_HEADERS` apply.
-    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT", value_parser = parse_endpoint)]
+    /// `OTEL_TRACES_SAMPLER[_ARG]`, `OTEL_BSP_*`, `OTEL_EXPORTER_OTLP_HEADERS`,
+    /// `_TIMEOUT` and `_COMPRESSION` (gzip) apply; `OTEL_SDK_DISABLED=true` turns it off.
+    #[arg(long, env = "OTEL_EXPORTER_OTLP_ENDPOINT")]
     pub otlp_endpoint: Option<String>,
 }
 
@@ -91,18 +92,37 @@ pub fn init(args: &TraceArgs, service_name: &str) -> Result<Option<Telemetry>, C
             }
         }
     }
+    // Checked here, after OTEL_SDK_DISABLED: an endpoint this build cannot use, set by the
+    // platform for every container, can be switched off without editing it.
+    let endpoint = args
+        .otlp_endpoint
+        .as_deref()
+        .map(parse_endpoint)
+        .transpose()
+        .map_err(|e| {
+            ConfigError::new(format!(
+                "--otlp-endpoint (OTEL_EXPORTER_OTLP_ENDPOINT): {e}; or set OTEL_SDK_DISABLED=true"
+            ))
+        })?;
     if let Some(url) = &signal_endpoint {
-        parse_endpoint(url)
-            .map_err(|e| ConfigError::new(format!("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: {e}")))?;
+        parse_endpoint(url).map_err(|e| {
+            ConfigError::new(format!(
+                "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT: {e}; or set OTEL_SDK_DISABLED=true"
+            ))
+        })?;
     }
     use opentelemetry_otlp::WithExportConfig;
-    let mut exporter = opentelemetry_otlp::SpanExporter::builder()
-        .with_http()
-        .with_timeout(Duration::from_secs(5));
+    let mut exporter = opentelemetry_otlp::SpanExporter::builder().with_http();
+    if env("OTEL_EXPORTER_OTLP_TIMEOUT").is_none()
+        && env("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT").is_none()
+    {
+        // Shorter than the SDK's 10 s: an export that hangs holds the queue that long.
+        exporter = exporter.with_timeout(Duration::from_secs(5));
+    }
     // The signal's own URL, when given, is taken whole by the exporter; the generic
     // endpoint gets the signal's path, as the specification says.
     if signal_endpoint.is_none() {
-        if let Some(endpoint) = &args.otlp_endpoint {
+        if let Some(endpoint) = &endpoint {
             exporter = exporter.with_endpoint(format!("{endpoint}/v1/traces"));
         }
     }
@@ -122,7 +142,7 @@ pub fn init(args: &TraceArgs, service_name: &str) -> Result<Option<Telemetry>, C
         return Err(ConfigError::new("tracing was set up twice in one process"));
     }
     tracing::info!(
-        endpoint = signal_endpoint.as_deref().or(args.otlp_endpoint.as_deref()),
+        endpoint = signal_endpoint.as_deref().or(endpoint.as_deref()),
         "exporting spans over OTLP"
     );
     Ok(Some(Telemetry { provider }))
@@ -133,9 +153,25 @@ pub fn enabled() -> bool {
     TRACER.get().is_some()
 }
 
-/// The span context a `traceparent` names, read as the W3C specification says (by the
-/// SDK's propagator), or `None` for anything else: a bad value is dropped, never passed on.
+/// The span context a `traceparent` names, or `None` for anything else: a bad value is
+/// dropped, never passed on. The form is checked strictly here (lowercase hex, fixed
+/// lengths; a later version may add fields after a `-`, as the W3C specification says),
+/// what the ids mean by the SDK's propagator (all-zero ids, version ff).
 pub fn parse(traceparent: &str) -> Option<SpanContext> {
+    const LEN: usize = 55;
+    let bytes = traceparent.as_bytes();
+    let well_formed = bytes.len() >= LEN
+        && bytes[..LEN].iter().enumerate().all(|(i, b)| match i {
+            2 | 35 | 52 => *b == b'-',
+            _ => matches!(b, b'0'..=b'9' | b'a'..=b'f'),
+        })
+        && match &bytes[..2] {
+            b"00" => bytes.len() == LEN,
+            _ => bytes.len() == LEN || (bytes[LEN] == b'-' && bytes.len() <= 512),
+        };
+    if !well_formed {
+        return None;
+    }
     struct One<'a>(&'a str);
     impl opentelemetry::propagation::Extractor for One<'_> {
         fn get(&self, key: &str) -> Option<&str> {
@@ -146,8 +182,8 @@ pub fn parse(traceparent: &str) -> Option<SpanContext> {
         }
     }
     use opentelemetry::propagation::TextMapPropagator as _;
-    let cx =
-        opentelemetry_sdk::propagation::TraceContextPropagator::new().extract(&One(traceparent));
+    let cx = opentelemetry_sdk::propagation::TraceContextPropagator::new()
+        .extract(&One(&traceparent[..LEN]));
     let context = cx.span().span_context().clone();
     context.is_valid().then_some(context)
 }
@@ -171,6 +207,19 @@ pub fn start(
     start: Option<SystemTime>,
     attributes: Vec<KeyValue>,
 ) -> Option<Span> {
+    start_linked(name, kind, parent, start, attributes, None)
+}
+
+/// [`start`], with a link to a context that is related but not trusted as the parent
+/// (a client's, when a service does not continue it).
+pub fn start_linked(
+    name: &'static str,
+    kind: SpanKind,
+    parent: Option<&SpanContext>,
+    start: Option<SystemTime>,
+    attributes: Vec<KeyValue>,
+    link: Option<&SpanContext>,
+) -> Option<Span> {
     let tracer = TRACER.get()?;
     let cx = match parent {
         Some(parent) => Context::new().with_remote_span_context(parent.clone()),
@@ -182,6 +231,9 @@ pub fn start(
         .with_attributes(attributes);
     if let Some(start) = start {
         builder = builder.with_start_time(start);
+    }
+    if let Some(link) = link {
+        builder = builder.with_links(vec![opentelemetry::trace::Link::with_context(link.clone())]);
     }
     Some(builder.start_with_context(tracer, &cx))
 }
@@ -230,6 +282,11 @@ mod tests {
             "ff-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
             "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01-x",
             "00-4bf92f3577b34da6a3ce929d0e0e473-600f067aa0ba902b7-01",
+            " 00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01 ",
+            "00-1-2-1",
+            "00-+bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01",
+            "cc-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01x",
         ] {
             assert_eq!(parse(bad), None, "{bad}");
         }

@@ -29,6 +29,8 @@ pub struct ReceivedSpan {
     pub kind: i32,
     pub start_unix_nanos: u64,
     pub end_unix_nanos: u64,
+    /// Linked contexts: (trace id, span id).
+    pub links: Vec<(String, String)>,
 }
 
 /// The receiver; stops when dropped.
@@ -140,6 +142,11 @@ async fn receive(req: Request<Incoming>, kept: &Mutex<Vec<ReceivedSpan>>) -> Res
                     kind: span.kind,
                     start_unix_nanos: span.start_time_unix_nano,
                     end_unix_nanos: span.end_time_unix_nano,
+                    links: span
+                        .links
+                        .iter()
+                        .map(|l| (hex(&l.trace_id), hex(&l.span_id)))
+                        .collect(),
                 });
             }
         }

@@ -242,10 +242,12 @@ impl RelationCache {
         // (a client may send anything in its header).
         let traceparent = columns.traceparent.and_then(|index| {
             match std::mem::replace(&mut values[index], Value::Null) {
+                // Written again as the relay reads it: only the canonical 55 bytes go on,
+                // whatever a writer other than the service put in the column.
                 Value::Text(bytes) => std::str::from_utf8(&bytes)
                     .ok()
                     .and_then(outbox_core::telemetry::parse)
-                    .map(|_| bytes),
+                    .map(|context| Bytes::from(outbox_core::telemetry::format(&context))),
                 _ => None,
             }
         });

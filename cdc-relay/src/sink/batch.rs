@@ -31,19 +31,33 @@ pub(crate) struct StreamEntry {
 
 /// The relay's span of one entry, from its commit to Redis confirming it: shared by the
 /// copies of the entry a retry makes, ended once, at the confirmation. A session that ends
-/// first drops it, which ends it there.
+/// first drops it, which ends it there, marked as not confirmed.
 #[derive(Debug, Clone)]
-pub(crate) struct PublishSpan(Arc<Mutex<Option<telemetry::Span>>>);
+pub(crate) struct PublishSpan(Arc<Mutex<Unconfirmed>>);
+
+#[derive(Debug)]
+struct Unconfirmed(Option<telemetry::Span>);
+
+impl Drop for Unconfirmed {
+    fn drop(&mut self) {
+        use telemetry::SpanExt as _;
+        if let Some(span) = &mut self.0 {
+            span.set_status(telemetry::Status::error(
+                "the session ended before Redis confirmed the entry (the next session publishes it again)",
+            ));
+        }
+    }
+}
 
 impl PublishSpan {
     pub(crate) fn new(span: telemetry::Span) -> Self {
-        Self(Arc::new(Mutex::new(Some(span))))
+        Self(Arc::new(Mutex::new(Unconfirmed(Some(span)))))
     }
 
     /// Redis confirmed the entry.
     pub(crate) fn end(&self) {
         use telemetry::SpanExt as _;
-        if let Some(mut span) = self.0.lock().unwrap().take() {
+        if let Some(mut span) = self.0.lock().unwrap().0.take() {
             span.end();
         }
     }

@@ -205,19 +205,24 @@ async fn read_body(app: &App, body: Incoming) -> Result<bytes::Bytes, Response<B
     }
 }
 
-/// `POST /chats/{chat_id}/messages`, under a server span continuing the request's
-/// `traceparent` (or starting a trace) when spans are on. The outbox row gets the span's
-/// context, or the request's unchanged when spans are off; log lines of the send carry the
-/// trace id.
+/// `POST /chats/{chat_id}/messages`, under a server span when spans are on: continuing
+/// the request's `traceparent` with `--trust-traceparent`, else a trace of its own linked
+/// to it. The outbox row gets the span's context (or, with spans off, the trusted request's
+/// unchanged); log lines of the send carry the trace id.
 pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Response<Body> {
     use outbox_core::telemetry::{self, Attribute, Kind, SpanExt as _, Status};
     use tracing::Instrument as _;
-    let given = req
+    let sent = req
         .headers()
         .get(telemetry::TRACEPARENT)
         .and_then(|v| v.to_str().ok())
         .and_then(telemetry::parse);
-    let mut span = telemetry::start(
+    let (given, linked) = if app.trust_traceparent {
+        (sent, None)
+    } else {
+        (None, sent)
+    };
+    let mut span = telemetry::start_linked(
         "POST /chats/{chat_id}/messages",
         Kind::Server,
         given.as_ref(),
@@ -227,6 +232,7 @@ pub(super) async fn send(app: &App, chat_id: &str, req: Request<Incoming>) -> Re
             Attribute::new("http.route", "/chats/{chat_id}/messages"),
             Attribute::new("chat.side", app.side.as_str()),
         ],
+        linked.as_ref(),
     );
     let traceparent = telemetry::passed_on(span.as_ref(), given.as_ref());
     let trace_id = telemetry::trace_id(span.as_ref(), given.as_ref());

@@ -46,6 +46,8 @@ pub(crate) struct App {
     /// Cancelled at shutdown: open event streams end so connections can close.
     pub shutdown: CancellationToken,
     pub sse_heartbeat: Duration,
+    /// Continue the `traceparent` of sends (`--trust-traceparent`).
+    pub trust_traceparent: bool,
     pub limits: Limits,
     /// Who is asking (bearer tokens, the session cookie), or nobody (`--allow-anonymous`).
     pub auth: crate::auth::Auth,
