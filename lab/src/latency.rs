@@ -239,7 +239,12 @@ pub async fn measure(
             system
                 .wait_relay("relay-consumers", Duration::from_secs(30))
                 .await?;
-            system.start("consumers", Kind::Service(sender), &traced)?;
+            // Behind a front end whose traceparent it continues, as a traced deployment is.
+            let mut flags = traced.clone();
+            if variant == Variant::CdcTraced {
+                flags.push("--trust-traceparent".into());
+            }
+            system.start("consumers", Kind::Service(sender), &flags)?;
         }
         Variant::Notify | Variant::Poll1s => {
             let mode = if variant == Variant::Notify {

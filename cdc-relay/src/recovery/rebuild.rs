@@ -405,7 +405,7 @@ async fn republish(
         .collect();
     let mut published = 0u64;
     // Never more at once than a quarter of the cap, so each batch fits beside what the
-    // groups have not read yet.
+    // groups have not read yet, under the three quarters a rebuild may fill.
     let cap = ctx.config.stream_max_len;
     let per_batch = if cap == 0 {
         CHUNK
@@ -474,7 +474,10 @@ async fn republish(
 /// under `--stream-max-len`, beside what some consumer group has not read (the groups'
 /// reading and acknowledging makes the room; trimming follows them). However much is
 /// retained, a rebuild never trims an unread entry and never refuses: it goes at the pace
-/// of the slowest group, and says so.
+/// of the slowest group, and says so. It fills at most three quarters of the cap: live
+/// publishing, which follows the rebuild at once and cannot wait, trims at the cap, so a
+/// rebuild that left the stream full would have its last entries trimmed unread by the
+/// first new messages (seen: 8 of a rebuild's entries trimmed after Redis lost its data).
 async fn wait_for_room(
     ctx: &Context,
     publisher: &mut Publisher,
@@ -485,6 +488,7 @@ async fn wait_for_room(
     if cap == 0 {
         return Ok(());
     }
+    let fill_to = cap - cap / 4;
     let mut parts = vec![0u64; publisher.shard_count() as usize];
     for entry in &batch.entries {
         parts[entry.shard as usize] += 1;
@@ -494,7 +498,7 @@ async fn wait_for_room(
         let mut said = None::<tokio::time::Instant>;
         loop {
             let (entries, groups) = publisher.room(shard).await?;
-            if entries + part <= cap {
+            if entries + part <= fill_to {
                 break;
             }
             ctx.metrics.rebuild_waiting_for_consumers.set(1);
