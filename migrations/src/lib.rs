@@ -60,14 +60,13 @@ pub async fn apply(client: &mut Client) -> Result<Report, MigrateError> {
 /// cluster-wide: a role another run created while this one waited on it can stay unseen until
 /// this transaction ends ("role ... does not exist", seen with V19 on a fresh cluster), and
 /// two runs creating the same roles can deadlock. Run again, the migration sees the other's.
-/// A migration's bounded wait for a table lock (`lock_timeout`, V10 to V13, V21, V22) that
-/// ran out behind a long reader is tried again the same way, before the run gives up.
+/// (A migration's bounded lock wait running out is not retried here: each try would hold the
+/// table's writes for its `lock_timeout` again; the operator or the Job runs it again.)
 const CONCURRENT_RUN_STATES: &[SqlState] = &[
     SqlState::UNDEFINED_OBJECT,
     SqlState::UNIQUE_VIOLATION,
     SqlState::T_R_DEADLOCK_DETECTED,
     SqlState::T_R_SERIALIZATION_FAILURE,
-    SqlState::LOCK_NOT_AVAILABLE,
 ];
 const CONCURRENT_RUN_ATTEMPTS: u32 = 5;
 

@@ -112,6 +112,19 @@ pub fn init(args: &TraceArgs, service_name: &str) -> Result<Option<Telemetry>, C
         })?;
     }
     use opentelemetry_otlp::WithExportConfig;
+    // The exporter falls back to its default on a value it cannot read; say so instead.
+    for var in [
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_TRACES_TIMEOUT",
+    ] {
+        if let Some(value) = env(var) {
+            if value.trim().parse::<u64>().is_err() {
+                return Err(ConfigError::new(format!(
+                    "{var}={value}: must be whole milliseconds, e.g. 5000"
+                )));
+            }
+        }
+    }
     let mut exporter = opentelemetry_otlp::SpanExporter::builder().with_http();
     if env("OTEL_EXPORTER_OTLP_TIMEOUT").is_none()
         && env("OTEL_EXPORTER_OTLP_TRACES_TIMEOUT").is_none()

@@ -508,9 +508,9 @@ async fn wait_for_room(
                 } else {
                     format!("{groups} consumer group(s) have not read {entries} of its entries")
                 };
-                warn!(stream = %publisher.shard_stream(shard), entries, max_len = cap, %why, "the rebuild waits for the consumers: publishing more now would trim entries nobody read");
+                warn!(stream = %publisher.shard_stream(shard), entries, fill_to, max_len = cap, %why, "the rebuild waits for the consumers: it fills at most three quarters of the cap, so that the new messages after it do not trim entries nobody read");
                 ctx.set_last_error(Some(format!(
-                    "rebuilding {}: waiting for the consumer groups to read ({why}; --stream-max-len {cap})",
+                    "rebuilding {}: waiting for the consumer groups to read ({why}; {entries} entries, a rebuild fills {fill_to} of --stream-max-len {cap})",
                     publisher.shard_stream(shard)
                 )));
                 said = Some(tokio::time::Instant::now());
