@@ -479,7 +479,8 @@ impl System {
     pub async fn wait_service(&self, side: Side, timeout: Duration) -> anyhow::Result<()> {
         let deadline = tokio::time::Instant::now() + timeout;
         loop {
-            if let Some((200, body)) = self.readyz(side).await {
+            let seen = self.readyz(side).await;
+            if let Some((200, body)) = &seen {
                 if body.contains("\"consumer\":\"active\"")
                     || body.contains("\"consumer\":\"none\"")
                 {
@@ -487,7 +488,10 @@ impl System {
                 }
             }
             if tokio::time::Instant::now() >= deadline {
-                bail!("{} not ready after {timeout:?}", side.as_str());
+                bail!(
+                    "{} not ready (an active inbox consumer) after {timeout:?}; last /readyz: {seen:?}",
+                    side.as_str()
+                );
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }

@@ -104,9 +104,6 @@ async fn a_post_is_one_trace_from_the_request_to_the_live_push() {
         .start("consumers", Kind::Service(Side::Consumers), &trusting)
         .unwrap();
     system
-        .start("consumers-2", Kind::Instance(Side::Consumers, 1), &otlp)
-        .unwrap();
-    system
         .start("workers", Kind::Service(Side::Workers), &otlp)
         .unwrap();
     for side in [Side::Consumers, Side::Workers] {
@@ -115,6 +112,11 @@ async fn a_post_is_one_trace_from_the_request_to_the_live_push() {
             .await
             .unwrap();
     }
+    // Started once the first holds Consumers' inbox lease, so it stands by (wait_service
+    // above waits for an active consumer).
+    system
+        .start("consumers-2", Kind::Instance(Side::Consumers, 1), &otlp)
+        .unwrap();
     system
         .wait_instance(Side::Consumers, 1, Duration::from_secs(30))
         .await
