@@ -211,7 +211,6 @@ pub async fn measure(
     durable: bool,
 ) -> anyhow::Result<(Vec<f64>, Option<Stages>)> {
     let system = System::new(durable, Bins::beside_this()?).await?;
-    let sender = Side::Consumers;
     let ours = matches!(
         variant,
         Variant::Cdc | Variant::CdcTokens | Variant::CdcTraced
@@ -233,40 +232,7 @@ pub async fn measure(
         .iter()
         .map(|b| ("authorization", b.as_str()))
         .collect();
-    match variant {
-        Variant::Cdc | Variant::CdcTokens | Variant::CdcTraced => {
-            system.start("relay-consumers", Kind::Relay(sender), &traced)?;
-            system
-                .wait_relay("relay-consumers", Duration::from_secs(30))
-                .await?;
-            // Behind a front end whose traceparent it continues, as a traced deployment is.
-            let mut flags = traced.clone();
-            if variant == Variant::CdcTraced {
-                flags.push("--trust-traceparent".into());
-            }
-            system.start("consumers", Kind::Service(sender), &flags)?;
-        }
-        Variant::Notify | Variant::Poll1s => {
-            let mode = if variant == Variant::Notify {
-                RelayMode::Notify
-            } else {
-                RelayMode::Poll
-            };
-            system.start("relay-consumers", Kind::BaselineRelay(sender, mode), &[])?;
-            system.start(
-                "consumers",
-                Kind::BaselineSender(sender, SenderMode::Notify),
-                &[],
-            )?;
-        }
-        Variant::DualWrite => {
-            system.start(
-                "consumers",
-                Kind::BaselineSender(sender, SenderMode::DualWrite),
-                &[],
-            )?;
-        }
-    }
+    start_sender(&system, variant, &traced).await?;
     system.start("workers", Kind::Service(Side::Workers), &traced)?;
     for side in [Side::Consumers, Side::Workers] {
         system.wait_service(side, Duration::from_secs(30)).await?;
@@ -310,17 +276,11 @@ pub async fn measure(
     for i in 0..messages {
         tokio::time::sleep_until(next).await;
         next += interval;
-        let started = Instant::now();
-        // Traced runs continue a trace of the client's, as a traced front end would.
-        let traceparent = format!(
-            "00-{:032x}-{:016x}-01",
-            rand::random::<u128>() | 1,
-            rand::random::<u64>() | 1
-        );
+        // Traced runs continue a trace of the client's; made before the clock starts.
+        let traceparent = (variant == Variant::CdcTraced).then(client_traceparent);
         let mut headers = auth.clone();
-        if variant == Variant::CdcTraced {
-            headers.push(("traceparent", traceparent.as_str()));
-        }
+        headers.extend(traceparent.as_deref().map(|t| ("traceparent", t)));
+        let started = Instant::now();
         sent.push((
             post(&mut consumers, &format!("message {i}"), &headers).await?,
             started,
@@ -359,6 +319,56 @@ pub async fn measure(
         ..s
     });
     Ok((samples, stages))
+}
+
+/// The sending side of `variant` on Consumers: relay and service (ours, with `traced`
+/// flags), or a baseline's sender and relay.
+async fn start_sender(system: &System, variant: Variant, traced: &[String]) -> anyhow::Result<()> {
+    let sender = Side::Consumers;
+    match variant {
+        Variant::Cdc | Variant::CdcTokens | Variant::CdcTraced => {
+            system.start("relay-consumers", Kind::Relay(sender), traced)?;
+            system
+                .wait_relay("relay-consumers", Duration::from_secs(30))
+                .await?;
+            // Behind a front end whose traceparent it continues, as a traced deployment is.
+            let mut flags = traced.to_vec();
+            if variant == Variant::CdcTraced {
+                flags.push("--trust-traceparent".into());
+            }
+            system.start("consumers", Kind::Service(sender), &flags)?;
+        }
+        Variant::Notify | Variant::Poll1s => {
+            let mode = if variant == Variant::Notify {
+                RelayMode::Notify
+            } else {
+                RelayMode::Poll
+            };
+            system.start("relay-consumers", Kind::BaselineRelay(sender, mode), &[])?;
+            system.start(
+                "consumers",
+                Kind::BaselineSender(sender, SenderMode::Notify),
+                &[],
+            )?;
+        }
+        Variant::DualWrite => {
+            system.start(
+                "consumers",
+                Kind::BaselineSender(sender, SenderMode::DualWrite),
+                &[],
+            )?;
+        }
+    }
+    Ok(())
+}
+
+/// A client's fresh `traceparent` (sampled), as a traced front end sends.
+fn client_traceparent() -> String {
+    format!(
+        "00-{:032x}-{:016x}-01",
+        rand::random::<u128>() | 1,
+        rand::random::<u64>() | 1
+    )
 }
 
 /// POST one message (with these headers: credentials); its id.

@@ -251,21 +251,23 @@ pub fn start_linked(
     Some(builder.start_with_context(tracer, &cx))
 }
 
-/// What a hop passes on: its own span's context when it made one, else what it was given.
-pub fn passed_on(span: Option<&Span>, given: Option<&SpanContext>) -> Option<String> {
+/// The context a hop carries on: its own span's when it made one, else what it was given.
+fn carried(span: Option<&Span>, given: Option<&SpanContext>) -> Option<SpanContext> {
     use opentelemetry::trace::Span as _;
-    match span {
-        Some(span) if span.span_context().is_valid() => Some(format(span.span_context())),
-        _ => given.map(format),
-    }
+    span.map(|s| s.span_context().clone())
+        .filter(SpanContext::is_valid)
+        .or_else(|| given.cloned())
+        .filter(SpanContext::is_valid)
+}
+
+/// What a hop passes on, as a `traceparent` (see [`carried`]).
+pub fn passed_on(span: Option<&Span>, given: Option<&SpanContext>) -> Option<String> {
+    carried(span, given).as_ref().map(format)
 }
 
 /// The trace id to put in log lines of one message (empty without a trace).
 pub fn trace_id(span: Option<&Span>, given: Option<&SpanContext>) -> String {
-    use opentelemetry::trace::Span as _;
-    span.map(|s| s.span_context().clone())
-        .or_else(|| given.cloned())
-        .filter(SpanContext::is_valid)
+    carried(span, given)
         .map(|c| c.trace_id().to_string())
         .unwrap_or_default()
 }
