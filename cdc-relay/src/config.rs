@@ -22,6 +22,16 @@ pub struct BatchLimits {
     pub max_bytes: usize,
 }
 
+/// When a shard's lane falls behind, and what it may hold meanwhile.
+#[derive(Debug, Clone, Copy)]
+pub struct LaneLimits {
+    pub batch: BatchLimits,
+    /// How long a lane may be unable to confirm before it falls behind.
+    pub detach_after: Duration,
+    /// Bytes a lane may hold (queued, in flight, captured) before it falls behind.
+    pub max_bytes: usize,
+}
+
 /// Validated Postgres side of the configuration.
 #[derive(Debug, Clone)]
 pub struct PostgresConfig {
@@ -42,7 +52,18 @@ pub struct RelayConfig {
     pub stream_shards: u32,
     pub admin_addr: Option<SocketAddr>,
     pub batch: BatchLimits,
+    /// When a shard falls behind, and the bytes a lane may hold.
+    pub lanes: LaneLimits,
+    /// The most unread entries a shard's stream may hold; at it, the shard falls behind.
     pub stream_max_len: u64,
+    /// The replication connection's deadline (and the walsender's timeout).
+    pub replication_timeout: std::time::Duration,
+    /// The largest outbox row the replication connection accepts, in bytes.
+    pub max_row_bytes: usize,
+    /// How long the services keep outbox rows (a shard behind for longer may have lost some).
+    pub outbox_retention: std::time::Duration,
+    /// This relay's stable identity in Redis locks (a restarted process recognises its own).
+    pub instance_id: String,
     pub status_interval: Duration,
     pub redis_timeout: Duration,
     pub connect_timeout: Duration,

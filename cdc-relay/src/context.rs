@@ -28,12 +28,14 @@ impl Context {
     pub(crate) fn new(config: RelayConfig) -> SharedContext {
         let metrics = Arc::new(Metrics::new(&config.postgres.slot, &config.stream));
         Arc::new_cyclic(|this| Context {
-            config,
             metrics,
             status: watch::Sender::new(RelayStatus::default()),
             admin_addr: OnceLock::new(),
-            instance_id: format!("{}-{}", std::process::id(), rand::random::<u64>()),
+            // Stable across restarts (the pod's name): a restarted relay recognises a rebuild
+            // lock its previous process left, instead of waiting out its TTL.
+            instance_id: config.instance_id.clone(),
             this: this.clone(),
+            config,
         })
     }
 
@@ -87,6 +89,12 @@ impl Context {
         self.metrics.slot_lost.set(i64::from(lost));
         self.status
             .send_if_modified(|s| std::mem::replace(&mut s.slot_lost, lost) != lost);
+    }
+
+    pub(crate) fn set_behind_shards(&self, behind: Vec<u32>) {
+        self.status.send_if_modified(|s| {
+            std::mem::replace(&mut s.behind_shards, behind.clone()) != behind
+        });
     }
 
     pub(crate) fn set_last_error(&self, error: Option<String>) {

@@ -23,6 +23,7 @@ pub(crate) mod script_codes {
     pub(crate) const TIMELINE: &str = "TIMELINE";
     pub(crate) const SHARDS: &str = "SHARDS";
     pub(crate) const FENCED: &str = "FENCED";
+    pub(crate) const FULL: &str = "FULL";
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -104,8 +105,17 @@ pub enum RelayError {
     #[error("stream {stream}: {detail}: another relay took the stream over (or rebuilt it) since this session began; standing by")]
     Superseded { stream: String, detail: String },
 
-    #[error("stream {stream}: a shard that could not confirm dropped what it had queued (it is still in the slot); reading it again")]
-    ShardDropped { stream: String },
+    #[error("stream {stream} is full: {detail} (--stream-max-len); it falls behind and is caught up from the outbox table once its consumer groups have read")]
+    StreamFull { stream: String, detail: String },
+
+    #[error("the replication connection was silent for {0:?} (the server pings at least every half of wal_sender_timeout): the server or the network between is gone; reconnecting")]
+    ReplicationSilent(std::time::Duration),
+
+    #[error("shard {stream} does not answer: making the slot anew marks every shard, so it waits for it")]
+    ShardUnreachable { stream: String },
+
+    #[error("{0}; starting the session again")]
+    Restart(String),
 
     #[error("stopped by a signal before streaming")]
     ShuttingDown,
@@ -144,8 +154,10 @@ impl RelayError {
             RelayError::SlotCreateTimeout { .. } => true,
             // The newer session holds the slot: this relay stands by behind it.
             RelayError::Superseded { .. } => true,
-            // The next session reads the dropped entries again from the slot.
-            RelayError::ShardDropped { .. } => true,
+            // The shard falls behind; its rows wait in the outbox table.
+            RelayError::StreamFull { .. } => true,
+            RelayError::ReplicationSilent(_) => true,
+            RelayError::ShardUnreachable { .. } | RelayError::Restart(_) => true,
             // Not an error to retry: the supervisor stops.
             RelayError::ShuttingDown => false,
             RelayError::StreamEnded | RelayError::ConnectTimeout(_) => true,
@@ -196,6 +208,7 @@ fn redis_call_may_repeat(e: &RedisError) -> bool {
         script_codes::TIMELINE,
         script_codes::SHARDS,
         script_codes::FENCED,
+        script_codes::FULL,
     ];
     redis_is_transient(e) && !e.code().is_some_and(|code| verdict.contains(&code))
 }

@@ -49,6 +49,9 @@ pub struct RelayStatus {
     pub postgres_reachable: bool,
     /// The slot was found invalidated (and not yet recreated).
     pub slot_lost: bool,
+    /// Shards that fell behind: the slot does not wait for them, and they are caught up from
+    /// the outbox table once they accept writes (and their groups have read).
+    pub behind_shards: Vec<u32>,
     /// The last error, for operators (never contains credentials).
     pub last_error: Option<String>,
 }
@@ -60,6 +63,7 @@ impl Default for RelayStatus {
             redis_reachable: false,
             postgres_reachable: false,
             slot_lost: false,
+            behind_shards: Vec::new(),
             last_error: None,
         }
     }

@@ -86,12 +86,13 @@ async fn redis_emptied_while_the_relay_is_quiet_gets_every_row_back() {
         insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
     }
 
-    // THEN all 25 rows are in the stream, once, and the rebuild says why
+    // THEN all 25 rows are in the stream, once, and the catch-up says why
     assert_every_row_once(&fx, &relay).await;
     assert_eq!(stream_ids(&fx).await.len(), 25);
-    crate::support::wait_rebuild_counted(&relay, "no_record").await;
+    crate::support::wait_caught_up(&relay, "everything").await;
     let m = metrics(&relay).await;
-    assert_eq!(m["cdc_relay_rebuilds_total{reason=\"no_record\"}"], 1.0);
+    assert_eq!(m["cdc_relay_catch_ups_total{mode=\"everything\"}"], 1.0);
+    assert!(m["cdc_relay_shards_fell_behind_total{reason=\"lost\"}"] >= 1.0);
     relay.stop();
 }
 
@@ -309,9 +310,11 @@ async fn trimming_never_deletes_what_a_group_has_not_acknowledged() {
     ack.extend(delivered[..80].iter().map(String::as_str));
     let _: i64 = xcmd(&fx, &ack).await;
 
-    // WHEN more entries are published (each batch trims)
+    // WHEN more entries are published for a few seconds (each batch trims, and the shard's
+    // watermark, below which nothing is trimmed, moves on with them)
     for txn in 300..350 {
         insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+        tokio::time::sleep(Duration::from_millis(60)).await;
     }
     wait_until(
         Duration::from_secs(30),
@@ -336,28 +339,71 @@ async fn trimming_never_deletes_what_a_group_has_not_acknowledged() {
     // THEN exactly the 80 acknowledged entries went: the pending and unread ones stay
     let entries = fx.stream_entries().await;
     assert_eq!(entries.len(), 350 - 80);
-    let m = metrics(&relay).await;
-    assert_eq!(m["cdc_relay_unread_entries_trimmed_total"], 0.0);
     relay.stop();
 
-    // AND WHEN the group stops reading and the stream hits a low cap, the cap wins, counted
+    // AND WHEN the group stops reading and the stream holds more unread entries than a
+    // relay's cap allows, new rows are not added and nothing is trimmed: the shard falls
+    // behind, and the slot moves on
     let relay = fx.spawn_relay("relay-capped", &["--stream-max-len", "100"]);
     relay.wait_streaming().await;
     for txn in 350..360 {
         insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
     }
-    wait_until(Duration::from_secs(30), "the cap to trim", || async {
-        let trimmed = metrics(&relay)
-            .await
-            .get("cdc_relay_unread_entries_trimmed_total")
-            .copied();
-        match trimmed {
-            Some(n) if n >= 180.0 => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
+    crate::support::wait_metric(
+        &relay,
+        "cdc_relay_shards_fell_behind_total{reason=\"full\"}",
+        "the shard full",
+        |v| v >= 1.0,
+    )
     .await;
-    assert_eq!(fx.stream_len().await, 100);
+    let last_end = fx.witness().await.last().unwrap().end_lsn;
+    wait_until(
+        Duration::from_secs(30),
+        "the slot past the last commit",
+        || async {
+            match fx.confirmed_flush_lsn().await {
+                c if c >= last_end => Ok(()),
+                c => Err(format!("{c:X} < {last_end:X}")),
+            }
+        },
+    )
+    .await;
+    assert_eq!(fx.stream_len().await, 270, "nothing trimmed, nothing added");
+
+    // ... and once the group has read, the rows come from the outbox table, each once
+    let mut read_all = vec![
+        "XREADGROUP",
+        "GROUP",
+        "g",
+        "c",
+        "STREAMS",
+        fx.stream.as_str(),
+        "0",
+    ];
+    let pending: redis::streams::StreamReadReply = xcmd(&fx, &read_all).await;
+    read_all[6] = ">";
+    let unread: redis::streams::StreamReadReply = xcmd(&fx, &read_all).await;
+    let mut ack = vec!["XACK".to_string(), fx.stream.clone(), "g".to_string()];
+    for reply in [&pending, &unread] {
+        ack.extend(
+            reply
+                .keys
+                .iter()
+                .flat_map(|k| k.ids.iter().map(|e| e.id.clone())),
+        );
+    }
+    let ack: Vec<&str> = ack.iter().map(String::as_str).collect();
+    let _: i64 = xcmd(&fx, &ack).await;
+    crate::support::wait_caught_up(&relay, "since").await;
+    let expected: Vec<String> = (350..360).map(|t| t.to_string()).collect();
+    let got: Vec<String> = fx
+        .stream_entries()
+        .await
+        .iter()
+        .filter_map(|e| e.payload.get("txn").map(|t| t.to_string()))
+        .filter(|t| t.parse::<u32>().is_ok_and(|t| t >= 350))
+        .collect();
+    assert_eq!(got, expected, "the held-back rows, once, in order");
     relay.stop();
 }
 
@@ -535,16 +581,35 @@ async fn a_point_in_time_restore_below_the_stream_loses_no_new_message() {
     relay.stop();
 }
 
+/// Leave the stream as a relay leaves it when it dies making the slot anew: the records
+/// marked, the slot dropped.
+async fn die_while_making_the_slot_anew(fx: &Fixture<'_>) {
+    let _: i64 = xcmd(
+        fx,
+        &[
+            "HSET",
+            &format!("{}:origin", fx.stream),
+            "rebuilding",
+            "since",
+        ],
+    )
+    .await;
+    let admin = fx.db.connect().await.unwrap();
+    admin
+        .execute("SELECT pg_drop_replication_slot($1)", &[&fx.slot])
+        .await
+        .unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rebuild_slowed_past_its_lock_ttl_keeps_the_lock() {
-    // GIVEN a stream whose record is deleted (the runbook's way to force a rebuild), and an
-    // open transaction that makes CREATE_REPLICATION_SLOT wait
+    // GIVEN a relay that died making the slot anew (records marked, no slot), and an open
+    // transaction that makes CREATE_REPLICATION_SLOT wait
     let redis = RedisServer::start().unwrap();
     let fx = Fixture::new(shared_postgres(), &redis).await;
-    let mut writer = fx.writer().await;
-    for txn in 0..10 {
-        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
-    }
+    let (relay, mut writer) = relay_that_published_20_rows(&fx).await;
+    relay.stop();
+    die_while_making_the_slot_anew(&fx).await;
     let mut blocker = fx.writer().await;
     let open = blocker.transaction().await.unwrap();
     open.execute(
@@ -553,13 +618,12 @@ async fn a_rebuild_slowed_past_its_lock_ttl_keeps_the_lock() {
     )
     .await
     .unwrap();
-    let _: i64 = xcmd(&fx, &["DEL", &format!("{}:origin", fx.stream)]).await;
 
-    // WHEN a relay rebuilds with a 1 s lock TTL while a second relay keeps trying
+    // WHEN a relay makes it with a 1 s lock TTL while a second relay keeps trying
     let flags = ["--rebuild-lock-ttl", "1s", "--standby-retry", "50ms"];
     let first = fx.spawn_relay("first", &flags);
-    wait_until(Duration::from_secs(30), "the rebuild to start", || async {
-        if first.child.log().contains("rebuilding the stream") {
+    wait_until(Duration::from_secs(30), "making the slot anew", || async {
+        if first.child.log().contains("making the slot anew") {
             Ok(())
         } else {
             Err(crate::support::tail(&first.child.log()))
@@ -572,20 +636,18 @@ async fn a_rebuild_slowed_past_its_lock_ttl_keeps_the_lock() {
     tokio::time::sleep(Duration::from_secs(4)).await;
     open.commit().await.unwrap();
 
-    // THEN the first relay finishes, the second never rebuilt, and every row is there once
+    // THEN the first relay finishes, the second never made a slot, and every row is there once
     first.wait_streaming().await;
-    for txn in 10..20 {
+    for txn in 20..30 {
         insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
     }
     assert_every_row_once(&fx, &first).await;
     assert!(
-        !second.child.log().contains("rebuilding the stream"),
+        !second.child.log().contains("making the slot anew"),
         "{}",
         crate::support::tail(&second.child.log())
     );
-    crate::support::wait_rebuild_counted(&first, "no_record").await;
-    let m = metrics(&first).await;
-    assert_eq!(m["cdc_relay_rebuilds_total{reason=\"no_record\"}"], 1.0);
+    crate::support::wait_rebuild_counted(&first, "resumed").await;
     first.stop();
     second.stop();
 }
@@ -718,15 +780,63 @@ async fn redis_losing_more_than_its_cap_after_a_day_republishes_at_the_groups_pa
     stop.store(true, Ordering::SeqCst);
     reader.await.unwrap();
     let m = metrics(&relay).await;
-    assert_eq!(m["cdc_relay_unread_entries_trimmed_total"], 0.0, "{m:?}");
-    assert_eq!(m["cdc_relay_rebuild_waiting_for_consumers"], 0.0);
+    assert_eq!(m["cdc_relay_catch_up_waiting_for_consumers"], 0.0, "{m:?}");
     relay.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_relay_rebuilding_behind_an_open_transaction_stops_at_sigterm_and_the_next_resumes() {
-    // GIVEN a relay that published 20 rows, stopped, and Redis restarted without its data,
-    // while a transaction that wrote is held open (making the slot again waits for it)
+async fn a_relay_making_the_slot_behind_an_open_transaction_stops_at_sigterm_and_the_next_resumes()
+{
+    // GIVEN a relay that died making the slot anew, while a transaction that wrote is held
+    // open (making the slot again waits for it)
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let (relay, mut writer) = relay_that_published_20_rows(&fx).await;
+    relay.stop();
+    die_while_making_the_slot_anew(&fx).await;
+    let mut holder = fx.writer().await;
+    let open = holder.transaction().await.unwrap();
+    open.execute(
+        "INSERT INTO consumers.outbox (event, payload) VALUES ('test.event', '{\"held\": true}')",
+        &[],
+    )
+    .await
+    .unwrap();
+
+    // WHEN the next relay, waiting for that transaction, is sent SIGTERM
+    let relay = fx.spawn_relay("relay-2", &[]);
+    wait_until(Duration::from_secs(30), "making the slot anew", || async {
+        if relay.child.log().contains("making the slot anew") {
+            Ok(())
+        } else {
+            Err(crate::support::tail(&relay.child.log()))
+        }
+    })
+    .await;
+    let asked = std::time::Instant::now();
+    relay.child.signal(testkit::Signal::Term).expect("SIGTERM");
+    let status = relay.child.wait_exit(Duration::from_secs(10)).unwrap();
+
+    // THEN it leaves at once, and the next relay resumes: every row once
+    let took = asked.elapsed();
+    assert!(
+        status.success(),
+        "{status:?}: {}",
+        crate::support::tail(&relay.child.log())
+    );
+    assert!(took < Duration::from_secs(3), "took {took:?} to stop");
+    open.commit().await.unwrap();
+    insert_txn(&mut writer, 0, 20, 1, true).await.unwrap();
+    let relay = fx.spawn_relay("relay-3", &[]);
+    assert_every_row_once(&fx, &relay).await;
+    assert_eq!(stream_ids(&fx).await.len(), 22);
+    relay.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catch_up_behind_an_open_transaction_hands_over_and_loses_nothing() {
+    // GIVEN a relay that published 20 rows, stopped, Redis restarted without its data, and
+    // a transaction that wrote a row held open
     let redis = RedisServer::start().unwrap();
     let fx = Fixture::new(shared_postgres(), &redis).await;
     let (relay, mut writer) = relay_that_published_20_rows(&fx).await;
@@ -743,35 +853,19 @@ async fn a_relay_rebuilding_behind_an_open_transaction_stops_at_sigterm_and_the_
     .await
     .unwrap();
 
-    // WHEN the next relay, rebuilding, waits for that transaction and is sent SIGTERM
+    // WHEN the next relay catches the stream up (the open transaction shows in none of its
+    // snapshots) and then the transaction commits
     let relay = fx.spawn_relay("relay-2", &[]);
-    wait_until(Duration::from_secs(30), "the rebuild under way", || async {
-        if relay
-            .child
-            .log()
-            .contains("rebuilding the stream from the outbox table")
-        {
-            Ok(())
-        } else {
-            Err(crate::support::tail(&relay.child.log()))
-        }
-    })
-    .await;
-    let asked = std::time::Instant::now();
-    relay.child.signal(testkit::Signal::Term).expect("SIGTERM");
-    let status = relay.child.wait_exit(Duration::from_secs(10)).unwrap();
-
-    // THEN it leaves at once, and the next relay resumes the rebuild: every row once
-    let took = asked.elapsed();
-    assert!(
-        status.success(),
-        "{status:?}: {}",
-        crate::support::tail(&relay.child.log())
+    crate::support::wait_caught_up(&relay, "everything").await;
+    assert_eq!(
+        stream_ids(&fx).await.len(),
+        20,
+        "the open row is not published yet"
     );
-    assert!(took < Duration::from_secs(3), "took {took:?} to stop");
     open.commit().await.unwrap();
     insert_txn(&mut writer, 0, 20, 1, true).await.unwrap();
-    let relay = fx.spawn_relay("relay-3", &[]);
+
+    // THEN it comes live, after the caught-up rows: every row once
     assert_every_row_once(&fx, &relay).await;
     assert_eq!(stream_ids(&fx).await.len(), 22);
     relay.stop();

@@ -424,12 +424,25 @@ async fn secrets_in_urls_never_reach_the_logs() {
 
 /// Wait until the relay streams (rows committed before would be published by the first
 /// start's rebuild, with other ids than the comparison expects).
+/// Ready, and no shard behind (a stream with no record yet is caught up from the outbox
+/// first: rows written before that ends come from the table, under ids of its own).
 async fn wait_ready(admin: &str, relay: &ChildProcess) {
     let addr = admin.parse().unwrap();
     wait_until(Duration::from_secs(30), "relay ready", || async {
         match testkit::http::get(addr, "/readyz").await {
-            Ok((200, _)) => Ok(()),
-            other => Err(format!("{other:?}; log: {}", tail(&relay.log()))),
+            Ok((200, _)) => {}
+            other => return Err(format!("{other:?}; log: {}", tail(&relay.log()))),
+        }
+        let (_, body) = testkit::http::get(addr, "/metrics")
+            .await
+            .map_err(|e| e.to_string())?;
+        let behind = testkit::http::metric_samples(&body)
+            .iter()
+            .any(|(k, v)| k.starts_with("cdc_relay_shard_behind{") && *v != 0.0);
+        if behind {
+            Err(format!("a shard behind; log: {}", tail(&relay.log())))
+        } else {
+            Ok(())
         }
     })
     .await;

@@ -9,7 +9,7 @@ use outbox_core::connect::PgEndpoint;
 use outbox_core::stream::validate_layout;
 
 use super::ConnectionArgs;
-use crate::config::{BatchLimits, OnLostSlot, RelayConfig};
+use crate::config::{BatchLimits, LaneLimits, OnLostSlot, RelayConfig};
 use crate::error::RelayError;
 
 #[derive(Debug, Clone, Args)]
@@ -45,11 +45,39 @@ pub struct Tuning {
     /// Most bytes of entry data in one Redis call.
     #[arg(long, env = "CDC_BATCH_MAX_BYTES", default_value_t = 4 << 20)]
     pub batch_max_bytes: usize,
-    /// Last-resort cap on the stream's length (0: none). Entries are trimmed once every
-    /// consumer group acknowledged them; only at this cap are unread entries trimmed too,
-    /// counted in cdc_relay_unread_entries_trimmed_total. Keep it well above consumer lag.
+    /// The most entries a shard's stream may hold that some consumer group has not
+    /// acknowledged (0: no bound). Entries are trimmed once every group acknowledged them, and
+    /// never before: a shard at the bound falls behind (the slot stops waiting for it, its rows
+    /// wait in the outbox table) and is caught up from the table as its groups read.
     #[arg(long, env = "CDC_STREAM_MAX_LEN", default_value_t = 1_000_000)]
     pub stream_max_len: u64,
+    /// How long a shard may be unable to confirm before it falls behind: the slot then stops
+    /// waiting for it (WAL is not retained for it) and its rows are published from the outbox
+    /// table once it accepts writes again.
+    #[arg(long, env = "CDC_SHARD_DETACH_AFTER", value_parser = humantime::parse_duration, default_value = "5s")]
+    pub shard_detach_after: Duration,
+    /// Bytes a shard's lane may hold while it cannot confirm before it falls behind (the
+    /// relay's memory: at most this per shard that fails, beside one batch per healthy one).
+    #[arg(long, env = "CDC_LANE_MAX_BYTES", default_value_t = 16 << 20)]
+    pub lane_max_bytes: usize,
+    /// The replication connection's deadline: the walsender's timeout for this relay, and how
+    /// long the connection may be silent before the relay gives it up and connects again.
+    #[arg(long, env = "CDC_REPLICATION_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10s")]
+    pub replication_timeout: Duration,
+    /// The largest outbox row (one pgoutput message) the relay accepts, in bytes; a larger
+    /// one stops it, saying so. With 64 events buffered, also what bounds that buffer.
+    #[arg(long, env = "CDC_MAX_ROW_BYTES", default_value_t = 1 << 20)]
+    pub max_row_bytes: usize,
+    /// How long the services keep outbox rows (their --outbox-retention): a shard behind for
+    /// longer may miss rows that were deleted, which the relay counts and says.
+    #[arg(long, env = "CDC_OUTBOX_RETENTION", value_parser = humantime::parse_duration, default_value = "24h")]
+    pub outbox_retention: Duration,
+    /// This relay's identity in Redis locks: unique among the side's running relays and
+    /// stable across restarts of one (the pod's name: the manifests set it), so a relay that
+    /// was killed and restarted takes its own rebuild lock back at once instead of waiting
+    /// out its TTL. Default: a random one per process (safe, but a restart waits the TTL).
+    #[arg(long, env = "CDC_INSTANCE_ID")]
+    pub instance_id: Option<String>,
     /// How often acknowledgements are reported to Postgres at most.
     #[arg(long, env = "CDC_STATUS_INTERVAL", value_parser = humantime::parse_duration, default_value = "200ms")]
     pub status_interval: Duration,
@@ -59,11 +87,12 @@ pub struct Tuning {
     /// Postgres connect timeout.
     #[arg(long, env = "CDC_CONNECT_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10s")]
     pub connect_timeout: Duration,
-    /// How often a standby relay tries to take the slot (jittered).
-    #[arg(long, env = "CDC_STANDBY_RETRY", value_parser = humantime::parse_duration, default_value = "500ms")]
+    /// How often a standby relay looks whether the slot is free (one query on a connection
+    /// it keeps; jittered).
+    #[arg(long, env = "CDC_STANDBY_RETRY", value_parser = humantime::parse_duration, default_value = "200ms")]
     pub standby_retry: Duration,
     /// Longest pause between reconnect attempts (exponential backoff with jitter up to it).
-    #[arg(long, env = "CDC_RECONNECT_MAX_BACKOFF", value_parser = humantime::parse_duration, default_value = "5s")]
+    #[arg(long, env = "CDC_RECONNECT_MAX_BACKOFF", value_parser = humantime::parse_duration, default_value = "1s")]
     pub reconnect_max_backoff: Duration,
     /// What to do when the slot is lost (invalidated by max_slot_wal_keep_size): `fail` stops
     /// with an error; `recover` recreates the slot and republishes from the outbox table the
@@ -73,9 +102,10 @@ pub struct Tuning {
     /// How often slot health (lag, retained WAL, wal_status) is read for /metrics.
     #[arg(long, env = "CDC_SLOT_METRICS_INTERVAL", value_parser = humantime::parse_duration, default_value = "5s")]
     pub slot_metrics_interval: Duration,
-    /// On SIGTERM, how long to wait for the in-flight batch before leaving anyway (nothing
-    /// unconfirmed was acknowledged, so nothing is lost).
-    #[arg(long, env = "CDC_SHUTDOWN_GRACE", value_parser = humantime::parse_duration, default_value = "10s")]
+    /// On SIGTERM, how long to wait for the shards that confirm to confirm what is in flight
+    /// before leaving anyway (a shard that cannot confirm is not waited for; nothing
+    /// unconfirmed was acknowledged, so nothing is lost: the next relay sends it again).
+    #[arg(long, env = "CDC_SHUTDOWN_GRACE", value_parser = humantime::parse_duration, default_value = "1s")]
     pub shutdown_grace: Duration,
     /// Replicas that must acknowledge each write (Redis `WAIT`) before a batch counts as
     /// confirmed and the slot may be acknowledged: with 1 or more, a Redis failover cannot
@@ -106,17 +136,27 @@ impl RunArgs {
         let standbys = self.standbys()?;
         let admin_addr = t.admin_addr()?;
         t.check()?;
+        let batch = BatchLimits {
+            max_entries: t.batch_max_entries,
+            max_bytes: t.batch_max_bytes,
+        };
         Ok(RelayConfig {
             postgres,
             redis,
             stream,
             stream_shards,
             admin_addr,
-            batch: BatchLimits {
-                max_entries: t.batch_max_entries,
-                max_bytes: t.batch_max_bytes,
+            batch,
+            lanes: LaneLimits {
+                batch,
+                detach_after: t.shard_detach_after,
+                max_bytes: t.lane_max_bytes,
             },
             stream_max_len: t.stream_max_len,
+            replication_timeout: t.replication_timeout,
+            max_row_bytes: t.max_row_bytes,
+            outbox_retention: t.outbox_retention,
+            instance_id: t.instance_id(),
             status_interval: t.status_interval,
             redis_timeout: t.redis_timeout,
             connect_timeout: t.connect_timeout,
@@ -163,8 +203,39 @@ impl Tuning {
         })
     }
 
+    /// The configured identity, or a random one (two relays must never share one: each
+    /// would take the other's lock for its own).
+    fn instance_id(&self) -> String {
+        self.instance_id
+            .clone()
+            .filter(|i| !i.is_empty())
+            .unwrap_or_else(|| format!("relay-{:016x}", rand::random::<u64>()))
+    }
+
     /// Bounds every knob must respect.
     fn check(&self) -> Result<(), RelayError> {
+        if self.lane_max_bytes < self.batch_max_bytes {
+            return Err(RelayError::Config(format!(
+                "--lane-max-bytes ({}) must be at least --batch-max-bytes ({}): a lane holds at least one batch",
+                self.lane_max_bytes, self.batch_max_bytes
+            )));
+        }
+        if self.instance_id.as_deref().is_some_and(|i| i.contains('/')) {
+            return Err(RelayError::Config(
+                "--instance-id may not contain '/'".into(),
+            ));
+        }
+        if self.max_row_bytes < 1024 {
+            return Err(RelayError::Config(
+                "--max-row-bytes must be at least 1024".into(),
+            ));
+        }
+        if self.replication_timeout < Duration::from_secs(2) {
+            return Err(RelayError::Config(
+                "--replication-timeout must be at least 2s (the server pings every half of it)"
+                    .into(),
+            ));
+        }
         if self.batch_max_entries == 0 || self.batch_max_bytes < 1024 {
             return Err(RelayError::Config(
                 "--batch-max-entries must be at least 1 and --batch-max-bytes at least 1024".into(),
@@ -178,6 +249,8 @@ impl Tuning {
             ("--reconnect-max-backoff", self.reconnect_max_backoff),
             ("--slot-metrics-interval", self.slot_metrics_interval),
             ("--rebuild-lock-ttl", self.rebuild_lock_ttl),
+            ("--shard-detach-after", self.shard_detach_after),
+            ("--outbox-retention", self.outbox_retention),
         ] {
             if value.is_zero() {
                 return Err(RelayError::Config(format!(

@@ -230,6 +230,8 @@ async fn write_new_layout(
                 acked_through: start_lsn,
                 id_offset,
                 last_id: (now.top != EntryId::default()).then_some(now.top),
+                watermark: None,
+                rebuilding: None,
             },
         )
         .await?;

@@ -15,7 +15,7 @@ use crate::error::RelayError;
 use crate::sink::{offset_above, read_all, NewRecord, Publisher};
 use crate::source::{
     check_prerequisites, check_slot, create_slot, make_failover, replication_config,
-    replication_error, slot_info, Origin, ReplicationPhase,
+    replication_error, take_watermark, Origin, ReplicationPhase,
 };
 
 /// Connecting and each step's wait.
@@ -126,8 +126,10 @@ pub async fn init_stream_record(
         return Ok(RecordOutcome::LeftAlone("the stream already has entries"));
     }
     // Rows committed after the slot's consistent point come from the slot; any row seen
-    // here may be from before it.
+    // here may be from before it. The watermark is taken before looking: with no row to
+    // see, it shows none, so it is a true lower bound for a shard that falls behind later.
     let client = cfg.endpoint.connect(timeout).await?;
+    let watermark = take_watermark(&client).await?;
     let table = format!(
         "\"{}\".\"{}\"",
         cfg.outbox_table.schema, cfg.outbox_table.table
@@ -157,6 +159,8 @@ pub async fn init_stream_record(
                 acked_through: consistent_point.as_u64(),
                 id_offset,
                 last_id: None,
+                watermark: Some(&watermark),
+                rebuilding: None,
             })
             .await?;
     }
@@ -174,6 +178,7 @@ async fn server_origin(cfg: &PostgresConfig, timeout: Duration) -> Result<Origin
         &cfg.slot,
         &cfg.publication,
         Duration::from_secs(1),
+        TIMEOUT,
     );
     let mut session = ReplicationClient::connect_gated(replication).await?;
     Ok(Origin::identify(&mut session, timeout).await?.0)
@@ -197,8 +202,7 @@ pub async fn setup(
 ) -> Result<SetupOutcome, RelayError> {
     let client = cfg.endpoint.connect(connect_timeout).await?;
     check_prerequisites(&client, cfg).await?;
-    if let Some(existing) = slot_info(&client, &cfg.slot).await? {
-        check_slot(&client, cfg).await?;
+    if let Some(existing) = check_slot(&client, cfg).await? {
         if cfg.failover && existing.failover == Some(false) {
             return make_failover_slot(cfg, existing.active_pid.is_some(), connect_timeout).await;
         }
@@ -208,7 +212,9 @@ pub async fn setup(
         Ok(Some(consistent_point)) => Ok(SetupOutcome::Created { consistent_point }),
         Ok(None) => {
             // Created concurrently by another `setup`.
-            check_slot(&client, cfg).await?;
+            check_slot(&client, cfg).await?.ok_or_else(|| RelayError::SlotMissing {
+                slot: cfg.slot.clone(),
+            })?;
             Ok(SetupOutcome::AlreadyExists)
         }
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::INSUFFICIENT_PRIVILEGE) => {
@@ -246,6 +252,7 @@ async fn make_failover_slot(
         &cfg.slot,
         &cfg.publication,
         Duration::from_secs(1),
+        TIMEOUT,
     );
     let mut session = ReplicationClient::connect_gated(replication).await?;
     match tokio::time::timeout(connect_timeout, make_failover(&mut session, &cfg.slot)).await {

@@ -11,22 +11,27 @@ use super::rebuild::Reason;
 use crate::sink::StreamRecord;
 use crate::source::{Origin, SlotInfo};
 
-/// What to do before streaming.
+/// What to do with one shard (or, for the slot-wide ones, the whole stream) before streaming.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Decision {
-    /// The slot continues the stream.
+    /// The slot continues the shard: it is live from the start.
     Stream,
-    /// Same, after recording the server's later timeline (the stream's history is a prefix).
+    /// Same, after recording the server's later timeline (the shard's history is a prefix).
     Adopt,
-    Rebuild(Reason),
-    /// No slot and no rebuild under way: `setup` was not run (or the slot was dropped).
+    /// The slot is ahead of the shard, or the shard lost data or its record: it starts
+    /// behind, and a catch-up from the outbox table brings it level.
+    Behind(Reason),
+    /// The slot cannot continue the stream (lost, or missing after a failover, or on a
+    /// history that forked below the stream): make it anew, every shard behind.
+    Reslot(Reason),
+    /// No slot and no reason to make one: `setup` was not run (or the slot was dropped).
     SlotMissing,
-    /// The server is a standby, and the stream would need a slot made there or a rebuild:
-    /// the name may point at it moments before its promotion (a failover under way). Waited
-    /// for, never acted on (a standby's slots, records and writers are left alone).
+    /// The server is a standby, and the stream would need a slot made there: the name may
+    /// point at it moments before its promotion (a failover under way). Waited for, never
+    /// acted on (a standby's slots, records and writers are left alone).
     AwaitPromotion,
     /// The server is on an older timeline than the stream (the old primary after a
-    /// failover): rebuilding from it would undo the newer history, so refuse.
+    /// failover): streaming from it would undo the newer history, so refuse.
     OlderTimeline,
 }
 
@@ -37,7 +42,8 @@ pub(crate) struct Server {
     pub in_recovery: bool,
 }
 
-/// The decision, from the slot (read first), the record (read second) and the server.
+/// The decision for one shard, from the slot (read first), its record (read second) and
+/// the server.
 pub(crate) fn decide(
     slot: Option<&SlotInfo>,
     record: &StreamRecord,
@@ -45,9 +51,9 @@ pub(crate) fn decide(
     server: Server,
 ) -> Decision {
     match decide_on(slot, record, origin, server) {
-        // A rebuild takes the lock, marks the record, fences every writer and makes the
-        // slot anew: nothing a standby may do, whatever its slot or the record say.
-        Decision::Rebuild(_) if server.in_recovery => Decision::AwaitPromotion,
+        // Making the slot anew drops and creates it and marks every record: nothing a
+        // standby may do, whatever its slot or the record say.
+        Decision::Reslot(_) if server.in_recovery => Decision::AwaitPromotion,
         decision => decision,
     }
 }
@@ -75,8 +81,8 @@ fn decide_on(
     // Written by this system on an earlier timeline (or an equal number with other
     // ancestors), and the server is a primary now: a promoted standby or a restore, which has
     // no slot before failover slots. A pod that only restarts its relay container never
-    // reruns `setup`, so the relay makes the slot itself, by a rebuild. A standby (a
-    // cascading one, or one not yet promoted) never takes the stream over.
+    // reruns `setup`, so the relay makes the slot itself. A standby (a cascading one, or one
+    // not yet promoted) never takes the stream over.
     let failed_over = record.exists()
         && !server.in_recovery
         && record.timeline.is_some_and(|recorded| {
@@ -85,42 +91,43 @@ fn decide_on(
         });
     let Some(slot) = slot else {
         return match record.rebuilding {
-            Some(_) => Decision::Rebuild(Reason::Resumed),
+            // A slot made anew was dropped and not yet created again.
+            Some(_) => Decision::Reslot(Reason::Resumed),
             None if failed_over && forked_below_stream(record, origin, server_lsn) => {
-                Decision::Rebuild(Reason::Timeline)
+                Decision::Reslot(Reason::Timeline)
             }
-            None if failed_over => Decision::Rebuild(Reason::Failover),
+            None if failed_over => Decision::Reslot(Reason::Failover),
             None if server.in_recovery => Decision::AwaitPromotion,
             None => Decision::SlotMissing,
         };
     };
     if slot.is_lost() {
-        return Decision::Rebuild(Reason::LostSlot);
-    }
-    if record.rebuilding.is_some() {
-        return Decision::Rebuild(Reason::Resumed);
+        return Decision::Reslot(Reason::LostSlot);
     }
     if !record.exists() {
-        return Decision::Rebuild(Reason::NoRecord);
+        return Decision::Behind(Reason::NoRecord);
     }
-    let acked = record.acked_through.unwrap_or(0);
     if forked_below_stream(record, origin, server_lsn) {
-        return Decision::Rebuild(Reason::Timeline);
+        return Decision::Reslot(Reason::Timeline);
+    }
+    if record.rebuilding.is_some() {
+        return Decision::Behind(Reason::Resumed);
     }
     // Entries the relay wrote are gone (the stream was deleted or restored from older data).
-    if record.last_id.is_some_and(|last| record.top < last) {
-        return Decision::Rebuild(Reason::LostRedisData);
+    if record.lost_entries() {
+        return Decision::Behind(Reason::LostRedisData);
     }
-    // Redis knows less than the slot confirmed: it lost data, or the slot was made anew
-    // (by `setup` on a promoted standby: the failover is the reason then).
+    // The slot moved past what the shard recorded: it fell behind (or Redis lost data, or
+    // the slot was made anew by `setup` on a promoted standby: the failover is the reason).
+    let acked = record.acked_through.unwrap_or(0);
     if slot
         .confirmed_flush_lsn
         .is_some_and(|confirmed| acked < confirmed.as_u64())
     {
-        return Decision::Rebuild(if failed_over {
+        return Decision::Behind(if failed_over {
             Reason::Failover
         } else {
-            Reason::LostRedisData
+            Reason::FellBehind
         });
     }
     if record.timeline != Some(origin.timeline) {
@@ -129,30 +136,53 @@ fn decide_on(
     Decision::Stream
 }
 
-/// The decision for a stream of shards: the most serious of each shard's (an old primary
-/// above all; then a rebuild, which covers every shard; then a missing slot; then adopting
-/// a new timeline).
-pub(crate) fn decide_shards(
-    slot: Option<&SlotInfo>,
-    records: &[StreamRecord],
-    origin: &Origin,
-    server: Server,
-) -> Decision {
+/// The slot-wide decision of a stream of shards: the most serious of each shard's that is
+/// not the shard's own business (an old primary above all; then making the slot anew; then a
+/// missing slot). `None`: every shard streams, adopts or starts behind on its own.
+pub(crate) fn decide_slot(decisions: &[Decision]) -> Option<Decision> {
     let rank = |d: &Decision| match d {
-        Decision::Stream => 0,
-        Decision::Adopt => 1,
+        Decision::Stream | Decision::Adopt | Decision::Behind(_) => 0,
         Decision::SlotMissing | Decision::AwaitPromotion => 2,
-        Decision::Rebuild(_) => 3,
+        Decision::Reslot(_) => 3,
         Decision::OlderTimeline => 4,
     };
-    let mut decision = Decision::Stream;
-    for record in records {
-        let d = decide(slot, record, origin, server);
-        if rank(&d) > rank(&decision) {
-            decision = d;
-        }
+    decisions
+        .iter()
+        .copied()
+        .filter(|d| rank(d) > 0)
+        .max_by_key(rank)
+}
+
+/// How a shard's record's history relates to the server's (for a shard caught up later).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum ShardHistory {
+    Same,
+    /// The server is on a later timeline whose history holds everything the shard has.
+    Later,
+    /// The histories forked below what the shard holds (or cannot be told apart).
+    Forked,
+    /// The server is the old primary of the shard's history.
+    Older,
+}
+
+pub(crate) fn shard_history(record: &StreamRecord, origin: &Origin) -> ShardHistory {
+    let recorded = record.timeline.unwrap_or(origin.timeline);
+    if recorded > origin.timeline
+        && record
+            .history
+            .as_ref()
+            .is_some_and(|h| is_ancestor(&origin.history, origin.timeline, h))
+    {
+        return ShardHistory::Older;
     }
-    decision
+    if history_diverged(record, origin) {
+        return ShardHistory::Forked;
+    }
+    if recorded == origin.timeline {
+        ShardHistory::Same
+    } else {
+        ShardHistory::Later
+    }
 }
 
 /// Whether the server's history (`history`, on `timeline`) is where `recorded` came from:
@@ -263,7 +293,7 @@ mod tests {
     }
 
     #[test]
-    fn redis_ahead_of_the_slot_streams_and_behind_it_rebuilds() {
+    fn redis_ahead_of_the_slot_streams_and_behind_it_catches_up() {
         let o = origin(1, &[]);
         assert_eq!(
             decide(Some(&slot(100)), &record(100, 1), &o, PRIMARY),
@@ -276,13 +306,13 @@ mod tests {
         );
         assert_eq!(
             decide(Some(&slot(100)), &record(99, 1), &o, PRIMARY),
-            Decision::Rebuild(Reason::LostRedisData)
+            Decision::Behind(Reason::FellBehind)
         );
         let mut lost_entries = record(100, 1);
         lost_entries.top = EntryId::default();
         assert_eq!(
             decide(Some(&slot(100)), &lost_entries, &o, PRIMARY),
-            Decision::Rebuild(Reason::LostRedisData)
+            Decision::Behind(Reason::LostRedisData)
         );
     }
 
@@ -292,19 +322,19 @@ mod tests {
         let promoted = origin(2, &[(1, 300)]);
         assert_eq!(
             decide(None, &record(100, 1), &promoted, PRIMARY),
-            Decision::Rebuild(Reason::Failover)
+            Decision::Reslot(Reason::Failover)
         );
         // ... it switched at 80, below what the stream acknowledged: the stream holds
         // entries the new primary never had.
         assert_eq!(
             decide(None, &record(100, 1), &origin(2, &[(1, 80)]), PRIMARY),
-            Decision::Rebuild(Reason::Timeline)
+            Decision::Reslot(Reason::Timeline)
         );
         // `setup` made the slot there first (ahead of what Redis acknowledged): the failover
         // is the reason, not Redis.
         assert_eq!(
             decide(Some(&slot(400)), &record(100, 1), &promoted, PRIMARY),
-            Decision::Rebuild(Reason::Failover)
+            Decision::Behind(Reason::Failover)
         );
         // A standby on the later timeline (cascading, or the relay decoding there) never
         // takes the stream over.
@@ -322,23 +352,28 @@ mod tests {
             decide(None, &record(100, 1), &origin(1, &[]), standby),
             Decision::AwaitPromotion
         );
-        // ... nor one whose slot was lost, or whose record carries a rebuild's marker, or
-        // that Redis seems to know less than: a standby never rebuilds.
+        // ... nor one whose slot was lost, or whose slot went while a slot was being made
+        // anew: a standby never makes the slot.
         let mut lost = slot(100);
         lost.wal_status = Some("lost".into());
         let mut marked = record(100, 1);
         marked.rebuilding = Some(Default::default());
-        for (slot, record) in [
-            (Some(&lost), record(100, 1)),
-            (Some(&slot(100)), marked.clone()),
-            (None, marked),
-            (Some(&slot(400)), record(100, 1)),
-        ] {
+        for (slot, record) in [(Some(&lost), record(100, 1)), (None, marked.clone())] {
             assert_eq!(
                 decide(slot, &record, &origin(1, &[]), standby),
                 Decision::AwaitPromotion
             );
         }
+        // A relay decoding on the standby with its own slot catches a shard that fell
+        // behind up from the standby's table, like anywhere else.
+        assert_eq!(
+            decide(Some(&slot(100)), &marked, &origin(1, &[]), standby),
+            Decision::Behind(Reason::Resumed)
+        );
+        assert_eq!(
+            decide(Some(&slot(400)), &record(100, 1), &origin(1, &[]), standby),
+            Decision::Behind(Reason::FellBehind)
+        );
         // A restore that reused the timeline number on another history is a new history too.
         let mut other = record(100, 2);
         other.history = Some(TimelineHistory {
@@ -346,7 +381,7 @@ mod tests {
         });
         assert_eq!(
             decide(None, &other, &origin(2, &[(1, 95)]), PRIMARY),
-            Decision::Rebuild(Reason::Timeline)
+            Decision::Reslot(Reason::Timeline)
         );
         // Same timeline, no slot: somebody dropped it; `setup` is for the operator to run.
         assert_eq!(
@@ -371,7 +406,7 @@ mod tests {
         });
         assert_eq!(
             decide(Some(&slot(50)), &recorded, &origin(2, &[(1, 70)]), PRIMARY),
-            Decision::Rebuild(Reason::Timeline)
+            Decision::Reslot(Reason::Timeline)
         );
         assert_eq!(
             decide(Some(&slot(50)), &recorded, &origin(2, &[(1, 60)]), PRIMARY),
@@ -384,7 +419,7 @@ mod tests {
         let o = origin(1, &[]);
         assert_eq!(
             decide(Some(&slot(100)), &StreamRecord::default(), &o, PRIMARY),
-            Decision::Rebuild(Reason::NoRecord)
+            Decision::Behind(Reason::NoRecord)
         );
         assert_eq!(
             decide(None, &record(100, 1), &o, PRIMARY),
@@ -394,13 +429,13 @@ mod tests {
         marked.rebuilding = Some("lost_slot".into());
         assert_eq!(
             decide(None, &marked, &o, PRIMARY),
-            Decision::Rebuild(Reason::Resumed)
+            Decision::Reslot(Reason::Resumed)
         );
         let mut lost = slot(100);
         lost.wal_status = Some("lost".into());
         assert_eq!(
             decide(Some(&lost), &record(100, 1), &o, PRIMARY),
-            Decision::Rebuild(Reason::LostSlot)
+            Decision::Reslot(Reason::LostSlot)
         );
         // Any reason the server gives (here 18's idle timeout) is a lost slot, whatever
         // wal_status says.
@@ -408,7 +443,7 @@ mod tests {
         idle.invalidation_reason = Some("idle_timeout".into());
         assert_eq!(
             decide(Some(&idle), &record(100, 1), &o, PRIMARY),
-            Decision::Rebuild(Reason::LostSlot)
+            Decision::Reslot(Reason::LostSlot)
         );
     }
 
@@ -432,7 +467,7 @@ mod tests {
                 &origin(2, &[(1, 80)]),
                 PRIMARY
             ),
-            Decision::Rebuild(Reason::Timeline)
+            Decision::Reslot(Reason::Timeline)
         );
         // The server is on an ancestor of the stream's timeline: the old primary. Refuse,
         // even with a marker.
@@ -454,7 +489,7 @@ mod tests {
                 &origin(2, &[(1, 80)]),
                 PRIMARY
             ),
-            Decision::Rebuild(Reason::Timeline)
+            Decision::Reslot(Reason::Timeline)
         );
         // Recorded timeline not an ancestor of the server's.
         assert_eq!(
@@ -464,14 +499,14 @@ mod tests {
                 &origin(3, &[(1, 80)]),
                 PRIMARY
             ),
-            Decision::Rebuild(Reason::Timeline)
+            Decision::Reslot(Reason::Timeline)
         );
         // A large transaction's chunks sit above what was acknowledged: they count.
         let mut chunked = record(100, 1);
         chunked.top.commit_lsn = 130;
         assert_eq!(
             decide(Some(&slot(100)), &chunked, &origin(2, &[(1, 120)]), PRIMARY),
-            Decision::Rebuild(Reason::Timeline)
+            Decision::Reslot(Reason::Timeline)
         );
         // Same timeline number, another history (two restores): diverged.
         let mut other = record(100, 2);
@@ -480,7 +515,7 @@ mod tests {
         });
         assert_eq!(
             decide(Some(&slot(100)), &other, &origin(2, &[(1, 95)]), PRIMARY),
-            Decision::Rebuild(Reason::Timeline)
+            Decision::Reslot(Reason::Timeline)
         );
         // WAL ends before what the stream acknowledged (restored, same timeline).
         assert_eq!(
@@ -490,7 +525,7 @@ mod tests {
                 &origin(1, &[]),
                 primary(60)
             ),
-            Decision::Rebuild(Reason::Timeline)
+            Decision::Reslot(Reason::Timeline)
         );
         // Recorded ancestors differ from the server's.
         let mut r = record(100, 2);
@@ -504,7 +539,7 @@ mod tests {
                 &origin(3, &[(1, 60), (2, 200)]),
                 PRIMARY
             ),
-            Decision::Rebuild(Reason::Timeline)
+            Decision::Reslot(Reason::Timeline)
         );
     }
 }

@@ -1,13 +1,17 @@
 //! Taking the slot over: everything between "connected" and "streaming", in three steps.
 //!
 //! 1. [`read_state`]: the database's prerequisites, the slot (read first), every shard's
-//!    record (read second) and the server's identity, on a gated replication session.
-//! 2. [`decide_under_lock`]: what to do ([`decide`](super::decide)); a rebuild is decided
-//!    only after taking the rebuild lock and reading the slot and Redis again in that order,
-//!    and only while no other walsender holds the slot, so a standby never touches the
-//!    record. A rebuild runs there, under the lock.
+//!    record (read second, each within the Redis timeout: a shard that does not answer starts
+//!    behind instead of holding the others back) and the server's identity, on a gated
+//!    replication session.
+//! 2. [`decide_under_lock`]: what to do with each shard, and with the slot
+//!    ([`decide`](super::decide)). Making the slot anew is decided only after taking the
+//!    rebuild lock and reading the slot and Redis again in that order, and only while no
+//!    other walsender holds the slot, so a standby never touches the records. It runs there,
+//!    under the lock ([`rebuild`](super::rebuild)); nothing is republished there.
 //! 3. [`start`]: adopt a new timeline or refuse, start replication, release the lock once
-//!    streaming started, and hand the session to the streaming loop.
+//!    streaming started, claim the live shards (and read them again after the claim), and
+//!    hand the session to the streaming loop with the shards that start behind.
 //!
 //! The lock lives in [`take_over`]'s scope: whatever way out a step takes, it is released
 //! (and Redis has confirmed it) before the error reaches the supervisor, which may end the
@@ -19,14 +23,14 @@ use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::decide::{decide_shards, Decision, Server};
+use super::decide::{decide, decide_slot, Decision, Server};
 use super::rebuild::{self, Reason};
 use crate::config::{OnLostSlot, RelayConfig};
 use crate::context::Context;
 use crate::error::RelayError;
-use crate::sink::{read_all, Publisher, RebuildLock, Records, StreamRecord};
+use crate::sink::{Publisher, RebuildLock, Records, StreamRecord};
 use crate::source::{
-    check_prerequisites, check_slot, replication_config, replication_error, slot_info, Origin,
+    check_prerequisites, replication_config, replication_error, slot_info, Origin,
     ReplicationPhase, SlotInfo,
 };
 
@@ -34,12 +38,13 @@ use crate::source::{
 /// new ids go.
 pub(crate) struct Started {
     pub(crate) client: ReplicationClient,
+    /// The session's publisher: its id offset, the live shards claimed.
     pub(crate) publisher: Publisher,
     pub(crate) origin: Origin,
-    /// Added to commit LSNs to make stream ids (see the record).
-    pub(crate) id_offset: u64,
-    /// Each shard's top when the session decided to stream: it must still hold it.
+    /// Each shard's top when the session decided to stream: a live shard must still hold it.
     pub(crate) tops: Vec<EntryId>,
+    /// The shards that start behind (caught up from the outbox table).
+    pub(crate) behind: Vec<u32>,
 }
 
 /// What step 1 read, in that order.
@@ -47,26 +52,26 @@ struct State {
     sql: Client,
     records: Vec<Records>,
     slot: Option<SlotInfo>,
-    all: Vec<StreamRecord>,
+    /// Each shard's record, `None` where Redis did not answer.
+    all: Vec<Option<StreamRecord>>,
     client: ReplicationClient,
     origin: Origin,
     server: Server,
 }
 
-/// Connect, take the slot (rebuilding the stream first when needed) and start streaming.
-/// `shutdown` is heard at every step: whatever a step did is safe to leave (a rebuild
-/// resumes from its marker), so it is dropped where it stands.
+/// Connect, take the slot (making it anew first when needed) and start streaming.
+/// `shutdown` is heard at every step: whatever a step did is safe to leave (markers resume
+/// it), so it is dropped where it stands.
 pub(crate) async fn take_over(
     ctx: &Context,
-    mut publisher: Publisher,
+    publisher: Publisher,
     shutdown: &CancellationToken,
 ) -> Result<Started, RelayError> {
     let mut lock = None;
     let steps = async {
-        let mut state = read_state(ctx, &mut publisher).await?;
-        let (decision, placement) =
-            decide_under_lock(ctx, &mut state, &mut publisher, &mut lock).await?;
-        start(ctx, state, publisher, decision, placement, &mut lock).await
+        let mut state = read_state(ctx, &publisher).await?;
+        let plan = decide_under_lock(ctx, &mut state, &publisher, &mut lock).await?;
+        start(ctx, state, publisher, plan, &mut lock).await
     };
     let started = tokio::select! {
         biased;
@@ -80,7 +85,7 @@ pub(crate) async fn take_over(
 }
 
 /// Step 1: the prerequisites, the slot, then Redis, then the server.
-async fn read_state(ctx: &Context, publisher: &mut Publisher) -> Result<State, RelayError> {
+async fn read_state(ctx: &Context, publisher: &Publisher) -> Result<State, RelayError> {
     let cfg = &ctx.config;
     let pg = &cfg.postgres;
     let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
@@ -95,18 +100,26 @@ async fn read_state(ctx: &Context, publisher: &mut Publisher) -> Result<State, R
     if records[0].rebuilding_elsewhere(ctx.instance_id()).await? {
         return Err(busy(ctx, None));
     }
-    let all = read_all(&mut records).await?;
-    publisher.check_layout(&all).await?;
+    let all = read_each(ctx, &mut records).await?;
+    let readable: Vec<StreamRecord> = all.iter().flatten().cloned().collect();
+    publisher.clone().check_layout(&readable).await?;
 
-    let replication =
-        replication_config(&pg.endpoint, &pg.slot, &pg.publication, cfg.status_interval);
+    let replication = replication_config(
+        &pg.endpoint,
+        &pg.slot,
+        &pg.publication,
+        cfg.status_interval,
+        cfg.replication_timeout,
+    )
+    .with_buffer_size(REPLICATION_BUFFER_EVENTS)
+    .with_max_message_size(cfg.max_row_bytes);
     let mut client = ReplicationClient::connect_gated(replication).await?;
     let (origin, server_lsn) = Origin::identify(&mut client, cfg.connect_timeout).await?;
     let server = Server {
         lsn: server_lsn,
         in_recovery,
     };
-    if let Some(recorded) = all
+    if let Some(recorded) = readable
         .iter()
         .filter_map(|r| r.system_id.as_ref())
         .find(|s| **s != origin.system_id)
@@ -128,20 +141,78 @@ async fn read_state(ctx: &Context, publisher: &mut Publisher) -> Result<State, R
     })
 }
 
-/// Step 2: the decision, and the rebuild it may call for, under the rebuild lock (taken
-/// into `held`).
+/// Events the replication connection buffers: with rows of at most `--max-row-bytes`, this
+/// times it bounds that buffer's memory.
+pub(crate) const REPLICATION_BUFFER_EVENTS: usize = 64;
+
+/// Every shard's record, each within the Redis timeout; `None` for a shard that did not
+/// answer (it starts behind), an error when none did.
+async fn read_each(
+    ctx: &Context,
+    records: &mut [Records],
+) -> Result<Vec<Option<StreamRecord>>, RelayError> {
+    let timeout = ctx.config.redis_timeout;
+    let mut all = Vec::with_capacity(records.len());
+    let mut last_error = None;
+    for (k, r) in records.iter_mut().enumerate() {
+        match tokio::time::timeout(timeout, r.read()).await {
+            Ok(Ok(record)) => all.push(Some(record)),
+            Ok(Err(e)) if e.is_transient() => {
+                warn!(shard = k, error = %e, "the shard's record cannot be read; it starts behind");
+                last_error = Some(e);
+                all.push(None);
+            }
+            Ok(Err(e)) => return Err(e),
+            Err(_) => {
+                warn!(
+                    shard = k,
+                    ?timeout,
+                    "the shard's record did not come; it starts behind"
+                );
+                all.push(None);
+            }
+        }
+    }
+    if all.iter().all(Option::is_none) {
+        return Err(last_error.unwrap_or(RelayError::ShardUnreachable {
+            stream: records[0].stream().to_string(),
+        }));
+    }
+    Ok(all)
+}
+
+/// What step 2 decided.
+struct Plan {
+    /// Per shard.
+    decisions: Vec<Decision>,
+    /// The slot-wide one, if any.
+    slot: Option<Decision>,
+    id_offset: u64,
+    tops: Vec<EntryId>,
+    /// The slot was made anew here.
+    rebuilt: Option<Reason>,
+}
+
+/// Step 2: the decisions, and making the slot anew when they call for it, under the rebuild
+/// lock (taken into `held`).
 async fn decide_under_lock(
     ctx: &Context,
     state: &mut State,
-    publisher: &mut Publisher,
+    publisher: &Publisher,
     held: &mut Option<RebuildLock>,
-) -> Result<(Decision, Placement), RelayError> {
-    let decision = decide_shards(state.slot.as_ref(), &state.all, &state.origin, state.server);
-    let Decision::Rebuild(reason) = decision else {
-        return Ok((decision, Placement::of(&state.all)));
+) -> Result<Plan, RelayError> {
+    let plan = plan(state);
+    let Some(Decision::Reslot(reason)) = plan.slot else {
+        return Ok(plan);
     };
     refuse_lost_slot(ctx, reason)?;
-    // Shard 0's lock stands for the whole stream: there is one slot to rebuild from.
+    if let Some(k) = state.all.iter().position(Option::is_none) {
+        // Making the slot anew marks every shard: it waits until every one answers.
+        return Err(RelayError::ShardUnreachable {
+            stream: publisher.shard_stream(k as u32).to_string(),
+        });
+    }
+    // Shard 0's lock stands for the whole stream: there is one slot.
     let Some(lock) = RebuildLock::acquire(
         publisher.connection(),
         publisher.shard_stream(0),
@@ -153,38 +224,72 @@ async fn decide_under_lock(
         return Err(busy(ctx, None));
     };
     let lock = held.insert(lock);
-    // With the lock, both again in the same order: only now is a rebuild decided.
+    // With the lock, both again in the same order: only now is it decided.
     state.slot = read_slot(ctx, &state.sql, state.server.in_recovery).await?;
-    state.all = read_all(&mut state.records).await?;
-    let decision = decide_shards(state.slot.as_ref(), &state.all, &state.origin, state.server);
-    let mut placement = Placement::of(&state.all);
-    if let Decision::Rebuild(reason) = decision {
+    let mut all = Vec::with_capacity(state.records.len());
+    for r in state.records.iter_mut() {
+        all.push(Some(r.read().await?));
+    }
+    state.all = all;
+    let mut plan = plan_of(state);
+    if let Some(Decision::Reslot(reason)) = plan.slot {
         refuse_lost_slot(ctx, reason)?;
-        warn!(slot = %ctx.config.postgres.slot, stream = %publisher.stream(), shards = publisher.shard_count(), reason = reason.as_str(), why = reason.explain(), "rebuilding the stream from the outbox table");
-        let (id_offset, tops) = rebuild::rebuild(
+        warn!(slot = %ctx.config.postgres.slot, stream = %publisher.stream(), shards = publisher.shard_count(), reason = reason.as_str(), why = reason.explain(), "making the slot anew; every shard is caught up from the outbox table");
+        let records: Vec<StreamRecord> = state.all.iter().flatten().cloned().collect();
+        let id_offset = rebuild::rebuild(
             ctx,
             &mut state.client,
             publisher,
             &state.origin,
-            &state.all,
+            &records,
             lock,
             reason,
         )
         .await?;
-        placement = Placement { id_offset, tops };
         ctx.set_slot_lost(false);
+        plan.id_offset = id_offset;
+        plan.rebuilt = Some(reason);
+        plan.slot = None;
+        plan.decisions = vec![Decision::Behind(reason); records.len()];
     }
-    Ok((decision, placement))
+    Ok(plan)
 }
 
-/// Step 3: act on the decision and start replication; the lock (if any) is released as
+fn plan(state: &State) -> Plan {
+    plan_of(state)
+}
+
+fn plan_of(state: &State) -> Plan {
+    let decisions: Vec<Decision> = state
+        .all
+        .iter()
+        .map(|record| match record {
+            Some(record) => decide(state.slot.as_ref(), record, &state.origin, state.server),
+            // Read when it answers, by its catch-up.
+            None => Decision::Behind(Reason::FellBehind),
+        })
+        .collect();
+    let readable = state.all.iter().flatten();
+    Plan {
+        slot: decide_slot(&decisions),
+        decisions,
+        id_offset: readable.clone().map(|r| r.id_offset).max().unwrap_or(0),
+        tops: state
+            .all
+            .iter()
+            .map(|r| r.as_ref().map(|r| r.top).unwrap_or_default())
+            .collect(),
+        rebuilt: None,
+    }
+}
+
+/// Step 3: act on the decisions and start replication; the lock (if any) is released as
 /// soon as streaming started.
 async fn start(
     ctx: &Context,
     state: State,
     publisher: Publisher,
-    decision: Decision,
-    placement: Placement,
+    plan: Plan,
     held: &mut Option<RebuildLock>,
 ) -> Result<Started, RelayError> {
     let cfg = &ctx.config;
@@ -198,44 +303,45 @@ async fn start(
         server,
         ..
     } = state;
-    match decision {
-        Decision::SlotMissing => {
+    match plan.slot {
+        Some(Decision::SlotMissing) => {
             return Err(RelayError::SlotMissing {
                 slot: pg.slot.clone(),
             })
         }
-        Decision::AwaitPromotion => {
+        Some(Decision::AwaitPromotion) => {
             return Err(RelayError::AwaitingPromotion {
                 slot: pg.slot.clone(),
                 synced_copy: false,
             })
         }
-        Decision::Adopt => {
-            let mut adopted = false;
-            for r in records.iter_mut() {
-                adopted |= r.adopt_timeline(&origin).await?;
-            }
-            if adopted {
-                info!(stream = %publisher.stream(), timeline = origin.timeline, "the stream continues on the server's new timeline (its switch point is past everything the stream acknowledged)");
-            }
-        }
-        Decision::OlderTimeline => {
+        Some(Decision::OlderTimeline) => {
             return Err(RelayError::OlderTimeline {
                 stream: publisher.stream().to_string(),
                 recorded: all
                     .iter()
+                    .flatten()
                     .filter_map(|r| r.timeline)
                     .max()
                     .unwrap_or_default(),
                 server: origin.timeline,
             });
         }
-        Decision::Stream | Decision::Rebuild(_) => {}
+        _ => {}
+    }
+    let mut adopted = false;
+    for (r, decision) in records.iter_mut().zip(&plan.decisions) {
+        if *decision == Decision::Adopt {
+            adopted |= r.adopt_timeline(&origin).await?;
+        }
+    }
+    if adopted {
+        info!(stream = %publisher.stream(), timeline = origin.timeline, "the stream continues on the server's new timeline (its switch point is past everything the stream acknowledged)");
     }
 
-    let rebuilt_here = matches!(decision, Decision::Rebuild(_));
     client.start().await?;
     let started = within(cfg, client.wait_started()).await;
+    let rebuilt_here = plan.rebuilt.is_some();
     if let Some(lock) = held.take() {
         lock.release().await;
     }
@@ -247,65 +353,101 @@ async fn start(
             .and_then(|s| s.active_pid)
             .map(|pid| pid as u32);
         let recover = cfg.on_lost_slot == OnLostSlot::Recover;
-        return Err(
-            match replication_error(e, ReplicationPhase::Start, pg, recover, holder) {
-                // On a standby, "cannot use the slot" is its synced copy (17+: "being
-                // synchronized from the primary"), not an invalidated slot.
-                RelayError::SlotLost { .. } if server.in_recovery => {
-                    RelayError::AwaitingPromotion {
-                        slot: pg.slot.clone(),
-                        synced_copy: true,
-                    }
-                }
-                e => e,
+        let e = match replication_error(e, ReplicationPhase::Start, pg, recover, holder) {
+            // On a standby, "cannot use the slot" is its synced copy (17+: "being
+            // synchronized from the primary"), not an invalidated slot.
+            RelayError::SlotLost { .. } if server.in_recovery => RelayError::AwaitingPromotion {
+                slot: pg.slot.clone(),
+                synced_copy: true,
             },
-        );
+            // The slot went between reading it and START: another relay dropped it to make
+            // it anew (it holds the lock now). Not for a human: stand by.
+            RelayError::SlotMissing { .. }
+                if records[0]
+                    .rebuilding_elsewhere(ctx.instance_id())
+                    .await
+                    .unwrap_or(false) =>
+            {
+                busy(ctx, None)
+            }
+            e => e,
+        };
+        return Err(e);
     }
     drop(sql);
-    // Another relay may have started a rebuild between our decision and START (it dropped
-    // and made the slot we now hold): leave the stream to it, without fencing it first.
+    // Another relay may have begun making the slot anew between our decision and START
+    // (it dropped and made the slot we now hold): leave the stream to it.
     if !rebuilt_here && rebuild_elsewhere(ctx, &mut records).await? {
         return Err(busy(ctx, None));
     }
-    // Holding the slot: claim the stream, so a relay that held it before (paused, cut off)
-    // writes nothing more. A rebuild that began in between was fenced by the claim; look
-    // again, and leave it the stream (it resumes).
-    let mut publisher = publisher;
-    publisher.claim_writer_epochs().await?;
-    if !rebuilt_here && rebuild_elsewhere(ctx, &mut records).await? {
-        return Err(busy(ctx, None));
+    // Holding the slot: claim each live shard, so a relay that held it before (paused, cut
+    // off) writes nothing more there. (A shard behind is claimed by its catch-up.)
+    let mut publisher = publisher.for_session(plan.id_offset);
+    let live: Vec<u32> = plan
+        .decisions
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| matches!(d, Decision::Stream | Decision::Adopt))
+        .map(|(k, _)| k as u32)
+        .collect();
+    for &k in &live {
+        publisher.claim_writer_epoch(k).await?;
+    }
+    // What the decision rested on, read again after the claims: a relay that wrote (or
+    // rebuilt) in between is fenced now, but what it wrote is not what was decided on.
+    for &k in &live {
+        let now = records[k as usize].read().await?;
+        let before = all[k as usize].as_ref();
+        if before.is_some_and(|b| b.top != now.top || b.id_offset != now.id_offset)
+            || now.rebuilding.is_some()
+        {
+            return Err(RelayError::Restart(format!(
+                "shard {k} changed while this relay took the slot over"
+            )));
+        }
+    }
+    let behind: Vec<u32> = plan
+        .decisions
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| matches!(d, Decision::Behind(_)))
+        .map(|(k, _)| k as u32)
+        .collect();
+    if plan.rebuilt.is_none() {
+        let mut reasons: Vec<Reason> = plan
+            .decisions
+            .iter()
+            .filter_map(|d| match d {
+                Decision::Behind(r) => Some(*r),
+                _ => None,
+            })
+            .collect();
+        reasons.dedup();
+        for reason in reasons {
+            warn!(reason = reason.as_str(), why = reason.explain(), "shards start behind; they are caught up from the outbox table while the others stream");
+            ctx.metrics
+                .rebuilds_total
+                .with_label_values(&[reason.as_str()])
+                .inc();
+        }
     }
     info!(
         slot = %pg.slot,
         stream = %publisher.stream(),
         shards = publisher.shard_count(),
+        behind = ?behind,
         system_id = %origin.system_id,
         timeline = origin.timeline,
-        id_offset = placement.id_offset,
+        id_offset = plan.id_offset,
         "acquired slot; streaming"
     );
     Ok(Started {
         client,
         publisher,
         origin,
-        id_offset: placement.id_offset,
-        tops: placement.tops,
+        tops: plan.tops,
+        behind,
     })
-}
-
-/// Where new ids go: one offset for every shard (the largest recorded), and each shard's top.
-struct Placement {
-    id_offset: u64,
-    tops: Vec<EntryId>,
-}
-
-impl Placement {
-    fn of(records: &[StreamRecord]) -> Self {
-        Self {
-            id_offset: records.iter().map(|r| r.id_offset).max().unwrap_or(0),
-            tops: records.iter().map(|r| r.top).collect(),
-        }
-    }
 }
 
 /// The slot as Postgres shows it; a slot held by another walsender means standing by, and a
@@ -316,10 +458,7 @@ async fn read_slot(
     in_recovery: bool,
 ) -> Result<Option<SlotInfo>, RelayError> {
     let pg = &ctx.config.postgres;
-    let slot = match slot_info(sql, &pg.slot).await? {
-        Some(_) => Some(check_slot(sql, pg).await?),
-        None => None,
-    };
+    let slot = crate::source::check_slot(sql, pg).await?;
     if in_recovery && slot.as_ref().is_some_and(|s| s.synced == Some(true)) {
         return Err(RelayError::AwaitingPromotion {
             slot: pg.slot.clone(),
@@ -351,12 +490,9 @@ fn refuse_lost_slot(ctx: &Context, reason: Reason) -> Result<(), RelayError> {
     Ok(())
 }
 
-/// Whether a rebuild is under way by another relay: a shard's record carries its marker, or
-/// another instance holds the rebuild lock.
+/// Whether another relay is making the slot anew: it holds the rebuild lock.
 async fn rebuild_elsewhere(ctx: &Context, records: &mut [Records]) -> Result<bool, RelayError> {
-    let now = read_all(records).await?;
-    Ok(now.iter().any(|r| r.rebuilding.is_some())
-        || records[0].rebuilding_elsewhere(ctx.instance_id()).await?)
+    records[0].rebuilding_elsewhere(ctx.instance_id()).await
 }
 
 fn busy(ctx: &Context, holder: Option<u32>) -> RelayError {

@@ -1,43 +1,51 @@
 //! The relay loop: replication events in, Redis stream entries out, slot acknowledgements back.
 //!
-//! Invariant: the slot is never acknowledged past a transaction whose entries Redis has not
-//! confirmed. Everything held in memory here may vanish at any moment; Postgres re-sends it
+//! Invariant: the slot is never acknowledged past a transaction whose entries a live shard has
+//! not confirmed. Everything held in memory here may vanish at any moment; Postgres re-sends it
 //! because we did not acknowledge it, and Redis rejects the part it already has (stream ids
-//! are derived from commit LSNs).
+//! are derived from commit LSNs). A shard that fell behind is not waited for: what it lacks is
+//! in the outbox table, which its catch-up (`recovery::catch_up`) publishes, handing it back
+//! here at a transaction boundary.
 //!
 //! Batches are sealed as soon as nothing more is waiting (natural batching) and go to the
-//! ordered pipeline (`sink::Pipeline`: up to two in flight, confirmed strictly in order); a
-//! failed batch is retried before anything after it.
-//! Acknowledgements are the `end_lsn` of the last transaction whose Commit was in a
-//! confirmed batch (never `Commit.lsn`, which makes Postgres re-send that transaction), or
-//! a keepalive's `wal_end` when nothing is open or unconfirmed (so an idle outbox does not
-//! pin WAL while other tables are busy).
+//! ordered pipeline (`sink::Pipeline`: per shard up to two in flight, confirmed strictly in
+//! order). Acknowledgements are the `end_lsn` of the last transaction whose Commit was in a
+//! batch every live shard confirmed (never `Commit.lsn`, which makes Postgres re-send that
+//! transaction), or a keepalive's `wal_end` when nothing is open or unconfirmed (so an idle
+//! outbox does not pin WAL while other tables are busy).
+//!
+//! The connection has a deadline: a server silent for `--replication-timeout` while the loop
+//! is ready to read ends the session (see `source::replication`).
 
 use std::time::Duration;
 
 use futures::FutureExt;
 use pgwire_replication::{Lsn, PgWireError, ReplicationClient, ReplicationEvent};
+use tokio::sync::{mpsc, oneshot};
+use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
 use outbox_core::stream::{shard_of, EntryId};
 
 use crate::config::{BatchLimits, OnLostSlot};
-use crate::context::Context;
+use crate::context::{Context, SharedContext};
 use crate::decode::OutboxEvent;
 use crate::decode::{self, PgOutput, RelationCache, Row};
 use crate::error::RelayError;
-use crate::recovery::Started;
-use crate::sink::{Batch, Confirmed, Pipeline, PublishSpan, StreamEntry};
-use crate::source::{replication_error, ReplicationPhase};
+use crate::recovery::{CatchUps, Handover, Started};
+use crate::sink::{Batch, Confirmed, Event, Pipeline, PublishSpan, Sealed, StreamEntry};
+use crate::source::{
+    replication_error, take_watermark, ReplicationPhase, Watermarks, WATERMARK_INTERVAL,
+};
 use crate::status::Role;
 
 /// Microseconds between the Unix epoch and the Postgres epoch (2000-01-01).
 const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
 
 /// Stream from a started replication session until shutdown (`Ok`) or an error. Ids are
-/// commit LSNs plus `id_offset` (see the record), and each shard must still hold its entry
-/// of `tops` (its last id when the session decided to stream).
+/// commit LSNs plus the session's id offset (see the record), and each live shard must
+/// still hold its entry of `tops` (its last id when the session decided to stream).
 pub(crate) async fn stream(
     ctx: &Context,
     started: Started,
@@ -47,8 +55,8 @@ pub(crate) async fn stream(
         client,
         publisher,
         origin,
-        id_offset,
         tops,
+        behind,
     } = started;
     let fences = tops
         .iter()
@@ -57,6 +65,21 @@ pub(crate) async fn stream(
     let cfg = &ctx.config;
     ctx.set_role(Role::Streaming);
     ctx.set_last_error(None);
+    let watermarks = Watermarks::default();
+    let taker = AbortOnDrop(tokio::spawn(take_watermarks(
+        ctx.shared(),
+        watermarks.clone(),
+    )));
+    let (handover_tx, handover) = mpsc::channel(16);
+    let catch_ups = CatchUps::spawn(
+        ctx.shared(),
+        publisher.clone(),
+        origin.clone(),
+        watermarks.clone(),
+        handover_tx,
+        &behind,
+    );
+    let id_offset = publisher.id_offset();
     let session = Session {
         ctx,
         relations: RelationCache::sharded(cfg.postgres.outbox_table.clone(), cfg.stream_shards),
@@ -65,22 +88,72 @@ pub(crate) async fn stream(
             open: None,
             filling: Batch::default(),
             acknowledged_lsn: Lsn(0),
-            ack_only_not_before: tokio::time::Instant::now(),
+            ack_only_not_before: Instant::now(),
             id_offset,
-            shard_acked: vec![Lsn(0); cfg.stream_shards as usize],
-            next_ack_all: tokio::time::Instant::now(),
+            shards: cfg.stream_shards,
+            next_ack_all: Instant::now(),
             finishing: false,
+            pending_capture: None,
+            last_heard: Instant::now(),
         },
-        pipeline: Pipeline::new(publisher, origin, ctx.shared(), fences),
+        pipeline: Pipeline::new(publisher, origin, ctx.shared(), fences, &behind, watermarks),
         client,
+        catch_ups,
+        handover,
+        _taker: taker,
     };
     session.stream(shutdown).await
+}
+
+/// Takes a watermark every [`WATERMARK_INTERVAL`] on a connection of its own, for the
+/// session to record with acknowledgements (see `source::watermark`). A failure is retried
+/// at the next tick: acknowledgements then carry an older one, which is only a wider bound.
+async fn take_watermarks(ctx: SharedContext, watermarks: Watermarks) {
+    let cfg = &ctx.config;
+    let mut client: Option<tokio_postgres::Client> = None;
+    let mut tick = tokio::time::interval(WATERMARK_INTERVAL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if client.as_ref().is_none_or(|c| c.is_closed()) {
+            client = cfg
+                .postgres
+                .endpoint
+                .connect(cfg.connect_timeout.min(Duration::from_secs(5)))
+                .await
+                .ok();
+        }
+        let Some(c) = &client else { continue };
+        match tokio::time::timeout(Duration::from_secs(5), take_watermark(c)).await {
+            Ok(Ok(watermark)) => {
+                watermarks.push(watermark);
+            }
+            Ok(Err(e)) => {
+                debug!(error = %e, "watermark not taken");
+                client = None;
+            }
+            Err(_) => {
+                debug!("watermark not taken in time");
+                client = None;
+            }
+        }
+    }
+}
+
+/// A task that ends with its owner.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 /// A transaction between its Begin and its Commit.
 struct OpenTransaction {
     commit_lsn: Lsn,
     commit_time_micros: i64,
+    xid: u32,
     next_seq: u64,
 }
 
@@ -94,22 +167,21 @@ struct State {
     /// A batch carrying only an acknowledgement (a keepalive's position, a commit without
     /// entries) waits until then, so a busy database with an idle outbox costs Redis a few
     /// small calls per second, not one per keepalive.
-    ack_only_not_before: tokio::time::Instant,
+    ack_only_not_before: Instant,
     /// Added to commit LSNs to make stream ids.
     id_offset: u64,
-    /// Per shard, the highest acknowledgement its record holds from this session.
-    shard_acked: Vec<Lsn>,
+    shards: u32,
     /// When the next batch sends its acknowledgement to every shard.
-    next_ack_all: tokio::time::Instant,
+    next_ack_all: Instant,
     /// Stopping: every batch acknowledges in every shard.
     finishing: bool,
+    /// A catch-up asked to capture these shards' entries, from the next transaction boundary.
+    pending_capture: Option<(Vec<u32>, oneshot::Sender<()>)>,
+    /// When the server was last heard (or the loop last could not read): the watchdog's base.
+    last_heard: Instant,
 }
 
 impl State {
-    fn shards(&self) -> u32 {
-        self.shard_acked.len() as u32
-    }
-
     /// The filling batch can take another event (otherwise: backpressure on the slot).
     fn has_room(&self) -> bool {
         self.filling.has_room(&self.limits)
@@ -122,6 +194,9 @@ struct Session<'a> {
     relations: RelationCache,
     state: State,
     pipeline: Pipeline,
+    catch_ups: CatchUps,
+    handover: mpsc::Receiver<Handover>,
+    _taker: AbortOnDrop,
 }
 
 impl Session<'_> {
@@ -141,6 +216,11 @@ impl Session<'_> {
     fn is_idle(&self) -> bool {
         self.state.open.is_none() && !self.state.filling.has_entries() && self.pipeline.is_idle()
     }
+
+    /// A capture can begin: one is asked for, and no transaction is half received.
+    fn capture_due(&self) -> bool {
+        self.state.pending_capture.is_some() && self.state.open.is_none()
+    }
 }
 
 impl Session<'_> {
@@ -157,17 +237,25 @@ impl Session<'_> {
         // Registered once: polling a fresh `cancelled()` each turn would lock its mutex.
         let cancelled = shutdown.cancelled();
         tokio::pin!(cancelled);
+        let silence_limit = self.ctx.config.replication_timeout;
         loop {
+            if !self.state.has_room() {
+                // Not reading: the server's silence is not the server's.
+                self.state.last_heard = Instant::now();
+            }
             tokio::select! {
                 biased;
-                // 1. shutdown: stop reading, finish the in-flight batch, acknowledge, leave
+                // 1. shutdown: stop reading, finish the healthy shards' calls, acknowledge, leave
                 _ = &mut cancelled => return self.finish().await,
-                // 2. a shard's part confirmed: acknowledge as far as every shard recorded
-                confirmed = self.pipeline.confirmed(), if !self.pipeline.is_idle() => {
-                    self.on_published(confirmed?);
+                // 2. a shard's part confirmed, or a shard fell behind
+                event = self.pipeline.next_event(), if !self.pipeline.is_idle() => {
+                    self.on_pipeline(event?);
                 }
-                // 3. the next replication events, only while the batch has room (backpressure)
+                // 3. a catch-up's hand-over
+                Some(request) = self.handover.recv() => self.on_handover(request)?,
+                // 4. the next replication events, only while the batch has room (backpressure)
                 received = self.client.recv(), if self.state.has_room() => {
+                    self.state.last_heard = Instant::now();
                     self.on_received(received)?;
                     // Take what is already waiting without another turn of the select.
                     while self.state.has_room() {
@@ -177,12 +265,19 @@ impl Session<'_> {
                         }
                     }
                 }
-                // 4. nothing more is waiting: publish what we have now (no timer, no added latency)
+                // 5. a capture asked for begins at a transaction boundary
+                _ = std::future::ready(()), if self.capture_due() => self.begin_capture(),
+                // 6. nothing more is waiting: publish what we have now (no timer, no added latency)
                 _ = std::future::ready(()), if self.ready_to_publish() => self.start_publish(),
-                // 5. only an acknowledgement waits: record it in Redis, then acknowledge
+                // 7. only an acknowledgement waits: record it in Redis, then acknowledge
                 _ = tokio::time::sleep_until(self.state.ack_only_not_before), if self.ack_only_waiting() => {
-                    self.state.ack_only_not_before = tokio::time::Instant::now() + self.ctx.config.status_interval;
+                    self.state.ack_only_not_before = Instant::now() + self.ctx.config.status_interval;
                     self.start_publish();
+                }
+                // 8. the server said nothing for the whole replication timeout
+                _ = tokio::time::sleep_until(self.state.last_heard + silence_limit), if self.state.has_room() => {
+                    self.ctx.metrics.replication_silent_total.inc();
+                    return Err(RelayError::ReplicationSilent(silence_limit));
                 }
             }
         }
@@ -210,7 +305,7 @@ impl Session<'_> {
             ReplicationEvent::Begin {
                 final_lsn,
                 commit_time_micros,
-                ..
+                xid,
             } => {
                 if self.state.open.is_some() {
                     return Err(RelayError::Protocol(format!(
@@ -220,6 +315,7 @@ impl Session<'_> {
                 self.state.open = Some(OpenTransaction {
                     commit_lsn: final_lsn,
                     commit_time_micros,
+                    xid,
                     next_seq: 0,
                 });
             }
@@ -230,7 +326,7 @@ impl Session<'_> {
                 }
                 PgOutput::Insert(insert) => match self.relations.on_insert(insert)? {
                     Row::Outbox(mut event) => {
-                        let shard = shard_of(event.partition_key.as_deref(), self.state.shards());
+                        let shard = shard_of(event.partition_key.as_deref(), self.state.shards);
                         let txn = self.state.open.as_mut().ok_or_else(|| {
                             RelayError::Protocol("insert outside a transaction".into())
                         })?;
@@ -252,6 +348,7 @@ impl Session<'_> {
                                 event,
                                 commit_time_micros: 0,
                                 span,
+                                xid: txn.xid,
                             },
                             txn.commit_time_micros,
                         );
@@ -297,17 +394,81 @@ impl Session<'_> {
     fn start_publish(&mut self) {
         let batch = std::mem::take(&mut self.state.filling);
         // With shards, a batch records its acknowledgement in the shards it writes; every
-        // shard gets it at most once per status interval (and with every batch that is only
-        // an acknowledgement, or while stopping), which is as often as the slot hears.
-        let now = tokio::time::Instant::now();
-        let ack_all = self.state.shards() == 1
+        // live shard gets it at most once per status interval (and with every batch that is
+        // only an acknowledgement, or while stopping), which is as often as the slot hears.
+        let now = Instant::now();
+        let ack_all = self.state.shards == 1
             || !batch.has_entries()
             || self.state.finishing
             || now >= self.state.next_ack_all;
         if ack_all && batch.ack_lsn.is_some() {
             self.state.next_ack_all = now + self.ctx.config.status_interval;
         }
-        self.pipeline.send(batch, ack_all);
+        let sealed = self.pipeline.send(batch, ack_all);
+        self.after_sealing(sealed);
+    }
+
+    fn after_sealing(&mut self, sealed: Sealed) {
+        for (shard, consumed) in sealed.behind {
+            self.catch_ups.fell_behind(shard, consumed);
+        }
+        self.ctx
+            .metrics
+            .lane_held_bytes
+            .set(self.pipeline.held_bytes() as i64);
+        self.acknowledge_slot();
+    }
+
+    fn on_pipeline(&mut self, event: Event) {
+        match event {
+            Event::Confirmed(confirmed) => self.on_published(confirmed),
+            Event::Behind {
+                shard,
+                reason,
+                consumed,
+            } => {
+                self.ctx
+                    .set_last_error(Some(format!("shard {shard} fell behind: {reason}")));
+                self.catch_ups.fell_behind(shard, consumed);
+            }
+        }
+        self.ctx
+            .metrics
+            .lane_held_bytes
+            .set(self.pipeline.held_bytes() as i64);
+        self.acknowledge_slot();
+    }
+
+    fn on_handover(&mut self, request: Handover) -> Result<(), RelayError> {
+        match request {
+            Handover::Capture { shards, started } => {
+                self.state.pending_capture = Some((shards, started));
+            }
+            Handover::Rejoin {
+                shard,
+                top,
+                watermark,
+                done,
+            } => {
+                let rejoined =
+                    self.pipeline
+                        .rejoin(shard, top, watermark, self.state.acknowledged_lsn);
+                let _ = done.send(rejoined);
+                self.acknowledge_slot();
+            }
+            Handover::Abandon { shards } => self.pipeline.abandon_capture(&shards),
+            Handover::Failed(e) => return Err(e),
+        }
+        Ok(())
+    }
+
+    /// Capture what is sealed for the shards a catch-up hands over, from this transaction
+    /// boundary on (everything of a transaction begun later is kept, so none is half lost).
+    fn begin_capture(&mut self) {
+        if let Some((shards, started)) = self.state.pending_capture.take() {
+            self.pipeline.start_capture(&shards);
+            let _ = started.send(());
+        }
     }
 
     fn on_published(&mut self, confirmed: Confirmed) {
@@ -315,16 +476,6 @@ impl Session<'_> {
         let metrics = &self.ctx.metrics;
         metrics.events_published_total.inc_by(outcome.published);
         metrics.duplicates_rejected_total.inc_by(outcome.duplicates);
-        if outcome.unread_trimmed > 0 {
-            metrics
-                .unread_entries_trimmed_total
-                .inc_by(outcome.unread_trimmed);
-            warn!(
-                trimmed = outcome.unread_trimmed,
-                max_len = self.ctx.config.stream_max_len,
-                "the stream reached --stream-max-len: trimmed entries some consumer group had not acknowledged"
-            );
-        }
         metrics.publish_batches_total.inc();
         metrics
             .publish_batch_entries
@@ -336,20 +487,18 @@ impl Session<'_> {
         }
         if outcome.duplicates > 0 {
             debug!(
+                shard = confirmed.shard,
                 duplicates = outcome.duplicates,
                 "stream already held re-sent entries"
             );
         }
-        if let Some(lsn) = confirmed.ack_lsn {
-            // The slot moves only as far as every shard's record knows (`record`'s invariant):
-            // a shard that cannot confirm holds the slot back, not the other shards.
-            let acked = &mut self.state.shard_acked[confirmed.shard as usize];
-            if lsn > *acked {
-                *acked = lsn;
-            }
-            if let Some(&everywhere) = self.state.shard_acked.iter().min() {
-                self.acknowledge(everywhere);
-            }
+    }
+
+    /// Acknowledge the slot as far as every live shard recorded (or, with none live, as far
+    /// as anything was sealed).
+    fn acknowledge_slot(&mut self) {
+        if let Some(lsn) = self.pipeline.slot_ack() {
+            self.acknowledge(lsn);
         }
     }
 
@@ -361,64 +510,68 @@ impl Session<'_> {
         }
     }
 
-    /// Graceful end: publish what was received (bounded by the shutdown grace), send the
-    /// last acknowledgement, wait until it was written to the server, then stop.
+    /// Graceful end: publish what was received to the shards that confirm (bounded by the
+    /// shutdown grace; a shard that cannot confirm is not waited for), send the last
+    /// acknowledgement, wait until it was written to the server, then stop.
     async fn finish(&mut self) -> Result<(), RelayError> {
         self.ctx.set_role(Role::Stopping);
         self.state.finishing = true;
         let cfg = &self.ctx.config;
-        let deadline = tokio::time::Instant::now() + cfg.shutdown_grace;
+        let deadline = Instant::now() + cfg.shutdown_grace;
         // The open transaction (if any) is dropped: Postgres re-sends it next time.
+        self.pipeline.drop_failing();
+        let mut levelled = false;
         loop {
             if self.ready_to_publish() || self.ack_only_waiting() {
                 self.start_publish();
             }
-            if self.pipeline.is_idle() {
+            if self.pipeline.healthy_idle() {
                 // Shards that last recorded an older acknowledgement hold the slot back:
-                // every batch is confirmed now, so one acknowledgement-only batch (to every
-                // shard, while finishing) lets the slot move to the newest.
-                let newest = self.state.shard_acked.iter().max().copied();
-                let behind = newest.is_some_and(|n| n > self.state.acknowledged_lsn);
-                if behind
-                    && !self.state.filling.has_entries()
-                    && self.state.filling.ack_lsn.is_none()
-                {
-                    self.state.filling.ack_lsn = newest;
-                    self.state.ack_only_not_before = tokio::time::Instant::now();
+                // every batch is confirmed now, so one acknowledgement-only part to each of
+                // them lets the slot move to the newest.
+                let newest = self.pipeline.newest_ack();
+                if !levelled && newest.is_some_and(|n| n > self.state.acknowledged_lsn) {
+                    levelled = true;
+                    self.pipeline.acknowledge_healthy(newest.expect("checked"));
                     continue;
                 }
                 break;
             }
-            match tokio::time::timeout_at(deadline, self.pipeline.confirmed()).await {
-                Ok(Ok(confirmed)) => self.on_published(confirmed),
+            match tokio::time::timeout_at(deadline, self.pipeline.next_event()).await {
+                Ok(Ok(Event::Confirmed(confirmed))) => {
+                    self.on_published(confirmed);
+                    self.acknowledge_slot();
+                }
+                // Not caught up now: the next session does.
+                Ok(Ok(Event::Behind { .. })) => self.acknowledge_slot(),
                 Ok(Err(e)) => {
                     warn!(error = %e, "publishing failed during shutdown; the rest stays unacknowledged");
                     break;
                 }
                 Err(_) => {
-                    warn!(grace = ?cfg.shutdown_grace, "unconfirmed batches left at the end of the shutdown grace; they stay unacknowledged");
+                    warn!(grace = ?cfg.shutdown_grace, "unconfirmed calls left at the end of the shutdown grace; they stay unacknowledged");
                     break;
                 }
             }
         }
+        self.acknowledge_slot();
         self.pipeline.abort();
         // pgwire-replication sends no final status on stop(): wait until the worker reports
         // that a status update carrying our last acknowledgement went out.
         let target = self.state.acknowledged_lsn;
         let metrics = self.client.metrics();
-        let ack_deadline =
-            tokio::time::Instant::now() + cfg.status_interval * 2 + Duration::from_secs(2);
-        while metrics.last_applied_lsn() < target && tokio::time::Instant::now() < ack_deadline {
+        let ack_deadline = Instant::now() + cfg.status_interval * 2 + Duration::from_secs(1);
+        while metrics.last_applied_lsn() < target && Instant::now() < ack_deadline {
             tokio::time::sleep(Duration::from_millis(5)).await;
         }
         let sent = metrics.last_applied_lsn();
         if sent < target {
             warn!(acknowledged = %target, sent = %sent, "last acknowledgement not confirmed as sent before stopping");
         }
-        match tokio::time::timeout(Duration::from_secs(5), self.client.shutdown()).await {
+        match tokio::time::timeout(Duration::from_secs(2), self.client.shutdown()).await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => debug!(error = %e, "replication stream closed with an error"),
-            Err(_) => warn!("replication stream did not close within 5 s"),
+            Err(_) => warn!("replication stream did not close within 2 s"),
         }
         info!(acknowledged_lsn = %sent, "stopped");
         Ok(())

@@ -98,7 +98,14 @@ impl Relay {
                         info!(%slot, %holder_pid, "slot is held by another relay; standing by");
                     }
                     ctx.set_role(Role::Standby);
-                    jitter(cfg.standby_retry * 2)
+                    // Watch the slot on one connection (a query per --standby-retry), and try
+                    // the whole takeover only once it is free: a standby costs Postgres next
+                    // to nothing, and takes over within about one retry of the holder's exit.
+                    tokio::select! {
+                        _ = shutdown.cancelled() => return Ok(()),
+                        _ = self.wait_while_held() => {}
+                    }
+                    Duration::ZERO
                 }
                 Err(e) if e.is_transient() => {
                     if ctx.role() == Role::Streaming {
@@ -121,6 +128,32 @@ impl Relay {
             tokio::select! {
                 _ = shutdown.cancelled() => return Ok(()),
                 _ = tokio::time::sleep(delay) => {}
+            }
+        }
+    }
+
+    /// Until the slot looks free (no walsender holds it), or the connection to look at it
+    /// fails (then the full takeover finds out why).
+    async fn wait_while_held(&self) {
+        let cfg = &self.ctx.config;
+        let Ok(sql) = cfg.postgres.endpoint.connect(cfg.connect_timeout).await else {
+            tokio::time::sleep(jitter(cfg.standby_retry * 2)).await;
+            return;
+        };
+        loop {
+            let held = tokio::time::timeout(
+                cfg.connect_timeout,
+                sql.query_opt(
+                    "SELECT active_pid IS NOT NULL FROM pg_replication_slots WHERE slot_name = $1",
+                    &[&cfg.postgres.slot],
+                ),
+            )
+            .await;
+            match held {
+                Ok(Ok(Some(row))) if row.get::<_, bool>(0) => {
+                    tokio::time::sleep(jitter(cfg.standby_retry * 2)).await;
+                }
+                _ => return,
             }
         }
     }

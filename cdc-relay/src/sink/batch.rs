@@ -27,6 +27,17 @@ pub(crate) struct StreamEntry {
     pub commit_time_micros: i64,
     /// The relay's span of this entry, when it makes spans and the row had trace context.
     pub span: Option<PublishSpan>,
+    /// Its transaction (32 bits, as pgoutput's Begin says; 0 when published from the outbox
+    /// table): a catch-up's last snapshot decides by it whether the entry is already in the
+    /// shard (see `recovery::catch_up`).
+    pub xid: u32,
+}
+
+impl StreamEntry {
+    /// What the entry costs in memory and in a Redis call.
+    pub(crate) fn bytes(&self) -> usize {
+        self.event.encoded_len() + 24
+    }
 }
 
 /// The relay's span of one entry, from its commit to Redis confirming it: shared by the
@@ -85,7 +96,7 @@ impl Batch {
         if first_of_transaction {
             self.commit_times_micros.push(commit_time_micros);
         }
-        self.bytes += entry.event.encoded_len() + 24;
+        self.bytes += entry.bytes();
         self.entries.push(entry);
     }
 
@@ -112,13 +123,6 @@ impl Batch {
     pub(crate) fn bytes(&self) -> usize {
         self.bytes
     }
-
-    /// Move each shard's fence to the last id this batch writes there (ids increase).
-    pub(crate) fn advance_fences(&self, fences: &mut [Option<EntryId>]) {
-        for entry in &self.entries {
-            fences[entry.shard as usize] = Some(entry.id);
-        }
-    }
 }
 
 #[cfg(test)]
@@ -143,6 +147,7 @@ mod tests {
                 traceparent: None,
             },
             span: None,
+            xid: 0,
         }
     }
 

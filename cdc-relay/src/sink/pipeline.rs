@@ -1,186 +1,77 @@
-//! The ordered publish pipeline: one lane per shard. A sealed batch splits into one part per
-//! shard it writes (and an acknowledgement-only part for every other shard when it carries
-//! the acknowledgement to all); each lane sends its parts strictly in order, up to two in
-//! flight, and confirms them in that order. Lanes are independent: a shard that cannot
-//! confirm (a WAIT that falls short, a node down, a refusal) holds back its own chats only,
-//! while the others keep flowing, and the slot stays at the least that every shard's record
-//! acknowledged.
+//! The ordered publish pipeline: one lane per shard ([`lane`](super::lane)). A sealed batch
+//! splits into one part per shard it writes (and an acknowledgement-only part for every other
+//! live shard when it carries the acknowledgement to all); each live lane sends its parts
+//! strictly in order, up to two in flight, and confirms them in that order.
+//!
+//! Lanes are independent: a shard that cannot confirm (a WAIT that falls short, a node down,
+//! a refusal) holds back its own chats only, while the others keep flowing. Once it has been
+//! unable to confirm for `--shard-detach-after`, or its stream is full, or its queue passes
+//! `--lane-max-bytes`, it falls behind ([`Event::Behind`]): the slot stops waiting for it and
+//! the outbox table owes it the rest (see `recovery::catch_up`). So the slot is acknowledged
+//! at the least of what every *live* lane's record holds ([`Pipeline::slot_ack`]), and with no
+//! live lane at all, as far as anything was sealed: WAL retained by the slot is bounded by
+//! configuration, never by the length of an outage.
 //!
 //! Order within a lane holds because its parts travel on one connection and each carries
 //! the lane's fence (the last id sealed before it in that shard): the script refuses a part
 //! whose predecessor did not land. A lane whose oldest part failed transiently abandons what
 //! it has in flight (whatever of it ran is idempotent) and sends its parts again, one at a
 //! time, after a backoff. A fence refusal of a lane's oldest part, whose predecessors all
-//! confirmed, means the shard lost entries: it ends the session, and the next one rebuilds.
-//!
-//! Memory stays bounded: while a lane is failing, it queues at most [`LANE_MAX_BATCHES`]
-//! batches' worth of entries. Past that it drops what it queued and every later part (they are still in the
-//! slot, which is acknowledged only behind this lane), and once it confirms again the
-//! session ends so that the next one reads them again (the other lanes' entries come again
-//! too, and Redis rejects them by id). While every lane fails, nothing more is sealed: the
-//! session stops reading the slot instead.
+//! confirmed, means the shard lost entries: the lane falls behind, and its catch-up finds out
+//! what is missing.
 
-use std::collections::VecDeque;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
 
-use outbox_core::backoff::Backoff;
 use outbox_core::stream::EntryId;
 use pgwire_replication::Lsn;
-use tokio::task::JoinHandle;
-use tracing::warn;
+use tokio::time::Instant;
+use tracing::{info, warn};
 
 use super::batch::{Batch, StreamEntry};
-use super::publisher::{PublishOutcome, Publisher};
-use crate::config::BatchLimits;
+use super::lane::{BehindReason, Capture, InFlight, Lane, Part, State, MAX_IN_FLIGHT};
+use super::publisher::{PartMeta, PublishOutcome, Publisher};
+use crate::config::LaneLimits;
 use crate::context::SharedContext;
 use crate::error::RelayError;
-use crate::source::Origin;
-
-/// Calls one lane may have in flight at once.
-const MAX_IN_FLIGHT: usize = 2;
-/// Entries a failing lane keeps queued at most, in batches of the limit (`--batch-max-
-/// entries`), before it drops them (to be read again).
-const LANE_MAX_BATCHES: usize = 10;
-/// How long a lane sends again in place before it ends the session: the next one connects
-/// afresh (a cluster's moved or new nodes, a connection gone bad) and reads the slot again.
-const LANE_GIVE_UP: Duration = Duration::from_secs(30);
-
-/// One shard's share of one or more sealed batches, sent as one call.
-struct Part {
-    entries: Vec<StreamEntry>,
-    /// Recorded in the shard's record once the part is confirmed.
-    ack_lsn: Option<Lsn>,
-    /// The last id sealed into the shard before this part.
-    fence: Option<EntryId>,
-    /// Refused by a fence once already (see [`Pipeline::confirmed`]).
-    gap_retried: bool,
-}
-
-impl Part {
-    /// `next` appended (both of one lane, `next` sealed right after `self`).
-    fn absorb(&mut self, next: Part) {
-        self.entries.extend(next.entries);
-        if next.ack_lsn.is_some() {
-            self.ack_lsn = next.ack_lsn;
-        }
-    }
-}
+use crate::source::{Origin, Watermark, Watermarks};
 
 /// What Redis confirmed: one part of one shard.
 pub(crate) struct Confirmed {
     pub(crate) shard: u32,
-    /// The shard's record holds this acknowledgement now.
-    pub(crate) ack_lsn: Option<Lsn>,
     pub(crate) outcome: PublishOutcome,
     pub(crate) entries: usize,
     /// Commit times of the transactions with entries in the part.
     pub(crate) commit_times_micros: Vec<i64>,
 }
 
-struct InFlight {
-    part: Arc<Part>,
-    task: JoinHandle<Result<PublishOutcome, RelayError>>,
+/// What the pipeline has to say.
+pub(crate) enum Event {
+    Confirmed(Confirmed),
+    /// A lane fell behind: the slot no longer waits for it. `consumed`: a watermark every
+    /// row of which its groups had acknowledged.
+    Behind {
+        shard: u32,
+        reason: BehindReason,
+        consumed: Option<Arc<Watermark>>,
+    },
 }
 
-/// One shard's parts, in sealing order.
-struct Lane {
-    shard: u32,
-    /// Sealed and not sent yet (parts to send again come back to its front).
-    queued: VecDeque<Part>,
-    queued_entries: usize,
-    in_flight: VecDeque<InFlight>,
-    /// While set, this lane sends nothing before it (a backoff after a failure).
-    retry_at: Option<tokio::time::Instant>,
-    backoff: Backoff,
-    /// The last id sealed into this lane so far.
-    last_sealed: Option<EntryId>,
-    /// The oldest part failed and is being sent again: one call at a time until one is
-    /// confirmed, and this lane does not hold back sealing.
-    failing: bool,
-    /// When the current run of failures began.
-    failing_since: Option<Instant>,
-    /// Parts were dropped (see the module doc): the session must read them again.
-    dropped: bool,
+/// What sealing a batch did besides queueing it.
+#[derive(Default)]
+pub(crate) struct Sealed {
+    /// Lanes that fell behind (their queue passed the byte bound), with what their groups
+    /// had consumed.
+    pub(crate) behind: Vec<(u32, Option<Arc<Watermark>>)>,
+    /// Lanes whose capture passed the byte bound and was dropped: their hand-over fails.
+    pub(crate) capture_lost: Vec<u32>,
 }
 
-impl Lane {
-    fn is_idle(&self) -> bool {
-        self.in_flight.is_empty()
-            && self.queued.is_empty()
-            && self.retry_at.is_none()
-            && !self.dropped
-    }
-
-    fn healthy(&self) -> bool {
-        !self.failing && !self.dropped
-    }
-
-    fn push(&mut self, part: Part, limits: &BatchLimits) {
-        if self.dropped {
-            return;
-        }
-        if let Some(last) = part.entries.last() {
-            self.last_sealed = Some(last.id);
-        }
-        self.queued_entries += part.entries.len();
-        self.queued.push_back(part);
-        if self.failing && self.queued_entries > LANE_MAX_BATCHES * limits.max_entries {
-            warn!(
-                shard = self.shard,
-                queued = self.queued_entries,
-                "a shard that cannot confirm holds too much: dropping what it queued (still in the slot, read again once the shard confirms)"
-            );
-            // The oldest part stays: it is what the lane sends again (when nothing is in
-            // flight), and its confirmation is what tells the session to read the rest again.
-            self.queued.truncate(1);
-            self.queued_entries = self.queued.front().map_or(0, |p| p.entries.len());
-            self.dropped = true;
-        }
-    }
-
-    /// The next part to send: what is queued, merged into one call up to the batch limit
-    /// (a lane that caught up after a failure sends its backlog in few calls).
-    fn take_next(&mut self, limits: &BatchLimits) -> Option<Part> {
-        let mut part = self.queued.pop_front()?;
-        while let Some(next) = self.queued.front() {
-            if part.entries.len() + next.entries.len() > limits.max_entries {
-                break;
-            }
-            let next = self.queued.pop_front().expect("front exists");
-            part.absorb(next);
-        }
-        self.queued_entries -= part.entries.len();
-        Some(part)
-    }
-
-    /// Queue the oldest part in flight and every later one to be sent again, in order: later
-    /// ones may have run or been refused by their fence, so their tasks are abandoned.
-    fn send_again_from(&mut self, head: Arc<Part>) {
-        let mut again = vec![head];
-        for later in self.in_flight.drain(..) {
-            later.task.abort();
-            again.push(later.part);
-        }
-        for part in again.into_iter().rev() {
-            // The task that held the other reference is done or aborted.
-            let part = Arc::try_unwrap(part).unwrap_or_else(|shared| Part {
-                entries: shared.entries.clone(),
-                ack_lsn: shared.ack_lsn,
-                fence: shared.fence,
-                gap_retried: shared.gap_retried,
-            });
-            self.queued_entries += part.entries.len();
-            self.queued.push_front(part);
-        }
-    }
-}
-
-/// What one lane's turn of [`Pipeline::confirmed`] came to.
-enum Event {
+/// What one lane's turn of [`Pipeline::next_event`] came to.
+enum Turn {
     Retry(usize),
+    Overdue(usize),
     Done(usize, Result<PublishOutcome, RelayError>),
 }
 
@@ -189,35 +80,34 @@ pub(crate) struct Pipeline {
     origin: Origin,
     ctx: SharedContext,
     lanes: Vec<Lane>,
-    limits: BatchLimits,
+    limits: LaneLimits,
+    watermarks: Watermarks,
+    /// The highest acknowledgement sealed so far.
+    sealed_ack: Option<Lsn>,
 }
 
 impl Pipeline {
-    /// `fences`: each shard's top when the session decided to stream. A shard's first part
-    /// is refused (GAP) if Redis no longer holds it, e.g. after failing over to a stale
-    /// replica between the session's start and its first call.
+    /// `fences`: each shard's top when the session decided to stream (a shard's first part
+    /// is refused (GAP) if Redis no longer holds it). `behind`: the shards that start behind.
     pub(crate) fn new(
         publisher: Publisher,
         origin: Origin,
         ctx: SharedContext,
         fences: Vec<Option<EntryId>>,
+        behind: &[u32],
+        watermarks: Watermarks,
     ) -> Self {
         let max_backoff = ctx.config.reconnect_max_backoff;
-        let limits = ctx.config.batch;
+        let limits = ctx.config.lanes;
         let lanes = fences
             .into_iter()
             .enumerate()
-            .map(|(shard, fence)| Lane {
-                shard: shard as u32,
-                queued: VecDeque::new(),
-                queued_entries: 0,
-                in_flight: VecDeque::new(),
-                retry_at: None,
-                backoff: Backoff::new(Duration::from_millis(50), max_backoff),
-                last_sealed: fence,
-                failing: false,
-                failing_since: None,
-                dropped: false,
+            .map(|(shard, fence)| {
+                let mut lane = Lane::new(shard as u32, fence, max_backoff);
+                if behind.contains(&(shard as u32)) {
+                    lane.fall_behind();
+                }
+                lane
             })
             .collect();
         Self {
@@ -226,6 +116,8 @@ impl Pipeline {
             ctx,
             lanes,
             limits,
+            watermarks,
+            sealed_ack: None,
         }
     }
 
@@ -233,58 +125,188 @@ impl Pipeline {
     /// every healthy lane has room for one more call. A lone message goes out at once; a
     /// burst rides in full batches; in between, batches grow while calls are in flight
     /// (each costs an fsync, so fewer, larger calls go faster). Failing lanes do not hold
-    /// sealing back (they queue, bounded), unless every lane fails: then the session stops
-    /// reading the slot.
+    /// sealing back (they queue, bounded in bytes, and fall behind), nor do behind ones.
     pub(crate) fn has_room_for(&self, batch_full: bool) -> bool {
-        let mut healthy = self.lanes.iter().filter(|l| l.healthy()).peekable();
-        if healthy.peek().is_none() {
-            return false;
-        }
-        let lanes: Vec<&Lane> = healthy.collect();
-        lanes.iter().all(|l| l.is_idle())
+        let healthy: Vec<&Lane> = self.lanes.iter().filter(|l| l.healthy()).collect();
+        healthy.iter().all(|l| l.is_idle())
             || (batch_full
-                && lanes
+                && healthy
                     .iter()
                     .all(|l| l.in_flight.len() < MAX_IN_FLIGHT && l.queued.is_empty()))
     }
 
-    /// Nothing sealed is unconfirmed.
+    /// Nothing sealed for a live lane is unconfirmed.
     pub(crate) fn is_idle(&self) -> bool {
         self.lanes.iter().all(Lane::is_idle)
     }
 
-    /// Seal `batch` into its shards' lanes; `ack_all`: every shard records its
+    /// Every live lane that confirms is idle (what a stop waits for).
+    pub(crate) fn healthy_idle(&self) -> bool {
+        self.lanes.iter().filter(|l| l.healthy()).all(Lane::is_idle)
+    }
+
+    /// Where the slot may be acknowledged: the least acknowledgement every live lane's
+    /// record holds, or, with no live lane, whatever was sealed (nothing waits for Redis).
+    pub(crate) fn slot_ack(&self) -> Option<Lsn> {
+        let mut live = self.lanes.iter().filter(|l| l.is_live()).peekable();
+        if live.peek().is_none() {
+            return self.sealed_ack;
+        }
+        live.map(|l| l.acked).min()
+    }
+
+    /// The highest acknowledgement any live lane's record holds (what a stop tells the
+    /// others).
+    pub(crate) fn newest_ack(&self) -> Option<Lsn> {
+        self.lanes
+            .iter()
+            .filter(|l| l.is_live())
+            .map(|l| l.acked)
+            .max()
+    }
+
+    /// Bytes held by every lane.
+    pub(crate) fn held_bytes(&self) -> usize {
+        self.lanes.iter().map(Lane::held_bytes).sum()
+    }
+
+    /// Seal `batch` into its shards' lanes; `ack_all`: every live shard records its
     /// acknowledgement, not only those it writes.
-    pub(crate) fn send(&mut self, batch: Batch, ack_all: bool) {
+    pub(crate) fn send(&mut self, batch: Batch, ack_all: bool) -> Sealed {
         let ack_lsn = batch.ack_lsn;
+        if let Some(ack) = ack_lsn {
+            self.sealed_ack = Some(self.sealed_ack.map_or(ack, |a| a.max(ack)));
+        }
         let mut parts: Vec<Vec<StreamEntry>> = (0..self.lanes.len()).map(|_| Vec::new()).collect();
         for entry in batch.entries {
             parts[entry.shard as usize].push(entry);
         }
-        for (lane, entries) in self.lanes.iter_mut().zip(parts) {
-            if entries.is_empty() && !(ack_all && ack_lsn.is_some()) {
+        let mut sealed = Sealed::default();
+        let mut memory = Vec::new();
+        for (k, entries) in parts.into_iter().enumerate() {
+            let lane = &mut self.lanes[k];
+            if lane.is_live() {
+                if entries.is_empty() && !(ack_all && ack_lsn.is_some()) {
+                    continue;
+                }
+                let watermark =
+                    ack_lsn.and_then(|ack| attach_watermark(&self.watermarks, lane, ack));
+                let meta = PartMeta {
+                    ack_lsn,
+                    fence: lane.last_sealed,
+                    watermark,
+                    rejoin: false,
+                };
+                lane.push(Part::new(entries, meta));
+                let held = lane.held_bytes();
+                if lane.failing && held > self.limits.max_bytes {
+                    memory.push((k as u32, BehindReason::Memory(held)));
+                }
                 continue;
             }
-            let fence = lane.last_sealed;
-            lane.push(
-                Part {
-                    entries,
-                    ack_lsn,
-                    fence,
-                    gap_retried: false,
-                },
-                &self.limits,
-            );
+            // Behind: kept while a catch-up hands over, otherwise still in the outbox
+            // table, which its catch-up publishes.
+            if let State::Behind {
+                capture: Some(capture),
+            } = &mut lane.state
+            {
+                capture.bytes += entries.iter().map(StreamEntry::bytes).sum::<usize>();
+                capture.entries.extend(entries);
+                if capture.bytes > self.limits.max_bytes {
+                    lane.state = State::Behind { capture: None };
+                    sealed.capture_lost.push(k as u32);
+                }
+            }
+        }
+        for (shard, reason) in memory {
+            let consumed = self.fall_behind(shard, &reason);
+            sealed.behind.push((shard, consumed));
         }
         self.pump();
+        sealed
     }
 
-    /// Start what each lane may send now.
+    /// The lanes of `shards` keep what is sealed for them from now on (a catch-up is about
+    /// to take its last snapshot).
+    pub(crate) fn start_capture(&mut self, shards: &[u32]) {
+        for &k in shards {
+            let lane = &mut self.lanes[k as usize];
+            if let State::Behind { capture } = &mut lane.state {
+                *capture = Some(Capture {
+                    entries: Vec::new(),
+                    bytes: 0,
+                });
+            }
+        }
+    }
+
+    /// Drop what the lanes of `shards` captured (their catch-up goes on, or gave up).
+    pub(crate) fn abandon_capture(&mut self, shards: &[u32]) {
+        for &k in shards {
+            let lane = &mut self.lanes[k as usize];
+            if let State::Behind { capture } = &mut lane.state {
+                *capture = None;
+            }
+        }
+    }
+
+    /// `shard`'s catch-up is done: its stream holds every row `watermark` shows, its last id
+    /// is `top`, and its record holds `watermark`. The lane turns live with what it captured
+    /// that the watermark does not show (those transactions committed after its snapshot),
+    /// its record counted as holding `acked` (the slot's acknowledged position: everything
+    /// below it is either shown by the watermark or captured). `false`: its capture was lost
+    /// (it stays behind, and the catch-up goes on).
+    pub(crate) fn rejoin(
+        &mut self,
+        shard: u32,
+        top: Option<EntryId>,
+        watermark: Arc<Watermark>,
+        acked: Lsn,
+    ) -> bool {
+        let lane = &mut self.lanes[shard as usize];
+        let State::Behind {
+            capture: Some(capture),
+        } = std::mem::replace(&mut lane.state, State::Live)
+        else {
+            lane.state = State::Behind { capture: None };
+            return false;
+        };
+        lane.last_sealed = top;
+        lane.first_live_id = top;
+        lane.acked = acked;
+        lane.failing = false;
+        lane.last_error = None;
+        lane.watermark_floor = watermark.hi;
+        let snapshot = &watermark.snapshot;
+        lane.watermark_sealed = Some(watermark.clone());
+        let released: Vec<StreamEntry> = capture
+            .entries
+            .into_iter()
+            .filter(|e| !snapshot.visible(snapshot.widen(e.xid)))
+            .collect();
+        if !released.is_empty() {
+            let meta = PartMeta {
+                ack_lsn: self.sealed_ack,
+                fence: lane.last_sealed,
+                watermark: None,
+                rejoin: false,
+            };
+            lane.push(Part::new(released, meta));
+        }
+        info!(shard, stream = %self.publisher.shard_stream(shard), "shard caught up from the outbox table; live again");
+        self.pump();
+        true
+    }
+
+    /// Start what each live lane may send now.
     fn pump(&mut self) {
-        let now = tokio::time::Instant::now();
-        for k in 0..self.lanes.len() {
+        let now = Instant::now();
+        let limits = self.limits.batch;
+        for lane in &mut self.lanes {
+            if !lane.is_live() {
+                continue;
+            }
             loop {
-                let lane = &mut self.lanes[k];
                 if lane.retry_at.is_some_and(|at| at > now) {
                     break;
                 }
@@ -293,14 +315,16 @@ impl Pipeline {
                 } else {
                     lane.in_flight.is_empty()
                         || (lane.in_flight.len() < MAX_IN_FLIGHT
-                            && lane.queued_entries >= self.limits.max_entries)
+                            && lane.queued.iter().map(|p| p.entries.len()).sum::<usize>()
+                                >= limits.max_entries)
                 };
                 if !room {
                     break;
                 }
-                let Some(part) = lane.take_next(&self.limits) else {
+                let Some(mut part) = lane.take_next(limits.max_entries, limits.max_bytes) else {
                     break;
                 };
+                part.first_sent.get_or_insert(now);
                 let part = Arc::new(part);
                 let task = tokio::spawn(publish_once(
                     self.publisher.clone(),
@@ -314,25 +338,35 @@ impl Pipeline {
         }
     }
 
-    /// The next part Redis confirmed, in sealing order within its shard. Transient failures
-    /// are handled here (per lane: backoff, then everything unconfirmed is sent again); only
-    /// permanent errors come out, and the news that a lane dropped parts once it confirms
-    /// again. Cancel-safe: state changes only between awaits.
-    pub(crate) async fn confirmed(&mut self) -> Result<Confirmed, RelayError> {
+    /// The next thing a lane has to say: a part Redis confirmed (in sealing order within its
+    /// shard), or a lane that fell behind. Transient failures are handled here (per lane:
+    /// backoff, then everything unconfirmed is sent again); only errors that end the session
+    /// come out. Cancel-safe: state changes only between awaits.
+    pub(crate) async fn next_event(&mut self) -> Result<Event, RelayError> {
         loop {
             self.pump();
-            let event = {
-                let mut turns: Vec<Pin<Box<dyn Future<Output = Event> + Send + '_>>> = Vec::new();
+            let detach_after = self.limits.detach_after;
+            let turn = {
+                let mut turns: Vec<Pin<Box<dyn Future<Output = Turn> + Send + '_>>> = Vec::new();
                 for (k, lane) in self.lanes.iter_mut().enumerate() {
+                    if !lane.is_live() {
+                        continue;
+                    }
+                    if let Some(since) = lane.unconfirmed_since() {
+                        turns.push(Box::pin(async move {
+                            tokio::time::sleep_until(since + detach_after).await;
+                            Turn::Overdue(k)
+                        }));
+                    }
                     if let Some(at) = lane.retry_at {
                         turns.push(Box::pin(async move {
                             tokio::time::sleep_until(at).await;
-                            Event::Retry(k)
+                            Turn::Retry(k)
                         }));
                     } else if let Some(head) = lane.in_flight.front_mut() {
                         turns.push(Box::pin(async move {
                             let joined = (&mut head.task).await;
-                            Event::Done(
+                            Turn::Done(
                                 k,
                                 joined.unwrap_or_else(|e| {
                                     Err(RelayError::Protocol(format!("publish task failed: {e}")))
@@ -346,34 +380,67 @@ impl Pipeline {
                 }
                 futures::future::select_all(turns).await.0
             };
-            match event {
-                Event::Retry(k) => self.lanes[k].retry_at = None,
-                Event::Done(k, result) => {
-                    if let Some(confirmed) = self.on_done(k, result)? {
-                        return Ok(confirmed);
+            match turn {
+                Turn::Retry(k) => self.lanes[k].retry_at = None,
+                Turn::Overdue(k) => {
+                    let lane = &self.lanes[k];
+                    let waited = lane.unconfirmed_since().map(|s| s.elapsed());
+                    if waited.is_some_and(|w| w >= detach_after) {
+                        let why = lane.last_error.clone().unwrap_or_else(|| {
+                            format!("no answer for {:?}", waited.unwrap_or_default())
+                        });
+                        let reason = BehindReason::Failing(why);
+                        let consumed = self.fall_behind(k as u32, &reason);
+                        return Ok(Event::Behind {
+                            shard: k as u32,
+                            reason,
+                            consumed,
+                        });
+                    }
+                }
+                Turn::Done(k, result) => {
+                    if let Some(event) = self.on_done(k, result)? {
+                        return Ok(event);
                     }
                 }
             }
         }
     }
 
-    /// A lane's oldest call finished: its confirmation, or `None` when it is sent again.
+    /// A lane's oldest call finished: its confirmation, the lane falling behind, or `None`
+    /// when it is sent again.
     fn on_done(
         &mut self,
         k: usize,
         result: Result<PublishOutcome, RelayError>,
-    ) -> Result<Option<Confirmed>, RelayError> {
+    ) -> Result<Option<Event>, RelayError> {
         let lane = &mut self.lanes[k];
         let head = lane.in_flight.pop_front().expect("a head finished");
+        let behind = |reason: BehindReason, this: &mut Self| {
+            let consumed = this.fall_behind(k as u32, &reason);
+            Ok(Some(Event::Behind {
+                shard: k as u32,
+                reason,
+                consumed,
+            }))
+        };
         match result {
             Ok(outcome) => {
                 lane.backoff.reset();
                 lane.failing = false;
-                lane.failing_since = None;
-                if lane.dropped {
-                    return Err(RelayError::ShardDropped {
-                        stream: self.publisher.shard_stream(lane.shard).to_string(),
-                    });
+                lane.last_error = None;
+                if let Some(ack) = head.part.meta.ack_lsn {
+                    lane.acked = lane.acked.max(ack);
+                }
+                if let Some(below) = outcome.acked_below {
+                    // Every row committed before the returned id's LSN was consumed, once the
+                    // id lies past everything older than this live stretch.
+                    if Some(below) > lane.first_live_id {
+                        let lsn = below.commit_lsn.saturating_sub(self.publisher.id_offset());
+                        if let Some(w) = self.watermarks.covered_by(Lsn(lsn), Lsn(0)) {
+                            lane.consumed = Some(w);
+                        }
+                    }
                 }
                 if self.lanes.iter().all(Lane::healthy) {
                     self.ctx.set_redis_reachable(true);
@@ -389,64 +456,104 @@ impl Pipeline {
                     }
                     last_commit = Some(entry.id.commit_lsn);
                 }
-                Ok(Some(Confirmed {
+                Ok(Some(Event::Confirmed(Confirmed {
                     shard: k as u32,
-                    ack_lsn: head.part.ack_lsn,
                     outcome,
                     entries: head.part.entries.len(),
                     commit_times_micros,
-                }))
+                })))
             }
             // A fence refusal of a part whose predecessors all confirmed: either one of its
             // lane's calls overtook another on the way (sent again at once), or the shard
-            // lost entries (refused again, and then it ends the session).
+            // lost entries (refused again: it falls behind, and its catch-up finds out).
             Err(RelayError::StreamBehind { .. }) if !head.part.gap_retried => {
                 warn!(
                     shard = lane.shard,
                     "a part reached its shard before its predecessor; sending both again in order"
                 );
-                let mut part = Arc::try_unwrap(head.part).unwrap_or_else(|shared| Part {
-                    entries: shared.entries.clone(),
-                    ack_lsn: shared.ack_lsn,
-                    fence: shared.fence,
-                    gap_retried: true,
-                });
-                part.gap_retried = true;
-                lane.send_again_from(Arc::new(part));
-                lane.retry_at = Some(tokio::time::Instant::now());
+                lane.send_again_after_gap(head.part);
                 Ok(None)
             }
+            Err(e @ (RelayError::StreamBehind { .. } | RelayError::RecordMissing { .. })) => {
+                behind(BehindReason::Lost(e.to_string()), self)
+            }
+            Err(RelayError::StreamFull { detail, .. }) => behind(BehindReason::Full(detail), self),
             Err(e) if e.retry_in_place() => {
                 self.ctx.metrics.redis_errors_total.inc();
                 self.ctx.set_redis_reachable(false);
                 self.ctx.set_last_error(Some(e.to_string()));
-                let since = *lane.failing_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= LANE_GIVE_UP {
-                    warn!(error = %e, shard = lane.shard, failing_for = ?since.elapsed(), "a shard kept failing; the session starts afresh");
-                    return Err(e);
-                }
                 lane.failing = true;
+                lane.last_error = Some(e.to_string());
                 lane.send_again_from(head.part);
                 let delay = lane.backoff.next_delay();
-                warn!(error = %e, shard = lane.shard, queued_entries = lane.queued_entries, retry_in = ?delay, "publish failed; this shard sends again, the others go on");
-                lane.retry_at = Some(tokio::time::Instant::now() + delay);
+                warn!(error = %e, shard = lane.shard, queued_bytes = lane.queued_bytes, retry_in = ?delay, "publish failed; this shard sends again, the others go on");
+                lane.retry_at = Some(Instant::now() + delay);
                 Ok(None)
             }
             Err(e) => Err(e),
         }
     }
 
-    /// Abandon everything in flight (on a session error).
-    pub(crate) fn abort(&mut self) {
-        for lane in &mut self.lanes {
-            for f in lane.in_flight.drain(..) {
-                f.task.abort();
-            }
-            lane.queued.clear();
-            lane.queued_entries = 0;
-            lane.retry_at = None;
+    fn fall_behind(&mut self, shard: u32, reason: &BehindReason) -> Option<Arc<Watermark>> {
+        let lane = &mut self.lanes[shard as usize];
+        warn!(shard, stream = %self.publisher.shard_stream(shard), %reason, "shard falls behind: the slot no longer waits for it, and its rows are published from the outbox table once it accepts them");
+        let consumed = lane.fall_behind();
+        self.ctx
+            .metrics
+            .shards_fell_behind_total
+            .with_label_values(&[reason.label()])
+            .inc();
+        consumed
+    }
+
+    /// Stop sending to lanes that cannot confirm (a stop does not wait for them: the slot
+    /// stays at what they recorded, and the next session sends it again).
+    pub(crate) fn drop_failing(&mut self) {
+        for lane in self.lanes.iter_mut().filter(|l| l.is_live() && l.failing) {
+            lane.drop_unconfirmed();
         }
     }
+
+    /// An acknowledgement-only part to every live lane that confirms and whose record holds
+    /// less than `ack` (a stop brings them level, so the slot can move to the newest).
+    pub(crate) fn acknowledge_healthy(&mut self, ack: Lsn) {
+        for lane in self
+            .lanes
+            .iter_mut()
+            .filter(|l| l.healthy() && l.acked < ack)
+        {
+            let meta = PartMeta {
+                ack_lsn: Some(ack),
+                fence: lane.last_sealed,
+                watermark: attach_watermark(&self.watermarks, lane, ack),
+                rejoin: false,
+            };
+            lane.push(Part::new(Vec::new(), meta));
+        }
+        self.pump();
+    }
+
+    /// Abandon everything in flight (on a session error, or at the end of a stop).
+    pub(crate) fn abort(&mut self) {
+        for lane in &mut self.lanes {
+            lane.drop_unconfirmed();
+        }
+    }
+}
+
+/// The watermark a part acknowledging `ack` records in `lane`'s shard: the newest one the
+/// acknowledgement covers and the lane may record, when newer than what it holds.
+fn attach_watermark(watermarks: &Watermarks, lane: &mut Lane, ack: Lsn) -> Option<Arc<Watermark>> {
+    let candidate = watermarks.covered_by(ack, lane.watermark_floor)?;
+    if lane
+        .watermark_sealed
+        .as_ref()
+        .is_some_and(|w| w.hi >= candidate.hi)
+    {
+        return None;
+    }
+    lane.watermark_sealed = Some(candidate.clone());
+    Some(candidate)
 }
 
 async fn publish_once(
@@ -456,10 +563,10 @@ async fn publish_once(
     origin: Origin,
     ctx: SharedContext,
 ) -> Result<PublishOutcome, RelayError> {
-    let started = Instant::now();
+    let started = std::time::Instant::now();
     let entries: Vec<&StreamEntry> = part.entries.iter().collect();
     let outcome = publisher
-        .publish_part(shard as usize, &entries, part.ack_lsn, &origin, part.fence)
+        .publish_part(shard as usize, &entries, &part.meta, &origin)
         .await?;
     ctx.metrics
         .publish_batch_duration_seconds

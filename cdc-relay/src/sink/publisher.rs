@@ -1,21 +1,21 @@
-//! Publishing batches into the Redis stream: one script call per batch and shard, idempotent
-//! by id.
+//! Publishing into the Redis stream: one script call per part (a shard's share of one or
+//! more sealed batches), idempotent by id.
 //!
-//! A stream of N shards (see `shard`) is N streams: a batch splits into one part per shard
-//! with entries, the parts are sent concurrently on one connection, and the batch is
-//! confirmed when every part is. Per shard, parts reach Redis in sealing order (one
-//! connection, tasks started in order) and each carries the shard's own fence. A part
-//! records the batch's acknowledgement in its shard's record; a batch marked `ack_all` also
-//! sends an acknowledgement-only part to every other shard (the session does that at most
-//! once per status interval and acknowledges the slot only as far as every shard recorded).
+//! A stream of N shards (see `shard`) is N streams, each with its own record. A part
+//! records its acknowledgement (and, when the acknowledgement covers one, a watermark) in its
+//! shard's record; the session acknowledges the slot only as far as every live shard
+//! recorded.
 //!
-//! The script (`publish.lua`) writes a whole batch atomically, skips entries Redis already
+//! The script (`publish.lua`) writes a whole part atomically, skips entries Redis already
 //! has (replays after a reconnect carry the same ids), refuses a stream without its record
 //! (Redis lost it), another cluster's stream (origin guard) or another timeline, refuses to
-//! continue after the stream lost entries this session wrote (fence), and trims only what
-//! every consumer group acknowledged. A failed or timed-out call is simply sent again: it
-//! cannot write anything twice.
+//! continue after the stream lost entries this session wrote (fence), refuses a part that
+//! would pass --stream-max-len unread entries (the shard falls behind instead: nothing unread
+//! is ever trimmed), and trims only what every consumer group acknowledged. A failed or
+//! timed-out call is simply sent again: it cannot write anything twice.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use pgwire_replication::Lsn;
@@ -26,33 +26,38 @@ use outbox_core::stream::keys::origin_key;
 use outbox_core::stream::record::check_layout;
 use outbox_core::stream::{shard_keys, EntryId};
 
-use super::batch::{Batch, StreamEntry};
+use super::batch::StreamEntry;
 use super::record::{Records, StreamRecord};
 use crate::error::{script_codes, RelayError};
-use crate::source::Origin;
+use crate::source::{Origin, Watermark};
 
 /// The publish script, after the helpers it shares with [`ROOM`].
 const SCRIPT: &str = concat!(include_str!("trim.lua"), include_str!("publish.lua"));
-/// Making room for a rebuild's entries (see `room.lua`).
+/// Making room for a catch-up's entries (see `room.lua`).
 const ROOM: &str = concat!(include_str!("trim.lua"), include_str!("room.lua"));
 
-/// What one batch did to the stream.
+/// What one call did to the stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub(crate) struct PublishOutcome {
     pub published: u64,
     /// Entries Redis already had (replays), counted, not written.
     pub duplicates: u64,
-    /// Entries no consumer group had acknowledged, trimmed because the stream reached
-    /// `--stream-max-len` (the last-resort cap).
-    pub unread_trimmed: u64,
+    /// Every consumer group acknowledged everything below this id (read when the call
+    /// wrote entries and the shard has groups).
+    pub acked_below: Option<EntryId>,
 }
 
-impl std::ops::AddAssign for PublishOutcome {
-    fn add_assign(&mut self, other: Self) {
-        self.published += other.published;
-        self.duplicates += other.duplicates;
-        self.unread_trimmed += other.unread_trimmed;
-    }
+/// What a part records in its shard's record besides its entries.
+#[derive(Debug, Clone, Default)]
+pub(crate) struct PartMeta {
+    /// Recorded as `acked_through` (the slot is acknowledged there once every live shard has).
+    pub(crate) ack_lsn: Option<Lsn>,
+    /// The last id sealed into the shard before this part: the stream must hold it.
+    pub(crate) fence: Option<EntryId>,
+    /// A watermark `ack_lsn` covers, recorded with it.
+    pub(crate) watermark: Option<Arc<Watermark>>,
+    /// A catch-up's last call: its marker goes.
+    pub(crate) rejoin: bool,
 }
 
 /// The keys of one shard.
@@ -67,7 +72,7 @@ pub(crate) struct Publisher {
     conn: RedisConn,
     /// The stream's configured name (shard keys derive from it).
     base: String,
-    shards: std::sync::Arc<[ShardKeys]>,
+    shards: Arc<[ShardKeys]>,
     max_len: u64,
     script_sha: String,
     /// Replicas that must acknowledge each call before it counts (`WAIT`), and how long
@@ -75,8 +80,11 @@ pub(crate) struct Publisher {
     wait_replicas: u32,
     timeout: Duration,
     /// This session's writer epoch per shard (see the record): the script refuses it once
-    /// a newer session claimed the shard.
-    writer_epochs: std::sync::Arc<[u64]>,
+    /// a newer session claimed the shard. Shared by the session's clones: a catch-up claims
+    /// a shard it reaches late, and the live lane then writes with that claim.
+    writer_epochs: Arc<[AtomicU64]>,
+    /// Added to commit LSNs to make stream ids (a watermark's `lo` becomes an id with it).
+    id_offset: u64,
 }
 
 impl Publisher {
@@ -90,14 +98,14 @@ impl Publisher {
     ) -> Result<Self, RelayError> {
         let mut conn = target.connect(response_timeout).await?;
         let script_sha = load_script(&mut conn, SCRIPT).await?;
-        let shards: std::sync::Arc<[ShardKeys]> = shard_keys(stream, shards)
+        let shards: Arc<[ShardKeys]> = shard_keys(stream, shards)
             .into_iter()
             .map(|stream| ShardKeys {
                 origin_key: origin_key(&stream),
                 stream,
             })
             .collect();
-        let writer_epochs = vec![0; shards.len()].into();
+        let writer_epochs = (0..shards.len()).map(|_| AtomicU64::new(0)).collect();
         Ok(Self {
             conn,
             base: stream.to_string(),
@@ -107,6 +115,7 @@ impl Publisher {
             wait_replicas: 0,
             timeout: response_timeout,
             writer_epochs,
+            id_offset: 0,
         })
     }
 
@@ -117,15 +126,39 @@ impl Publisher {
         self
     }
 
-    /// Claim every shard for this session (see [`Records::claim_epoch`]) and write with
-    /// those epochs from now on.
-    pub(crate) async fn claim_writer_epochs(&mut self) -> Result<(), RelayError> {
-        let mut epochs = Vec::with_capacity(self.shards.len());
-        for mut records in self.records() {
-            epochs.push(records.claim_epoch().await?);
+    /// A publisher for one session: its own epochs (claimed by [`Self::claim_writer_epoch`])
+    /// and its id offset.
+    pub(crate) fn for_session(&self, id_offset: u64) -> Self {
+        let mut session = self.clone();
+        session.writer_epochs = (0..self.shards.len()).map(|_| AtomicU64::new(0)).collect();
+        session.id_offset = id_offset;
+        session
+    }
+
+    pub(crate) fn id_offset(&self) -> u64 {
+        self.id_offset
+    }
+
+    /// Claim `shard` for this session (see [`Records::claim_epoch`]) and write it with that
+    /// epoch from now on. With replicas to wait for, the claim counts only once they have it
+    /// (a failover must not bring back a record without it).
+    pub(crate) async fn claim_writer_epoch(&mut self, shard: u32) -> Result<u64, RelayError> {
+        let mut records = self.records_of(shard);
+        let epoch = records.claim_epoch().await?;
+        if self.wait_replicas > 0 && epoch > 0 {
+            let keys = &self.shards[shard as usize];
+            let mut touch = redis::cmd("HINCRBY");
+            touch.arg(&keys.origin_key).arg("claims").arg(1);
+            let (_, replicas) = self
+                .conn
+                .then_wait(touch, &keys.stream, self.wait_replicas, self.timeout / 2)
+                .await?;
+            if replicas < self.wait_replicas {
+                return Err(self.wait_fell_short(shard as usize, replicas));
+            }
         }
-        self.writer_epochs = epochs.into();
-        Ok(())
+        self.writer_epochs[shard as usize].store(epoch, Ordering::SeqCst);
+        Ok(epoch)
     }
 
     /// The stream's configured name (with one shard, its key).
@@ -147,11 +180,17 @@ impl Publisher {
     pub(crate) async fn room(&mut self, shard: u32) -> Result<(u64, u64), RelayError> {
         static SCRIPT: std::sync::LazyLock<redis::Script> =
             std::sync::LazyLock::new(|| redis::Script::new(ROOM));
+        let keys = &self.shards[shard as usize];
         let (entries, groups): (u64, u64) = SCRIPT
-            .key(&self.shards[shard as usize].stream)
+            .key(&keys.stream)
             .invoke_async(&mut self.conn)
             .await?;
         Ok((entries, groups))
+    }
+
+    /// The most unread entries a stream may hold (`--stream-max-len`; 0: no cap).
+    pub(crate) fn max_len(&self) -> u64 {
+        self.max_len
     }
 
     /// Refuse to write when the records say the stream has another shard count than this
@@ -171,10 +210,14 @@ impl Publisher {
 
     /// The record of every shard, in shard order, with this publisher's connection.
     pub(crate) fn records(&self) -> Vec<Records> {
-        self.shards
-            .iter()
-            .map(|s| Records::new(self.conn.clone(), &s.stream))
+        (0..self.shard_count())
+            .map(|k| self.records_of(k))
             .collect()
+    }
+
+    /// The record of `shard`.
+    pub(crate) fn records_of(&self, shard: u32) -> Records {
+        Records::new(self.conn.clone(), &self.shards[shard as usize].stream)
     }
 
     /// The connection (for the rebuild lock).
@@ -182,83 +225,22 @@ impl Publisher {
         self.conn.clone()
     }
 
-    /// Publish `batch`'s entries (ids already offset), each into its shard. `fences`: per
-    /// shard, the last id this session published there before. `ack_all`: every shard
-    /// records the batch's acknowledgement, not only those with entries. Also returns, per
-    /// shard, whether its record now holds the acknowledgement.
-    pub(crate) async fn publish(
-        &mut self,
-        batch: &Batch,
-        origin: &Origin,
-        fences: &[Option<EntryId>],
-        ack_all: bool,
-    ) -> Result<(PublishOutcome, Vec<bool>), RelayError> {
-        if batch.entries.is_empty() && batch.ack_lsn.is_none() {
-            return Ok((PublishOutcome::default(), vec![false; self.shards.len()]));
-        }
-        if self.shards.len() == 1 {
-            let entries: Vec<&StreamEntry> = batch.entries.iter().collect();
-            let outcome = self
-                .publish_part(0, &entries, batch.ack_lsn, origin, fences[0])
-                .await?;
-            return Ok((outcome, vec![true]));
-        }
-        let mut parts: Vec<Vec<&StreamEntry>> = vec![Vec::new(); self.shards.len()];
-        for entry in &batch.entries {
-            parts[entry.shard as usize].push(entry);
-        }
-        let sent: Vec<bool> = parts
-            .iter()
-            .map(|entries| !entries.is_empty() || (ack_all && batch.ack_lsn.is_some()))
-            .collect();
-        let calls = parts
-            .iter()
-            .enumerate()
-            .filter(|(k, _)| sent[*k])
-            .map(|(k, entries)| {
-                let mut this = self.clone();
-                async move {
-                    this.publish_part(k, entries, batch.ack_lsn, origin, fences[k])
-                        .await
-                }
-            });
-        let results = futures::future::join_all(calls).await;
-        let mut outcome = PublishOutcome::default();
-        let mut failure: Option<RelayError> = None;
-        for result in results {
-            match result {
-                Ok(part) => outcome += part,
-                // A part that cannot simply be sent again decides what happens next.
-                Err(e) => match &failure {
-                    Some(f) if !f.retry_in_place() => {}
-                    _ => failure = Some(e),
-                },
-            }
-        }
-        match failure {
-            Some(e) => Err(e),
-            None => Ok((outcome, sent)),
-        }
-    }
-
-    /// Publish `entries` (all of shard `shard`, ids increasing) as one call, recording
-    /// `ack_lsn` in the shard's record; `fence`: the last id sealed into the shard before
-    /// them.
+    /// Publish `entries` (all of shard `shard`, ids increasing) as one call, recording what
+    /// `meta` says in the shard's record.
     pub(crate) async fn publish_part(
         &mut self,
         shard: usize,
         entries: &[&StreamEntry],
-        ack_lsn: Option<Lsn>,
+        meta: &PartMeta,
         origin: &Origin,
-        fence: Option<EntryId>,
     ) -> Result<PublishOutcome, RelayError> {
-        let reply = self.eval(shard, entries, ack_lsn, origin, fence).await;
+        let reply = self.eval(shard, entries, meta, origin).await;
         let reply = match reply {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 // Redis restarted or failed over (scripts are not persisted): load it again
                 // (on every node of a cluster) and resend.
                 self.script_sha = load_script(&mut self.conn, SCRIPT).await?;
-                self.eval(shard, entries, ack_lsn, origin, fence).await
+                self.eval(shard, entries, meta, origin).await
             }
             other => other,
         };
@@ -266,17 +248,19 @@ impl Publisher {
         let outcome = parse_outcome(reply)?;
         if let Some(acked) = replicas.filter(|n| *n < self.wait_replicas) {
             // Not confirmed: sent again (idempotent) until enough replicas have it.
-            return Err(RelayError::Redis(redis::RedisError::from(
-                std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!(
-                        "WAIT: {acked} of {} replicas acknowledged {} in time",
-                        self.wait_replicas, self.shards[shard].stream
-                    ),
-                ),
-            )));
+            return Err(self.wait_fell_short(shard, acked));
         }
         Ok(outcome)
+    }
+
+    fn wait_fell_short(&self, shard: usize, acked: u32) -> RelayError {
+        RelayError::Redis(redis::RedisError::from(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!(
+                "WAIT: {acked} of {} replicas acknowledged {} in time",
+                self.wait_replicas, self.shards[shard].stream
+            ),
+        )))
     }
 
     /// The script call, followed on the same connection by `WAIT` when replicas must
@@ -285,12 +269,22 @@ impl Publisher {
         &mut self,
         shard: usize,
         entries: &[&StreamEntry],
-        ack_lsn: Option<Lsn>,
+        meta: &PartMeta,
         origin: &Origin,
-        fence: Option<EntryId>,
     ) -> redis::RedisResult<(Value, Option<u32>)> {
         let keys = &self.shards[shard];
         let mut cmd = redis::cmd("EVALSHA");
+        let (watermark, watermark_from) = match &meta.watermark {
+            Some(w) => (
+                w.encode(),
+                EntryId {
+                    commit_lsn: w.lo.as_u64() + self.id_offset,
+                    seq: 0,
+                }
+                .to_string(),
+            ),
+            None => (String::new(), String::new()),
+        };
         cmd.arg(&self.script_sha)
             .arg(2)
             .arg(&keys.stream)
@@ -298,14 +292,17 @@ impl Publisher {
             .arg(&origin.system_id)
             .arg(origin.timeline)
             .arg(self.max_len)
-            .arg(fence.map(|id| id.to_string()).unwrap_or_default())
+            .arg(meta.fence.map(|id| id.to_string()).unwrap_or_default())
             .arg(
-                ack_lsn
+                meta.ack_lsn
                     .map(|lsn| lsn.as_u64().to_string())
                     .unwrap_or_default(),
             )
             .arg(self.shards.len())
-            .arg(self.writer_epochs[shard]);
+            .arg(self.writer_epochs[shard].load(Ordering::SeqCst))
+            .arg(watermark)
+            .arg(watermark_from)
+            .arg(if meta.rejoin { "rejoin" } else { "" });
         let mut id_buf = String::with_capacity(40);
         for entry in entries {
             use std::fmt::Write;
@@ -361,6 +358,10 @@ impl Publisher {
                 stream: stream.clone(),
                 detail,
             },
+            Some(script_codes::FULL) => RelayError::StreamFull {
+                stream: stream.clone(),
+                detail,
+            },
             _ => RelayError::Redis(e),
         }
     }
@@ -376,23 +377,31 @@ async fn load_script(conn: &mut RedisConn, script: &str) -> Result<String, Relay
 }
 
 fn parse_outcome(reply: Value) -> Result<PublishOutcome, RelayError> {
-    match reply {
+    let unexpected =
+        |what: &Value| RelayError::Protocol(format!("publish script returned {what:?}"));
+    match &reply {
         Value::Array(items) if items.len() == 3 => {
             let int = |v: &Value| match v {
                 Value::Int(n) if *n >= 0 => Ok(*n as u64),
-                other => Err(RelayError::Protocol(format!(
-                    "publish script returned {other:?} where a count was expected"
-                ))),
+                other => Err(unexpected(other)),
+            };
+            let acked_below = match &items[2] {
+                Value::BulkString(b) if b.is_empty() => None,
+                Value::BulkString(b) => Some(
+                    std::str::from_utf8(b)
+                        .ok()
+                        .and_then(|t| t.parse().ok())
+                        .ok_or_else(|| unexpected(&items[2]))?,
+                ),
+                other => return Err(unexpected(other)),
             };
             Ok(PublishOutcome {
                 published: int(&items[0])?,
                 duplicates: int(&items[1])?,
-                unread_trimmed: int(&items[2])?,
+                acked_below,
             })
         }
-        other => Err(RelayError::Protocol(format!(
-            "publish script returned {other:?}"
-        ))),
+        other => Err(unexpected(other)),
     }
 }
 

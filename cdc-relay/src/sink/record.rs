@@ -4,16 +4,18 @@
 //! Its fields are the contract's (`outbox_core::stream::record`); reading and writing them
 //! is the relay's alone.
 //!
-//! The record is the stream's identity, so only two code paths create or replace it:
-//! `setup`, when it created the slot in the same call and the stream is empty or absent,
-//! and a rebuild. The publish script refuses a stream without a record (`NORECORD`), so a
-//! Redis that lost everything is noticed at the next call, even an acknowledgement-only one,
-//! and leads to a rebuild instead of a silent fresh start.
+//! The record is the stream's identity, so only these create or replace it: `setup`, when it
+//! created the slot in the same call and the stream is empty or absent; a catch-up of a
+//! shard that lost its record; and a rebuild that made the slot anew. The publish script
+//! refuses a stream without a record (`NORECORD`), so a Redis that lost everything is noticed
+//! at the next call, even an acknowledgement-only one, and leads to a catch-up of every
+//! retained row instead of a silent fresh start.
 //!
-//! Invariant relied on everywhere: `acked_through` (Redis) ≥ the slot's
-//! `confirmed_flush_lsn`, because every acknowledgement is recorded in Redis before it is
-//! sent to Postgres. Read the slot first, then Redis: a relay acknowledging in between can
-//! only raise Redis's side, so "Redis knows less than the slot" is never a false alarm.
+//! Invariant relied on everywhere: for a shard that is live (not behind), `acked_through`
+//! ≥ the slot's `confirmed_flush_lsn`, because every acknowledgement is recorded in every
+//! live shard before the slot hears it. A shard below the slot fell behind (or Redis lost
+//! data): its `watermark` says from where the outbox table owes it rows. Read the slot
+//! first, then Redis: a relay acknowledging in between can only raise Redis's side.
 
 use outbox_core::connect::RedisConn;
 use outbox_core::stream::entry;
@@ -21,9 +23,8 @@ use outbox_core::stream::keys::{origin_key, rebuild_lock_key};
 use outbox_core::stream::record::fields;
 use outbox_core::stream::{recorded_count, EntryId};
 
-use super::RebuildLock;
 use crate::error::RelayError;
-use crate::source::{Origin, TimelineHistory};
+use crate::source::{Origin, TimelineHistory, Watermark};
 
 /// What Redis knows about the stream.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -33,7 +34,7 @@ pub(crate) struct StreamRecord {
     pub history: Option<TimelineHistory>,
     /// The highest LSN the relay acknowledged to its slot (recorded before acknowledging).
     pub acked_through: Option<u64>,
-    /// A rebuild started and did not finish (its reason).
+    /// A catch-up (or an older relay's rebuild) started and did not finish.
     pub rebuilding: Option<String>,
     /// The last id the relay wrote.
     pub last_id: Option<EntryId>,
@@ -47,21 +48,48 @@ pub(crate) struct StreamRecord {
     /// The shard count the stream was set up with (`None`: unreadable; records written
     /// before shards existed say 1).
     pub shards: Option<u32>,
+    /// The snapshot `acked_through` covers (`None`: none recorded, or unreadable).
+    pub watermark: Option<Watermark>,
+    /// The first entry id that may hold a row the watermark does not show.
+    pub watermark_from: Option<EntryId>,
 }
 
 impl StreamRecord {
     pub(crate) fn exists(&self) -> bool {
         self.system_id.is_some()
     }
+
+    /// Entries the relay wrote are gone (the stream was deleted, or restored from older
+    /// data than its record).
+    pub(crate) fn lost_entries(&self) -> bool {
+        self.last_id.is_some_and(|last| self.top < last)
+    }
+
+    /// A catch-up that compares every retained row was started (and not finished): the
+    /// marker of this relay's, or any rebuild reason of an older relay's.
+    pub(crate) fn catching_up_everything(&self) -> bool {
+        self.rebuilding
+            .as_deref()
+            .is_some_and(|r| r != CATCH_UP_SINCE)
+    }
 }
 
-/// A new record, as `setup` or a finished rebuild writes it.
+/// The marker of a catch-up from the shard's watermark.
+pub(crate) const CATCH_UP_SINCE: &str = "since";
+/// The marker of a catch-up that compares every retained row.
+pub(crate) const CATCH_UP_EVERYTHING: &str = "everything";
+
+/// A new record, as `setup`, a rebuild or a catch-up writes it.
 pub(crate) struct NewRecord<'a> {
     pub origin: &'a Origin,
     pub shards: u32,
     pub acked_through: u64,
     pub id_offset: u64,
     pub last_id: Option<EntryId>,
+    /// A snapshot `acked_through` covers.
+    pub watermark: Option<&'a Watermark>,
+    /// A catch-up under way (its marker).
+    pub rebuilding: Option<&'static str>,
 }
 
 impl NewRecord<'_> {
@@ -76,6 +104,14 @@ impl NewRecord<'_> {
         ];
         if let Some(id) = self.last_id {
             record.push((fields::LAST_ID, id.to_string()));
+        }
+        if let Some(w) = self.watermark {
+            record.push((fields::WATERMARK, w.encode()));
+            // Nothing before the record's creation is in the stream to compare with.
+            record.push((fields::WATERMARK_FROM, "0-1".to_string()));
+        }
+        if let Some(marker) = self.rebuilding {
+            record.push((fields::REBUILDING, marker.to_string()));
         }
         record
     }
@@ -94,7 +130,7 @@ pub(crate) fn offset_above(top: EntryId, start_lsn: u64, current: u64) -> u64 {
 /// it by a whole TTL: the ACL keeps the lock and the record in separate selectors, so one
 /// script cannot touch both.)
 const REPLACE: &str = r#"
-redis.call('HDEL', KEYS[1], 'rebuilding', 'last_id')
+redis.call('HDEL', KEYS[1], 'rebuilding', 'last_id', 'watermark', 'watermark_from')
 redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 "#;
@@ -155,6 +191,11 @@ impl Records {
         }
     }
 
+    /// The stream (shard) key.
+    pub(crate) fn stream(&self) -> &str {
+        &self.stream
+    }
+
     /// The record and the stream's top and length.
     pub(crate) async fn read(&mut self) -> Result<StreamRecord, RelayError> {
         let values: Vec<Option<String>> = redis::cmd("HMGET")
@@ -168,6 +209,8 @@ impl Records {
                 fields::LAST_ID,
                 fields::ID_OFFSET,
                 fields::SHARDS,
+                fields::WATERMARK,
+                fields::WATERMARK_FROM,
             ])
             .query_async(&mut self.conn)
             .await?;
@@ -184,6 +227,8 @@ impl Records {
             top,
             len,
             shards: recorded_count(field(7).as_deref()),
+            watermark: field(8).and_then(|w| Watermark::decode(&w)),
+            watermark_from: field(9).and_then(|id| id.parse().ok()),
         })
     }
 
@@ -219,10 +264,10 @@ impl Records {
         Ok(created == 1)
     }
 
-    /// Replace the record at the end of a rebuild (the caller confirmed the lock just before).
+    /// Replace the record (`reshard`; the caller holds the rebuild lock).
     pub(crate) async fn replace(
         &mut self,
-        lock: &mut RebuildLock,
+        lock: &mut super::RebuildLock,
         record: &NewRecord<'_>,
     ) -> Result<(), RelayError> {
         lock.confirm().await?;
@@ -232,34 +277,6 @@ impl Records {
             invocation.arg(name).arg(value);
         }
         let _: i64 = invocation.invoke_async(&mut self.conn).await?;
-        Ok(())
-    }
-
-    /// Mark a rebuild started (creating the record if Redis lost it), so a crash midway
-    /// resumes it; only while holding the lock.
-    pub(crate) async fn mark_rebuilding(
-        &mut self,
-        lock: &mut RebuildLock,
-        origin: &Origin,
-        shards: u32,
-        reason: &str,
-    ) -> Result<(), RelayError> {
-        lock.confirm().await?;
-        let () = redis::cmd("HSET")
-            .arg(&self.origin_key)
-            .arg(fields::SHARDS)
-            .arg(shards)
-            .arg(fields::SYSTEM_ID)
-            .arg(&origin.system_id)
-            .arg(fields::TIMELINE)
-            .arg(origin.timeline)
-            .arg(fields::HISTORY)
-            .arg(origin.history.encode())
-            .arg(fields::REBUILDING)
-            .arg(reason)
-            .query_async::<i64>(&mut self.conn)
-            .await
-            .map(|_| ())?;
         Ok(())
     }
 
@@ -296,6 +313,46 @@ impl Records {
         Ok(current.is_some_and(|c| !c.starts_with(&format!("{holder}/"))))
     }
 
+    /// Mark a catch-up under way (`CATCH_UP_SINCE` or `CATCH_UP_EVERYTHING`), so one cut
+    /// short resumes the same way.
+    pub(crate) async fn set_marker(&mut self, marker: &str) -> Result<(), RelayError> {
+        let _: i64 = redis::cmd("HSET")
+            .arg(&self.origin_key)
+            .arg(fields::REBUILDING)
+            .arg(marker)
+            .query_async(&mut self.conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Record `watermark`, with entries from `from` on to compare with the outbox.
+    pub(crate) async fn set_watermark(
+        &mut self,
+        watermark: &Watermark,
+        from: EntryId,
+    ) -> Result<(), RelayError> {
+        let _: i64 = redis::cmd("HSET")
+            .arg(&self.origin_key)
+            .arg(fields::WATERMARK)
+            .arg(watermark.encode())
+            .arg(fields::WATERMARK_FROM)
+            .arg(from.to_string())
+            .query_async(&mut self.conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Set the id offset (a slot made anew on a history whose LSNs lie below the top).
+    pub(crate) async fn set_id_offset(&mut self, id_offset: u64) -> Result<(), RelayError> {
+        let _: i64 = redis::cmd("HSET")
+            .arg(&self.origin_key)
+            .arg(fields::ID_OFFSET)
+            .arg(id_offset)
+            .query_async(&mut self.conn)
+            .await?;
+        Ok(())
+    }
+
     /// Take a rebuild marker back that this relay set and did nothing after (the slot turned
     /// out to be held by another walsender).
     pub(crate) async fn clear_marker(&mut self) -> Result<(), RelayError> {
@@ -307,32 +364,15 @@ impl Records {
         Ok(())
     }
 
-    /// The oldest entry's `created_at` (`None`: the stream is empty).
-    pub(crate) async fn oldest_created_at(&mut self) -> Result<Option<String>, RelayError> {
-        let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-            .arg(&self.stream)
-            .arg("-")
-            .arg("+")
-            .arg("COUNT")
-            .arg(1)
-            .query_async(&mut self.conn)
-            .await?;
-        Ok(page
-            .ids
-            .first()
-            .and_then(|e| e.map.get(entry::CREATED_AT))
-            .and_then(|v| redis::from_redis_value_ref::<String>(v).ok()))
-    }
-
-    /// One page of the stream's (outbox id, created_at) pairs, oldest first, after `after`
-    /// (exclusive; `None`: from the start), and the last entry id read (`None`: no more).
+    /// One page of the stream's (outbox id, created_at) pairs, oldest first, from `start`
+    /// (an `XRANGE` bound: `-`, an id, or `(id` for after it), and the last entry id read
+    /// (`None`: no more).
     #[allow(clippy::type_complexity)]
     pub(crate) async fn outbox_ids_page(
         &mut self,
-        after: Option<&str>,
+        start: &str,
         count: usize,
     ) -> Result<((Vec<i64>, Vec<String>), Option<String>), RelayError> {
-        let start = after.map_or_else(|| "-".to_string(), |id| format!("({id}"));
         let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
             .arg(&self.stream)
             .arg(start)

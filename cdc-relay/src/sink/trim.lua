@@ -21,10 +21,12 @@ end
 -- it, i.e. below the smallest of each group's oldest pending id (delivered, not acked)
 -- and last-delivered id (everything after it is unread). Redis 7.0 has no ACKED trim, so
 -- it is computed here. Exact (an entry inside a radix node is only flagged deleted, so
--- this costs little more than `~`, and what a rebuild compares is precisely the
--- unacknowledged part). Returns how many groups read the stream (0: none, and nothing
--- counts as read).
-local function trim_acked(stream)
+-- this costs little more than `~`). Nothing at or above `floor` (the record's
+-- `watermark_from`, or false) goes either: a catch-up compares the outbox with the entries
+-- from there on, and one trimmed away would be published again. Returns how many groups
+-- read the stream (0: none, and nothing counts as read), and the id below which every group
+-- acknowledged everything (nil with no group).
+local function trim_acked(stream, floor)
   local safe, groups = nil, 0
   for _, g in ipairs(redis.call('XINFO', 'GROUPS', stream)) do
     groups = groups + 1
@@ -40,9 +42,10 @@ local function trim_acked(stream)
     end
     if not safe or id_less(keep, safe) then safe = keep end
   end
+  local acked = safe
+  if safe and floor and id_less(floor, safe) then safe = floor end
   if safe and safe ~= '0-0' then
     redis.call('XTRIM', stream, 'MINID', safe)
   end
-  return groups
+  return groups, acked
 end
-

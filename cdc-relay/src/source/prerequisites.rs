@@ -1,6 +1,7 @@
 //! What the database must offer before the relay streams, checked before every
-//! replication session: `wal_level = logical`, and a publication that publishes inserts of
-//! the outbox table (Postgres 17+ for a failover slot).
+//! replication session: `wal_level = logical`, a publication that publishes inserts of the
+//! outbox table (Postgres 17+ for a failover slot), and the outbox table's `tx` column (the
+//! writing transaction, which lets a shard that fell behind be caught up from the table).
 //!
 //! Order matters for `setup`: the publication must exist before the slot is created. A slot
 //! created first fails with "publication ... does not exist" for good, even after the
@@ -55,6 +56,28 @@ pub(crate) async fn check_prerequisites(
                 table: cfg.outbox_table.to_string(),
             })
         }
-        Some(_) => Ok(()),
+        Some(_) => check_tx_column(client, cfg).await,
+    }
+}
+
+/// The outbox table has `tx xid8` filled by `pg_current_xact_id()`.
+async fn check_tx_column(client: &Client, cfg: &PostgresConfig) -> Result<(), RelayError> {
+    let row = client
+        .query_opt(
+            "SELECT a.atttypid = 'xid8'::regtype,
+                    coalesce(pg_get_expr(d.adbin, d.adrelid) LIKE '%pg_current_xact_id()%', false)
+               FROM pg_attribute a
+               LEFT JOIN pg_attrdef d ON d.adrelid = a.attrelid AND d.adnum = a.attnum
+              WHERE a.attrelid = to_regclass(format('%I.%I', $1::text, $2::text))
+                AND a.attname = 'tx' AND NOT a.attisdropped",
+            &[&cfg.outbox_table.schema, &cfg.outbox_table.table],
+        )
+        .await?;
+    match row {
+        Some(row) if row.get::<_, bool>(0) && row.get::<_, bool>(1) => Ok(()),
+        _ => Err(RelayError::Config(format!(
+            "{table} has no column `tx xid8 DEFAULT pg_current_xact_id()`: the relay needs it to catch a shard up from the table after an outage; run the migrations (V23/V24), or add it with `ALTER TABLE {table} ADD COLUMN tx xid8; ALTER TABLE {table} ALTER COLUMN tx SET DEFAULT pg_current_xact_id(); CREATE INDEX ON {table} (tx) WHERE tx IS NOT NULL`",
+            table = cfg.outbox_table
+        ))),
     }
 }

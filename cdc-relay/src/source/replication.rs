@@ -12,15 +12,29 @@ use crate::config::PostgresConfig;
 use crate::error::{sqlstate, sqlstates, RelayError};
 
 /// Session settings the relay pins: pgoutput prints column values with the walsender's
-/// own DateStyle and TimeZone, and the stream must not depend on the server's defaults.
-const SESSION_OPTIONS: &str = "-c DateStyle=ISO -c TimeZone=UTC";
+/// own DateStyle and TimeZone, and the stream must not depend on the server's defaults; and
+/// the walsender's timeout (`--replication-timeout`), which is also the deadline of the
+/// connection here. The server pings a client it has not heard from for half of it, and this
+/// client speaks unasked only every whole `timeout` (its idle wakeup), so a live server is
+/// never silent for longer than about half of it: the session ends once it has been silent for
+/// the whole of it (a vanished host, a proxy that keeps the socket open but forwards nothing).
+/// The server in turn drops a relay it has not heard from for that long (a frozen process),
+/// which frees the slot for a standby.
+fn session_options(timeout: Duration) -> String {
+    format!(
+        "-c DateStyle=ISO -c TimeZone=UTC -c wal_sender_timeout={}ms",
+        timeout.as_millis()
+    )
+}
 
-/// The replication connection's settings for `slot` and `publication`.
+/// The replication connection's settings for `slot` and `publication`; `timeout`: see
+/// [`session_options`].
 pub(crate) fn replication_config(
     endpoint: &PgEndpoint,
     slot: &str,
     publication: &str,
     status_interval: Duration,
+    timeout: Duration,
 ) -> ReplicationConfig {
     let ca = endpoint.ca_file().map(Into::into);
     let tls = match endpoint.effective_ssl() {
@@ -43,10 +57,10 @@ pub(crate) fn replication_config(
     )
     .with_port(endpoint.port())
     .with_tls(tls)
-    .with_options(SESSION_OPTIONS)
+    .with_options(session_options(timeout))
     .with_application_name("cdc-relay")
     .with_status_interval(status_interval)
-    .with_wakeup_interval(Duration::from_secs(5))
+    .with_wakeup_interval(timeout)
 }
 
 /// Where on a replication session an error came from: the same SQLSTATE means a missing
@@ -65,6 +79,15 @@ pub(crate) fn replication_error(
     recover: bool,
     holder: Option<u32>,
 ) -> RelayError {
+    if let PgWireError::MessageTooLarge {
+        payload_bytes,
+        limit_bytes,
+    } = e
+    {
+        return RelayError::Config(format!(
+            "a change of {payload_bytes} bytes (one outbox row) is larger than --max-row-bytes ({limit_bytes}): raise --max-row-bytes (and the container's memory: 64 such rows may be buffered)"
+        ));
+    }
     match (sqlstate(&e), phase) {
         (Some(sqlstates::OBJECT_IN_USE), _) => RelayError::SlotBusy {
             slot: cfg.slot.clone(),
@@ -101,7 +124,13 @@ mod tests {
             .unwrap()
             .with_password_file(Some(&file))
             .unwrap();
-        let rc = replication_config(&e, "s", "p", Duration::from_secs(1));
+        let rc = replication_config(
+            &e,
+            "s",
+            "p",
+            Duration::from_secs(1),
+            Duration::from_secs(10),
+        );
         assert_eq!(rc.password, "s3cret-from-file");
         std::fs::remove_dir_all(&dir).unwrap();
     }

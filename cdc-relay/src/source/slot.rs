@@ -61,16 +61,14 @@ pub(crate) async fn slot_info(client: &Client, slot: &str) -> Result<Option<Slot
     }))
 }
 
-/// The slot exists and is a pgoutput slot of this database.
+/// The slot, if it exists, checked to be a pgoutput slot of this database (one query).
 pub(crate) async fn check_slot(
     client: &Client,
     cfg: &PostgresConfig,
-) -> Result<SlotInfo, RelayError> {
-    let info = slot_info(client, &cfg.slot)
-        .await?
-        .ok_or_else(|| RelayError::SlotMissing {
-            slot: cfg.slot.clone(),
-        })?;
+) -> Result<Option<SlotInfo>, RelayError> {
+    let Some(info) = slot_info(client, &cfg.slot).await? else {
+        return Ok(None);
+    };
     let dbname = cfg.endpoint.dbname();
     let problem = if info.slot_type != "logical" {
         Some(format!("it is a {} slot", info.slot_type))
@@ -92,7 +90,7 @@ pub(crate) async fn check_slot(
             slot: cfg.slot.clone(),
             problem,
         }),
-        None => Ok(info),
+        None => Ok(Some(info)),
     }
 }
 
@@ -273,49 +271,32 @@ pub(crate) async fn drop_slot(client: &Client, name: &str) -> Result<(), tokio_p
         .map(|_| ())
 }
 
-/// A slot made on a replication session with an exported snapshot.
-pub(crate) struct NewSlot {
-    /// Every transaction committed after this point will be streamed from the slot.
-    pub(crate) consistent_point: Lsn,
-    /// The snapshot that shows exactly the rows committed before it (valid while the
-    /// session stays idle).
-    pub(crate) snapshot: String,
-}
-
-/// `CREATE_REPLICATION_SLOT ... (SNAPSHOT 'export')` on the gated session `client`. It waits
-/// for the transactions open at this moment.
-pub(crate) async fn create_exporting_snapshot(
+/// `CREATE_REPLICATION_SLOT ... (SNAPSHOT 'nothing')` on the gated session `client`: its
+/// consistent point (every transaction committed after it will be streamed). It waits for
+/// the transactions open at this moment. No snapshot is exported: what committed before is
+/// the outbox table's to give, by a catch-up that takes its own snapshots.
+pub(crate) async fn create_slot_on_session(
     client: &mut ReplicationClient,
     name: &str,
     failover: bool,
-) -> Result<Result<NewSlot, RelayError>, pgwire_replication::PgWireError> {
+) -> Result<Result<Lsn, RelayError>, pgwire_replication::PgWireError> {
     let rows = client
         .simple_query(&format!(
-            "CREATE_REPLICATION_SLOT \"{name}\" LOGICAL pgoutput (SNAPSHOT 'export'{})",
+            "CREATE_REPLICATION_SLOT \"{name}\" LOGICAL pgoutput (SNAPSHOT 'nothing'{})",
             // Only a 17+ server has failover slots (and --failover is refused before).
             if failover { ", FAILOVER true" } else { "" }
         ))
         .await?;
-    let Some(row) = rows.first() else {
-        return Ok(Err(RelayError::Protocol(
-            "CREATE_REPLICATION_SLOT returned no row".into(),
-        )));
-    };
-    let text = |i: usize| {
-        row.get(i)
-            .and_then(|v| v.as_ref())
-            .map(|b| String::from_utf8_lossy(b).into_owned())
-            .ok_or_else(|| {
-                RelayError::Protocol(format!("CREATE_REPLICATION_SLOT column {i} missing"))
-            })
-    };
-    let parsed = (|| {
-        let consistent_point = Lsn::parse(&text(1)?)
-            .map_err(|e| RelayError::Protocol(format!("consistent point: {}", e.0)))?;
-        Ok(NewSlot {
-            consistent_point,
-            snapshot: text(2)?,
-        })
-    })();
-    Ok(parsed)
+    let point = rows
+        .first()
+        .and_then(|row| row.get(1))
+        .and_then(|v| v.as_ref())
+        .map(|b| String::from_utf8_lossy(b).into_owned());
+    Ok(match point {
+        None => Err(RelayError::Protocol(
+            "CREATE_REPLICATION_SLOT returned no consistent point".into(),
+        )),
+        Some(text) => Lsn::parse(&text)
+            .map_err(|e| RelayError::Protocol(format!("consistent point: {}", e.0))),
+    })
 }

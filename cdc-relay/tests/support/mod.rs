@@ -29,6 +29,9 @@ pub(crate) struct Fixture<'a> {
     /// A second pgoutput slot on the same publication, never acknowledged: the ground truth
     /// of what committed, in commit order, with LSNs.
     pub witness: String,
+    /// What `setup` did (the slot's consistent point), to write the stream's first record
+    /// on another Redis too.
+    pub setup: Option<cdc_relay::SetupOutcome>,
 }
 
 impl<'a> Fixture<'a> {
@@ -68,13 +71,14 @@ impl<'a> Fixture<'a> {
         shards: u32,
         setup_flags: &[&str],
     ) -> Fixture<'a> {
-        let fixture = Fixture {
+        let mut fixture = Fixture {
             redis,
             db,
             slot: unique_name("relay"),
             stream: format!("outbox:{}", unique_name("s")),
             shards,
             witness: unique_name("witness"),
+            setup: None,
         };
         let admin = fixture.db.connect().await.unwrap();
         admin
@@ -107,7 +111,34 @@ impl<'a> Fixture<'a> {
         .await
         .expect("stream record");
         assert_eq!(record, cdc_relay::test_support::RecordOutcome::Written);
+        fixture.setup = Some(outcome);
         fixture
+    }
+
+    /// Write the stream's first records on the Redis Cluster at `urls` too (as `setup` does
+    /// there), before any row is written.
+    pub(crate) async fn init_records_on_cluster(&self, urls: &str) {
+        let pg = self.config_args(&[]).connection.postgres().unwrap();
+        let target = outbox_core::connect::redis_target(
+            urls,
+            true,
+            None,
+            None,
+            "--redis-url",
+            Duration::from_secs(10),
+        )
+        .unwrap();
+        let record = cdc_relay::test_support::init_stream_record(
+            &pg,
+            self.setup.as_ref().expect("set up"),
+            &target,
+            &self.stream,
+            self.shards,
+            Duration::from_secs(10),
+        )
+        .await
+        .expect("stream record on the cluster");
+        assert_eq!(record, cdc_relay::test_support::RecordOutcome::Written);
     }
 
     /// The relay's flags for this fixture (`overrides`: flag/value pairs replacing or
@@ -528,6 +559,41 @@ pub(crate) fn assert_same_entries(actual: &[Entry], expected: &[Entry]) {
     );
 }
 
+/// A stream (or shard) that was caught up from the outbox table holds each committed row of
+/// `expected` exactly once, and nothing else, and each chat's (or, without chats, each
+/// writer's) rows in commit order; its ids need not be commit LSNs.
+pub(crate) fn assert_caught_up(actual: &[Entry], expected: &[Entry], what: &str) {
+    let got: Vec<&str> = actual.iter().map(|e| e.outbox_id.as_str()).collect();
+    let unique: std::collections::HashSet<&str> = got.iter().copied().collect();
+    assert_eq!(unique.len(), got.len(), "{what}: a row twice");
+    let want: std::collections::HashSet<&str> =
+        expected.iter().map(|e| e.outbox_id.as_str()).collect();
+    let missing = want.difference(&unique).count();
+    let extra = unique.difference(&want).count();
+    assert!(
+        missing == 0 && extra == 0,
+        "{what}: {missing} rows missing, {extra} rows that never committed"
+    );
+    let key = |e: &Entry| {
+        e.payload
+            .get("chat_id")
+            .or_else(|| e.payload.get("writer"))
+            .map(|v| v.to_string())
+            .unwrap_or_default()
+    };
+    let order = |entries: &[Entry]| {
+        let mut by_key: HashMap<String, Vec<String>> = HashMap::new();
+        for e in entries {
+            by_key.entry(key(e)).or_default().push(e.outbox_id.clone());
+        }
+        by_key
+    };
+    let (got, want) = (order(actual), order(expected));
+    for (k, ids) in &want {
+        assert_eq!(got.get(k), Some(ids), "{what}: order of {k}'s rows");
+    }
+}
+
 /// Insert `rows` outbox rows in one transaction; payload marks writer, txn and row.
 pub(crate) async fn insert_txn(
     client: &mut tokio_postgres::Client,
@@ -581,6 +647,66 @@ pub(crate) async fn wait_metric(
 pub(crate) async fn wait_rebuild_counted(relay: &RelayProcess, reason: &str) {
     let series = format!("cdc_relay_rebuilds_total{{reason=\"{reason}\"}}");
     wait_metric(relay, &series, "the rebuild counted", |v| v >= 1.0).await
+}
+
+/// A shard that refuses every write: its record is swapped for a string (the publish script
+/// fails with WRONGTYPE, which the relay retries as it would a node that refuses writes),
+/// its stream left as it is. [`StuckShard::release`] puts the record back as it was.
+pub(crate) struct StuckShard {
+    conn: redis::aio::MultiplexedConnection,
+    key: String,
+    dump: Vec<u8>,
+}
+
+impl StuckShard {
+    pub(crate) async fn start(redis: &RedisServer, shard_stream: &str) -> Self {
+        let mut conn = redis.connect().await.unwrap();
+        let key = format!("{shard_stream}:origin");
+        let dump: Vec<u8> = redis::cmd("DUMP")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let () = redis::cmd("SET")
+            .arg(&key)
+            .arg("refusing writes")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        Self { conn, key, dump }
+    }
+
+    pub(crate) async fn release(mut self) {
+        let () = redis::cmd("RESTORE")
+            .arg(&self.key)
+            .arg(0)
+            .arg(&self.dump)
+            .arg("REPLACE")
+            .query_async(&mut self.conn)
+            .await
+            .unwrap();
+    }
+}
+
+/// Wait until the relay caught a shard up from the outbox table comparing `mode` (`since`
+/// or `everything`), and no shard is behind any more.
+pub(crate) async fn wait_caught_up(relay: &RelayProcess, mode: &str) {
+    let series = format!("cdc_relay_catch_ups_total{{mode=\"{mode}\"}}");
+    wait_metric(relay, &series, "a catch-up counted", |v| v >= 1.0).await;
+    wait_until(Duration::from_secs(30), "no shard behind", || async {
+        let m = metrics(relay).await;
+        let behind: Vec<&String> = m
+            .iter()
+            .filter(|(k, v)| k.starts_with("cdc_relay_shard_behind{") && **v != 0.0)
+            .map(|(k, _)| k)
+            .collect();
+        if behind.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{behind:?}; log: {}", tail(&relay.child.log())))
+        }
+    })
+    .await;
 }
 
 /// Bytes of WAL written into a table outside the publication.

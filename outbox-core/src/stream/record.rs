@@ -20,7 +20,9 @@ pub mod fields {
     pub const HISTORY: &str = "history";
     /// The highest LSN the relay acknowledged to its slot (always recorded here first).
     pub const ACKED_THROUGH: &str = "acked_through";
-    /// A rebuild started and did not finish (its reason).
+    /// A catch-up from the outbox table started and did not finish: `everything` (the shard
+    /// lost what it held: every retained row is compared with it) or `since` (from its
+    /// watermark). Older relays wrote their rebuild's reason here: read as `everything`.
     pub const REBUILDING: &str = "rebuilding";
     /// The last id the relay wrote.
     pub const LAST_ID: &str = "last_id";
@@ -32,6 +34,13 @@ pub mod fields {
     /// The writer epoch of the relay session that writes the stream now (each takeover and
     /// rebuild claims a higher one; the publish script refuses older sessions).
     pub const WRITER_EPOCH: &str = "writer_epoch";
+    /// A Postgres snapshot `acked_through` covers, between two WAL positions:
+    /// `<lo>/<hi>/<taken at, Unix µs>/<xmin:xmax:xip,...>`. Rows whose transaction it does not
+    /// show may be missing from the shard when the slot has moved past `acked_through`.
+    pub const WATERMARK: &str = "watermark";
+    /// The first entry id that may hold such a row (entries from here on are never trimmed,
+    /// so that a comparison with the outbox sees them).
+    pub const WATERMARK_FROM: &str = "watermark_from";
 }
 
 /// Key of the record that only the other key layout of `base` has (with one shard: shard

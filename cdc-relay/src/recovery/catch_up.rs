@@ -1,0 +1,860 @@
+//! Catching a shard up from the outbox table: the durable buffer behind the slot.
+//!
+//! A shard that fell behind (its lane could not confirm for `--shard-detach-after`, its
+//! stream was full, it lost data, or it was behind when the session started) no longer holds
+//! the slot back; its record still says how far it got. This task publishes what the outbox
+//! table owes it, at the pace its consumer groups read, and hands it back to live streaming:
+//!
+//! 1. [`prepare`]: read the shard's record and decide what to compare: the rows its
+//!    `watermark` does not show (`since`), or every retained row when the shard lost what it
+//!    held, its record, or never had a watermark (`everything`); claim the shard for this
+//!    session and mark the record, so a catch-up cut short resumes the same way.
+//! 2. [`Present`]: the entries the shard may already hold of those rows (from its
+//!    `watermark_from` on, or all of them), copied into a temporary table page by page.
+//! 3. Rounds ([`CatchUp::round`]): the rows a snapshot shows and the previous one (or the
+//!    shard's watermark) does not, not present, of the shards in the group, in outbox id
+//!    order, each published into its shard above its top, a chunk at a time, fenced. Each
+//!    round's snapshot is a value in the query (`pg_visible_in_snapshot`), never a held
+//!    transaction: vacuum is never held back, and the stream itself is the progress mark.
+//! 4. Hand-over ([`CatchUp::hand_over`]) once a round is short: the streaming loop starts
+//!    keeping (capturing) what it seals for the shards at its next transaction boundary, a
+//!    last snapshot is taken and its round published, the record gets that snapshot as its
+//!    watermark (the marker goes), and the loop turns each shard live, releasing the captured
+//!    transactions the last snapshot does not show (they committed after it; every other one
+//!    it shows, and the round published it).
+//!
+//! Order: rows of one round go in outbox id order, which agrees with commit order for any two
+//! transactions one of which began after the other committed (the id is taken from a
+//! sequence at insert), so for writers that serialise per key before inserting (the chat's
+//! feed counter) per-key order holds; rounds follow snapshots, so a later round's rows
+//! committed after every earlier round's. Live entries after the hand-over committed after the
+//! last snapshot. Ids: each shard continues above its top (`<top lsn>-<seq + n>`), below
+//! every live id that follows (those are later commit LSNs).
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use std::time::Duration;
+
+use outbox_core::backoff::Backoff;
+use outbox_core::stream::{shard_of, EntryId};
+use tokio::sync::{mpsc, oneshot};
+use tokio::task::JoinHandle;
+use tokio::time::Instant;
+use tokio_postgres::Client;
+use tracing::{debug, info, warn};
+
+use super::decide::{shard_history, ShardHistory};
+use crate::context::SharedContext;
+use crate::decode::{rfc3339_utc, OutboxEvent};
+use crate::error::RelayError;
+use crate::sink::{
+    NewRecord, PartMeta, Publisher, Records, StreamEntry, StreamRecord, CATCH_UP_EVERYTHING,
+    CATCH_UP_SINCE,
+};
+use crate::source::{take_watermark, Origin, Snapshot, Watermark, Watermarks};
+
+/// Rows read per query, and most entries per call.
+const CHUNK: usize = 1000;
+/// Stream entries copied into the comparison table per page.
+const PAGE: usize = 1000;
+/// A round that published at most this many rows is short enough to hand over after.
+const SHORT_ROUND: u64 = 200;
+/// How often a catch-up waiting for the consumer groups looks again.
+const ROOM_POLL: Duration = Duration::from_millis(200);
+/// Deadline of each step against Redis and each query against Postgres.
+const STEP_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// What the streaming loop is asked to do for a catch-up.
+pub(crate) enum Handover {
+    /// Keep what is sealed for `shards` from the next transaction boundary on; answer once
+    /// it does.
+    Capture {
+        shards: Vec<u32>,
+        started: oneshot::Sender<()>,
+    },
+    /// `shard` holds every row `watermark` shows, and its last id is `top`: turn it live.
+    /// The answer is whether it did (`false`: its capture was lost; the catch-up goes on).
+    Rejoin {
+        shard: u32,
+        top: Option<EntryId>,
+        watermark: Arc<Watermark>,
+        done: oneshot::Sender<bool>,
+    },
+    /// Drop what `shards` captured.
+    Abandon { shards: Vec<u32> },
+    /// A catch-up met an error that needs a human (another cluster's stream, a resized one):
+    /// the session ends with it.
+    Failed(RelayError),
+}
+
+/// The catch-up task of a session: told which shards fall behind, it catches them up and
+/// hands them back. Dropped with the session (which aborts it: what it published stays, and
+/// the next session's catch-up compares with it).
+pub(crate) struct CatchUps {
+    behind: mpsc::UnboundedSender<(u32, Option<Arc<Watermark>>)>,
+    task: JoinHandle<()>,
+}
+
+impl CatchUps {
+    pub(crate) fn spawn(
+        ctx: SharedContext,
+        publisher: Publisher,
+        origin: Origin,
+        watermarks: Watermarks,
+        handover: mpsc::Sender<Handover>,
+        behind_at_start: &[u32],
+    ) -> Self {
+        let (behind, behind_rx) = mpsc::unbounded_channel();
+        for k in 0..publisher.shard_count() {
+            ctx.metrics
+                .shard_behind
+                .with_label_values(&[&k.to_string()])
+                .set(i64::from(behind_at_start.contains(&k)));
+        }
+        ctx.set_behind_shards(behind_at_start.to_vec());
+        for &k in behind_at_start {
+            let _ = behind.send((k, None));
+        }
+        let manager = Manager {
+            ctx,
+            publisher,
+            origin,
+            watermarks,
+            handover,
+        };
+        let task = tokio::spawn(manager.run(behind_rx));
+        Self { behind, task }
+    }
+
+    /// `shard` fell behind; `consumed`: a watermark every row of which its groups had
+    /// acknowledged (what it owes, should its data be gone, is only what that does not show).
+    /// (The streaming loop calls this as the lane falls behind, so the gauge says so at once.)
+    pub(crate) fn fell_behind(&self, shard: u32, consumed: Option<Arc<Watermark>>) {
+        let _ = self.behind.send((shard, consumed));
+    }
+}
+
+impl Drop for CatchUps {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// One behind shard waiting for its turn.
+struct Waiting {
+    next_try: Instant,
+    backoff: Backoff,
+    /// Its catch-up was cut short (it failed, or its stream is full): say so once.
+    said: bool,
+    /// What its groups had consumed when it fell behind.
+    consumed: Option<Arc<Watermark>>,
+}
+
+struct Manager {
+    ctx: SharedContext,
+    publisher: Publisher,
+    origin: Origin,
+    watermarks: Watermarks,
+    handover: mpsc::Sender<Handover>,
+}
+
+impl Manager {
+    async fn run(self, mut behind_rx: mpsc::UnboundedReceiver<(u32, Option<Arc<Watermark>>)>) {
+        let mut waiting: BTreeMap<u32, Waiting> = BTreeMap::new();
+        let max_backoff = self
+            .ctx
+            .config
+            .reconnect_max_backoff
+            .max(Duration::from_secs(1));
+        loop {
+            let next = waiting.values().map(|w| w.next_try).min();
+            tokio::select! {
+                biased;
+                shard = behind_rx.recv() => match shard {
+                    Some((k, consumed)) => {
+                        let w = waiting.entry(k).or_insert_with(|| Waiting {
+                            next_try: Instant::now(),
+                            backoff: Backoff::new(Duration::from_millis(200), max_backoff),
+                            said: false,
+                            consumed: None,
+                        });
+                        if consumed.is_some() {
+                            w.consumed = consumed;
+                        }
+                        self.export(&waiting);
+                    }
+                    None => return,
+                },
+                _ = sleep_until_opt(next) => {
+                    // Everything behind and due goes as one group: one pass over the table.
+                    let now = Instant::now();
+                    let due: Vec<u32> = waiting
+                        .iter()
+                        .filter(|(_, w)| w.next_try <= now)
+                        .map(|(k, _)| *k)
+                        .collect();
+                    let due: Vec<(u32, Option<Arc<Watermark>>)> = due
+                        .into_iter()
+                        .map(|k| (k, waiting[&k].consumed.clone()))
+                        .collect();
+                    let outcome = self.catch_up(&due).await;
+                    for k in outcome.rejoined {
+                        waiting.remove(&k);
+                        self.ctx
+                            .metrics
+                            .shard_behind_seconds
+                            .with_label_values(&[&k.to_string()])
+                            .set(0.0);
+                    }
+                    for (k, why) in outcome.later {
+                        if let Some(w) = waiting.get_mut(&k) {
+                            let delay = w.backoff.next_delay();
+                            w.next_try = Instant::now() + delay;
+                            if !w.said {
+                                warn!(shard = k, error = %why, retry_in = ?delay, "catching the shard up from the outbox table must wait");
+                                w.said = true;
+                            } else {
+                                debug!(shard = k, error = %why, retry_in = ?delay, "catch-up waits");
+                            }
+                        }
+                    }
+                    if let Some(e) = outcome.fatal {
+                        let _ = self.handover.send(Handover::Failed(e)).await;
+                        return;
+                    }
+                    self.export(&waiting);
+                }
+            }
+        }
+    }
+
+    fn export(&self, waiting: &BTreeMap<u32, Waiting>) {
+        self.ctx
+            .set_behind_shards(waiting.keys().copied().collect());
+        let metrics = &self.ctx.metrics;
+        for k in 0..self.publisher.shard_count() {
+            metrics
+                .shard_behind
+                .with_label_values(&[&k.to_string()])
+                .set(i64::from(waiting.contains_key(&k)));
+        }
+    }
+
+    /// Catch the shards `due` up as one group; which rejoined, which must wait (and why),
+    /// and an error that ends the session.
+    async fn catch_up(&self, due: &[(u32, Option<Arc<Watermark>>)]) -> Outcome {
+        let mut outcome = Outcome::default();
+        let mut group = Vec::new();
+        for (k, consumed) in due {
+            let k = *k;
+            let prepared = prepare(
+                &self.ctx,
+                &self.publisher,
+                &self.origin,
+                k,
+                consumed.as_deref(),
+            );
+            match tokio::time::timeout(STEP_TIMEOUT, prepared).await {
+                Ok(Ok(prepared)) => group.push(prepared),
+                Ok(Err(e)) if e.is_transient() => outcome.later.push((k, e.to_string())),
+                Ok(Err(e)) => {
+                    outcome.fatal = Some(e);
+                    return outcome;
+                }
+                Err(_) => outcome
+                    .later
+                    .push((k, format!("no answer within {STEP_TIMEOUT:?}"))),
+            }
+        }
+        if group.is_empty() {
+            return outcome;
+        }
+        let shards: Vec<u32> = group.iter().map(|p| p.shard).collect();
+        let mut run = CatchUp {
+            ctx: &self.ctx,
+            publisher: self.publisher.clone(),
+            origin: &self.origin,
+            watermarks: &self.watermarks,
+            handover: &self.handover,
+            shards: group.into_iter().map(|p| (p.shard, p)).collect(),
+            published: 0,
+        };
+        match run.run().await {
+            Ok(rejoined) => {
+                for k in &shards {
+                    if !rejoined.contains(k) {
+                        outcome
+                            .later
+                            .push((*k, "its capture was lost during the hand-over".into()));
+                    }
+                }
+                outcome.rejoined = rejoined;
+            }
+            Err(e) => {
+                let _ = self
+                    .handover
+                    .send(Handover::Abandon {
+                        shards: shards.clone(),
+                    })
+                    .await;
+                if e.is_transient() || matches!(e, RelayError::StreamFull { .. }) {
+                    outcome
+                        .later
+                        .extend(shards.iter().map(|k| (*k, e.to_string())));
+                } else {
+                    outcome.fatal = Some(e);
+                }
+            }
+        }
+        outcome
+    }
+}
+
+async fn sleep_until_opt(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+#[derive(Default)]
+struct Outcome {
+    rejoined: Vec<u32>,
+    later: Vec<(u32, String)>,
+    fatal: Option<RelayError>,
+}
+
+/// What a shard's catch-up compares with the outbox.
+#[derive(Debug, Clone)]
+enum Mode {
+    /// The rows `watermark` does not show; entries from `from` on may hold some.
+    Since { watermark: Watermark, from: EntryId },
+    /// Every retained row; any entry may hold one.
+    Everything,
+}
+
+/// A shard ready to be caught up.
+struct Prepared {
+    shard: u32,
+    mode: Mode,
+    /// Its last id now (the next entries go above it).
+    top: EntryId,
+}
+
+/// Step 1: read `shard`'s record, decide what to compare, claim the shard, mark the record.
+/// `consumed`: a watermark every row of which its groups acknowledged (the bound when the
+/// shard lost what it held).
+async fn prepare(
+    ctx: &SharedContext,
+    publisher: &Publisher,
+    origin: &Origin,
+    shard: u32,
+    consumed: Option<&Watermark>,
+) -> Result<Prepared, RelayError> {
+    let mut publisher = publisher.clone();
+    let mut records = publisher.records_of(shard);
+    let record = records.read().await?;
+    // Whatever the shard still holds, when it lost entries: compared from its start.
+    let everything_present = EntryId {
+        commit_lsn: 0,
+        seq: 1,
+    };
+    let mode = if !record.exists() {
+        // Redis lost the shard's record (and so what it held): every retained row, or those
+        // its groups had not consumed. Made with this relay's offset (its top is gone with
+        // it) and the marker.
+        records
+            .create(&NewRecord {
+                origin,
+                shards: publisher.shard_count(),
+                acked_through: 0,
+                id_offset: publisher.id_offset(),
+                last_id: None,
+                watermark: consumed,
+                rebuilding: Some(if consumed.is_some() {
+                    CATCH_UP_SINCE
+                } else {
+                    CATCH_UP_EVERYTHING
+                }),
+            })
+            .await?;
+        match consumed {
+            Some(w) => Mode::Since {
+                watermark: w.clone(),
+                from: everything_present,
+            },
+            None => Mode::Everything,
+        }
+    } else {
+        let same_history = check_identity(&record, origin, &publisher, &mut records).await?;
+        let intact =
+            record.watermark.is_some() && record.watermark_from.is_some() && !record.lost_entries();
+        match (&record.watermark, record.watermark_from) {
+            (Some(w), Some(from)) if same_history && intact && !record.catching_up_everything() => {
+                Mode::Since {
+                    watermark: w.clone(),
+                    from,
+                }
+            }
+            _ if same_history && !intact && consumed.is_some() => {
+                // It lost entries: only what its groups had not consumed is owed, and the
+                // record says so before anything is published (a catch-up cut short resumes
+                // from it).
+                let w = consumed.expect("checked").clone();
+                records.set_watermark(&w, everything_present).await?;
+                Mode::Since {
+                    watermark: w,
+                    from: everything_present,
+                }
+            }
+            _ => Mode::Everything,
+        }
+    };
+    // Claimed before anything is written: a session that held the shard before (paused,
+    // retrying an old part) is refused from now on.
+    publisher.claim_writer_epoch(shard).await?;
+    let marker = match mode {
+        Mode::Since { .. } => CATCH_UP_SINCE,
+        Mode::Everything => CATCH_UP_EVERYTHING,
+    };
+    if record.rebuilding.as_deref() != Some(marker) {
+        records.set_marker(marker).await?;
+    }
+    ctx.metrics
+        .catch_ups_total
+        .with_label_values(&[marker])
+        .inc();
+    let (top, _) = records.top_and_len().await?;
+    if let Mode::Since { watermark, .. } = &mode {
+        ctx.metrics
+            .shard_behind_seconds
+            .with_label_values(&[&shard.to_string()])
+            .set(watermark.age().as_secs_f64());
+        let retention = ctx.config.outbox_retention;
+        if watermark.age() > retention {
+            // Rows older than the services' retention may have been deleted before this
+            // shard got them: the one way this design loses a message. Counted and said.
+            ctx.metrics.catch_up_past_retention_total.inc();
+            tracing::error!(shard, behind_for = ?watermark.age(), ?retention, "the shard fell behind longer ago than --outbox-retention: rows it never got may have been deleted from the outbox table");
+        }
+    }
+    info!(shard, stream = %publisher.shard_stream(shard), mode = marker, %top, "catching the shard up from the outbox table");
+    Ok(Prepared { shard, mode, top })
+}
+
+/// The record must be this cluster's, of this layout, on this history or a later one
+/// (recorded now); whether it was this very history (on another, its watermark's
+/// transactions are not the server's: every retained row is compared).
+async fn check_identity(
+    record: &StreamRecord,
+    origin: &Origin,
+    publisher: &Publisher,
+    records: &mut Records,
+) -> Result<bool, RelayError> {
+    if record.system_id.as_deref() != Some(origin.system_id.as_str()) {
+        return Err(RelayError::OriginMismatch {
+            stream: publisher.stream().to_string(),
+            stream_system: record.system_id.clone().unwrap_or_default(),
+            server_system: origin.system_id.clone(),
+        });
+    }
+    if record.shards != Some(publisher.shard_count()) {
+        return Err(RelayError::Config(format!(
+            "stream {} states {} shard(s), this relay writes {}: restart it with the stream's --stream-shards",
+            publisher.stream(),
+            record.shards.map_or("an unreadable number of".into(), |n| n.to_string()),
+            publisher.shard_count()
+        )));
+    }
+    match shard_history(record, origin) {
+        ShardHistory::Same => Ok(true),
+        ShardHistory::Later | ShardHistory::Forked => {
+            records.adopt_timeline(origin).await?;
+            Ok(false)
+        }
+        ShardHistory::Older => Err(RelayError::OlderTimeline {
+            stream: publisher.stream().to_string(),
+            recorded: record.timeline.unwrap_or_default(),
+            server: origin.timeline,
+        }),
+    }
+}
+
+/// One catch-up of a group of shards.
+struct CatchUp<'a> {
+    ctx: &'a SharedContext,
+    publisher: Publisher,
+    origin: &'a Origin,
+    watermarks: &'a Watermarks,
+    handover: &'a mpsc::Sender<Handover>,
+    shards: HashMap<u32, Prepared>,
+    published: u64,
+}
+
+impl CatchUp<'_> {
+    /// Steps 2 to 4; the shards that turned live.
+    async fn run(&mut self) -> Result<Vec<u32>, RelayError> {
+        let cfg = &self.ctx.config;
+        let sql = cfg.postgres.endpoint.connect(cfg.connect_timeout).await?;
+        sql.batch_execute(&format!(
+            "SET statement_timeout = '{}s'; SET DateStyle = ISO; SET TimeZone = 'UTC';
+             CREATE TEMPORARY TABLE IF NOT EXISTS cdc_relay_present (id bigint, created_at timestamptz);
+             TRUNCATE cdc_relay_present",
+            STEP_TIMEOUT.as_secs()
+        ))
+        .await?;
+        self.copy_present(&sql).await?;
+        sql.batch_execute("CREATE INDEX ON cdc_relay_present (id); ANALYZE cdc_relay_present")
+            .await?;
+        let table = Table::of(&sql, self.ctx).await?;
+        // Round 1 from each shard's own bound, then from each round's snapshot.
+        let mut hi = self.snapshot(&sql).await?;
+        let mut published = self.round(&sql, &table, None, &hi).await?;
+        loop {
+            if published <= SHORT_ROUND {
+                return self.hand_over(&sql, &table, hi).await;
+            }
+            let next = self.snapshot(&sql).await?;
+            published = self.round(&sql, &table, Some(&hi.snapshot), &next).await?;
+            hi = next;
+        }
+    }
+
+    /// A watermark, taken on the catch-up's connection.
+    async fn snapshot(&self, sql: &Client) -> Result<Arc<Watermark>, RelayError> {
+        Ok(Arc::new(take_watermark(sql).await?))
+    }
+
+    /// Step 2: every shard's entries that may hold rows it compares, into the temporary table.
+    async fn copy_present(&mut self, sql: &Client) -> Result<(), RelayError> {
+        let insert = sql
+            .prepare(
+                "INSERT INTO cdc_relay_present
+                 SELECT * FROM unnest($1::bigint[], $2::text[]::timestamptz[])",
+            )
+            .await?;
+        for prepared in self.shards.values() {
+            let mut records = self.publisher.records_of(prepared.shard);
+            let mut start = match &prepared.mode {
+                Mode::Since { from, .. } => from.to_string(),
+                Mode::Everything => "-".to_string(),
+            };
+            loop {
+                let ((ids, created), last) = records.outbox_ids_page(&start, PAGE).await?;
+                if !ids.is_empty() {
+                    sql.execute(&insert, &[&ids, &created]).await?;
+                }
+                match last {
+                    Some(last) => start = format!("({last}"),
+                    None => break,
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Step 3: one round; how many rows it published.
+    async fn round(
+        &mut self,
+        sql: &Client,
+        table: &Table,
+        lo: Option<&Snapshot>,
+        hi: &Watermark,
+    ) -> Result<u64, RelayError> {
+        let lowest = self.lowest_xmin(lo);
+        let mut cursor: i64 = match lowest {
+            Some(xmin) => {
+                // Only rows of transactions from the oldest running at the lower bound on can
+                // be missing: start at the least id among them (the `tx` index finds it).
+                let row = sql
+                    .query_one(
+                        &table.min_id(),
+                        &[&xmin.to_string(), &hi.snapshot.to_string()],
+                    )
+                    .await?;
+                match row.get::<_, Option<i64>>(0) {
+                    Some(id) => id - 1,
+                    None => return Ok(0),
+                }
+            }
+            None => i64::MIN,
+        };
+        let select = sql.prepare(&table.select(lowest.is_some())).await?;
+        let lo_text = lo.map(|s| s.to_string());
+        let mut published = 0u64;
+        loop {
+            let rows = sql
+                .query(
+                    &select,
+                    &[
+                        &cursor,
+                        &lowest.map(|x| x.to_string()),
+                        &hi.snapshot.to_string(),
+                        &lo_text,
+                        &(CHUNK as i64),
+                    ],
+                )
+                .await?;
+            let Some(last) = rows.last() else { break };
+            cursor = last.get(0);
+            let mut parts: BTreeMap<u32, Vec<StreamEntry>> = BTreeMap::new();
+            for row in &rows {
+                let partition_key = row.get::<_, Option<String>>(4).map(bytes::Bytes::from);
+                let shard = shard_of(partition_key.as_deref(), self.publisher.shard_count());
+                let Some(prepared) = self.shards.get_mut(&shard) else {
+                    continue;
+                };
+                let tx: Option<u64> = row.get::<_, Option<String>>(5).and_then(|t| t.parse().ok());
+                if lo.is_none() {
+                    if let Mode::Since { watermark, .. } = &prepared.mode {
+                        // Shown by the shard's watermark: in the stream, or consumed.
+                        if tx.is_none_or(|tx| watermark.snapshot.visible(tx)) {
+                            continue;
+                        }
+                    }
+                }
+                let text = |i: usize| bytes::Bytes::from(row.get::<_, String>(i));
+                prepared.top.seq += 1;
+                parts.entry(shard).or_default().push(StreamEntry {
+                    id: prepared.top,
+                    shard,
+                    commit_time_micros: 0,
+                    event: OutboxEvent {
+                        outbox_id: bytes::Bytes::from(row.get::<_, i64>(0).to_string()),
+                        event: text(1),
+                        payload: text(2),
+                        created_at: rfc3339_utc(text(3)),
+                        partition_key,
+                        // Republished long after their request: their traces ended then.
+                        traceparent: None,
+                    },
+                    span: None,
+                    xid: 0,
+                });
+            }
+            for (shard, entries) in parts {
+                published += entries.len() as u64;
+                self.publish(shard, entries, PartMeta::default()).await?;
+            }
+            if rows.len() < CHUNK {
+                break;
+            }
+        }
+        self.published += published;
+        self.ctx.metrics.republished_events_total.inc_by(published);
+        Ok(published)
+    }
+
+    /// The oldest transaction a round's lower bound (`lo`, or in the first round each
+    /// shard's watermark) leaves unfinished (`None`: no bound for some shard; every retained
+    /// row is a candidate).
+    fn lowest_xmin(&self, lo: Option<&Snapshot>) -> Option<u64> {
+        if let Some(lo) = lo {
+            return Some(lo.xmin);
+        }
+        self.shards
+            .values()
+            .map(|p| match &p.mode {
+                Mode::Since { watermark, .. } => Some(watermark.snapshot.xmin),
+                Mode::Everything => None,
+            })
+            .collect::<Option<Vec<u64>>>()?
+            .into_iter()
+            .min()
+    }
+
+    /// Publish `entries` into `shard` above its top, fenced there, once its groups have left
+    /// room for them (an empty list: one call that records only `meta`).
+    async fn publish(
+        &mut self,
+        shard: u32,
+        entries: Vec<StreamEntry>,
+        mut meta: PartMeta,
+    ) -> Result<(), RelayError> {
+        // Never more at once than a quarter of the cap, so each call fits beside what the
+        // groups have not read yet, under the three quarters a catch-up may fill.
+        let cap = self.publisher.max_len();
+        let mut per_call = self.ctx.config.batch.max_entries.max(1);
+        if cap > 0 {
+            per_call = per_call.min((cap / 4).max(1) as usize);
+        }
+        let mut chunks: Vec<&[StreamEntry]> = entries.chunks(per_call).collect();
+        if chunks.is_empty() {
+            chunks.push(&[]);
+        }
+        for chunk in chunks {
+            if !chunk.is_empty() {
+                self.wait_for_room(shard, chunk.len() as u64).await?;
+            }
+            // The entry before the chunk's first (or the shard's top): the stream must hold it.
+            meta.fence = match chunk.first() {
+                Some(first) => Some(EntryId {
+                    commit_lsn: first.id.commit_lsn,
+                    seq: first.id.seq - 1,
+                }),
+                None => Some(self.shards[&shard].top),
+            }
+            .filter(|f| *f != EntryId::default());
+            let refs: Vec<&StreamEntry> = chunk.iter().collect();
+            tokio::time::timeout(
+                STEP_TIMEOUT,
+                self.publisher
+                    .publish_part(shard as usize, &refs, &meta, self.origin),
+            )
+            .await
+            .map_err(|_| timed_out("publishing"))??;
+        }
+        Ok(())
+    }
+
+    /// Wait until `shard` has room for `n` more entries under three quarters of
+    /// `--stream-max-len` (the live entries after the hand-over need the rest).
+    async fn wait_for_room(&mut self, shard: u32, n: u64) -> Result<(), RelayError> {
+        let cap = self.publisher.max_len();
+        if cap == 0 {
+            return Ok(());
+        }
+        let fill_to = cap - cap / 4;
+        let mut said = None::<Instant>;
+        loop {
+            let (entries, groups) = tokio::time::timeout(STEP_TIMEOUT, self.publisher.room(shard))
+                .await
+                .map_err(|_| timed_out("reading the room left"))??;
+            if entries + n <= fill_to {
+                self.ctx.metrics.catch_up_waiting_for_consumers.set(0);
+                return Ok(());
+            }
+            self.ctx.metrics.catch_up_waiting_for_consumers.set(1);
+            if said.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
+                let why = if groups == 0 {
+                    "no consumer group reads it yet".to_string()
+                } else {
+                    format!("{groups} consumer group(s) have not read {entries} of its entries")
+                };
+                info!(shard, stream = %self.publisher.shard_stream(shard), entries, fill_to, %why, "the catch-up waits for the consumers: nothing unread is ever trimmed");
+                said = Some(Instant::now());
+            }
+            tokio::time::sleep(ROOM_POLL).await;
+        }
+    }
+
+    /// Step 4: capture, the last snapshot and its round, the record's new watermark, rejoin.
+    async fn hand_over(
+        &mut self,
+        sql: &Client,
+        table: &Table,
+        prev: Arc<Watermark>,
+    ) -> Result<Vec<u32>, RelayError> {
+        let shards: Vec<u32> = self.shards.keys().copied().collect();
+        let (started, started_rx) = oneshot::channel();
+        self.handover
+            .send(Handover::Capture {
+                shards: shards.clone(),
+                started,
+            })
+            .await
+            .map_err(|_| RelayError::ShuttingDown)?;
+        started_rx.await.map_err(|_| RelayError::ShuttingDown)?;
+        // Taken after the loop captures: a transaction it does not show committed after it,
+        // so after the capture began.
+        let last = Arc::new(take_watermark(sql).await?);
+        self.round(sql, table, Some(&prev.snapshot), &last).await?;
+        self.watermarks.push((*last).clone());
+        let mut rejoined = Vec::new();
+        for k in shards {
+            // Its record gets the last snapshot as its watermark (every row it shows is in
+            // the shard now) and loses its marker.
+            let meta = PartMeta {
+                watermark: Some(last.clone()),
+                rejoin: true,
+                ..PartMeta::default()
+            };
+            self.publish(k, Vec::new(), meta).await?;
+            let top = self.shards[&k].top;
+            let (done, done_rx) = oneshot::channel();
+            self.handover
+                .send(Handover::Rejoin {
+                    shard: k,
+                    top: (top != EntryId::default()).then_some(top),
+                    watermark: last.clone(),
+                    done,
+                })
+                .await
+                .map_err(|_| RelayError::ShuttingDown)?;
+            if done_rx.await.unwrap_or(false) {
+                rejoined.push(k);
+            }
+        }
+        info!(shards = ?rejoined, republished = self.published, "caught up from the outbox table");
+        Ok(rejoined)
+    }
+}
+
+fn timed_out(what: &str) -> RelayError {
+    RelayError::Redis(redis::RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("catch-up: {what} took longer than {STEP_TIMEOUT:?}"),
+    )))
+}
+
+/// The outbox table's queries.
+struct Table {
+    name: String,
+    partition_key: &'static str,
+}
+
+impl Table {
+    async fn of(sql: &Client, ctx: &SharedContext) -> Result<Self, RelayError> {
+        let outbox = &ctx.config.postgres.outbox_table;
+        let has_partition_key: bool = sql
+            .query_one(
+                "SELECT EXISTS (SELECT 1 FROM information_schema.columns
+                                 WHERE table_schema = $1 AND table_name = $2 AND column_name = 'partition_key')",
+                &[&outbox.schema, &outbox.table],
+            )
+            .await?
+            .get(0);
+        Ok(Self {
+            name: format!("\"{}\".\"{}\"", outbox.schema, outbox.table),
+            partition_key: if has_partition_key {
+                "o.partition_key"
+            } else {
+                "NULL::text"
+            },
+        })
+    }
+
+    /// The least id of the rows of transactions from `$1` on that `$2` shows.
+    fn min_id(&self) -> String {
+        format!(
+            "SELECT min(o.id) FROM {} o
+              WHERE o.tx >= $1::text::xid8 AND pg_visible_in_snapshot(o.tx, $2::text::pg_snapshot)",
+            self.name
+        )
+    }
+
+    /// A page of candidates in id order after `$1`: shown by `$3`, not by `$4` (when given),
+    /// of transactions from `$2` on (when bounded), and not already in the stream.
+    fn select(&self, bounded: bool) -> String {
+        let bound = if bounded {
+            "AND o.tx >= $2::text::xid8"
+        } else {
+            "AND ($2::text IS NULL OR true)"
+        };
+        format!(
+            "SELECT o.id, o.event, o.payload::text, o.created_at::text, {pk}, o.tx::text
+               FROM {table} o
+              WHERE o.id > $1
+                {bound}
+                AND (o.tx IS NULL OR pg_visible_in_snapshot(o.tx, $3::text::pg_snapshot))
+                AND ($4::text IS NULL
+                     OR (o.tx IS NOT NULL AND NOT pg_visible_in_snapshot(o.tx, $4::text::pg_snapshot)))
+                AND NOT EXISTS (SELECT 1 FROM pg_temp.cdc_relay_present p
+                                 WHERE p.id = o.id AND p.created_at = o.created_at)
+              ORDER BY o.id
+              LIMIT $5",
+            pk = self.partition_key,
+            table = self.name,
+        )
+    }
+}
