@@ -9,6 +9,7 @@ mod cluster;
 mod faults;
 mod ha;
 mod healthcheck;
+mod lasting;
 mod misconfiguration;
 mod monitoring;
 mod operations;

@@ -3,11 +3,15 @@
 //! sent, before the client sees the answer ("the connection died after COMMIT"); or cut
 //! every connection and refuse new ones until restored (a network partition of one
 //! client). [`Proxy::retarget`] points new connections at another socket: a DNS name
-//! switched to a promoted standby.
+//! switched to a promoted standby. [`Proxy::black_hole`] keeps every open connection open
+//! and forwards nothing more on it, while new ones pass: a middlebox that lost its state, or
+//! a server host gone behind an address that moved.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex};
+
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixStream};
@@ -21,6 +25,9 @@ pub struct Proxy {
     /// While true, every connection is cut and new ones are closed at once.
     severed: tokio::sync::watch::Sender<bool>,
     hold: Arc<Hold>,
+    /// Connections numbered below this forward nothing (see [`Proxy::black_hole`]).
+    black_holed_below: Arc<AtomicU64>,
+    next_connection: Arc<AtomicU64>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -33,11 +40,15 @@ impl Proxy {
         let target = Arc::new(Mutex::new(socket));
         let (severed, _) = tokio::sync::watch::channel(false);
         let hold = Arc::new(Hold::default());
+        let black_holed_below = Arc::new(AtomicU64::new(0));
+        let next_connection = Arc::new(AtomicU64::new(0));
         let task = tokio::spawn({
             let armed = armed.clone();
             let hold = hold.clone();
             let target = target.clone();
             let severed = severed.clone();
+            let black_holed_below = black_holed_below.clone();
+            let next_connection = next_connection.clone();
             async move {
                 while let Ok((tcp, _)) = listener.accept().await {
                     if *severed.borrow() {
@@ -48,7 +59,11 @@ impl Proxy {
                         continue;
                     };
                     let mut cut = severed.subscribe();
-                    let connection = forward(tcp, unix, armed.clone(), hold.clone());
+                    let void = Void {
+                        id: next_connection.fetch_add(1, Ordering::SeqCst),
+                        below: black_holed_below.clone(),
+                    };
+                    let connection = forward(tcp, unix, armed.clone(), hold.clone(), void);
                     tokio::spawn(async move {
                         tokio::select! {
                             _ = connection => {}
@@ -64,6 +79,8 @@ impl Proxy {
             target,
             severed,
             hold,
+            black_holed_below,
+            next_connection,
             task,
         })
     }
@@ -75,6 +92,15 @@ impl Proxy {
 
     pub fn restore(&self) {
         self.severed.send_replace(false);
+    }
+
+    /// Every connection open now stays open and forwards nothing more, either way (what
+    /// arrives is read and dropped, so neither end's writes fail); new connections pass.
+    pub fn black_hole(&self) {
+        self.black_holed_below.store(
+            self.next_connection.load(Ordering::SeqCst),
+            Ordering::SeqCst,
+        );
     }
 
     /// New connections go to `socket` from now on; open ones stay where they are (as with a
@@ -138,22 +164,38 @@ struct HoldState {
     holding: bool,
 }
 
+/// Whether a connection was black-holed.
+#[derive(Clone)]
+struct Void {
+    id: u64,
+    below: Arc<AtomicU64>,
+}
+
+impl Void {
+    fn swallows(&self) -> bool {
+        self.id < self.below.load(Ordering::SeqCst)
+    }
+}
+
 async fn forward(
     tcp: tokio::net::TcpStream,
     unix: UnixStream,
     armed: Arc<Mutex<Option<Vec<u8>>>>,
     hold: Arc<Hold>,
+    void: Void,
 ) {
     let (mut client_read, mut client_write) = tcp.into_split();
     let (mut server_read, mut server_write) = unix.into_split();
     // Set when this connection's client sent the armed pattern.
     let marked = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let upstream = {
-        let (armed, marked) = (armed.clone(), marked.clone());
+        let (armed, marked, void) = (armed.clone(), marked.clone(), void.clone());
         async move {
             let mut buf = vec![0u8; 64 * 1024];
             loop {
                 let n = match client_read.read(&mut buf).await {
+                    // A black hole does not pass a close on either: the other end never hears.
+                    Ok(0) | Err(_) if void.swallows() => std::future::pending().await,
                     Ok(0) | Err(_) => return,
                     Ok(n) => n,
                 };
@@ -182,6 +224,9 @@ async fn forward(
                 if let Some(released) = released {
                     released.await;
                 }
+                if void.swallows() {
+                    continue;
+                }
                 if server_write.write_all(&buf[..n]).await.is_err() {
                     return;
                 }
@@ -192,6 +237,7 @@ async fn forward(
         let mut buf = vec![0u8; 64 * 1024];
         loop {
             let n = match server_read.read(&mut buf).await {
+                Ok(0) | Err(_) if void.swallows() => std::future::pending().await,
                 Ok(0) | Err(_) => return,
                 Ok(n) => n,
             };
@@ -199,6 +245,9 @@ async fn forward(
                 // The server answered what the client sent: drop the answer, close both.
                 *armed.lock().unwrap() = None;
                 return;
+            }
+            if void.swallows() {
+                continue;
             }
             if client_write.write_all(&buf[..n]).await.is_err() {
                 return;

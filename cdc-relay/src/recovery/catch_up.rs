@@ -53,10 +53,11 @@ use crate::sink::{
 };
 use crate::source::{take_watermark, Origin, Snapshot, Watermark, Watermarks};
 
-/// Rows read per query, and most entries per call.
+/// Rows a query looks at, at most (it returns at most `--batch-max-bytes` of them).
 const CHUNK: usize = 1000;
-/// Stream entries copied into the comparison table per page.
-const PAGE: usize = 1000;
+/// Bytes of stream entries read per page when copying what a shard holds: with entries of
+/// at most `--max-row-bytes`, so many bytes at most.
+const PAGE_BYTES: usize = 16 << 20;
 /// A round that published at most this many rows is short enough to hand over after.
 const SHORT_ROUND: u64 = 200;
 /// How often a catch-up waiting for the consumer groups looks again.
@@ -269,6 +270,17 @@ impl Manager {
         if group.is_empty() {
             return outcome;
         }
+        // A shard whose earlier catch-up stopped midway goes on from its cursor, in a group of
+        // its own (its first round is that cursor's snapshot); the others wait for the next turn.
+        if let Some(at) = group.iter().position(|p| p.cursor.is_some()) {
+            let resumed = group.swap_remove(at);
+            for other in group.drain(..) {
+                outcome
+                    .later
+                    .push((other.shard, "another shard's catch-up goes first".into()));
+            }
+            group.push(resumed);
+        }
         let shards: Vec<u32> = group.iter().map(|p| p.shard).collect();
         let mut run = CatchUp {
             ctx: &self.ctx,
@@ -339,6 +351,10 @@ struct Prepared {
     mode: Mode,
     /// Its last id now (the next entries go above it).
     top: EntryId,
+    /// What an earlier catch-up of it put in the shard: every row this snapshot shows.
+    done: Option<Snapshot>,
+    /// ... and every row this snapshot shows up to this outbox id.
+    cursor: Option<(Snapshot, i64)>,
 }
 
 /// Step 1: read `shard`'s record, decide what to compare, claim the shard, mark the record.
@@ -359,6 +375,7 @@ async fn prepare(
         commit_lsn: 0,
         seq: 1,
     };
+    let mut same_history = true;
     let mode = if !record.exists() {
         // Redis lost the shard's record (and so what it held): every retained row, or those
         // its groups had not consumed. Made with this relay's offset (its top is gone with
@@ -386,7 +403,7 @@ async fn prepare(
             None => Mode::Everything,
         }
     } else {
-        let same_history = check_identity(&record, origin, &publisher, &mut records).await?;
+        same_history = check_identity(&record, origin, &publisher, &mut records).await?;
         let intact =
             record.watermark.is_some() && record.watermark_from.is_some() && !record.lost_entries();
         match (&record.watermark, record.watermark_from) {
@@ -439,7 +456,30 @@ async fn prepare(
         }
     }
     info!(shard, stream = %publisher.shard_stream(shard), mode = marker, %top, "catching the shard up from the outbox table");
-    Ok(Prepared { shard, mode, top })
+    // What an earlier catch-up did counts only while the shard holds it and the snapshots
+    // are this history's.
+    let (done, cursor) = if record.exists() && !record.lost_entries() && same_history {
+        (record.catch_up_done.clone(), record.catch_up_cursor.clone())
+    } else {
+        if record.catch_up_done.is_some() || record.catch_up_cursor.is_some() {
+            records.clear_progress().await?;
+        }
+        (None, None)
+    };
+    if let Some((_, id)) = &cursor {
+        info!(
+            shard,
+            after_outbox_id = id,
+            "an earlier catch-up of the shard stopped midway: going on from there"
+        );
+    }
+    Ok(Prepared {
+        shard,
+        mode,
+        top,
+        done,
+        cursor,
+    })
 }
 
 /// The record must be this cluster's, of this layout, on this history or a later one
@@ -507,15 +547,30 @@ impl CatchUp<'_> {
         sql.batch_execute("CREATE INDEX ON cdc_relay_present (id); ANALYZE cdc_relay_present")
             .await?;
         let table = Table::of(&sql, self.ctx).await?;
-        // Round 1 from each shard's own bound, then from each round's snapshot.
-        let mut hi = self.snapshot(&sql).await?;
-        let mut published = self.round(&sql, &table, None, &hi).await?;
+        // Round 1 from each shard's own bound (a shard going on from an earlier catch-up's
+        // cursor: that cursor's snapshot, after its id), then from each round's snapshot.
+        let resumed = self.shards.values().find_map(|p| p.cursor.clone());
+        let (mut hi, start_after) = match resumed {
+            Some((snapshot, id)) => (
+                Arc::new(Watermark {
+                    lo: pgwire_replication::Lsn(0),
+                    hi: pgwire_replication::Lsn(0),
+                    taken_at_micros: 0,
+                    snapshot,
+                }),
+                Some(id),
+            ),
+            None => (self.snapshot(&sql).await?, None),
+        };
+        let mut published = self.round(&sql, &table, None, &hi, start_after).await?;
         loop {
             if published <= SHORT_ROUND {
                 return self.hand_over(&sql, &table, hi).await;
             }
             let next = self.snapshot(&sql).await?;
-            published = self.round(&sql, &table, Some(&hi.snapshot), &next).await?;
+            published = self
+                .round(&sql, &table, Some(&hi.snapshot), &next, None)
+                .await?;
             hi = next;
         }
     }
@@ -540,7 +595,8 @@ impl CatchUp<'_> {
                 Mode::Everything => "-".to_string(),
             };
             loop {
-                let ((ids, created), last) = records.outbox_ids_page(&start, PAGE).await?;
+                let page = (PAGE_BYTES / self.ctx.config.max_row_bytes).clamp(1, 1000);
+                let ((ids, created), last) = records.outbox_ids_page(&start, page).await?;
                 if !ids.is_empty() {
                     sql.execute(&insert, &[&ids, &created]).await?;
                 }
@@ -553,13 +609,17 @@ impl CatchUp<'_> {
         Ok(())
     }
 
-    /// Step 3: one round; how many rows it published.
+    /// Step 3: one round (after `start_after`, an outbox id, when given); how many rows it
+    /// published. Each call records its progress in the shard's record: every row `hi` shows
+    /// up to the call's last row is in the shard, and every row `lo` (or, in the first round,
+    /// the shard's earlier catch-up) shows.
     async fn round(
         &mut self,
         sql: &Client,
         table: &Table,
         lo: Option<&Snapshot>,
         hi: &Watermark,
+        start_after: Option<i64>,
     ) -> Result<u64, RelayError> {
         let lowest = self.lowest_xmin(lo);
         let mut cursor: i64 = match lowest {
@@ -579,9 +639,18 @@ impl CatchUp<'_> {
             }
             None => i64::MIN,
         };
+        if let Some(after) = start_after {
+            cursor = cursor.max(after);
+        }
         let select = sql.prepare(&table.select(lowest.is_some())).await?;
         let lo_text = lo.map(|s| s.to_string());
         let mut published = 0u64;
+        // How many rows a query looks at: as many as fit in a batch at the largest row seen
+        // (at first, at the largest row allowed), so the server's work per query is bounded
+        // too; the query itself returns no more than a batch's bytes.
+        let max_bytes = self.ctx.config.batch.max_bytes;
+        let mut look_at = (max_bytes / self.ctx.config.max_row_bytes).clamp(1, CHUNK);
+        let mut largest_row = 0usize;
         loop {
             let rows = sql
                 .query(
@@ -591,12 +660,18 @@ impl CatchUp<'_> {
                         &lowest.map(|x| x.to_string()),
                         &hi.snapshot.to_string(),
                         &lo_text,
-                        &(CHUNK as i64),
+                        &(look_at as i64),
+                        &(max_bytes as i64),
                     ],
                 )
                 .await?;
             let Some(last) = rows.last() else { break };
             cursor = last.get(0);
+            for row in &rows {
+                let size = row.get::<_, String>(1).len() + row.get::<_, String>(2).len();
+                largest_row = largest_row.max(size);
+            }
+            look_at = (max_bytes / largest_row.max(1)).clamp(1, CHUNK);
             let mut parts: BTreeMap<u32, Vec<StreamEntry>> = BTreeMap::new();
             for row in &rows {
                 let partition_key = row.get::<_, Option<String>>(4).map(bytes::Bytes::from);
@@ -609,6 +684,12 @@ impl CatchUp<'_> {
                     if let Mode::Since { watermark, .. } = &prepared.mode {
                         // Shown by the shard's watermark: in the stream, or consumed.
                         if tx.is_none_or(|tx| watermark.snapshot.visible(tx)) {
+                            continue;
+                        }
+                    }
+                    // Put in the shard by an earlier catch-up of it.
+                    if let Some(done) = &prepared.done {
+                        if tx.is_none_or(|tx| done.visible(tx)) {
                             continue;
                         }
                     }
@@ -634,14 +715,19 @@ impl CatchUp<'_> {
             }
             for (shard, entries) in parts {
                 published += entries.len() as u64;
-                self.publish(shard, entries, PartMeta::default()).await?;
-            }
-            if rows.len() < CHUNK {
-                break;
+                let done = match lo {
+                    Some(lo) => Some(lo.to_string()),
+                    None => self.shards[&shard].done.as_ref().map(|d| d.to_string()),
+                };
+                let meta = PartMeta {
+                    done,
+                    ..PartMeta::default()
+                };
+                self.publish(shard, entries, meta, Some(&hi.snapshot))
+                    .await?;
             }
         }
         self.published += published;
-        self.ctx.metrics.republished_events_total.inc_by(published);
         Ok(published)
     }
 
@@ -664,12 +750,15 @@ impl CatchUp<'_> {
     }
 
     /// Publish `entries` into `shard` above its top, fenced there, once its groups have left
-    /// room for them (an empty list: one call that records only `meta`).
+    /// room for them (an empty list: one call that records only `meta`). With `progress`
+    /// (the round's snapshot), each call records that every row it shows up to the call's
+    /// last row is in the shard.
     async fn publish(
         &mut self,
         shard: u32,
         entries: Vec<StreamEntry>,
         mut meta: PartMeta,
+        progress: Option<&Snapshot>,
     ) -> Result<(), RelayError> {
         // Never more at once than a quarter of the cap, so each call fits beside what the
         // groups have not read yet, under the three quarters a catch-up may fill.
@@ -695,6 +784,13 @@ impl CatchUp<'_> {
                 None => Some(self.shards[&shard].top),
             }
             .filter(|f| *f != EntryId::default());
+            meta.cursor = match (progress, chunk.last()) {
+                (Some(snapshot), Some(last)) => Some(format!(
+                    "{snapshot}/{}",
+                    String::from_utf8_lossy(&last.event.outbox_id)
+                )),
+                _ => None,
+            };
             let refs: Vec<&StreamEntry> = chunk.iter().collect();
             tokio::time::timeout(
                 STEP_TIMEOUT,
@@ -703,6 +799,10 @@ impl CatchUp<'_> {
             )
             .await
             .map_err(|_| timed_out("publishing"))??;
+            self.ctx
+                .metrics
+                .republished_events_total
+                .inc_by(chunk.len() as u64);
         }
         Ok(())
     }
@@ -758,7 +858,8 @@ impl CatchUp<'_> {
         // Taken after the loop captures: a transaction it does not show committed after it,
         // so after the capture began.
         let last = Arc::new(take_watermark(sql).await?);
-        self.round(sql, table, Some(&prev.snapshot), &last).await?;
+        self.round(sql, table, Some(&prev.snapshot), &last, None)
+            .await?;
         self.watermarks.push((*last).clone());
         let mut rejoined = Vec::new();
         for k in shards {
@@ -769,7 +870,7 @@ impl CatchUp<'_> {
                 rejoin: true,
                 ..PartMeta::default()
             };
-            self.publish(k, Vec::new(), meta).await?;
+            self.publish(k, Vec::new(), meta, None).await?;
             let top = self.shards[&k].top;
             let (done, done_rx) = oneshot::channel();
             self.handover
@@ -834,7 +935,9 @@ impl Table {
     }
 
     /// A page of candidates in id order after `$1`: shown by `$3`, not by `$4` (when given),
-    /// of transactions from `$2` on (when bounded), and not already in the stream.
+    /// of transactions from `$2` on (when bounded), and not already in the stream; of the
+    /// first `$5` such rows, as many as fit in `$6` bytes (at least one), so a page of large
+    /// rows is bounded in memory like a batch.
     fn select(&self, bounded: bool) -> String {
         let bound = if bounded {
             "AND o.tx >= $2::text::xid8"
@@ -842,17 +945,24 @@ impl Table {
             "AND ($2::text IS NULL OR true)"
         };
         format!(
-            "SELECT o.id, o.event, o.payload::text, o.created_at::text, {pk}, o.tx::text
-               FROM {table} o
-              WHERE o.id > $1
-                {bound}
-                AND (o.tx IS NULL OR pg_visible_in_snapshot(o.tx, $3::text::pg_snapshot))
-                AND ($4::text IS NULL
-                     OR (o.tx IS NOT NULL AND NOT pg_visible_in_snapshot(o.tx, $4::text::pg_snapshot)))
-                AND NOT EXISTS (SELECT 1 FROM pg_temp.cdc_relay_present p
-                                 WHERE p.id = o.id AND p.created_at = o.created_at)
-              ORDER BY o.id
-              LIMIT $5",
+            "SELECT id, event, payload, created_at, partition_key, tx FROM (
+             SELECT *, sum(size) OVER (ORDER BY id) - size AS before FROM (
+               SELECT o.id, o.event, o.payload::text AS payload, o.created_at::text AS created_at,
+                      {pk} AS partition_key, o.tx::text AS tx,
+                      octet_length(o.event) + octet_length(o.payload::text) AS size
+                 FROM {table} o
+                WHERE o.id > $1
+                  {bound}
+                  AND (o.tx IS NULL OR pg_visible_in_snapshot(o.tx, $3::text::pg_snapshot))
+                  AND ($4::text IS NULL
+                       OR (o.tx IS NOT NULL AND NOT pg_visible_in_snapshot(o.tx, $4::text::pg_snapshot)))
+                  AND NOT EXISTS (SELECT 1 FROM pg_temp.cdc_relay_present p
+                                   WHERE p.id = o.id AND p.created_at = o.created_at)
+                ORDER BY o.id
+                LIMIT $5
+             ) page ) sized
+             WHERE before < $6
+             ORDER BY id",
             pk = self.partition_key,
             table = self.name,
         )

@@ -135,7 +135,14 @@ async fn mark(
 ) -> Result<(), RelayError> {
     lock.confirm().await?;
     for (r, record) in records.iter_mut().zip(shard_records) {
-        if !record.exists() || record.catching_up_everything() {
+        if !record.exists() {
+            continue;
+        }
+        if !reason.keeps_watermarks() {
+            // Another history's snapshots say nothing of what the shard holds.
+            r.clear_progress().await?;
+        }
+        if record.catching_up_everything() {
             continue;
         }
         let marker = if reason.keeps_watermarks() && record.watermark.is_some() {

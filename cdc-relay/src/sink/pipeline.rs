@@ -196,6 +196,7 @@ impl Pipeline {
                     fence: lane.last_sealed,
                     watermark,
                     rejoin: false,
+                    ..PartMeta::default()
                 };
                 lane.push(Part::new(entries, meta));
                 let held = lane.held_bytes();
@@ -290,6 +291,7 @@ impl Pipeline {
                 fence: lane.last_sealed,
                 watermark: None,
                 rejoin: false,
+                ..PartMeta::default()
             };
             lane.push(Part::new(released, meta));
         }
@@ -527,6 +529,7 @@ impl Pipeline {
                 fence: lane.last_sealed,
                 watermark: attach_watermark(&self.watermarks, lane, ack),
                 rejoin: false,
+                ..PartMeta::default()
             };
             lane.push(Part::new(Vec::new(), meta));
         }

@@ -27,8 +27,12 @@
 --          watermark ('' with none): recorded as `watermark_from`, or the stream's top before
 --          this call when that is lower (a catch-up's entries carry ids just above the top),
 --          and trimming never goes past it
--- ARGV[10] 'rejoin' when a catch-up ends with this call (its marker `rebuilding` goes), or ''
--- ARGV[11..] six per entry: id, event, payload, outbox_id, created_at, traceparent ('': none);
+-- ARGV[10] 'rejoin' when a catch-up ends with this call (its marker and progress go), or ''
+-- ARGV[11] a catch-up's progress, recorded as `catch_up_cursor` ('': none): with this call,
+--          every row its snapshot shows up to its outbox id is in the stream or consumed
+-- ARGV[12] a snapshot every row of which is in the stream or consumed (a catch-up's round
+--          finished), recorded as `catch_up_done` ('': none)
+-- ARGV[13..] six per entry: id, event, payload, outbox_id, created_at, traceparent ('': none);
 --          ids strictly increase. Each new entry also gets `published_at`: this call's TIME
 --          in Unix microseconds, the start of the consumers' published-to-recorded latency
 --
@@ -49,7 +53,8 @@ local stream, origin_key = KEYS[1], KEYS[2]
 local system_id, timeline, maxlen, fence, ack, shards = ARGV[1], ARGV[2], tonumber(ARGV[3]), ARGV[4], ARGV[5], ARGV[6]
 local epoch = tonumber(ARGV[7])
 local watermark, watermark_from, rejoin = ARGV[8], ARGV[9], ARGV[10] == 'rejoin'
-local FIRST, PER = 11, 6
+local cursor, done = ARGV[11], ARGV[12]
+local FIRST, PER = 13, 6
 
 local origin = redis.call('HMGET', origin_key, 'system_id', 'timeline', 'acked_through', 'shards', 'writer_epoch', 'watermark_from')
 if not origin[1] then
@@ -153,8 +158,14 @@ local function record(last_i)
     end
     redis.call('HSET', origin_key, 'watermark', watermark, 'watermark_from', from)
   end
+  if cursor ~= '' then
+    redis.call('HSET', origin_key, 'catch_up_cursor', cursor)
+  end
+  if done ~= '' then
+    redis.call('HSET', origin_key, 'catch_up_done', done)
+  end
   if rejoin then
-    redis.call('HDEL', origin_key, 'rebuilding')
+    redis.call('HDEL', origin_key, 'rebuilding', 'catch_up_cursor', 'catch_up_done')
   end
 end
 
@@ -179,7 +190,7 @@ end
 local last_i = nil
 if new > 0 then last_i = #ARGV - PER + 1 end
 record(last_i)
-if new == 0 and ack == '' and watermark == '' then
+if new == 0 and ack == '' and watermark == '' and cursor == '' and done == '' then
   -- Nothing was written, but a WAIT after this call must cover what an earlier call wrote
   -- here (maybe on a connection since lost): one small write moves this client's
   -- replication offset past it.

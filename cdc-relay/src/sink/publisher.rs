@@ -58,6 +58,10 @@ pub(crate) struct PartMeta {
     pub(crate) watermark: Option<Arc<Watermark>>,
     /// A catch-up's last call: its marker goes.
     pub(crate) rejoin: bool,
+    /// A catch-up's progress with this call (`<snapshot>/<outbox id>`).
+    pub(crate) cursor: Option<String>,
+    /// A snapshot every row of which is in the shard now (a catch-up's finished round).
+    pub(crate) done: Option<String>,
 }
 
 /// The keys of one shard.
@@ -302,7 +306,9 @@ impl Publisher {
             .arg(self.writer_epochs[shard].load(Ordering::SeqCst))
             .arg(watermark)
             .arg(watermark_from)
-            .arg(if meta.rejoin { "rejoin" } else { "" });
+            .arg(if meta.rejoin { "rejoin" } else { "" })
+            .arg(meta.cursor.as_deref().unwrap_or_default())
+            .arg(meta.done.as_deref().unwrap_or_default());
         let mut id_buf = String::with_capacity(40);
         for entry in entries {
             use std::fmt::Write;

@@ -24,7 +24,7 @@ use outbox_core::stream::record::fields;
 use outbox_core::stream::{recorded_count, EntryId};
 
 use crate::error::RelayError;
-use crate::source::{Origin, TimelineHistory, Watermark};
+use crate::source::{Origin, Snapshot, TimelineHistory, Watermark};
 
 /// What Redis knows about the stream.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -52,6 +52,11 @@ pub(crate) struct StreamRecord {
     pub watermark: Option<Watermark>,
     /// The first entry id that may hold a row the watermark does not show.
     pub watermark_from: Option<EntryId>,
+    /// A catch-up's progress: every row the snapshot shows up to the outbox id is in the
+    /// shard.
+    pub catch_up_cursor: Option<(Snapshot, i64)>,
+    /// A snapshot every row of which a catch-up put in the shard.
+    pub catch_up_done: Option<Snapshot>,
 }
 
 impl StreamRecord {
@@ -130,7 +135,7 @@ pub(crate) fn offset_above(top: EntryId, start_lsn: u64, current: u64) -> u64 {
 /// it by a whole TTL: the ACL keeps the lock and the record in separate selectors, so one
 /// script cannot touch both.)
 const REPLACE: &str = r#"
-redis.call('HDEL', KEYS[1], 'rebuilding', 'last_id', 'watermark', 'watermark_from')
+redis.call('HDEL', KEYS[1], 'rebuilding', 'last_id', 'watermark', 'watermark_from', 'catch_up_cursor', 'catch_up_done')
 redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 "#;
@@ -211,6 +216,8 @@ impl Records {
                 fields::SHARDS,
                 fields::WATERMARK,
                 fields::WATERMARK_FROM,
+                fields::CATCH_UP_CURSOR,
+                fields::CATCH_UP_DONE,
             ])
             .query_async(&mut self.conn)
             .await?;
@@ -229,6 +236,11 @@ impl Records {
             shards: recorded_count(field(7).as_deref()),
             watermark: field(8).and_then(|w| Watermark::decode(&w)),
             watermark_from: field(9).and_then(|id| id.parse().ok()),
+            catch_up_cursor: field(10).and_then(|c| {
+                let (snapshot, id) = c.rsplit_once('/')?;
+                Some((Snapshot::parse(snapshot)?, id.parse().ok()?))
+            }),
+            catch_up_done: field(11).and_then(|s| Snapshot::parse(&s)),
         })
     }
 
@@ -337,6 +349,18 @@ impl Records {
             .arg(watermark.encode())
             .arg(fields::WATERMARK_FROM)
             .arg(from.to_string())
+            .query_async(&mut self.conn)
+            .await?;
+        Ok(())
+    }
+
+    /// Forget an earlier catch-up's progress (the shard lost what it held, or the history
+    /// forked: its snapshots no longer say what the shard holds).
+    pub(crate) async fn clear_progress(&mut self) -> Result<(), RelayError> {
+        let _: i64 = redis::cmd("HDEL")
+            .arg(&self.origin_key)
+            .arg(fields::CATCH_UP_CURSOR)
+            .arg(fields::CATCH_UP_DONE)
             .query_async(&mut self.conn)
             .await?;
         Ok(())

@@ -692,7 +692,16 @@ impl StuckShard {
 /// or `everything`), and no shard is behind any more.
 pub(crate) async fn wait_caught_up(relay: &RelayProcess, mode: &str) {
     let series = format!("cdc_relay_catch_ups_total{{mode=\"{mode}\"}}");
-    wait_metric(relay, &series, "a catch-up counted", |v| v >= 1.0).await;
+    wait_until(Duration::from_secs(30), "a catch-up counted", || async {
+        match metrics(relay).await.get(&series) {
+            Some(v) if *v >= 1.0 => Ok(()),
+            other => Err(format!(
+                "{series} = {other:?}; log: {}",
+                tail(&relay.child.log())
+            )),
+        }
+    })
+    .await;
     wait_until(Duration::from_secs(30), "no shard behind", || async {
         let m = metrics(relay).await;
         let behind: Vec<&String> = m

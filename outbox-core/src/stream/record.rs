@@ -41,6 +41,11 @@ pub mod fields {
     /// The first entry id that may hold such a row (entries from here on are never trimmed,
     /// so that a comparison with the outbox sees them).
     pub const WATERMARK_FROM: &str = "watermark_from";
+    /// A catch-up's progress, `<snapshot>/<outbox id>`: every row the snapshot shows, up to
+    /// that id, is in the shard (or was consumed), so one cut short goes on from there.
+    pub const CATCH_UP_CURSOR: &str = "catch_up_cursor";
+    /// A snapshot every row of which a catch-up put in the shard (a round it finished).
+    pub const CATCH_UP_DONE: &str = "catch_up_done";
 }
 
 /// Key of the record that only the other key layout of `base` has (with one shard: shard
