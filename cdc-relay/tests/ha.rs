@@ -549,8 +549,8 @@ async fn failover_without_failover_slots(options: PgOptions, standby_state: Stan
             n if n >= 1.0 => Ok(()),
             n => Err(format!(
                 "{n}; relay-a: {}\nrelay-b: {}",
-                relays[0].child.log(),
-                relays[1].child.log()
+                crate::support::tail(&relays[0].child.log()),
+                crate::support::tail(&relays[1].child.log())
             )),
         }
     })
@@ -573,12 +573,11 @@ async fn failover_without_failover_slots(options: PgOptions, standby_state: Stan
     if standby_state != Standby::Stalled {
         // The 100 commits the stopped relays had not published came from the outbox, but for
         // those they still had in their sockets when they went on (published from there before
-        // the old primary's connection broke): some, and nothing more.
+        // the old primary's connection broke); so may the new primary's first ones, committed
+        // while the catch-up ran. Some, and nothing more.
         assert!(
-            republished > 0.0 && republished <= 100.0,
-            "{republished} republished; relay-a: {}\nrelay-b: {}",
-            relays[0].child.log(),
-            relays[1].child.log()
+            republished > 0.0 && republished <= 200.0,
+            "{republished} republished"
         );
     }
     for relay in &relays {

@@ -925,7 +925,7 @@ async fn kubernetes_manifests_reference_only_what_exists() {
                 let shutdown = env
                     .get("CDC_SHUTDOWN_GRACE")
                     .map(|v| humantime::parse_duration(v).unwrap().as_secs() as i64)
-                    .unwrap_or(10);
+                    .unwrap_or(1);
                 let pre_stop = pod["containers"]
                     .as_vec()
                     .unwrap()

@@ -12,5 +12,6 @@ pub mod latency;
 pub mod rebuild;
 pub mod report;
 pub mod soak;
+pub mod stuck;
 pub mod system;
 pub mod throughput;

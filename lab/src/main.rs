@@ -1,7 +1,7 @@
 //! `chat-lab`: parse the command line and run one experiment.
 
 use clap::{Parser, Subcommand};
-use lab::{auth_cost, baseline, chaos, latency, rebuild, soak, throughput};
+use lab::{auth_cost, baseline, chaos, latency, rebuild, soak, stuck, throughput};
 
 #[derive(Debug, Parser)]
 #[command(name = "chat-lab", version)]
@@ -17,6 +17,9 @@ enum Command {
     Chaos(chaos::Args),
     /// Random faults at a steady send rate, then verify: once, in order, nothing rolled back.
     Soak(soak::Args),
+    /// One shard refusing writes for minutes under traffic on every shard: the others' chats
+    /// shown within 2 s, no WAL kept for it, everything shown once it accepts again.
+    StuckShard(stuck::Args),
     /// Send→shown latency, side by side with the baselines.
     Latency(latency::Args),
     /// Relay drain rate (beside pg_recvlogical and the NOTIFY relay) and the end-to-end knee.
@@ -37,6 +40,7 @@ fn main() -> anyhow::Result<()> {
         match cli.command {
             Command::Chaos(args) => chaos::run(args).await,
             Command::Soak(args) => soak::run(args).await,
+            Command::StuckShard(args) => stuck::run(args).await,
             Command::Latency(args) => latency::run(args).await,
             Command::Throughput(args) => throughput::run(args).await,
             Command::Rebuild(args) => rebuild::run(args).await,

@@ -272,3 +272,30 @@ async fn the_drain_reports_its_cpu_by_process_and_the_rate_the_cores_allow() {
         assert!(bound.is_finite() && bound > 0.0, "{bound}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_refusing_writes_delays_only_its_own_chats_and_keeps_no_wal() {
+    // The whole system with the shipped defaults: one shard of the Consumers stream refuses
+    // every write for four times --shard-detach-after while messages go to chats of every
+    // shard and another table writes WAL (`chat-lab stuck-shard` holds it for 2 minutes).
+    let args = lab::stuck::Args {
+        fault: Duration::from_secs(20),
+        rate: 20.0,
+        chats: 8,
+        shards: 4,
+        noise_mb: 1,
+    };
+    let report = lab::stuck::run_stuck(bins(), &args).await.unwrap();
+    lab::stuck::print(&report);
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    assert!(
+        report.healthy_max_ms <= 2000.0,
+        "a healthy shard's message took {} ms",
+        report.healthy_max_ms
+    );
+    assert!(
+        report.slot_lag_max_bytes < 8 << 20,
+        "the slot lagged {} bytes while the shard was behind",
+        report.slot_lag_max_bytes
+    );
+}
