@@ -361,7 +361,10 @@ fn take_note(hub: &Hub, payload: &str) {
     }
 }
 
-/// One subscription on a single server, until it breaks.
+/// One subscription on a single server, until it breaks or stops answering: a PING on the
+/// subscribed connection every [`PROBE_EVERY`] must come back within it (a server gone
+/// behind a connection the kernel still holds open would otherwise leave the hints silent
+/// for as long as TCP takes to notice).
 async fn follow_single(
     client: &redis::Client,
     side: Side,
@@ -375,8 +378,26 @@ async fn follow_single(
     hub.resync_all();
     backoff.reset();
     let legacy = legacy_channel(side);
-    let mut messages = pubsub.on_message();
-    while let Some(msg) = messages.next().await {
+    let (mut sink, mut messages) = pubsub.split();
+    let mut probe = tokio::time::interval(PROBE_EVERY);
+    probe.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        let msg = tokio::select! {
+            msg = messages.next() => msg,
+            _ = probe.tick() => {
+                match tokio::time::timeout(PROBE_EVERY * 2, sink.ping::<redis::Value>()).await {
+                    Ok(Ok(_)) => continue,
+                    Ok(Err(e)) => return Err(e),
+                    Err(_) => {
+                        return Err(redis::RedisError::from(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "the live hint subscription did not answer a PING",
+                        )))
+                    }
+                }
+            }
+        };
+        let Some(msg) = msg else { return Ok(()) };
         let Ok(payload) = msg.get_payload::<String>() else {
             continue;
         };
@@ -391,7 +412,6 @@ async fn follow_single(
         }
         take_note(hub, &payload);
     }
-    Ok(())
 }
 
 /// How often the node of the sharded channel is asked whether it still has us subscribed.

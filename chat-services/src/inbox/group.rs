@@ -13,6 +13,10 @@ use tracing::{debug, error, info, warn};
 
 use super::{Active, ConsumeError, READ_BLOCK, READ_COUNT};
 
+/// Marks an attempt record of an entry processed alone: if that run ended during it, the
+/// entry is what ended it.
+const ALONE: &str = "alone";
+
 /// A stream entry read from the group.
 #[derive(Debug, Clone)]
 pub(super) struct Entry {
@@ -232,14 +236,23 @@ impl Active<'_> {
     /// ended with the process that ran it (a crash), plus one. Redis's delivery count is not
     /// it: every session restart, handover and claim raises that, through no fault of the
     /// entry. A record `<run> <n>` per redelivered entry (in `inbox-attempts:<side>`) names
-    /// the run processing it; a run whose session ends marks what it was handed released
-    /// (`- <n>`). What this run was handed itself is its own (see `Inbox::delivered`). A
-    /// record of another run, or none (first deliveries cost no record), that stays so for a
-    /// lease TTL (a live holder notices a lost lease and releases well within that) was left
-    /// by a run that ended while processing: that counts.
-    /// Decides only; [`Active::begin_attempts`] records, entry by entry as each starts, so
-    /// a crash on one entry does not move the count of those queued behind it. `None`:
-    /// shutdown came during the wait.
+    /// the run processing it, `<run> <n> alone` when it processed it on its own; a run whose
+    /// session ends marks what it was handed released (`- <n>`). What this run was handed
+    /// itself is its own (see `Inbox::delivered`).
+    ///
+    /// A record of another run that was not released, or none (first deliveries cost no
+    /// record), means that run was processing the entry when it lost the shard: it crashed,
+    /// or it was killed, frozen or cut off through no fault of the entry, or it is alive and
+    /// about to notice. Such an entry is a *suspect*: processed alone ([`Active::suspects`]),
+    /// at once, without counting (no waiting on a previous holder: it is fenced in Postgres
+    /// whatever it does). A suspect's run that ended while processing it *alone* is
+    /// conclusive: the entry itself ended it, so it is dead-lettered (its attempt number is
+    /// past the limit) instead of crashing more instances. That one verdict waits for the
+    /// other run to release (a lease TTL at most: a live holder notices a lost lease and
+    /// releases well within that), and is reached at once for entries this consumer name's
+    /// previous process left (it is gone). Decides only; [`Active::begin_attempts`] records,
+    /// entry by entry as each starts, so a crash on one entry does not move the count of
+    /// those queued behind it. `None`: shutdown came during the wait.
     pub(super) async fn attempts(
         &mut self,
         entries: &[Entry],
@@ -258,7 +271,7 @@ impl Active<'_> {
         let ours = self.inbox.delivered.lock().unwrap().clone();
         let deadline = Instant::now() + self.lease.ttl();
         let records = loop {
-            let records: Vec<Option<(String, u64)>> = redis::cmd("HMGET")
+            let records: Vec<Option<(String, u64, bool)>> = redis::cmd("HMGET")
                 .arg(&key)
                 .arg(&redelivered)
                 .query_async::<Vec<Option<String>>>(&mut self.conn)
@@ -266,22 +279,21 @@ impl Active<'_> {
                 .into_iter()
                 .map(|r| {
                     let r = r?;
-                    let (run, n) = r.split_once(' ')?;
-                    Some((run.to_string(), n.parse::<u64>().ok()?))
+                    let mut words = r.split(' ');
+                    let run = words.next()?.to_string();
+                    let n = words.next()?.parse::<u64>().ok()?;
+                    Some((run, n, words.next() == Some(ALONE)))
                 })
                 .collect();
-            // (Inherited entries are decided at once: their process is gone.)
-            let held_elsewhere = redelivered.iter().zip(&records).any(|(id, record)| {
+            // Only an unreleased record of a run that processed the entry alone waits (its
+            // verdict is a dead letter); inherited ones are decided at once.
+            let verdict_pending = redelivered.iter().zip(&records).any(|(id, record)| {
                 !self.inherited.contains(*id)
-                    && match record {
-                        None => !ours.contains_key(*id),
-                        Some((run, _)) => run != "-" && *run != self.inbox.run_id,
-                    }
+                    && matches!(record, Some((run, _, true)) if run != "-" && *run != self.inbox.run_id)
             });
-            if !held_elsewhere || Instant::now() >= deadline {
+            if !verdict_pending || Instant::now() >= deadline {
                 break records;
             }
-            // A previous holder may still be noticing that it lost the lease.
             tokio::select! {
                 _ = shutdown.cancelled() => return Ok(None),
                 _ = tokio::time::sleep(Duration::from_millis(200)) => {}
@@ -292,12 +304,20 @@ impl Active<'_> {
             let n = match record {
                 None => match ours.get(*id) {
                     Some(n) => *n,
-                    // Another run's first processing left no record and never finished:
-                    // that run ended during it.
-                    None => 2,
+                    // Another run's first processing left no record and never finished.
+                    None => {
+                        self.suspects.insert(id.to_string());
+                        1
+                    }
                 },
-                Some((run, n)) if run == "-" || run == self.inbox.run_id => n,
-                Some((_, n)) => n + 1,
+                Some((run, n, _)) if run == "-" || run == self.inbox.run_id => n,
+                // Processed alone, and the run ended: the entry did it.
+                Some((_, n, true)) => (n + 1).max(self.cfg().max_deliveries + 1),
+                // Its processing ended with that run, maybe through no fault of its own.
+                Some((_, n, false)) => {
+                    self.suspects.insert(id.to_string());
+                    n
+                }
             };
             attempts.insert(id.to_string(), n);
         }
@@ -314,9 +334,15 @@ impl Active<'_> {
         let mut hset = redis::cmd("HSET");
         hset.arg(&self.cfg().attempts_key);
         let mut any = false;
+        let alone = entries.len() == 1;
         for e in entries {
             if let Some(n) = attempts.get(&e.id) {
-                hset.arg(&e.id).arg(format!("{} {n}", self.inbox.run_id));
+                let record = if alone {
+                    format!("{} {n} {ALONE}", self.inbox.run_id)
+                } else {
+                    format!("{} {n}", self.inbox.run_id)
+                };
+                hset.arg(&e.id).arg(record);
                 any = true;
             }
         }

@@ -367,6 +367,7 @@ impl Inbox {
             renew_at: Instant::now() + lease.ttl() / 3,
             epoch,
             inherited: Default::default(),
+            suspects: Default::default(),
         };
         let result = active.consume(shutdown).await;
         active.release_delivered().await;
@@ -418,6 +419,10 @@ struct Active<'a> {
     /// Entries pending under this consumer's name that this run was not handed: a previous
     /// process of the same name (two live ones never share a name) left them, so it ended.
     inherited: std::collections::HashSet<String>,
+    /// Entries another run was processing when it lost the shard (see `Active::attempts`):
+    /// processed alone, so that if one of them is what ended that run, it ends no more than
+    /// one more.
+    suspects: std::collections::HashSet<String>,
 }
 
 impl Active<'_> {
@@ -533,7 +538,12 @@ impl Active<'_> {
                 delivered.insert(e.id.clone(), attempts.get(&e.id).copied().unwrap_or(1));
             }
         }
-        if entries.len() > 1 && attempts.values().any(|n| *n >= 2) {
+        let isolate = attempts.values().any(|n| *n >= 2)
+            || entries.iter().any(|e| self.suspects.contains(&e.id));
+        for e in &entries {
+            self.suspects.remove(&e.id);
+        }
+        if entries.len() > 1 && isolate {
             for entry in entries {
                 let single = vec![entry];
                 self.begin_attempts(&single, &attempts).await?;
@@ -565,8 +575,7 @@ impl Active<'_> {
             let attempt = attempts.get(&entry.id).copied().unwrap_or(1);
             if attempt > self.cfg().max_deliveries {
                 let reason = format!(
-                    "its processing ended with the consumer process {} times (limit {}; delivered {} times)",
-                    attempt - 1,
+                    "its processing ended with the consumer process while it was processed alone (conclusive), or {} times in all; delivered {} times",
                     self.cfg().max_deliveries,
                     entry.deliveries
                 );

@@ -164,10 +164,12 @@ impl<'a> Stack<'a> {
             let (relay, token) = (relay.clone(), token.clone());
             tokio::spawn(async move { relay.run(token).await })
         };
+        // Streaming, and the stream caught up from the (empty) outbox: `setup` here writes no
+        // record, so a relay's first session compares the table with the stream.
         let mut status = relay.status();
         tokio::time::timeout(
             Duration::from_secs(30),
-            status.wait_for(|s| s.role == cdc_relay::Role::Streaming),
+            status.wait_for(|s| s.role == cdc_relay::Role::Streaming && s.behind_shards.is_empty()),
         )
         .await
         .expect("relay streaming within 30 s")

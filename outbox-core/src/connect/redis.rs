@@ -105,6 +105,24 @@ fn with_address(template: &ConnectionInfo, host: String, port: u16) -> Connectio
     template.clone().set_addr(addr)
 }
 
+/// TCP keepalives and a user timeout on every Redis connection, and no Nagle delay: a
+/// server host that vanished (a partition, a powered-off node, a middlebox that lost the
+/// connection) fails it within about 10 s instead of the kernel's many minutes, and the
+/// connection is made again. (A server that stops answering on a live host is the response
+/// timeouts' to catch.)
+fn tcp_deadlines() -> redis::io::tcp::TcpSettings {
+    use redis::io::tcp::socket2::TcpKeepalive;
+    redis::io::tcp::TcpSettings::default()
+        .set_nodelay(true)
+        .set_keepalive(
+            TcpKeepalive::new()
+                .with_time(Duration::from_secs(10))
+                .with_interval(Duration::from_secs(2))
+                .with_retries(3),
+        )
+        .set_user_timeout(Duration::from_secs(10))
+}
+
 fn build_cluster_client(
     nodes: Vec<ConnectionInfo>,
     timeout: Duration,
@@ -112,6 +130,7 @@ fn build_cluster_client(
     protocol: redis::ProtocolVersion,
 ) -> RedisResult<redis::cluster::ClusterClient> {
     let mut builder = redis::cluster::ClusterClientBuilder::new(nodes)
+        .tcp_settings(tcp_deadlines())
         .response_timeout(timeout)
         .connection_timeout(timeout)
         .use_protocol(protocol);
@@ -353,6 +372,7 @@ pub fn client(
         let settings = info.redis_settings().clone().set_password(password);
         info = info.set_redis_settings(settings);
     }
+    info = info.set_tcp_settings(tcp_deadlines());
     match ca_file {
         None => redis::Client::open(info),
         Some(path) => {
