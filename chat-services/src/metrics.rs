@@ -107,7 +107,7 @@ impl Metrics {
         );
         let inbox_write_retries_total = counters(
             "chat_inbox_write_retries_total",
-            "Inbox writes retried in place, by cause: unavailable (connection, shutdown) or database_state (read-only, permissions, missing table, locks); never a delivery",
+            "Inbox writes retried in place, by cause: unavailable (connection, shutdown, a statement or lock wait that ran out), database_state (read-only, permissions, missing table) or busy (a batch written in halves because the database was too slow for it whole); never a delivery",
             &["cause"],
         );
         let requests_refused_total = counters(

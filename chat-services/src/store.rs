@@ -21,6 +21,12 @@ pub enum StoreError {
     /// Postgres cannot be reached or is shutting down: try again later (HTTP 503).
     #[error("postgres unavailable: {0}")]
     Unavailable(String),
+    /// Postgres answers, but too slowly for this operation: a statement or lock wait ran
+    /// out on the server, or every pooled connection is busy. Try again later (HTTP 503);
+    /// never taken for a database that is gone (the breaker stays as it is), and an inbox
+    /// batch that meets it is written in smaller parts.
+    #[error("postgres busy: {0}")]
+    Busy(String),
     /// The Idempotency-Key was used before for a different request (HTTP 422).
     #[error("Idempotency-Key was already used for a different message (chat {chat_id})")]
     IdempotencyMismatch { chat_id: i64 },
@@ -50,7 +56,7 @@ pub enum StoreError {
 impl StoreError {
     /// Whether retrying later can succeed.
     pub fn is_transient(&self) -> bool {
-        matches!(self, StoreError::Unavailable(_))
+        matches!(self, StoreError::Unavailable(_) | StoreError::Busy(_))
     }
 
     /// Whether the failure is the written row's own fault (see [`StoreError::RowRefused`]).
@@ -62,13 +68,15 @@ impl StoreError {
 impl From<tokio_postgres::Error> for StoreError {
     fn from(e: tokio_postgres::Error) -> Self {
         match e.code() {
+            // statement_timeout and lock_timeout: the server answered, slowly.
+            Some(code) if code.code() == "57014" || code.code() == "55P03" => {
+                StoreError::Busy(describe(&e))
+            }
             // Connection exceptions, insufficient resources, operator intervention (shutdown,
             // restart), system errors, serialization failures and deadlocks.
             Some(code) if matches!(&code.code()[..2], "08" | "53" | "57" | "58" | "40") => {
                 StoreError::Unavailable(describe(&e))
             }
-            // lock_timeout: a lock held by a session that stopped (frozen, partitioned).
-            Some(code) if code.code() == "55P03" => StoreError::Unavailable(describe(&e)),
             // (23505 excepted: every write that can meet a duplicate says ON CONFLICT, so a
             // unique violation means database state, such as an identity sequence behind
             // its table after a restore.)
@@ -85,6 +93,11 @@ impl From<deadpool_postgres::PoolError> for StoreError {
     fn from(e: deadpool_postgres::PoolError) -> Self {
         match e {
             deadpool_postgres::PoolError::Backend(e) => e.into(),
+            // Every connection in use: busy, not gone (a frozen server makes its statements
+            // run out, which is what trips the breaker).
+            deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Wait) => {
+                StoreError::Busy("every pooled connection is in use".into())
+            }
             other => StoreError::Unavailable(other.to_string()),
         }
     }
@@ -104,6 +117,8 @@ const RESOLVE_WITHIN: Duration = Duration::from_secs(5);
 /// a server that stops answering without closing its connections (frozen, partitioned)
 /// costs this, not forever.
 const STATEMENT_DEADLINE: Duration = Duration::from_secs(5);
+/// The most a request waits for a pooled connection.
+const POOL_WAIT: Duration = Duration::from_secs(2);
 /// An idle pooled connection is checked (one round trip) before reuse after this long.
 const IDLE_CHECK_AFTER: Duration = Duration::from_secs(10);
 /// Server-side bounds of every statement of the services' sessions, inside
@@ -281,6 +296,10 @@ pub struct Store {
     pool: Pool,
     side: Side,
     breaker: Arc<Breaker>,
+    /// A connection of its own for [`Store::ping`], outside the pool: a pool that is all in
+    /// use means a busy database, not a dead one, and the health checks must tell them apart.
+    health: Arc<tokio::sync::Mutex<Option<tokio_postgres::Client>>>,
+    endpoint: outbox_core::connect::PgEndpoint,
 }
 
 /// Trips when an operation gets no answer by its deadline: from then on one operation at a
@@ -293,8 +312,6 @@ pub struct Store {
 struct Breaker {
     tripped: AtomicBool,
     probing: AtomicBool,
-    /// Woken when a probe ends (answered or not).
-    probe_ended: tokio::sync::Notify,
 }
 
 /// Whether an operation may go to the database now.
@@ -311,7 +328,6 @@ struct ProbeGuard<'a>(&'a Breaker);
 impl Drop for ProbeGuard<'_> {
     fn drop(&mut self) {
         self.0.probing.store(false, Ordering::Release);
-        self.0.probe_ended.notify_waiters();
     }
 }
 
@@ -333,10 +349,6 @@ impl Breaker {
 
     fn trip(&self) {
         self.tripped.store(true, Ordering::Release);
-    }
-
-    fn is_tripped(&self) -> bool {
-        self.tripped.load(Ordering::Acquire)
     }
 }
 
@@ -386,7 +398,9 @@ impl Store {
         };
         let pool = Pool::builder(manager)
             .max_size(max_connections)
-            .wait_timeout(Some(Duration::from_secs(5)))
+            // Shorter than every operation's deadline: a request that cannot get a
+            // connection is told the database is busy, and never takes it for a dead one.
+            .wait_timeout(Some(POOL_WAIT))
             .recycle_timeout(Some(Duration::from_secs(2)))
             // A connection idle for a while is checked before reuse: one whose server went
             // away without closing it (a failover, a partition) is replaced, not handed to
@@ -413,6 +427,8 @@ impl Store {
             pool,
             side,
             breaker: Arc::default(),
+            health: Arc::default(),
+            endpoint: endpoint.clone(),
         })
     }
 
@@ -444,8 +460,12 @@ impl Store {
         match tokio::time::timeout(deadline, op).await {
             Ok(result) => {
                 // A refusal proves nothing about a frozen server (a connection can be
-                // dropped by anything); an answer or the server's own error does.
-                if !matches!(result, Err(StoreError::Unavailable(_))) {
+                // dropped by anything), nor a full pool; an answer or the server's own
+                // error does.
+                if !matches!(
+                    result,
+                    Err(StoreError::Unavailable(_) | StoreError::Busy(_))
+                ) {
                     self.breaker.answered();
                 }
                 result
@@ -460,31 +480,47 @@ impl Store {
         }
     }
 
-    /// Postgres answers. Never refused by the breaker, so the health checks (readiness, the
-    /// inbox membership) learn the truth: while another operation probes, its outcome is
-    /// the ping's (no connection of its own to a frozen server); otherwise the ping probes.
+    /// Postgres answers, on a connection of its own (never one of the pool, which may be all
+    /// in use by a busy database: that is not a dead one), within the statement deadline.
+    /// Never refused by the breaker, so the health checks (readiness, the inbox membership)
+    /// learn the truth; its answer clears the breaker, its silence trips it.
     pub(crate) async fn ping(&self) -> Result<(), StoreError> {
-        loop {
-            let ended = self.breaker.probe_ended.notified();
-            tokio::pin!(ended);
-            ended.as_mut().enable();
-            match self.breaker.admit() {
-                Admit::Refuse => {
-                    ended.await;
-                    if !self.breaker.is_tripped() {
-                        return Ok(());
-                    }
-                }
-                admitted => {
-                    let _probe = admitted;
-                    return self
-                        .within(STATEMENT_DEADLINE, async {
-                            let client = self.pool.get().await?;
-                            client.simple_query("SELECT 1").await?;
-                            Ok(())
-                        })
-                        .await;
-                }
+        let mut health = self.health.lock().await;
+        let outcome = tokio::time::timeout(STATEMENT_DEADLINE, async {
+            if health.as_ref().is_none_or(|c| c.is_closed()) {
+                *health = None;
+                let client = self
+                    .endpoint
+                    .connect_as(STATEMENT_DEADLINE, &format!("chat-{}-health", self.side))
+                    .await
+                    .map_err(|e| StoreError::Unavailable(e.to_string()))?;
+                client.batch_execute("SET statement_timeout = '4s'").await?;
+                *health = Some(client);
+            }
+            health
+                .as_ref()
+                .expect("connected above")
+                .simple_query("SELECT 1")
+                .await?;
+            Ok::<(), StoreError>(())
+        })
+        .await;
+        match outcome {
+            Ok(Ok(())) => {
+                self.breaker.answered();
+                Ok(())
+            }
+            Ok(Err(e)) => {
+                *health = None;
+                Err(e)
+            }
+            Err(_) => {
+                *health = None;
+                self.breaker.trip();
+                self.pool.retain(|_, _| false);
+                Err(StoreError::Unavailable(format!(
+                    "no answer within {STATEMENT_DEADLINE:?}"
+                )))
             }
         }
     }

@@ -30,6 +30,7 @@ mod retention;
 mod send_outcome;
 mod shards;
 mod shown;
+mod slow_database;
 mod stages;
 mod trace_context;
 mod user_limits;

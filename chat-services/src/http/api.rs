@@ -73,6 +73,9 @@ fn store_error(e: StoreError) -> Response<Body> {
         StoreError::Unavailable(_) => {
             reply::unavailable("the database is unavailable; nothing was written, retry shortly")
         }
+        StoreError::Busy(_) => {
+            reply::unavailable("the database is busy; nothing was written, retry shortly")
+        }
         StoreError::OutcomeUnknown {
             ref idempotency_key,
         } => {
@@ -348,7 +351,7 @@ async fn send_traced(
     // so a client retrying it with its key is not pushed into 429. Everything else is
     // charged: a replay or a mismatch runs the whole statement too, and an unknown outcome
     // may have written.
-    if let (Some(who), Err(StoreError::Unavailable(_))) = (&who, &sent) {
+    if let (Some(who), Err(StoreError::Unavailable(_) | StoreError::Busy(_))) = (&who, &sent) {
         app.limits.quotas.give_back(&who.user);
     }
     match sent {

@@ -620,8 +620,9 @@ impl Active<'_> {
                     message: m.clone(),
                 })
                 .collect();
-            let recorded = match self.record(&batch, shutdown).await? {
+            let recorded = match self.record_in_parts(&batch, shutdown).await? {
                 Recorded::Done(positions) => positions,
+                Recorded::TooLarge => unreachable!("parts of one entry are written whole"),
                 Recorded::Shutdown => return Ok(Flow::Shutdown),
                 Recorded::Rejected(rejected) => {
                     // Postgres refused the batch itself: record entries one by one and
@@ -634,7 +635,8 @@ impl Active<'_> {
                             stream_id: entry.id.clone(),
                             message: message.clone(),
                         }];
-                        match self.record(&single, shutdown).await? {
+                        match self.record_in_parts(&single, shutdown).await? {
+                            Recorded::TooLarge => unreachable!("one entry is written whole"),
                             Recorded::Done(s) => {
                                 positions.extend(s);
                                 ok.push((entry, message));
@@ -657,10 +659,45 @@ impl Active<'_> {
         Ok(Flow::Continue)
     }
 
+    /// [`Active::record`] `batch`, halving what one transaction writes while the database is
+    /// too busy for it (a statement or lock wait running out on the server): each try then
+    /// holds fewer chats' feed counters, so the sends to those chats go on, and a slow
+    /// database is not asked the same too-large write forever. In order, whole for one entry.
+    async fn record_in_parts(
+        &mut self,
+        batch: &[Received],
+        shutdown: &CancellationToken,
+    ) -> Result<Recorded, ConsumeError> {
+        let mut positions = HashMap::new();
+        let mut parts: Vec<&[Received]> = vec![batch];
+        while let Some(part) = parts.pop() {
+            match self.record(part, shutdown).await? {
+                Recorded::Done(p) => positions.extend(p),
+                Recorded::TooLarge => {
+                    let (first, rest) = part.split_at(part.len() / 2);
+                    warn!(
+                        entries = part.len(),
+                        "the database is too busy for this inbox write; writing it in halves"
+                    );
+                    self.inbox
+                        .metrics
+                        .inbox_write_retries_total
+                        .with_label_values(&["busy"])
+                        .inc();
+                    parts.push(rest);
+                    parts.push(first);
+                }
+                other => return Ok(other),
+            }
+        }
+        Ok(Recorded::Done(positions))
+    }
+
     /// Insert into the inbox, retrying in place (keeping the lease, never counting a
     /// delivery) while Postgres is unavailable or its state refuses the write (read-only,
     /// permissions, a missing table, a lock): that is nobody's entry's fault. Only a row
-    /// Postgres refuses for its own data comes back as `Rejected`.
+    /// Postgres refuses for its own data comes back as `Rejected`; a busy database refusing
+    /// a batch of more than one entry comes back as `TooLarge`.
     async fn record(
         &mut self,
         batch: &[Received],
@@ -684,6 +721,7 @@ impl Active<'_> {
                     return Err(ConsumeError::LeaseLost);
                 }
                 Err(e) if e.is_row_refused() => return Ok(Recorded::Rejected(e)),
+                Err(StoreError::Busy(_)) if batch.len() > 1 => return Ok(Recorded::TooLarge),
                 Err(e) => {
                     let delay = backoff.next_delay();
                     let cause = if e.is_transient() {
@@ -843,4 +881,6 @@ enum Recorded {
     Done(HashMap<uuid::Uuid, Position>),
     Rejected(StoreError),
     Shutdown,
+    /// The database is too busy for a batch this large: write it in smaller parts.
+    TooLarge,
 }
