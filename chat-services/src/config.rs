@@ -81,9 +81,16 @@ pub struct Cli {
     /// TTL of the inbox consumer lease (one active consumer per side).
     #[arg(long, env = "CHAT_LEASE_TTL", value_parser = humantime::parse_duration, default_value = "10s")]
     pub lease_ttl: Duration,
-    /// Interval of SSE heartbeat comments.
-    #[arg(long, env = "CHAT_SSE_HEARTBEAT", value_parser = humantime::parse_duration, default_value = "15s")]
+    /// Interval of SSE heartbeat events (`event: heartbeat`, an event a browser's
+    /// EventSource sees): the chat page takes a stream silent for more than two of them for
+    /// dead (a frozen instance, a connection that forwards nothing) and opens another.
+    #[arg(long, env = "CHAT_SSE_HEARTBEAT", value_parser = humantime::parse_duration, default_value = "2s")]
     pub sse_heartbeat: Duration,
+    /// Bytes queued for all event-stream clients of the instance together at most: past
+    /// it, a client with a backlog is dropped (it resumes with Last-Event-ID), so slow
+    /// readers cannot add up to more memory than the container has.
+    #[arg(long, env = "CHAT_SSE_BUFFER_TOTAL", default_value_t = 64 << 20)]
+    pub sse_buffer_total: usize,
     /// Bytes queued for one event-stream client at most; a client that reads slower than
     /// its chat fills it is dropped (it resumes with Last-Event-ID, missing nothing).
     #[arg(long, env = "CHAT_SSE_CLIENT_BUFFER", default_value_t = 256 * 1024)]
@@ -361,6 +368,7 @@ pub struct ServiceConfig {
     pub sse_heartbeat: Duration,
     pub feed_check_interval: Duration,
     pub sse_client_buffer: usize,
+    pub sse_buffer_total: usize,
     pub trust_traceparent: bool,
     pub db_pool_size: usize,
     pub max_connections: usize,
@@ -458,6 +466,7 @@ impl Cli {
             sse_heartbeat: self.sse_heartbeat,
             feed_check_interval: self.feed_check_interval,
             sse_client_buffer: self.sse_client_buffer,
+            sse_buffer_total: self.sse_buffer_total,
             trust_traceparent: self.trust_traceparent,
             db_pool_size: self.db_pool_size,
             max_connections: self.max_connections,
@@ -562,6 +571,9 @@ impl Cli {
         }
         if self.sse_client_buffer < 64 * 1024 {
             return refuse("--sse-client-buffer must be at least 65536 bytes (one message's frame can reach ~24 KiB)");
+        }
+        if self.sse_buffer_total < self.sse_client_buffer {
+            return refuse("--sse-buffer-total must be at least --sse-client-buffer");
         }
         if self.feed_check_interval < Duration::from_millis(100) {
             return refuse("--feed-check-interval must be at least 100ms");

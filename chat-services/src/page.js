@@ -13,6 +13,14 @@ let source = null;
 let lastPos = 0;
 let shown = new Set();
 let reopenTimer = null;
+// A stream that says nothing (no message, no heartbeat) for this long is taken for dead: its
+// instance froze, or something between forwards nothing. The server says how often it
+// beats (one and a half beats, and half a second, is the limit); until it has, five seconds.
+let silenceTimer = null;
+let silenceLimit = 5000;
+// A stream that does not open within this long is given up too (the request may have gone
+// out on a kept-alive connection to the instance that froze).
+const OPEN_LIMIT = 2000;
 // Which open() is current: what an earlier one had in flight (its history, a send's
 // answer) is dropped when it lands, never drawn into the chat shown now.
 let generation = 0;
@@ -48,32 +56,55 @@ function show(message, fromFeed) {
   if (atBottom || message.side === side) list.scrollTop = list.scrollHeight;
 }
 
+// Heard from the stream: it lives. Silent past the limit: open another (on whatever
+// instance the address reaches now), from what was shown.
+function alive(limit) {
+  clearTimeout(silenceTimer);
+  silenceTimer = setTimeout(() => {
+    setStatus("reconnecting", "reconnecting");
+    listen();
+  }, limit || silenceLimit);
+}
+
 function listen() {
   clearTimeout(reopenTimer);
+  clearTimeout(silenceTimer);
   if (source) source.close();
   // The browser resends Last-Event-ID on its own reconnects; `after` covers the first
   // connection and reopenings after the server refused one.
-  source = new EventSource(`/chats/${chatId}/events?after=p${lastPos}`);
-  source.addEventListener("open", () => { reopenDelay = 1000; setStatus("live", "live"); });
-  source.addEventListener("message", (event) => {
+  const current = new EventSource(`/chats/${chatId}/events?after=p${lastPos}`);
+  source = current;
+  alive(OPEN_LIMIT);
+  current.addEventListener("open", () => { reopenDelay = 500; setStatus("live", "live"); alive(); });
+  current.addEventListener("heartbeat", (event) => {
+    const every = JSON.parse(event.data).every_ms;
+    if (every > 0) silenceLimit = Math.round(1.5 * every) + 500;
+    alive();
+  });
+  current.addEventListener("message", (event) => {
+    alive();
     const message = JSON.parse(event.data);
     if (message.chat_id === chatId) show(message, true);
   });
-  source.addEventListener("error", () => {
+  current.addEventListener("error", () => {
+    if (current !== source) return;
     setStatus("reconnecting", "reconnecting");
     // Refused (the session expired, or the user left the chat): ask who we are before
     // opening again, so an expired session shows the sign-in instead of retrying blind.
-    if (source.readyState === EventSource.CLOSED) {
-      reopenTimer = setTimeout(reopen, reopenDelay);
-      reopenDelay = Math.min(reopenDelay * 2, 30000);
+    // Soon, whatever happened before: a service back is a service to use now.
+    if (current.readyState === EventSource.CLOSED) {
+      clearTimeout(silenceTimer);
+      reopenTimer = setTimeout(reopen, reopenDelay * (0.5 + Math.random()));
+      reopenDelay = Math.min(reopenDelay * 2, 2000);
     }
   });
 }
 
 // The server refused the stream (EventSource does not say why): ask the history, whose
 // answer does. Not a member (any more) or not signed in: say so and stop; anything else
-// (an instance going away, a 503): open again, later each time.
-let reopenDelay = 1000;
+// (an instance going away, a 503): open again, a little later each time, two seconds apart
+// at most (jittered, so a fleet of tabs does not come back at once).
+let reopenDelay = 500;
 async function reopen() {
   const chat = chatId;
   try {
@@ -100,7 +131,8 @@ async function open(chat) {
   location.hash = "chat=" + chat;
   document.getElementById("chat").value = chat;
   clearTimeout(reopenTimer);
-  reopenDelay = 1000;
+  clearTimeout(silenceTimer);
+  reopenDelay = 500;
   if (source) source.close();
   source = null;
   list.replaceChildren();

@@ -22,6 +22,7 @@ mod redis_cluster;
 mod redis_server;
 mod scratch;
 pub mod tls;
+pub mod balancer;
 mod wait;
 
 pub use postgres::{pg_bin_dir_of, shared_postgres, PgOptions, PgServer, TestDb, NEWER_VERSIONS};

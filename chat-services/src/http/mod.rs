@@ -70,6 +70,9 @@ pub(crate) struct Limits {
     pub feed_reads: Semaphore,
     /// Bytes queued for one event stream's client at most.
     pub sse_client_buffer: usize,
+    /// Bytes queued for all event streams' clients together at most, and those queued now.
+    pub sse_buffer_total: usize,
+    pub sse_queued: Arc<std::sync::atomic::AtomicUsize>,
     pub header_read_timeout: Duration,
     /// Each user's share: sends per second, open streams.
     pub quotas: Arc<quota::Quotas>,
@@ -85,6 +88,8 @@ impl Limits {
             event_streams: Arc::new(Semaphore::new(config.max_event_streams)),
             feed_reads: Semaphore::new((config.db_pool_size / 2).max(1)),
             sse_client_buffer: config.sse_client_buffer,
+            sse_buffer_total: config.sse_buffer_total,
+            sse_queued: Arc::default(),
             header_read_timeout: config.header_read_timeout,
             quotas: Arc::new(quota::Quotas::new(
                 config.send_rate,

@@ -110,6 +110,7 @@ pub(crate) fn respond(
     };
     let (tx, rx) = mpsc::channel::<Bytes>(CLIENT_QUEUE);
     let queued = Arc::new(AtomicUsize::new(0));
+    let app_queued = app.limits.sse_queued.clone();
     let client = Client {
         tx,
         queued: queued.clone(),
@@ -135,17 +136,49 @@ pub(crate) fn respond(
         app.metrics.sse_clients.dec();
         drop(permit);
     });
-    let body = stream::unfold((rx, queued), |(mut rx, queued)| async move {
-        let bytes = rx.recv().await?;
-        queued.fetch_sub(bytes.len(), Ordering::SeqCst);
-        Some((Ok(Frame::data(bytes)), (rx, queued)))
-    });
+    let total = app_queued.clone();
+    let body = stream::unfold(
+        Unqueue {
+            rx,
+            queued,
+            total,
+        },
+        |mut q| async move {
+            let bytes = q.rx.recv().await?;
+            q.taken(bytes.len());
+            Some((Ok(Frame::data(bytes)), q))
+        },
+    );
     let mut resp = Response::new(StreamBody::new(body).boxed());
     let headers = resp.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
     headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
     headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
     resp
+}
+
+/// The reading end of a client's queue: what the connection takes leaves both counts; what
+/// is still queued when the stream goes (a client gone mid-backlog) leaves the instance's
+/// count then.
+struct Unqueue {
+    rx: mpsc::Receiver<Bytes>,
+    queued: Arc<AtomicUsize>,
+    total: Arc<AtomicUsize>,
+}
+
+impl Unqueue {
+    fn taken(&mut self, len: usize) {
+        self.queued.fetch_sub(len, Ordering::SeqCst);
+        self.total.fetch_sub(len, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Unqueue {
+    fn drop(&mut self) {
+        // Frames left in the queue (the connection closed) are counted off with it.
+        let left = self.queued.swap(0, Ordering::SeqCst);
+        self.total.fetch_sub(left, Ordering::SeqCst);
+    }
 }
 
 /// One client's queue of frames, and the bytes in it not yet taken by the connection.
@@ -195,6 +228,12 @@ async fn stream_events(
         tokio::time::Instant::now() + app.sse_heartbeat,
         app.sse_heartbeat,
     );
+    // An event the browser sees (a comment it does not): the page takes a stream silent for
+    // more than two of them for dead, and opens another.
+    let beat = Bytes::from(format!(
+        "event: heartbeat\ndata: {{\"every_ms\":{}}}\n\n",
+        app.sse_heartbeat.as_millis()
+    ));
     loop {
         tokio::select! {
             _ = app.shutdown.cancelled() => return Ok(()),
@@ -231,7 +270,7 @@ async fn stream_events(
                 }
                 Err(broadcast::error::RecvError::Closed) => return Ok(()),
             },
-            _ = heartbeat.tick() => send(Bytes::from_static(b": heartbeat\n\n")).await?,
+            _ = heartbeat.tick() => send(beat.clone()).await?,
         }
     }
 }
@@ -259,24 +298,35 @@ fn seconds_since_micros(micros: u64) -> f64 {
         .map_or(0.0, |d| d.as_secs_f64())
 }
 
-/// Queue a frame for the client. A client whose queue holds more than its byte budget, or
-/// that has not read for two heartbeats, is dropped: it holds memory, a stream slot and its
-/// connection, and it resumes with Last-Event-ID, missing nothing.
+/// Queue a frame for the client. A client whose queue holds more than its byte budget (or
+/// with a backlog while every client's together pass the instance's), or that has not read
+/// for --write-timeout, is dropped: it holds memory, a stream slot and its connection, and
+/// it resumes with Last-Event-ID, missing nothing.
 async fn send_or_give_up(app: &App, client: &Client, bytes: Bytes) -> Result<(), StreamEnd> {
     let len = bytes.len();
-    // A frame always fits an empty queue, however large: only a backlog is over budget.
+    // A frame always fits an empty queue, however large: only a backlog is over budget,
+    // the client's own or, with every client's together, the instance's.
     let before = client.queued.fetch_add(len, Ordering::SeqCst);
-    if before > 0 && before + len > app.limits.sse_client_buffer {
-        app.metrics.sse_slow_clients_dropped_total.inc();
-        return Err(StreamEnd::TooSlow);
-    }
-    match tokio::time::timeout(app.sse_heartbeat * 2, client.tx.send(bytes)).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(_)) => Err(StreamEnd::ClientGone),
-        Err(_) => {
+    let total = app.limits.sse_queued.fetch_add(len, Ordering::SeqCst) + len;
+    let unqueued = |end: StreamEnd| {
+        client.queued.fetch_sub(len, Ordering::SeqCst);
+        app.limits.sse_queued.fetch_sub(len, Ordering::SeqCst);
+        if matches!(end, StreamEnd::TooSlow) {
             app.metrics.sse_slow_clients_dropped_total.inc();
-            Err(StreamEnd::TooSlow)
         }
+        Err(end)
+    };
+    if before > 0
+        && (before + len > app.limits.sse_client_buffer || total > app.limits.sse_buffer_total)
+    {
+        return unqueued(StreamEnd::TooSlow);
+    }
+    // A client that has not read for this long is dropped (at least two heartbeats).
+    let patience = (app.sse_heartbeat * 2).max(app.limits.write_timeout);
+    match tokio::time::timeout(patience, client.tx.send(bytes)).await {
+        Ok(Ok(())) => Ok(()),
+        Ok(Err(_)) => unqueued(StreamEnd::ClientGone),
+        Err(_) => unqueued(StreamEnd::TooSlow),
     }
 }
 
