@@ -671,6 +671,51 @@ async fn redis_acl_users_have_least_privilege() {
         err.contains("NOAUTH") || err.contains("auth"),
         "default user answered: {err}"
     );
+
+    // A transaction (as every script's writes are in the AOF) comes back after a restart:
+    // Redis replays the file as the default user, and EXEC re-checks that user's rights.
+    let relay = connections.get_mut("consumers_relay").unwrap();
+    redis::pipe()
+        .atomic()
+        .cmd("XADD")
+        .arg("outbox:consumers")
+        .arg("7-1")
+        .arg("k")
+        .arg("v")
+        .cmd("HSET")
+        .arg("outbox:consumers:origin")
+        .arg("restarted")
+        .arg("1")
+        .query_async::<redis::Value>(relay)
+        .await
+        .unwrap();
+    redis.stop().unwrap();
+    redis.start_again().unwrap();
+    let url = redis.url_as("consumers_relay", &secrets.password("consumers_relay"));
+    let mut relay = redis::Client::open(url)
+        .unwrap()
+        .get_multiplexed_async_connection()
+        .await
+        .unwrap();
+    let (top, restarted): (Vec<redis::streams::StreamId>, Option<String>) = redis::pipe()
+        .cmd("XREVRANGE")
+        .arg("outbox:consumers")
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(1)
+        .cmd("HGET")
+        .arg("outbox:consumers:origin")
+        .arg("restarted")
+        .query_async::<(redis::streams::StreamRangeReply, Option<String>)>(&mut relay)
+        .await
+        .map(|(range, restarted)| (range.ids, restarted))
+        .unwrap();
+    assert_eq!(
+        (top.first().map(|e| e.id.as_str()), restarted.as_deref()),
+        (Some("7-1"), Some("1")),
+        "a transaction's writes must survive a restart on the AOF"
+    );
 }
 
 /// Run a command given as space-separated words.

@@ -560,12 +560,16 @@ async fn frozen_instance_scenario(
     let frozen = std::time::Instant::now();
     // Written on B by a Workers user: in the feed at once (no inbox failover in the way).
     crate::support::send(b, 61, "after").await;
-    wait_until(Duration::from_secs(30), "shown after the freeze", || async {
-        match messages(page).await.as_slice() {
-            [_, two] if two == "after" => Ok(()),
-            other => Err(format!("{other:?}")),
-        }
-    })
+    wait_until(
+        Duration::from_secs(30),
+        "shown after the freeze",
+        || async {
+            match messages(page).await.as_slice() {
+                [_, two] if two == "after" => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
     .await;
     let took = frozen.elapsed();
     a.child.signal(testkit::Signal::Cont).unwrap();
@@ -583,19 +587,15 @@ async fn a_tab_on_a_frozen_instance_opens_its_stream_on_another_within_seconds()
     let b = stack
         .service_process_standby(Side::Workers, "workers-b", &[])
         .await;
-    let balancer = testkit::balancer::Balancer::start(vec![
-        (a.addr, a.addr),
-        (b.addr, b.addr),
-    ])
-    .await
-    .unwrap();
+    let balancer = testkit::balancer::Balancer::start(vec![(a.addr, a.addr), (b.addr, b.addr)])
+        .await
+        .unwrap();
     let (_driver, webdriver) = chromedriver().await;
     let page = browser(&webdriver).await;
     let outcome = tokio::spawn({
         let (page, consumers_addr, b_addr) = (page.clone(), consumers.addr, b.addr);
         async move {
-            let took =
-                frozen_instance_scenario(&page, &balancer, consumers_addr, &a, b_addr).await;
+            let took = frozen_instance_scenario(&page, &balancer, consumers_addr, &a, b_addr).await;
             (took, a, balancer)
         }
     })

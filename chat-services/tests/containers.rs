@@ -150,7 +150,7 @@ impl Project<'_> {
     fn logs(&self) -> String {
         let out = self
             .compose()
-            .args(["logs", "--no-color", "--tail", "40"])
+            .args(["logs", "--no-color", "--tail", "60"])
             .output();
         out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
             .unwrap_or_default()
@@ -323,25 +323,33 @@ async fn bodies_from(addr: SocketAddr, reader: &str, sender: &str) -> Result<Vec
 }
 
 /// Waits until `addr` shows exactly `expected` from `sender`, in that order.
-async fn shows_exactly(addr: SocketAddr, reader: &str, sender: &str, expected: &[String]) {
-    wait_until(
-        Duration::from_secs(60),
-        &format!("{addr} to show {} messages of {sender}", expected.len()),
-        || async {
-            let got = bodies_from(addr, reader, sender).await?;
-            if got == expected {
-                Ok(())
-            } else {
-                // More than sent, or out of order, never becomes right: stop at once.
-                assert!(
-                    got.len() <= expected.len() && expected.starts_with(&got),
-                    "shown {got:?}, sent {expected:?}"
-                );
-                Err(format!("{got:?}"))
-            }
-        },
-    )
-    .await;
+async fn shows_exactly(
+    project: &Project<'_>,
+    addr: SocketAddr,
+    reader: &str,
+    sender: &str,
+    expected: &[String],
+) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let got = bodies_from(addr, reader, sender).await;
+        match &got {
+            Ok(got) if got == expected => return,
+            // More than sent, or out of order, never becomes right: stop at once.
+            Ok(got) => assert!(
+                got.len() <= expected.len() && expected.starts_with(got),
+                "shown {got:?}, sent {expected:?}"
+            ),
+            Err(_) => {}
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{addr} did not show the {} messages of {sender} within 60 s; last seen: {got:?}\n{}",
+            expected.len(),
+            project.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
 }
 
 struct Users {
@@ -521,8 +529,8 @@ async fn compose_runs_under_podman_and_a_relay_or_redis_restart_loses_nothing() 
     users
         .send_round("first", addr, &mut from_alice, &mut from_bob)
         .await;
-    shows_exactly(addr(1), &users.bob, "alice", &from_alice).await;
-    shows_exactly(addr(0), &users.alice, "bob", &from_bob).await;
+    shows_exactly(&project, addr(1), &users.bob, "alice", &from_alice).await;
+    shows_exactly(&project, addr(0), &users.alice, "bob", &from_bob).await;
     eprintln!(
         "a message crossed each way {:?} after compose up",
         up_started.elapsed()
@@ -549,8 +557,8 @@ async fn compose_runs_under_podman_and_a_relay_or_redis_restart_loses_nothing() 
                 &mut from_bob,
             )
             .await;
-        shows_exactly(addr(1), &users.bob, "alice", &from_alice).await;
-        shows_exactly(addr(0), &users.alice, "bob", &from_bob).await;
+        shows_exactly(&project, addr(1), &users.bob, "alice", &from_alice).await;
+        shows_exactly(&project, addr(0), &users.alice, "bob", &from_bob).await;
     }
     wait_until(
         Duration::from_secs(60),

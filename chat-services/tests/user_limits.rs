@@ -257,6 +257,8 @@ async fn a_stream_whose_client_stopped_reading_is_cut_at_the_write_deadline() {
                 "2s",
                 "--sse-client-buffer",
                 "268435456",
+                "--sse-buffer-total",
+                "268435456",
                 "--sse-heartbeat",
                 "120s",
             ],

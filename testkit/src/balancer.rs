@@ -51,12 +51,9 @@ impl Balancer {
             while let Ok((client, _)) = listener.accept().await {
                 let n = backends.len();
                 let start = next.fetch_add(1, Ordering::SeqCst);
-                let Some(k) = (0..n)
-                    .map(|j| (start + j) % n)
-                    .find(|k| {
-                        healthy[*k].load(Ordering::SeqCst) && routable[*k].load(Ordering::SeqCst)
-                    })
-                else {
+                let Some(k) = (0..n).map(|j| (start + j) % n).find(|k| {
+                    healthy[*k].load(Ordering::SeqCst) && routable[*k].load(Ordering::SeqCst)
+                }) else {
                     continue;
                 };
                 let backend = backends[k].0;

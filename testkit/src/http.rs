@@ -161,9 +161,12 @@ pub struct SseEvent {
     pub data: String,
 }
 
-/// A connected Server-Sent Events stream; events are parsed as they arrive.
+/// A connected Server-Sent Events stream; events are parsed as they arrive. Heartbeat
+/// events (`event: heartbeat`, which say the stream is alive and carry no message) are
+/// counted, not returned, as a page's message listener never sees them.
 pub struct SseClient {
     events: mpsc::UnboundedReceiver<SseEvent>,
+    heartbeats: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -215,6 +218,8 @@ impl SseClient {
             );
         }
         let (tx, events) = mpsc::unbounded_channel();
+        let heartbeats = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let beats = heartbeats.clone();
         let mut body = response.into_body();
         let task = tokio::spawn(async move {
             let mut buffer = String::new();
@@ -226,14 +231,25 @@ impl SseClient {
                 while let Some(end) = buffer.find("\n\n") {
                     let block: String = buffer.drain(..end + 2).collect();
                     if let Some(event) = parse_event(&block) {
-                        if tx.send(event).is_err() {
+                        if event.event == "heartbeat" {
+                            beats.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        } else if tx.send(event).is_err() {
                             return;
                         }
                     }
                 }
             }
         });
-        Ok(Self { events, task })
+        Ok(Self {
+            events,
+            heartbeats,
+            task,
+        })
+    }
+
+    /// How many heartbeat events arrived so far.
+    pub fn heartbeats(&self) -> usize {
+        self.heartbeats.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// The next event, or `None` if none arrived within `timeout` or the stream ended.

@@ -13,6 +13,7 @@
 //! gives each test its own database ([`PgServer::create_database`]) and stream names
 //! ([`unique_name`]); a test that stops or kills a server starts its own.
 
+pub mod balancer;
 pub mod http;
 pub mod otlp;
 mod postgres;
@@ -22,7 +23,6 @@ mod redis_cluster;
 mod redis_server;
 mod scratch;
 pub mod tls;
-pub mod balancer;
 mod wait;
 
 pub use postgres::{pg_bin_dir_of, shared_postgres, PgOptions, PgServer, TestDb, NEWER_VERSIONS};

@@ -137,18 +137,11 @@ pub(crate) fn respond(
         drop(permit);
     });
     let total = app_queued.clone();
-    let body = stream::unfold(
-        Unqueue {
-            rx,
-            queued,
-            total,
-        },
-        |mut q| async move {
-            let bytes = q.rx.recv().await?;
-            q.taken(bytes.len());
-            Some((Ok(Frame::data(bytes)), q))
-        },
-    );
+    let body = stream::unfold(Unqueue { rx, queued, total }, |mut q| async move {
+        let bytes = q.rx.recv().await?;
+        q.taken(bytes.len());
+        Some((Ok(Frame::data(bytes)), q))
+    });
     let mut resp = Response::new(StreamBody::new(body).boxed());
     let headers = resp.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
@@ -321,9 +314,7 @@ async fn send_or_give_up(app: &App, client: &Client, bytes: Bytes) -> Result<(),
     {
         return unqueued(StreamEnd::TooSlow);
     }
-    // A client that has not read for this long is dropped (at least two heartbeats).
-    let patience = (app.sse_heartbeat * 2).max(app.limits.write_timeout);
-    match tokio::time::timeout(patience, client.tx.send(bytes)).await {
+    match tokio::time::timeout(app.limits.write_timeout, client.tx.send(bytes)).await {
         Ok(Ok(())) => Ok(()),
         Ok(Err(_)) => unqueued(StreamEnd::ClientGone),
         Err(_) => unqueued(StreamEnd::TooSlow),
