@@ -139,3 +139,147 @@ async fn both_sides_keep_every_chat_once_in_order_across_a_master_failover_and_a
     assert_eq!(stack.dead_letters().await, 0);
     drop((c1, c2, w2, w3));
 }
+
+/// Seconds a frozen master stays frozen (`CHAT_LASTING_SECONDS`, default 30).
+fn lasting() -> Duration {
+    Duration::from_secs(
+        std::env::var("CHAT_LASTING_SECONDS")
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(30),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_master_delays_only_its_own_shards_even_for_an_instance_started_meanwhile() {
+    // GIVEN a Redis Cluster that serves the slots it can when a master is down
+    // (cluster-require-full-coverage no), 8 shards per side, one instance per side
+    let stack = Stack::start_cluster(shared_postgres(), SHARDS).await;
+    let cluster = stack.cluster.as_ref().unwrap();
+    for i in 0..6 {
+        cluster
+            .cli(
+                cluster.port(i),
+                &["CONFIG", "SET", "cluster-require-full-coverage", "no"],
+            )
+            .unwrap();
+    }
+    let c1 = stack
+        .service_process(Side::Consumers, "consumers-1", &[])
+        .await;
+    let w1 = stack.service_process(Side::Workers, "workers-1", &[]).await;
+    // The master of the keys a Workers instance reads beyond its shards' own: its member
+    // set and the Consumers stream's unsharded record (the other layout's). Chats whose
+    // shard lives elsewhere are the healthy ones.
+    let frozen = cluster.master_of("inbox-members:workers").unwrap();
+    assert_eq!(
+        cluster.master_of("outbox:consumers:origin").unwrap(),
+        frozen,
+        "both keys on one master (fixed hash slots)"
+    );
+    let shard_master = |chat: i64| {
+        let k = outbox_core::stream::shard_of(Some(chat.to_string().as_bytes()), SHARDS);
+        cluster
+            .master_of(&outbox_core::stream::shard_key(
+                "outbox:consumers",
+                k,
+                SHARDS,
+            ))
+            .unwrap()
+    };
+    let chats: Vec<i64> = (1..=CHATS).collect();
+    let healthy: Vec<i64> = chats
+        .iter()
+        .copied()
+        .filter(|c| shard_master(*c) != frozen)
+        .collect();
+    assert!(
+        !healthy.is_empty() && healthy.len() < chats.len(),
+        "chats on both kinds of master"
+    );
+    for chat in &chats {
+        send(c1.addr, *chat, "before").await;
+    }
+    for chat in &chats {
+        assert_received_in_sent_order(&stack, Side::Consumers, *chat).await;
+    }
+
+    // WHEN that master and its replica freeze (SIGSTOP: they keep their connections and
+    // answer nothing), the Workers instance is SIGKILLed and a new one starts meanwhile,
+    // while Consumers sends to every chat all along
+    let replica = cluster.replica_of(frozen).unwrap();
+    cluster.pause_node(frozen).unwrap();
+    cluster.pause_node(replica).unwrap();
+    let froze = std::time::Instant::now();
+    w1.child.kill().unwrap();
+    let w2 = stack.spawn_service(Side::Workers, "workers-2", &[], &[]);
+    let db = stack.db.connect().await.unwrap();
+    let mut i = 0usize;
+    let mut worst = Duration::ZERO;
+    // The first healthy chat's message waits for the killed holder's leases to expire
+    // (--lease-ttl, 10 s) and the new instance's cluster connections (its client's slot
+    // refreshes wait out the frozen nodes' connection timeout); before, an instance that
+    // could not read the member set or the other layout's record took no shard at all.
+    // Messages to healthy chats sent after that must each be recorded within 2 s.
+    let mut taken_over: Option<std::time::Instant> = None;
+    while froze.elapsed() < lasting() {
+        let chat = chats[i % chats.len()];
+        i += 1;
+        let sent = send(c1.addr, chat, &format!("frozen {i}")).await;
+        if !healthy.contains(&chat) {
+            continue;
+        }
+        let id = sent["id"].as_str().unwrap().to_string();
+        let sent_at = std::time::Instant::now();
+        let recorded = loop {
+            let n: i64 = db
+                .query_one(
+                    "SELECT count(*) FROM workers.inbox WHERE message_id::text = $1",
+                    &[&id],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if n == 1 {
+                break sent_at.elapsed();
+            }
+            assert!(
+                froze.elapsed() < Duration::from_secs(25) || taken_over.is_some(),
+                "the new instance recorded no healthy chat's message within 25 s of the freeze: {}",
+                w2.child.log()
+            );
+            if taken_over.is_some() && sent_at.elapsed() > Duration::from_secs(2) {
+                panic!(
+                    "chat {chat} (a healthy master's shard) waited {:?} with a master frozen: {}",
+                    sent_at.elapsed(),
+                    w2.child.log()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        match taken_over {
+            Some(_) => worst = worst.max(recorded),
+            None => {
+                taken_over = Some(std::time::Instant::now());
+                println!(
+                    "healthy shards recorded by the new instance {:?} after the freeze",
+                    froze.elapsed()
+                );
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!(
+        "{i} messages over {:?} with a master frozen; healthy chats recorded within {worst:?} at worst",
+        lasting()
+    );
+
+    // THEN once the master thaws, every chat's messages were recorded once, in order
+    cluster.resume_node(frozen).unwrap();
+    cluster.resume_node(replica).unwrap();
+    for chat in &chats {
+        assert_received_in_sent_order(&stack, Side::Consumers, *chat).await;
+    }
+    drop((c1, w2));
+    stack.stop().await;
+}

@@ -115,7 +115,8 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let (relay, admin) = run_relay(case);
         let relay = relay?;
         let admin: std::net::SocketAddr = admin.parse()?;
-        // Done when the relay streams again after its rebuild.
+        // Done when the relay streams and no shard is behind any more: it caught the stream
+        // up from the outbox table.
         let metrics = loop {
             if !relay.is_running() {
                 bail!("relay exited: {}", relay.log());
@@ -124,7 +125,19 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 bail!("rebuild not done within 30 minutes");
             }
             if let Ok((200, _)) = testkit::http::get(admin, "/readyz").await {
-                break testkit::http::get(admin, "/metrics").await?.1;
+                let metrics = testkit::http::get(admin, "/metrics").await?.1;
+                let samples = testkit::http::metric_samples(&metrics);
+                let sum = |prefix: &str| -> f64 {
+                    samples
+                        .iter()
+                        .filter(|(series, _)| series.starts_with(prefix))
+                        .map(|(_, n)| n)
+                        .sum()
+                };
+                if sum("cdc_relay_catch_ups_total") >= 1.0 && sum("cdc_relay_shard_behind{") == 0.0
+                {
+                    break metrics;
+                }
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         };

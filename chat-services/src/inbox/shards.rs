@@ -30,6 +30,9 @@ use crate::metrics::Metrics;
 use crate::side::Side;
 use crate::store::Store;
 
+/// How long one look at (or heartbeat into) the member set may take.
+const BEAT_WAIT: Duration = Duration::from_secs(2);
+
 /// How often an instance looks at the live members between heartbeats.
 const VIEW_REFRESH: Duration = Duration::from_millis(250);
 
@@ -180,13 +183,24 @@ pub(crate) async fn run_membership(
             (true, Some(_)) => "0",
         };
         if let Some(c) = conn.as_mut() {
-            let beat: Result<Vec<String>, _> = MEMBERS
-                .key(&key)
-                .arg(&m.me)
-                .arg(window)
-                .arg(mode)
-                .invoke_async(c)
-                .await;
+            // Bounded well below the connection's response timeout: a frozen node holding
+            // the set must not keep a starting instance from every shard for long.
+            let beat: Result<Vec<String>, _> = tokio::time::timeout(
+                BEAT_WAIT.min(m.ttl / 3),
+                MEMBERS
+                    .key(&key)
+                    .arg(&m.me)
+                    .arg(window)
+                    .arg(mode)
+                    .invoke_async(c),
+            )
+            .await
+            .unwrap_or_else(|_| {
+                Err(redis::RedisError::from((
+                    redis::ErrorKind::Io,
+                    "no answer within the heartbeat's deadline",
+                )))
+            });
             match beat {
                 Ok(mut members) => {
                     members.sort_unstable();
@@ -207,8 +221,19 @@ pub(crate) async fn run_membership(
                     }
                 }
                 // Keep the last view: the leases still decide, and a member that cannot
-                // reach Redis cannot consume anyway.
-                Err(e) => warn!(error = %e, "inbox membership heartbeat failed; retrying"),
+                // reach Redis cannot consume anyway. Without one yet (a process started while
+                // the set's node is down), want every shard: the leases let it take only
+                // those nobody holds, so shards on the other nodes do not wait for this one.
+                Err(e) => {
+                    warn!(error = %e, "inbox membership heartbeat failed; retrying");
+                    if last.is_none() && unable.is_none() {
+                        let every = vec![true; m.shards as usize];
+                        if **assignment.borrow() != every {
+                            warn!("the inbox member set cannot be read: this instance takes any shard whose lease is free until it can");
+                            assignment.send_replace(Arc::new(every));
+                        }
+                    }
+                }
             }
         }
         tokio::select! {

@@ -74,12 +74,18 @@ pub async fn recorded_shards<C: ConnectionLike + Send>(
     Ok(system_id.map(|_| recorded_count(shards.as_deref()).unwrap_or(0)))
 }
 
+/// How long the other layout's record may take to read before its check is skipped.
+const OTHER_LAYOUT_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Whether the stream `base` may be used with `shards` shards: every record given in
 /// `recorded` (counts already read) and the other layout's record must state the same
 /// count. The inner error says what to change; the outer one is Redis failing.
 ///
-/// A Redis user whose ACL predates shards may not read the other layout's record: then
-/// that record is not checked (and a warning says to load the current ACL).
+/// The other layout's record is one key, on one node of a cluster: a node that fails
+/// transiently or does not answer within 2 s skips that record's check for this call (the
+/// records in `recorded` were read, each on its shard's node), so one master's outage does
+/// not stop the shards on the others. A Redis user whose ACL predates shards may not read it
+/// either: then it is not checked (and a warning says to load the current ACL).
 pub async fn check_layout<C: ConnectionLike + Send>(
     conn: &mut C,
     base: &str,
@@ -87,12 +93,18 @@ pub async fn check_layout<C: ConnectionLike + Send>(
     mut recorded: Vec<u32>,
 ) -> redis::RedisResult<Result<(), ConfigError>> {
     let other = other_layout_origin_key(base, shards);
-    match recorded_shards(conn, &other).await {
-        Ok(count) => recorded.extend(count),
-        Err(e) if e.code() == Some("NOPERM") => {
+    match tokio::time::timeout(OTHER_LAYOUT_WAIT, recorded_shards(conn, &other)).await {
+        Ok(Ok(count)) => recorded.extend(count),
+        Ok(Err(e)) if e.code() == Some("NOPERM") => {
             tracing::warn!(key = %other, "the Redis user may not read the other shard layout's record; load the current deploy/redis/users.acl");
         }
-        Err(e) => return Err(e),
+        Ok(Err(e)) if crate::error::redis_is_transient(&e) => {
+            tracing::warn!(key = %other, error = %e, "the other shard layout's record cannot be read now; checked next time");
+        }
+        Ok(Err(e)) => return Err(e),
+        Err(_) => {
+            tracing::warn!(key = %other, "the other shard layout's record did not answer within 2 s; checked next time");
+        }
     }
     Ok(check_recorded(base, shards, recorded))
 }
