@@ -82,8 +82,9 @@ pub struct Cli {
     #[arg(long, env = "CHAT_LEASE_TTL", value_parser = humantime::parse_duration, default_value = "10s")]
     pub lease_ttl: Duration,
     /// Interval of SSE heartbeat events (`event: heartbeat`, an event a browser's
-    /// EventSource sees): the chat page takes a stream silent for more than two of them for
-    /// dead (a frozen instance, a connection that forwards nothing) and opens another.
+    /// EventSource sees): the chat page takes a stream silent for one and a half of them
+    /// and half a second for dead (a frozen instance, a connection that forwards nothing)
+    /// and opens another.
     #[arg(long, env = "CHAT_SSE_HEARTBEAT", value_parser = humantime::parse_duration, default_value = "2s")]
     pub sse_heartbeat: Duration,
     /// Bytes queued for all event-stream clients of the instance together at most: past

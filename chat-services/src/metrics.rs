@@ -30,6 +30,7 @@ pub(crate) struct Metrics {
     pub connections_refused_total: IntCounter,
     pub event_streams_refused_total: IntCounter,
     pub live_chats: IntGauge,
+    pub sse_queued_bytes: IntGauge,
     pub requests_refused_total: IntCounterVec,
     pub event_streams_revoked_total: IntCounter,
     pub membership_checks_failed_total: IntCounter,
@@ -150,6 +151,10 @@ impl Metrics {
             live_chats: gauge(
                 "chat_live_chats",
                 "Chats with at least one open event stream on this instance",
+            ),
+            sse_queued_bytes: gauge(
+                "chat_sse_queued_bytes",
+                "Bytes queued for all event-stream clients of the instance, not yet taken by their connections (at most --sse-buffer-total beside one frame per client)",
             ),
             inbox_write_retries_total,
             delivery_seconds,

@@ -57,14 +57,22 @@ function show(message, fromFeed) {
 }
 
 // Heard from the stream: it lives. Silent past the limit: open another (on whatever
-// instance the address reaches now), from what was shown.
+// instance the address reaches now), from what was shown: at once the first time, then a
+// little later each time nothing was heard in between (jittered, four seconds apart at
+// most), so a fleet of tabs does not pile onto a service that is slow, not gone.
+let silentReopens = 0;
 function alive(limit) {
   clearTimeout(silenceTimer);
   silenceTimer = setTimeout(() => {
     setStatus("reconnecting", "reconnecting");
-    listen();
+    const wait = silentReopens === 0 ? 0 : Math.min(500 * 2 ** (silentReopens - 1), 4000);
+    silentReopens += 1;
+    clearTimeout(reopenTimer);
+    if (source) source.close();
+    reopenTimer = setTimeout(listen, wait * (0.5 + Math.random()));
   }, limit || silenceLimit);
 }
+function heard() { silentReopens = 0; alive(); }
 
 function listen() {
   clearTimeout(reopenTimer);
@@ -79,10 +87,10 @@ function listen() {
   current.addEventListener("heartbeat", (event) => {
     const every = JSON.parse(event.data).every_ms;
     if (every > 0) silenceLimit = Math.round(1.5 * every) + 500;
-    alive();
+    heard();
   });
   current.addEventListener("message", (event) => {
-    alive();
+    heard();
     const message = JSON.parse(event.data);
     if (message.chat_id === chatId) show(message, true);
   });
@@ -133,6 +141,7 @@ async function open(chat) {
   clearTimeout(reopenTimer);
   clearTimeout(silenceTimer);
   reopenDelay = 500;
+  silentReopens = 0;
   if (source) source.close();
   source = null;
   list.replaceChildren();

@@ -53,10 +53,23 @@ pub enum StoreError {
     Other(String),
 }
 
+/// [`StoreError::Busy`]'s detail when no pooled connection came free in time.
+const POOL_BUSY: &str = "every pooled connection is in use";
+
 impl StoreError {
     /// Whether retrying later can succeed.
     pub fn is_transient(&self) -> bool {
         matches!(self, StoreError::Unavailable(_) | StoreError::Busy(_))
+    }
+
+    /// Whether the database certainly did not run the statement: unreachable, or no pooled
+    /// connection free (a statement or lock wait that ran out on the server did run).
+    pub fn ran_nothing(&self) -> bool {
+        match self {
+            StoreError::Unavailable(_) => true,
+            StoreError::Busy(detail) => detail == POOL_BUSY,
+            _ => false,
+        }
     }
 
     /// Whether the failure is the written row's own fault (see [`StoreError::RowRefused`]).
@@ -96,7 +109,7 @@ impl From<deadpool_postgres::PoolError> for StoreError {
             // Every connection in use: busy, not gone (a frozen server makes its statements
             // run out, which is what trips the breaker).
             deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Wait) => {
-                StoreError::Busy("every pooled connection is in use".into())
+                StoreError::Busy(POOL_BUSY.into())
             }
             other => StoreError::Unavailable(other.to_string()),
         }
@@ -481,17 +494,25 @@ impl Store {
     }
 
     /// Postgres answers, on a connection of its own (never one of the pool, which may be all
-    /// in use by a busy database: that is not a dead one), within the statement deadline.
-    /// Never refused by the breaker, so the health checks (readiness, the inbox membership)
-    /// learn the truth; its answer clears the breaker, its silence trips it.
-    pub(crate) async fn ping(&self) -> Result<(), StoreError> {
-        let mut health = self.health.lock().await;
-        let outcome = tokio::time::timeout(STATEMENT_DEADLINE, async {
+    /// in use by a busy database: that is not a dead one), within `deadline` (the caller's:
+    /// a check cut short by its caller would never learn the answer, nor reset a connection
+    /// left on a frozen server). Never refused by the breaker, so the health checks
+    /// (readiness, the inbox membership) learn the truth; its answer clears the breaker, its
+    /// silence trips it.
+    pub(crate) async fn ping(&self, deadline: Duration) -> Result<(), StoreError> {
+        let started = std::time::Instant::now();
+        let Ok(mut health) = tokio::time::timeout(deadline, self.health.lock()).await else {
+            return Err(StoreError::Busy(
+                "another health check has not finished".into(),
+            ));
+        };
+        let left = deadline.saturating_sub(started.elapsed());
+        let outcome = tokio::time::timeout(left, async {
             if health.as_ref().is_none_or(|c| c.is_closed()) {
                 *health = None;
                 let client = self
                     .endpoint
-                    .connect_as(STATEMENT_DEADLINE, &format!("chat-{}-health", self.side))
+                    .connect_as(left, &format!("chat-{}-health", self.side))
                     .await
                     .map_err(|e| StoreError::Unavailable(e.to_string()))?;
                 client.batch_execute("SET statement_timeout = '4s'").await?;
@@ -519,7 +540,7 @@ impl Store {
                 self.breaker.trip();
                 self.pool.retain(|_, _| false);
                 Err(StoreError::Unavailable(format!(
-                    "no answer within {STATEMENT_DEADLINE:?}"
+                    "no answer within {deadline:?}"
                 )))
             }
         }
@@ -954,6 +975,22 @@ impl Store {
             }
         }
         Ok(recorded)
+        })
+        .await
+    }
+
+    /// Which of these message ids the inbox holds already.
+    pub(crate) async fn inbox_holds(&self, ids: &[Uuid]) -> Result<Vec<Uuid>, StoreError> {
+        self.bounded(STATEMENT_DEADLINE, async {
+            let s = self.side.schema();
+            let client = self.pool.get().await?;
+            let statement = client
+                .prepare_cached(&format!(
+                    "SELECT message_id FROM {s}.inbox WHERE message_id = ANY($1)"
+                ))
+                .await?;
+            let rows = client.query(&statement, &[&ids]).await?;
+            Ok(rows.iter().map(|r| r.get(0)).collect())
         })
         .await
     }

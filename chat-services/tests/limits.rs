@@ -257,3 +257,80 @@ async fn a_client_that_stops_reading_is_dropped_at_its_byte_budget() {
     );
     stack.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_gone_with_a_full_queue_leave_no_queued_bytes_counted() {
+    // GIVEN event-stream clients that never read (small receive windows), with byte budgets
+    // and a write deadline far off, so their queues fill and the stream waits for room
+    let stack = Stack::start(shared_postgres()).await;
+    let workers = stack
+        .service_process(
+            Side::Workers,
+            "workers",
+            &[
+                "--sse-client-buffer",
+                "268435456",
+                "--sse-buffer-total",
+                "268435456",
+                "--write-timeout",
+                "60s",
+                "--sse-heartbeat",
+                "10m",
+            ],
+        )
+        .await;
+    let mut stalled = Vec::new();
+    for _ in 0..3 {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(4096).unwrap();
+        let mut client = socket.connect(workers.addr).await.unwrap();
+        client
+            .write_all(b"GET /chats/62/events HTTP/1.1\r\nhost: test\r\n\r\n")
+            .await
+            .unwrap();
+        stalled.push(client);
+    }
+    wait_until(Duration::from_secs(10), "three streams open", || async {
+        match metric(&workers, "chat_sse_clients").await {
+            Some(3.0) => Ok(()),
+            other => Err(format!("{other:?}")),
+        }
+    })
+    .await;
+    // ~1.2 MB for each: far more than the sockets and a queue of 64 frames hold.
+    let body = "x".repeat(4000);
+    for _ in 0..6 {
+        let batch: Vec<_> = (0..50)
+            .map(|_| {
+                let (addr, body) = (workers.addr, body.clone());
+                tokio::spawn(async move { crate::support::send(addr, 62, &body).await })
+            })
+            .collect();
+        for send in batch {
+            send.await.unwrap();
+        }
+    }
+    let queued = metric(&workers, "chat_sse_queued_bytes").await.unwrap();
+    assert!(queued > 100_000.0, "queues full: {queued} bytes queued");
+
+    // WHEN the clients go away while their streams wait for room in their queues
+    drop(stalled);
+
+    // THEN every stream ends and the instance counts no byte queued any more (each frame
+    // counted off once: not again by the send that was waiting for room)
+    wait_until(
+        Duration::from_secs(10),
+        "streams gone, nothing queued",
+        || async {
+            match (
+                metric(&workers, "chat_sse_clients").await,
+                metric(&workers, "chat_sse_queued_bytes").await,
+            ) {
+                (Some(0.0), Some(0.0)) => Ok(()),
+                other => Err(format!("clients, queued bytes: {other:?}")),
+            }
+        },
+    )
+    .await;
+    stack.stop().await;
+}

@@ -16,7 +16,7 @@ impl Probe for ServiceProbe {
     async fn readiness(&self) -> Readiness {
         let app = &self.0;
         let consumer = app.consumer.borrow().clone();
-        let postgres = tokio::time::timeout(Duration::from_secs(2), app.store.ping()).await;
+        let postgres = app.store.ping(Duration::from_secs(2)).await;
         let redis = if consumer.redis_reachable {
             "up"
         } else {
@@ -30,7 +30,7 @@ impl Probe for ServiceProbe {
             };
         }
         match postgres {
-            Ok(Ok(())) => Readiness {
+            Ok(()) => Readiness {
                 ready: true,
                 body: serde_json::json!({"status": "ready", "postgres": "up", "redis": redis, "consumer": consumer.role, "shards": consumer.shards, "last_error": consumer.last_error}),
             },
@@ -44,6 +44,13 @@ impl Probe for ServiceProbe {
     fn metrics(&self) -> String {
         let app = &self.0;
         app.metrics.live_chats.set(app.hub.chats() as i64);
+        app.metrics.sse_queued_bytes.set(
+            app.limits
+                .sse_queued
+                .load(std::sync::atomic::Ordering::SeqCst)
+                .try_into()
+                .unwrap_or(i64::MAX),
+        );
         app.metrics.encode()
     }
 

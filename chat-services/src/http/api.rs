@@ -347,12 +347,14 @@ async fn send_traced(
             traceparent.as_deref(),
         )
         .await;
-    // An attempt the database certainly did not take (503, nothing written) is given back,
+    // An attempt the database certainly did not run (503, nothing written) is given back,
     // so a client retrying it with its key is not pushed into 429. Everything else is
-    // charged: a replay or a mismatch runs the whole statement too, and an unknown outcome
-    // may have written.
-    if let (Some(who), Err(StoreError::Unavailable(_) | StoreError::Busy(_))) = (&who, &sent) {
-        app.limits.quotas.give_back(&who.user);
+    // charged: a replay or a mismatch runs the whole statement too, a statement that ran
+    // out on a slow server kept it busy, and an unknown outcome may have written.
+    if let (Some(who), Err(e)) = (&who, &sent) {
+        if e.ran_nothing() {
+            app.limits.quotas.give_back(&who.user);
+        }
     }
     match sent {
         Ok(sent) => {

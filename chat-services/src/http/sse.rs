@@ -136,7 +136,7 @@ pub(crate) fn respond(
         app.metrics.sse_clients.dec();
         drop(permit);
     });
-    let total = app_queued.clone();
+    let total = app_queued;
     let body = stream::unfold(Unqueue { rx, queued, total }, |mut q| async move {
         let bytes = q.rx.recv().await?;
         q.taken(bytes.len());
@@ -168,9 +168,13 @@ impl Unqueue {
 
 impl Drop for Unqueue {
     fn drop(&mut self) {
-        // Frames left in the queue (the connection closed) are counted off with it.
-        let left = self.queued.swap(0, Ordering::SeqCst);
-        self.total.fetch_sub(left, Ordering::SeqCst);
+        // Frames left in the queue (the connection closed) are counted off with it, each
+        // once: closed first, so a send waiting for room fails and counts its own frame
+        // off (`send_or_give_up`), and none lands after the drain.
+        self.rx.close();
+        while let Ok(bytes) = self.rx.try_recv() {
+            self.taken(bytes.len());
+        }
     }
 }
 
@@ -198,11 +202,50 @@ async fn stream_events(
     app: &App,
     chat_id: i64,
     after: Option<Cursor>,
+    live: Subscription,
+    client: &Client,
+) -> Result<(), StreamEnd> {
+    let send = |bytes: Bytes| async move { send_or_give_up(app, client, bytes).await };
+    // An event the browser sees (a comment it does not): the page takes a stream silent for
+    // one and a half of them (and half a second) for dead, and opens another.
+    let beat = Bytes::from(format!(
+        "event: heartbeat\ndata: {{\"every_ms\":{}}}\n\n",
+        app.sse_heartbeat.as_millis()
+    ));
+    // One at once, so the page hears from a stream whose catch-up waits (a busy database).
+    send(Bytes::from_static(b"retry: 1000\n\n")).await?;
+    send(beat.clone()).await?;
+    // Beats go on beside the work, which may wait for the database (a catch-up queued for
+    // a read permit): the page must not take a slow stream for a dead one and open another
+    // that waits the same way. A client gone ends the stream wherever it waits.
+    let beats = async {
+        let mut heartbeat = tokio::time::interval_at(
+            tokio::time::Instant::now() + app.sse_heartbeat,
+            app.sse_heartbeat,
+        );
+        heartbeat.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            heartbeat.tick().await;
+            send(beat.clone()).await?;
+        }
+    };
+    tokio::select! {
+        ended = feed_and_live(app, chat_id, after, live, client) => ended,
+        ended = beats => ended,
+        _ = client.tx.closed() => Err(StreamEnd::ClientGone),
+        _ = app.shutdown.cancelled() => Ok(()),
+    }
+}
+
+/// The feed after `after`, then live messages (and the catch-ups their gaps call for).
+async fn feed_and_live(
+    app: &App,
+    chat_id: i64,
+    after: Option<Cursor>,
     mut live: Subscription,
     client: &Client,
 ) -> Result<(), StreamEnd> {
     let send = |bytes: Bytes| async move { send_or_give_up(app, client, bytes).await };
-    send(Bytes::from_static(b"retry: 1000\n\n")).await?;
     // `last`: the position of the last message sent; every one before it was sent too.
     let tip = || async {
         let tips = app.store.tips(&[chat_id]).await?;
@@ -217,53 +260,42 @@ async fn stream_events(
     if after.is_some() {
         catch_up(app, chat_id, &mut last, client).await?;
     }
-    let mut heartbeat = tokio::time::interval_at(
-        tokio::time::Instant::now() + app.sse_heartbeat,
-        app.sse_heartbeat,
-    );
-    // An event the browser sees (a comment it does not): the page takes a stream silent for
-    // more than two of them for dead, and opens another.
-    let beat = Bytes::from(format!(
-        "event: heartbeat\ndata: {{\"every_ms\":{}}}\n\n",
-        app.sse_heartbeat.as_millis()
-    ));
     loop {
-        tokio::select! {
-            _ = app.shutdown.cancelled() => return Ok(()),
-            _ = client.tx.closed() => return Err(StreamEnd::ClientGone),
-            received = live.recv() => match received {
-                Ok(Live::Message { pos, frame, delivery }) => {
-                    if pos == last + 1 {
-                        let span = delivery.as_deref().and_then(push_span);
-                        send(frame).await?;
-                        drop(span);
-                        if let Some(delivery) = delivery {
-                            app.metrics
-                                .recorded_to_pushed_seconds
-                                .observe(seconds_since_micros(delivery.recorded_at_micros));
-                        }
-                        last = pos;
-                    } else if pos > last {
-                        // A message between was announced elsewhere, late, or never.
-                        app.metrics.sse_gaps_filled_total.inc();
-                        catch_up(app, chat_id, &mut last, client).await?;
+        match live.recv().await {
+            Ok(Live::Message {
+                pos,
+                frame,
+                delivery,
+            }) => {
+                if pos == last + 1 {
+                    let span = delivery.as_deref().and_then(push_span);
+                    send(frame).await?;
+                    drop(span);
+                    if let Some(delivery) = delivery {
+                        app.metrics
+                            .recorded_to_pushed_seconds
+                            .observe(seconds_since_micros(delivery.recorded_at_micros));
                     }
-                }
-                Ok(Live::Tip(pos)) => {
-                    if pos > last {
-                        app.metrics.sse_gaps_filled_total.inc();
-                        catch_up(app, chat_id, &mut last, client).await?;
-                        // Everything up to a tip is final and was just read: what is not
-                        // there is a hole (see migration V7), not a message to wait for.
-                        last = last.max(pos);
-                    }
-                }
-                Ok(Live::Resync) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                    last = pos;
+                } else if pos > last {
+                    // A message between was announced elsewhere, late, or never.
+                    app.metrics.sse_gaps_filled_total.inc();
                     catch_up(app, chat_id, &mut last, client).await?;
                 }
-                Err(broadcast::error::RecvError::Closed) => return Ok(()),
-            },
-            _ = heartbeat.tick() => send(beat.clone()).await?,
+            }
+            Ok(Live::Tip(pos)) => {
+                if pos > last {
+                    app.metrics.sse_gaps_filled_total.inc();
+                    catch_up(app, chat_id, &mut last, client).await?;
+                    // Everything up to a tip is final and was just read: what is not
+                    // there is a hole (see migration V7), not a message to wait for.
+                    last = last.max(pos);
+                }
+            }
+            Ok(Live::Resync) | Err(broadcast::error::RecvError::Lagged(_)) => {
+                catch_up(app, chat_id, &mut last, client).await?;
+            }
+            Err(broadcast::error::RecvError::Closed) => return Ok(()),
         }
     }
 }
@@ -301,23 +333,46 @@ async fn send_or_give_up(app: &App, client: &Client, bytes: Bytes) -> Result<(),
     // the client's own or, with every client's together, the instance's.
     let before = client.queued.fetch_add(len, Ordering::SeqCst);
     let total = app.limits.sse_queued.fetch_add(len, Ordering::SeqCst) + len;
-    let unqueued = |end: StreamEnd| {
-        client.queued.fetch_sub(len, Ordering::SeqCst);
-        app.limits.sse_queued.fetch_sub(len, Ordering::SeqCst);
-        if matches!(end, StreamEnd::TooSlow) {
-            app.metrics.sse_slow_clients_dropped_total.inc();
-        }
-        Err(end)
+    // Counted off again unless the frame lands in the queue (whose reader counts it off):
+    // refused, failed, or this send abandoned (the stream ended while it waited for room).
+    let mut pending = Pending {
+        client,
+        total: &app.limits.sse_queued,
+        len,
+    };
+    let too_slow = || {
+        app.metrics.sse_slow_clients_dropped_total.inc();
+        Err(StreamEnd::TooSlow)
     };
     if before > 0
         && (before + len > app.limits.sse_client_buffer || total > app.limits.sse_buffer_total)
     {
-        return unqueued(StreamEnd::TooSlow);
+        return too_slow();
     }
     match tokio::time::timeout(app.limits.write_timeout, client.tx.send(bytes)).await {
-        Ok(Ok(())) => Ok(()),
-        Ok(Err(_)) => unqueued(StreamEnd::ClientGone),
-        Err(_) => unqueued(StreamEnd::TooSlow),
+        Ok(Ok(())) => {
+            pending.len = 0;
+            Ok(())
+        }
+        Ok(Err(_)) => Err(StreamEnd::ClientGone),
+        Err(_) => too_slow(),
+    }
+}
+
+/// A frame's bytes counted as queued before it is: counted off when dropped, unless it
+/// landed in the queue (`len` 0).
+struct Pending<'a> {
+    client: &'a Client,
+    total: &'a AtomicUsize,
+    len: usize,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        if self.len > 0 {
+            self.client.queued.fetch_sub(self.len, Ordering::SeqCst);
+            self.total.fetch_sub(self.len, Ordering::SeqCst);
+        }
     }
 }
 

@@ -391,7 +391,13 @@ impl Active<'_> {
         }
         let released: redis::RedisResult<i64> = invocation.invoke_async(&mut self.conn).await;
         if let Err(e) = released {
-            debug!(error = %e, "could not mark entries in flight as released");
+            debug!(error = %e, "could not mark entries in flight as released; the next session tries again");
+            // Kept, so the next session of this run releases them (or reads its own records
+            // as its own): an unreleased record reads as this run having died on them.
+            let mut kept = self.inbox.delivered.lock().unwrap();
+            for (id, n) in delivered {
+                kept.entry(id).or_insert(n);
+            }
         }
     }
 
@@ -479,15 +485,16 @@ impl Active<'_> {
     }
 }
 
-/// Release attempt records still naming the run `ARGV[1]` (or absent): pairs of entry id
-/// and attempt number follow.
+/// Release attempt records still naming the run `ARGV[1]` (or absent), whether that run
+/// processed the entry in a batch or alone: pairs of entry id and attempt number follow.
 static RELEASE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r#"
 local run = ARGV[1]
 for i = 2, #ARGV, 2 do
   local v = redis.call('HGET', KEYS[1], ARGV[i])
-  if (not v) or v == run .. ' ' .. ARGV[i + 1] then
+  local mine = run .. ' ' .. ARGV[i + 1]
+  if (not v) or v == mine or v == mine .. ' alone' then
     redis.call('HSET', KEYS[1], ARGV[i], '- ' .. ARGV[i + 1])
   end
 end

@@ -567,13 +567,14 @@ impl Active<'_> {
         let mut received = Vec::new();
         let mut dead = Vec::new();
         let mut gone = Vec::new();
+        let recorded_before = self.recorded_among_doomed(&entries, attempts).await?;
         for entry in entries {
             let Some(fields) = &entry.fields else {
                 gone.push(entry.id);
                 continue;
             };
             let attempt = attempts.get(&entry.id).copied().unwrap_or(1);
-            if attempt > self.cfg().max_deliveries {
+            if attempt > self.cfg().max_deliveries && !recorded_before.contains(&entry.id) {
                 let reason = format!(
                     "its processing ended with the consumer process while it was processed alone (conclusive), or {} times in all; delivered {} times",
                     self.cfg().max_deliveries,
@@ -659,6 +660,46 @@ impl Active<'_> {
         Ok(Flow::Continue)
     }
 
+    /// Entries past their last delivery whose message the inbox holds already: the run
+    /// that ended with them (killed after its commit, before its acknowledgement) recorded
+    /// them, so they are shown and acknowledged, not dead-lettered.
+    async fn recorded_among_doomed(
+        &self,
+        entries: &[Entry],
+        attempts: &HashMap<String, u64>,
+    ) -> Result<std::collections::HashSet<String>, ConsumeError> {
+        let doomed: HashMap<uuid::Uuid, &str> = entries
+            .iter()
+            .filter(|e| attempts.get(&e.id).copied().unwrap_or(1) > self.cfg().max_deliveries)
+            .filter_map(|e| {
+                let fields = e.fields.as_ref()?;
+                let message = model::parse_entry(
+                    |name| fields.get(name).map(String::as_str),
+                    self.cfg().side.other(),
+                )
+                .ok()?;
+                Some((message.id, e.id.as_str()))
+            })
+            .collect();
+        if doomed.is_empty() {
+            return Ok(Default::default());
+        }
+        let ids: Vec<uuid::Uuid> = doomed.keys().copied().collect();
+        // Unknown is dead-lettered as before: a replay of a dead letter the inbox holds is
+        // skipped as a duplicate, so the cost is a false alarm, never a second showing.
+        let held = match self.inbox.store.inbox_holds(&ids).await {
+            Ok(held) => held,
+            Err(e) => {
+                warn!(error = %e, "could not look up entries past their last delivery in the inbox; dead-lettering them");
+                Vec::new()
+            }
+        };
+        Ok(held
+            .iter()
+            .filter_map(|id| doomed.get(id).map(|s| s.to_string()))
+            .collect())
+    }
+
     /// [`Active::record`] `batch`, halving what one transaction writes while the database is
     /// too busy for it (a statement or lock wait running out on the server): each try then
     /// holds fewer chats' feed counters, so the sends to those chats go on, and a slow
@@ -670,10 +711,24 @@ impl Active<'_> {
     ) -> Result<Recorded, ConsumeError> {
         let mut positions = HashMap::new();
         let mut parts: Vec<&[Received]> = vec![batch];
+        let mut halving = false;
         while let Some(part) = parts.pop() {
+            if halving {
+                // Each try took up to a statement deadline: keep the lease, and stop for
+                // SIGTERM or a shard another instance wants (what is not recorded stays
+                // pending for the next holder).
+                if shutdown.is_cancelled() {
+                    return Ok(Recorded::Shutdown);
+                }
+                if !self.inbox.wanted() {
+                    return Err(ConsumeError::LeaseLost);
+                }
+                self.renew_if_due().await?;
+            }
             match self.record(part, shutdown).await? {
                 Recorded::Done(p) => positions.extend(p),
                 Recorded::TooLarge => {
+                    halving = true;
                     let (first, rest) = part.split_at(part.len() / 2);
                     warn!(
                         entries = part.len(),
