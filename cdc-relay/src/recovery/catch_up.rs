@@ -62,6 +62,9 @@ const PAGE_BYTES: usize = 16 << 20;
 const SHORT_ROUND: u64 = 200;
 /// How often a catch-up waiting for the consumer groups looks again.
 const ROOM_POLL: Duration = Duration::from_millis(200);
+/// How long a catch-up waits for one shard's consumers before giving way to other shards
+/// behind (each of its turns costs a comparison, so not much shorter).
+const ROOM_WAIT_WHEN_OTHERS_WAIT: Duration = Duration::from_secs(10);
 /// Deadline of each step against Redis and each query against Postgres.
 const STEP_TIMEOUT: Duration = Duration::from_secs(30);
 
@@ -198,7 +201,14 @@ impl Manager {
                         .into_iter()
                         .map(|k| (k, waiting[&k].consumed.clone()))
                         .collect();
-                    let outcome = self.catch_up(&due).await;
+                    // Others waiting: a shard whose consumers do not read gives way to them.
+                    let others_wait = waiting.len() > 1;
+                    let outcome = self.catch_up(&due, others_wait).await;
+                    for k in &outcome.again {
+                        if let Some(w) = waiting.get_mut(k) {
+                            w.next_try = Instant::now();
+                        }
+                    }
                     for k in outcome.rejoined {
                         waiting.remove(&k);
                         self.ctx
@@ -243,7 +253,7 @@ impl Manager {
 
     /// Catch the shards `due` up as one group; which rejoined, which must wait (and why),
     /// and an error that ends the session.
-    async fn catch_up(&self, due: &[(u32, Option<Arc<Watermark>>)]) -> Outcome {
+    async fn catch_up(&self, due: &[(u32, Option<Arc<Watermark>>)], others_wait: bool) -> Outcome {
         let mut outcome = Outcome::default();
         let mut group = Vec::new();
         for (k, consumed) in due {
@@ -290,34 +300,50 @@ impl Manager {
             handover: &self.handover,
             shards: group.into_iter().map(|p| (p.shard, p)).collect(),
             published: 0,
+            rejoined: Vec::new(),
+            gives_way: others_wait.then_some(ROOM_WAIT_WHEN_OTHERS_WAIT),
+            full: None,
         };
-        match run.run().await {
-            Ok(rejoined) => {
-                for k in &shards {
-                    if !rejoined.contains(k) {
-                        outcome
-                            .later
-                            .push((*k, "its capture was lost during the hand-over".into()));
-                    }
+        let ran = run.run().await;
+        // Shards that turned live before an error stay live: never abandoned, re-queued or
+        // caught up again while their lane streams.
+        let rejoined = std::mem::take(&mut run.rejoined);
+        let full = run.full;
+        let rest: Vec<u32> = shards
+            .iter()
+            .copied()
+            .filter(|k| !rejoined.contains(k))
+            .collect();
+        match ran {
+            Ok(()) => {
+                for k in &rest {
+                    outcome
+                        .later
+                        .push((*k, "its capture was lost during the hand-over".into()));
                 }
-                outcome.rejoined = rejoined;
             }
             Err(e) => {
                 let _ = self
                     .handover
                     .send(Handover::Abandon {
-                        shards: shards.clone(),
+                        shards: rest.clone(),
                     })
                     .await;
                 if e.is_transient() || matches!(e, RelayError::StreamFull { .. }) {
-                    outcome
-                        .later
-                        .extend(shards.iter().map(|k| (*k, e.to_string())));
+                    for k in rest {
+                        match full {
+                            // The shard that waited for its consumers waits its turn; the
+                            // others of its group go again at once, without it.
+                            Some(f) if f != k => outcome.again.push(k),
+                            _ => outcome.later.push((k, e.to_string())),
+                        }
+                    }
                 } else {
                     outcome.fatal = Some(e);
                 }
             }
         }
+        outcome.rejoined = rejoined;
         outcome
     }
 }
@@ -333,6 +359,8 @@ async fn sleep_until_opt(at: Option<Instant>) {
 struct Outcome {
     rejoined: Vec<u32>,
     later: Vec<(u32, String)>,
+    /// Shards to try again at once (another shard of their group was the one that waited).
+    again: Vec<u32>,
     fatal: Option<RelayError>,
 }
 
@@ -529,11 +557,18 @@ struct CatchUp<'a> {
     handover: &'a mpsc::Sender<Handover>,
     shards: HashMap<u32, Prepared>,
     published: u64,
+    /// The shards turned live so far (the hand-over turns them one by one).
+    rejoined: Vec<u32>,
+    /// How long a shard may wait for its consumers to make room before the catch-up gives
+    /// way to other shards (`None`: as long as it takes).
+    gives_way: Option<Duration>,
+    /// The shard that gave way.
+    full: Option<u32>,
 }
 
 impl CatchUp<'_> {
-    /// Steps 2 to 4; the shards that turned live.
-    async fn run(&mut self) -> Result<Vec<u32>, RelayError> {
+    /// Steps 2 to 4; the shards that turned live are in `rejoined`.
+    async fn run(&mut self) -> Result<(), RelayError> {
         let cfg = &self.ctx.config;
         let sql = cfg.postgres.endpoint.connect(cfg.connect_timeout).await?;
         sql.batch_execute(&format!(
@@ -816,6 +851,7 @@ impl CatchUp<'_> {
         }
         let fill_to = cap - cap / 4;
         let mut said = None::<Instant>;
+        let started = Instant::now();
         loop {
             let (entries, groups) = tokio::time::timeout(STEP_TIMEOUT, self.publisher.room(shard))
                 .await
@@ -825,6 +861,17 @@ impl CatchUp<'_> {
                 return Ok(());
             }
             self.ctx.metrics.catch_up_waiting_for_consumers.set(1);
+            if self
+                .gives_way
+                .is_some_and(|limit| started.elapsed() >= limit)
+            {
+                // Its progress is in its record: it goes on from there on its next turn.
+                self.full = Some(shard);
+                return Err(RelayError::StreamFull {
+                    stream: self.publisher.shard_stream(shard).to_string(),
+                    detail: format!("{entries} entries its consumer groups have not read; the catch-up gives way to the other shards behind"),
+                });
+            }
             if said.is_none_or(|at| at.elapsed() >= Duration::from_secs(10)) {
                 let why = if groups == 0 {
                     "no consumer group reads it yet".to_string()
@@ -844,7 +891,7 @@ impl CatchUp<'_> {
         sql: &Client,
         table: &Table,
         prev: Arc<Watermark>,
-    ) -> Result<Vec<u32>, RelayError> {
+    ) -> Result<(), RelayError> {
         let shards: Vec<u32> = self.shards.keys().copied().collect();
         let (started, started_rx) = oneshot::channel();
         self.handover
@@ -861,7 +908,6 @@ impl CatchUp<'_> {
         self.round(sql, table, Some(&prev.snapshot), &last, None)
             .await?;
         self.watermarks.push((*last).clone());
-        let mut rejoined = Vec::new();
         for k in shards {
             // Its record gets the last snapshot as its watermark (every row it shows is in
             // the shard now) and loses its marker.
@@ -883,11 +929,11 @@ impl CatchUp<'_> {
                 .await
                 .map_err(|_| RelayError::ShuttingDown)?;
             if done_rx.await.unwrap_or(false) {
-                rejoined.push(k);
+                self.rejoined.push(k);
             }
         }
-        info!(shards = ?rejoined, republished = self.published, "caught up from the outbox table");
-        Ok(rejoined)
+        info!(shards = ?self.rejoined, republished = self.published, "caught up from the outbox table");
+        Ok(())
     }
 }
 

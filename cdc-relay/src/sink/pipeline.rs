@@ -265,6 +265,10 @@ impl Pipeline {
         acked: Lsn,
     ) -> bool {
         let lane = &mut self.lanes[shard as usize];
+        if matches!(lane.state, State::Live) {
+            // Live already (a hand-over repeated after an error): nothing to change.
+            return true;
+        }
         let State::Behind {
             capture: Some(capture),
         } = std::mem::replace(&mut lane.state, State::Live)

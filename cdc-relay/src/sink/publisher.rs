@@ -71,9 +71,58 @@ struct ShardKeys {
     origin_key: String,
 }
 
+/// The Redis connection every clone of a publisher shares, made anew when it stops finding
+/// its nodes: a cluster connection can be left with none after every node restarted, and
+/// waits out its own reconnection schedule (seconds) while a new one connects at once.
+#[derive(Clone)]
+struct SharedConn {
+    current: Arc<std::sync::Mutex<RedisConn>>,
+    target: RedisTarget,
+    timeout: Duration,
+    renewed_at: Arc<std::sync::Mutex<Option<std::time::Instant>>>,
+}
+
+impl SharedConn {
+    fn get(&self) -> RedisConn {
+        self.current.lock().unwrap().clone()
+    }
+
+    /// Connect anew and replace the shared connection (at most once a second: every lane
+    /// meets the same error at once).
+    async fn renew(&self) {
+        {
+            let mut at = self.renewed_at.lock().unwrap();
+            if at.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
+                return;
+            }
+            *at = Some(std::time::Instant::now());
+        }
+        match tokio::time::timeout(self.timeout, self.target.connect(self.timeout)).await {
+            Ok(Ok(conn)) => {
+                *self.current.lock().unwrap() = conn;
+                tracing::info!("replaced the Redis connection, which found none of its nodes");
+            }
+            Ok(Err(e)) => tracing::debug!(error = %e, "a new Redis connection failed too"),
+            Err(_) => tracing::debug!("a new Redis connection did not answer in time"),
+        }
+    }
+}
+
+/// Whether `e` says the connection has no way to its node (as opposed to a node's answer).
+fn lost_its_nodes(e: &RelayError) -> bool {
+    match e {
+        RelayError::Redis(e) => {
+            e.kind() == ErrorKind::ClusterConnectionNotFound
+                || e.is_connection_dropped()
+                || e.is_connection_refusal()
+        }
+        _ => false,
+    }
+}
+
 #[derive(Clone)]
 pub(crate) struct Publisher {
-    conn: RedisConn,
+    conn: SharedConn,
     /// The stream's configured name (shard keys derive from it).
     base: String,
     shards: Arc<[ShardKeys]>,
@@ -102,6 +151,12 @@ impl Publisher {
     ) -> Result<Self, RelayError> {
         let mut conn = target.connect(response_timeout).await?;
         let script_sha = load_script(&mut conn, SCRIPT).await?;
+        let conn = SharedConn {
+            current: Arc::new(std::sync::Mutex::new(conn)),
+            target: target.clone(),
+            timeout: response_timeout,
+            renewed_at: Arc::default(),
+        };
         let shards: Arc<[ShardKeys]> = shard_keys(stream, shards)
             .into_iter()
             .map(|stream| ShardKeys {
@@ -155,6 +210,7 @@ impl Publisher {
             touch.arg(&keys.origin_key).arg("claims").arg(1);
             let (_, replicas) = self
                 .conn
+                .get()
                 .then_wait(touch, &keys.stream, self.wait_replicas, self.timeout / 2)
                 .await?;
             if replicas < self.wait_replicas {
@@ -187,7 +243,7 @@ impl Publisher {
         let keys = &self.shards[shard as usize];
         let (entries, groups): (u64, u64) = SCRIPT
             .key(&keys.stream)
-            .invoke_async(&mut self.conn)
+            .invoke_async(&mut self.conn.get())
             .await?;
         Ok((entries, groups))
     }
@@ -209,7 +265,7 @@ impl Publisher {
             .map(|r| r.shards.unwrap_or(0))
             .collect();
         let shards = self.shard_count();
-        Ok(check_layout(&mut self.conn, &self.base, shards, recorded).await??)
+        Ok(check_layout(&mut self.conn.get(), &self.base, shards, recorded).await??)
     }
 
     /// The record of every shard, in shard order, with this publisher's connection.
@@ -221,12 +277,12 @@ impl Publisher {
 
     /// The record of `shard`.
     pub(crate) fn records_of(&self, shard: u32) -> Records {
-        Records::new(self.conn.clone(), &self.shards[shard as usize].stream)
+        Records::new(self.conn.get(), &self.shards[shard as usize].stream)
     }
 
     /// The connection (for the rebuild lock).
     pub(crate) fn connection(&self) -> RedisConn {
-        self.conn.clone()
+        self.conn.get()
     }
 
     /// Publish `entries` (all of shard `shard`, ids increasing) as one call, recording what
@@ -243,12 +299,22 @@ impl Publisher {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 // Redis restarted or failed over (scripts are not persisted): load it again
                 // (on every node of a cluster) and resend.
-                self.script_sha = load_script(&mut self.conn, SCRIPT).await?;
+                self.script_sha = load_script(&mut self.conn.get(), SCRIPT).await?;
                 self.eval(shard, entries, meta, origin).await
             }
             other => other,
         };
-        let (reply, replicas) = reply.map_err(|e| self.script_error(shard, e, origin))?;
+        let (reply, replicas) = match reply {
+            Ok(reply) => reply,
+            Err(e) => {
+                let e = self.script_error(shard, e, origin);
+                if lost_its_nodes(&e) {
+                    // The lane sends again on the new connection.
+                    self.conn.renew().await;
+                }
+                return Err(e);
+            }
+        };
         let outcome = parse_outcome(reply)?;
         if let Some(acked) = replicas.filter(|n| *n < self.wait_replicas) {
             // Not confirmed: sent again (idempotent) until enough replicas have it.
@@ -320,13 +386,14 @@ impl Publisher {
             }
         }
         if self.wait_replicas == 0 {
-            return Ok((cmd.query_async(&mut self.conn).await?, None));
+            return Ok((cmd.query_async(&mut self.conn.get()).await?, None));
         }
         // WAIT counts the writes of the connection it arrives on: it must follow the
         // script on the same one, so both go as one pipeline. Its own timeout stays well
         // inside the response timeout.
         let (reply, replicas) = self
             .conn
+            .get()
             .then_wait(cmd, &keys.stream, self.wait_replicas, self.timeout / 2)
             .await?;
         Ok((reply, Some(replicas)))
