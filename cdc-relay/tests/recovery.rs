@@ -935,9 +935,11 @@ async fn a_relay_cut_off_mid_publish_writes_nothing_after_another_took_over_and_
     // ... and then the link heals and A goes on: its held batch reaches Redis
     link.release();
     a.child.signal(testkit::Signal::Cont).unwrap();
-    insert_txn(&mut writer, 0, 5, 1, true).await.unwrap();
 
-    // THEN the late batch of the superseded session is refused: every row once
+    // THEN the late batch of the superseded session is refused: every row once. (Nothing
+    // new is committed before it is answered: a later row B published first would put the
+    // stream's top above the late batch, which the script then skips as a duplicate, also
+    // writing nothing, but without the refusal this test waits for.)
     wait_until(
         Duration::from_secs(30),
         "A's late batch answered",
@@ -953,13 +955,15 @@ async fn a_relay_cut_off_mid_publish_writes_nothing_after_another_took_over_and_
                 Ok(())
             } else {
                 Err(format!(
-                    "{errors}; A: {}",
-                    crate::support::tail(&a.child.log())
+                    "{errors}; A: {}\nB: {}",
+                    crate::support::tail(&a.child.log()),
+                    crate::support::tail(&b.child.log())
                 ))
             }
         },
     )
     .await;
+    insert_txn(&mut writer, 0, 5, 1, true).await.unwrap();
     assert_every_row_once(&fx, &b).await;
     assert_eq!(stream_ids(&fx).await.len(), 7);
     assert!(
