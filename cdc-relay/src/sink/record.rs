@@ -144,6 +144,11 @@ return 1
 const CREATE: &str = r#"
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
+-- Fenced from the moment it exists: an epoch of Redis's clock is above every session's
+-- claimed before (a paused relay's late batch would otherwise pass, and take the stream
+-- back, between this and the creator's own claim).
+local t = redis.call('TIME')
+redis.call('HSET', KEYS[1], 'writer_epoch', tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000))
 return 1
 "#;
 
