@@ -298,8 +298,17 @@ impl Publisher {
         let reply = match reply {
             Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
                 // Redis restarted or failed over (scripts are not persisted): load it again
-                // (on every node of a cluster) and resend.
-                self.script_sha = load_script(&mut self.conn.get(), SCRIPT).await?;
+                // (on every node of a cluster) and resend. Every node restarted at once
+                // leaves a cluster connection with none of its nodes here.
+                match load_script(&mut self.conn.get(), SCRIPT).await {
+                    Ok(sha) => self.script_sha = sha,
+                    Err(e) => {
+                        if lost_its_nodes(&e) {
+                            self.conn.renew().await;
+                        }
+                        return Err(e);
+                    }
+                }
                 self.eval(shard, entries, meta, origin).await
             }
             other => other,
