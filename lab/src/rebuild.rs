@@ -126,16 +126,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             }
             if let Ok((200, _)) = testkit::http::get(admin, "/readyz").await {
                 let metrics = testkit::http::get(admin, "/metrics").await?.1;
-                let samples = testkit::http::metric_samples(&metrics);
-                let sum = |prefix: &str| -> f64 {
-                    samples
-                        .iter()
-                        .filter(|(series, _)| series.starts_with(prefix))
-                        .map(|(_, n)| n)
-                        .sum()
-                };
-                if sum("cdc_relay_catch_ups_total") >= 1.0 && sum("cdc_relay_shard_behind{") == 0.0
-                {
+                if caught_up(&metrics) {
                     break metrics;
                 }
             }
@@ -186,6 +177,20 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
 }
 
 /// The process's peak resident set (VmHWM), in MiB.
+/// Whether the relay's metrics say it caught the stream up: a catch-up ran and no shard
+/// is behind any more.
+fn caught_up(metrics: &str) -> bool {
+    let samples = testkit::http::metric_samples(metrics);
+    let sum = |prefix: &str| -> f64 {
+        samples
+            .iter()
+            .filter(|(series, _)| series.starts_with(prefix))
+            .map(|(_, n)| n)
+            .sum()
+    };
+    sum("cdc_relay_catch_ups_total") >= 1.0 && sum("cdc_relay_shard_behind{") == 0.0
+}
+
 fn peak_rss_mib(pid: u32) -> f64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .ok()

@@ -87,9 +87,13 @@ impl SharedConn {
         self.current.lock().unwrap().clone()
     }
 
-    /// Connect anew and replace the shared connection (at most once a second: every lane
-    /// meets the same error at once).
-    async fn renew(&self) {
+    /// After `e`: when it says the connection has no way to its node, connect anew and
+    /// replace the shared connection (at most once a second: every lane meets the same
+    /// error at once). The caller sends again on the new one.
+    async fn renew_if_lost(&self, e: &RelayError) {
+        if !lost_its_nodes(e) {
+            return;
+        }
         {
             let mut at = self.renewed_at.lock().unwrap();
             if at.is_some_and(|t| t.elapsed() < Duration::from_secs(1)) {
@@ -303,9 +307,7 @@ impl Publisher {
                 match load_script(&mut self.conn.get(), SCRIPT).await {
                     Ok(sha) => self.script_sha = sha,
                     Err(e) => {
-                        if lost_its_nodes(&e) {
-                            self.conn.renew().await;
-                        }
+                        self.conn.renew_if_lost(&e).await;
                         return Err(e);
                     }
                 }
@@ -317,10 +319,7 @@ impl Publisher {
             Ok(reply) => reply,
             Err(e) => {
                 let e = self.script_error(shard, e, origin);
-                if lost_its_nodes(&e) {
-                    // The lane sends again on the new connection.
-                    self.conn.renew().await;
-                }
+                self.conn.renew_if_lost(&e).await;
                 return Err(e);
             }
         };
