@@ -117,6 +117,12 @@ pub enum RelayError {
     #[error("{0}; starting the session again")]
     Restart(String),
 
+    #[error("{count} transaction(s) the slot sent are still invisible to snapshots after {waited:?} (commits waiting for a synchronous standby?); the hand-over waits for them")]
+    CommitsInvisible {
+        count: usize,
+        waited: std::time::Duration,
+    },
+
     #[error("stopped by a signal before streaming")]
     ShuttingDown,
 
@@ -158,6 +164,8 @@ impl RelayError {
             RelayError::StreamFull { .. } => true,
             RelayError::ReplicationSilent(_) => true,
             RelayError::ShardUnreachable { .. } | RelayError::Restart(_) => true,
+            // The commits become visible once their wait ends.
+            RelayError::CommitsInvisible { .. } => true,
             // Not an error to retry: the supervisor stops.
             RelayError::ShuttingDown => false,
             RelayError::StreamEnded | RelayError::ConnectTimeout(_) => true,

@@ -15,7 +15,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::support::{
-    assert_caught_up, expected_by_shard, read_stream, tail, wait_metric, Entry, Fixture,
+    assert_caught_up, expected_by_shard, metrics, read_stream, tail, wait_metric, Entry, Fixture,
     RelayProcess, StuckShard,
 };
 use outbox_core::stream::{shard_key, shard_of};
@@ -834,4 +834,142 @@ async fn a_catch_up_of_every_retained_row_stopped_by_sigterm_resumes_where_it_st
     let got = reader.await.unwrap();
     assert_eq!(got, (1..=rows as u64).collect::<Vec<u64>>());
     relay.stop();
+}
+
+/// A commit on `client` that waits for the synchronous standby (which never comes): written
+/// to the WAL, sent to the relay, invisible to every snapshot until its wait is cancelled.
+/// Answers the backend's pid; the commit's task ends when the wait is cancelled.
+async fn commit_waiting_for_a_standby(
+    fx: &Fixture<'_>,
+    chat: i64,
+) -> (i32, tokio::task::JoinHandle<()>) {
+    let mut client = fx.writer().await;
+    let pid: i32 = client
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let task = tokio::spawn(async move {
+        let tx = client.transaction().await.unwrap();
+        tx.batch_execute("SET LOCAL synchronous_commit = on")
+            .await
+            .unwrap();
+        let payload = serde_json::json!({"chat_id": chat, "waits": "for a standby"});
+        tx.execute(
+            "INSERT INTO consumers.outbox (event, payload, partition_key)
+             VALUES ('test.event', $1::text::jsonb, $2)",
+            &[&payload.to_string(), &chat.to_string()],
+        )
+        .await
+        .unwrap();
+        // Cancelled, the wait ends with a warning: the commit stands (locally).
+        tx.commit().await.unwrap();
+    });
+    (pid, task)
+}
+
+/// One committed row for `chat`, its own transaction.
+async fn send_to(fx: &Fixture<'_>, chat: i64, n: i64) {
+    fx.writer()
+        .await
+        .execute(
+            "INSERT INTO consumers.outbox (event, payload, partition_key)
+             VALUES ('test.event', $1::text::jsonb, $2)",
+            &[
+                &serde_json::json!({"chat_id": chat, "n": n}).to_string(),
+                &chat.to_string(),
+            ],
+        )
+        .await
+        .unwrap();
+}
+
+/// A transaction the relay received (and dropped: its shard was behind) while no snapshot
+/// showed it yet, when the shard is handed back to live streaming; `restart`: the relay is
+/// SIGKILLed and started again in between. Panics if the row never reaches its shard.
+async fn a_commit_not_yet_visible_at_the_hand_over(restart: bool) {
+    // GIVEN a primary whose commits may wait for a synchronous standby that never comes (the
+    // window between a commit's WAL and its visibility, held open), a relay on 4 shards
+    let pg = testkit::PgServer::start_with(
+        testkit::PgOptions::default()
+            .setting("synchronous_standby_names", "ghost")
+            .setting("synchronous_commit", "local"),
+    )
+    .unwrap();
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::sharded(&pg, &redis, SHARDS).await;
+    let flags = ["--shard-detach-after", "1s"];
+    let mut relay = fx.spawn_relay("relay", &flags);
+    relay.wait_streaming().await;
+    let chat = 1;
+    let stuck = shard_of_chat(chat);
+    let other = (2..=CHATS).find(|c| shard_of_chat(*c) != stuck).unwrap();
+    let behind = format!("cdc_relay_shard_behind{{shard=\"{stuck}\"}}");
+    // ... the shard of chat 1 refusing writes until it fell behind
+    let refusing = StuckShard::start(&redis, &shard_key(&fx.stream, stuck, SHARDS)).await;
+    send_to(&fx, chat, 0).await;
+    wait_metric(&relay, &behind, "the shard behind", |v| v == 1.0).await;
+
+    // WHEN a transaction of that shard commits but stays invisible (its commit waits for the
+    // standby), and the relay receives it: the other shards' acknowledgements move on
+    let received = relay
+        .metric("cdc_relay_transactions_total")
+        .await
+        .unwrap_or(0.0);
+    let (pid, waiting) = commit_waiting_for_a_standby(&fx, chat).await;
+    wait_metric(
+        &relay,
+        "cdc_relay_transactions_total",
+        "the waiting commit received",
+        |v| v > received,
+    )
+    .await;
+    send_to(&fx, other, 1).await;
+    if restart {
+        relay.child.signal(testkit::Signal::Kill).unwrap();
+        relay.child.wait_exit(Duration::from_secs(10)).unwrap();
+        relay = fx.spawn_relay("relay-again", &flags);
+        relay.wait_streaming().await;
+    }
+    // ... and the shard accepts again: its catch-up runs while the commit is still invisible
+    refusing.release().await;
+    wait_until(
+        Duration::from_secs(30),
+        "the hand-over rejoined or waits for the commit",
+        || async {
+            let m = metrics(&relay).await;
+            let waits = m
+                .get("cdc_relay_catch_up_waiting_for_commits")
+                .copied()
+                .unwrap_or(0.0);
+            match m.get(&behind) {
+                Some(v) if *v == 0.0 || waits == 1.0 => Ok(()),
+                other => Err(format!("behind {other:?}, waiting for commits {waits}")),
+            }
+        },
+    )
+    .await;
+    // ... then the commit's wait is cancelled (it becomes visible), and more is sent
+    let admin = fx.db.connect().await.unwrap();
+    admin
+        .execute("SELECT pg_cancel_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    waiting.await.unwrap();
+    send_to(&fx, chat, 2).await;
+    send_to(&fx, other, 3).await;
+
+    // THEN every row is in its shard once, in order: the invisible one too
+    assert_every_shard(&fx, stuck, &relay).await;
+    relay.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_invisible_when_its_shard_rejoins_is_published_once_visible() {
+    a_commit_not_yet_visible_at_the_hand_over(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_invisible_across_a_relay_restart_is_published_once_visible() {
+    a_commit_not_yet_visible_at_the_hand_over(true).await;
 }

@@ -18,7 +18,8 @@
 //!    transaction: vacuum is never held back, and the stream itself is the progress mark.
 //! 4. Hand-over ([`CatchUp::hand_over`]) once a round is short: the streaming loop starts
 //!    keeping (capturing) what it seals for the shards at its next transaction boundary, a
-//!    last snapshot is taken and its round published, the record gets that snapshot as its
+//!    last snapshot is taken (once it shows every transaction the loop dropped before: a
+//!    commit is sent by the slot a moment before snapshots show it) and its round published, the record gets that snapshot as its
 //!    watermark (the marker goes), and the loop turns each shard live, releasing the captured
 //!    transactions the last snapshot does not show (they committed after it; every other one
 //!    it shows, and the round published it).
@@ -65,16 +66,20 @@ const ROOM_POLL: Duration = Duration::from_millis(200);
 /// How long a catch-up waits for one shard's consumers before giving way to other shards
 /// behind (each of its turns costs a comparison, so not much shorter).
 const ROOM_WAIT_WHEN_OTHERS_WAIT: Duration = Duration::from_secs(10);
+/// How long a hand-over waits for the transactions its lanes dropped to become visible
+/// before it gives up its capture (the catch-up tries again after a backoff).
+const COMMITS_WAIT: Duration = Duration::from_secs(10);
 /// Deadline of each step against Redis and each query against Postgres.
 const STEP_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// What the streaming loop is asked to do for a catch-up.
 pub(crate) enum Handover {
     /// Keep what is sealed for `shards` from the next transaction boundary on; answer once
-    /// it does.
+    /// it does, with the xids of the transactions lanes dropped that no watermark has shown
+    /// yet (the last snapshot must show them: they were sent before the capture began).
     Capture {
         shards: Vec<u32>,
-        started: oneshot::Sender<()>,
+        started: oneshot::Sender<Vec<u32>>,
     },
     /// `shard` holds every row `watermark` shows, and its last id is `top`: turn it live.
     /// The answer is whether it did (`false`: its capture was lost; the catch-up goes on).
@@ -885,6 +890,45 @@ impl CatchUp<'_> {
         }
     }
 
+    /// The hand-over's last snapshot: one that shows every transaction of `dropped` (xids the
+    /// slot sent and lanes dropped). Such a transaction is in the WAL before snapshots show it
+    /// (its commit may wait for a synchronous standby); taken too early, the snapshot would
+    /// leave it to the capture, which began after it was dropped. Waits up to
+    /// [`COMMITS_WAIT`], then the catch-up tries again later.
+    async fn last_snapshot(
+        &self,
+        sql: &Client,
+        dropped: &[u32],
+    ) -> Result<Arc<Watermark>, RelayError> {
+        let started = Instant::now();
+        let gauge = &self.ctx.metrics.catch_up_waiting_for_commits;
+        loop {
+            let last = take_watermark(sql).await?;
+            let snapshot = &last.snapshot;
+            let invisible: Vec<u32> = dropped
+                .iter()
+                .copied()
+                .filter(|x| !snapshot.visible(snapshot.widen(*x)))
+                .collect();
+            if invisible.is_empty() {
+                gauge.set(0);
+                return Ok(Arc::new(last));
+            }
+            if started.elapsed() >= COMMITS_WAIT {
+                gauge.set(0);
+                return Err(RelayError::CommitsInvisible {
+                    count: invisible.len(),
+                    waited: COMMITS_WAIT,
+                });
+            }
+            if gauge.get() == 0 {
+                info!(transactions = invisible.len(), "the hand-over waits for transactions the slot sent to become visible (commits waiting for a synchronous standby)");
+            }
+            gauge.set(1);
+            tokio::time::sleep(ROOM_POLL).await;
+        }
+    }
+
     /// Step 4: capture, the last snapshot and its round, the record's new watermark, rejoin.
     async fn hand_over(
         &mut self,
@@ -901,10 +945,10 @@ impl CatchUp<'_> {
             })
             .await
             .map_err(|_| RelayError::ShuttingDown)?;
-        started_rx.await.map_err(|_| RelayError::ShuttingDown)?;
-        // Taken after the loop captures: a transaction it does not show committed after it,
-        // so after the capture began.
-        let last = Arc::new(take_watermark(sql).await?);
+        let dropped = started_rx.await.map_err(|_| RelayError::ShuttingDown)?;
+        // Taken after the loop captures, and once it shows every transaction the loop dropped
+        // before: a transaction it does not show was then captured.
+        let last = self.last_snapshot(sql, &dropped).await?;
         self.round(sql, table, Some(&prev.snapshot), &last, None)
             .await?;
         self.watermarks.push((*last).clone());

@@ -34,7 +34,9 @@ use crate::decode::OutboxEvent;
 use crate::decode::{self, PgOutput, RelationCache, Row};
 use crate::error::RelayError;
 use crate::recovery::{CatchUps, Handover, Started};
-use crate::sink::{Batch, Confirmed, Event, Pipeline, PublishSpan, Sealed, StreamEntry};
+use crate::sink::{
+    Batch, Confirmed, Event, Pipeline, PublishSpan, Sealed, StreamEntry, MAX_UNSEEN,
+};
 use crate::source::{
     replication_error, take_watermark, ReplicationPhase, Watermarks, WATERMARK_INTERVAL,
 };
@@ -176,7 +178,7 @@ struct State {
     /// Stopping: every batch acknowledges in every shard.
     finishing: bool,
     /// A catch-up asked to capture these shards' entries, from the next transaction boundary.
-    pending_capture: Option<(Vec<u32>, oneshot::Sender<()>)>,
+    pending_capture: Option<(Vec<u32>, oneshot::Sender<Vec<u32>>)>,
     /// When the server was last heard (or the loop last could not read): the watchdog's base.
     last_heard: Instant,
 }
@@ -239,6 +241,11 @@ impl Session<'_> {
         tokio::pin!(cancelled);
         let silence_limit = self.ctx.config.replication_timeout;
         loop {
+            if self.pipeline.unseen_count() > MAX_UNSEEN {
+                return Err(RelayError::Restart(format!(
+                    "more than {MAX_UNSEEN} transactions dropped for shards behind and shown by no watermark (are watermarks failing?)"
+                )));
+            }
             if !self.state.has_room() {
                 // Not reading: the server's silence is not the server's.
                 self.state.last_heard = Instant::now();
@@ -467,7 +474,8 @@ impl Session<'_> {
     fn begin_capture(&mut self) {
         if let Some((shards, started)) = self.state.pending_capture.take() {
             self.pipeline.start_capture(&shards);
-            let _ = started.send(());
+            // Everything dropped before this point: the hand-over's last snapshot must show it.
+            let _ = started.send(self.pipeline.unseen());
         }
     }
 

@@ -12,7 +12,7 @@ mod rebuild_lock;
 mod record;
 
 pub(crate) use batch::{Batch, PublishSpan, StreamEntry};
-pub(crate) use pipeline::{Confirmed, Event, Pipeline, Sealed};
+pub(crate) use pipeline::{Confirmed, Event, Pipeline, Sealed, MAX_UNSEEN};
 pub(crate) use publisher::{PartMeta, Publisher};
 pub(crate) use rebuild_lock::RebuildLock;
 pub(crate) use record::{

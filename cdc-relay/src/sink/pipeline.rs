@@ -19,7 +19,17 @@
 //! time, after a backoff. A fence refusal of a lane's oldest part, whose predecessors all
 //! confirmed, means the shard lost entries: the lane falls behind, and its catch-up finds out
 //! what is missing.
+//!
+//! A transaction is in the WAL, and so sent by the slot, a moment before snapshots show it
+//! (Postgres writes the commit record, waits for a synchronous standby, and only then marks
+//! it visible; with a standby down, for as long as that lasts). A catch-up judges what a shard
+//! lacks by snapshots, so a transaction a lane dropped must be visible before its shard's
+//! catch-up hands over, and must come again if the session ends first. The pipeline keeps
+//! the transactions its lanes dropped that no watermark has shown yet ([`Pipeline::unseen`]):
+//! the slot is acknowledged below the oldest of them (a new session receives it again), and
+//! a hand-over waits until its last snapshot shows them all.
 
+use std::collections::BTreeMap;
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
@@ -84,7 +94,16 @@ pub(crate) struct Pipeline {
     watermarks: Watermarks,
     /// The highest acknowledgement sealed so far.
     sealed_ack: Option<Lsn>,
+    /// Transactions whose entries a lane dropped and no watermark has shown yet, by commit
+    /// LSN (their 32-bit xid; see the module doc).
+    unseen: BTreeMap<Lsn, u32>,
+    /// The watermark (its `hi`) `unseen` was last pruned with.
+    pruned_with: Option<Lsn>,
 }
+
+/// Dropped transactions no watermark has shown yet, at most: more means the watermarks
+/// stopped (their connection fails) while lanes drop; the session starts again.
+pub(crate) const MAX_UNSEEN: usize = 100_000;
 
 impl Pipeline {
     /// `fences`: each shard's top when the session decided to stream (a shard's first part
@@ -118,6 +137,8 @@ impl Pipeline {
             limits,
             watermarks,
             sealed_ack: None,
+            unseen: BTreeMap::new(),
+            pruned_with: None,
         }
     }
 
@@ -147,12 +168,65 @@ impl Pipeline {
 
     /// Where the slot may be acknowledged: the least acknowledgement every live lane's
     /// record holds, or, with no live lane, whatever was sealed (nothing waits for Redis).
-    pub(crate) fn slot_ack(&self) -> Option<Lsn> {
+    /// Never past a dropped transaction no snapshot shows yet: the next session must receive
+    /// it again.
+    pub(crate) fn slot_ack(&mut self) -> Option<Lsn> {
+        self.prune_unseen();
         let mut live = self.lanes.iter().filter(|l| l.is_live()).peekable();
-        if live.peek().is_none() {
-            return self.sealed_ack;
+        let ack = if live.peek().is_none() {
+            self.sealed_ack
+        } else {
+            live.map(|l| l.acked).min()
+        }?;
+        Some(match self.unseen.first_key_value() {
+            Some((oldest, _)) => ack.min(*oldest),
+            None => ack,
+        })
+    }
+
+    /// The xids of the dropped transactions no watermark has shown yet (what a hand-over's
+    /// last snapshot must show).
+    pub(crate) fn unseen(&mut self) -> Vec<u32> {
+        self.prune_unseen();
+        self.unseen.values().copied().collect()
+    }
+
+    /// How many dropped transactions no watermark has shown yet.
+    pub(crate) fn unseen_count(&self) -> usize {
+        self.unseen.len()
+    }
+
+    /// Remember the transactions of `entries`, which a lane drops.
+    fn note_dropped<'e>(
+        unseen: &mut BTreeMap<Lsn, u32>,
+        id_offset: u64,
+        entries: impl IntoIterator<Item = &'e StreamEntry>,
+    ) {
+        for e in entries {
+            // Entries a catch-up read from the table carry no xid, and never pass here.
+            if e.xid != 0 {
+                let commit = Lsn(e.id.commit_lsn.saturating_sub(id_offset));
+                unseen.insert(commit, e.xid);
+            }
         }
-        live.map(|l| l.acked).min()
+    }
+
+    /// Forget the dropped transactions the newest watermark shows: every later snapshot shows
+    /// them too.
+    fn prune_unseen(&mut self) {
+        if self.unseen.is_empty() {
+            return;
+        }
+        let Some(newest) = self.watermarks.newest() else {
+            return;
+        };
+        if self.pruned_with == Some(newest.hi) {
+            return;
+        }
+        self.pruned_with = Some(newest.hi);
+        let snapshot = &newest.snapshot;
+        self.unseen
+            .retain(|_, xid| !snapshot.visible(snapshot.widen(*xid)));
     }
 
     /// The highest acknowledgement any live lane's record holds (what a stop tells the
@@ -207,16 +281,20 @@ impl Pipeline {
             }
             // Behind: kept while a catch-up hands over, otherwise still in the outbox
             // table, which its catch-up publishes.
-            if let State::Behind {
-                capture: Some(capture),
-            } = &mut lane.state
-            {
-                capture.bytes += entries.iter().map(StreamEntry::bytes).sum::<usize>();
-                capture.entries.extend(entries);
-                if capture.bytes > self.limits.max_bytes {
-                    lane.state = State::Behind { capture: None };
-                    sealed.capture_lost.push(k as u32);
+            let id_offset = self.publisher.id_offset();
+            match &mut lane.state {
+                State::Behind {
+                    capture: Some(capture),
+                } => {
+                    capture.bytes += entries.iter().map(StreamEntry::bytes).sum::<usize>();
+                    capture.entries.extend(entries);
+                    if capture.bytes > self.limits.max_bytes {
+                        Self::note_dropped(&mut self.unseen, id_offset, &capture.entries);
+                        lane.state = State::Behind { capture: None };
+                        sealed.capture_lost.push(k as u32);
+                    }
                 }
+                _ => Self::note_dropped(&mut self.unseen, id_offset, &entries),
             }
         }
         for (shard, reason) in memory {
@@ -243,10 +321,13 @@ impl Pipeline {
 
     /// Drop what the lanes of `shards` captured (their catch-up goes on, or gave up).
     pub(crate) fn abandon_capture(&mut self, shards: &[u32]) {
+        let id_offset = self.publisher.id_offset();
         for &k in shards {
             let lane = &mut self.lanes[k as usize];
             if let State::Behind { capture } = &mut lane.state {
-                *capture = None;
+                if let Some(dropped) = capture.take() {
+                    Self::note_dropped(&mut self.unseen, id_offset, &dropped.entries);
+                }
             }
         }
     }
@@ -502,6 +583,13 @@ impl Pipeline {
 
     fn fall_behind(&mut self, shard: u32, reason: &BehindReason) -> Option<Arc<Watermark>> {
         let lane = &mut self.lanes[shard as usize];
+        let queued = lane.queued.iter().flat_map(|p| p.entries.iter());
+        let in_flight = lane.in_flight.iter().flat_map(|f| f.part.entries.iter());
+        Self::note_dropped(
+            &mut self.unseen,
+            self.publisher.id_offset(),
+            queued.chain(in_flight),
+        );
         warn!(shard, stream = %self.publisher.shard_stream(shard), %reason, "shard falls behind: the slot no longer waits for it, and its rows are published from the outbox table once it accepts them");
         let consumed = lane.fall_behind();
         self.ctx

@@ -2,11 +2,14 @@
 //! be caught up from the table with neither a gap nor a fixed overlap.
 //!
 //! A watermark is a Postgres snapshot read between two WAL positions: `lo` (read before the
-//! snapshot was taken) and `hi` (read after). Every transaction that committed below `lo` is
-//! visible in the snapshot, every one that committed above `hi` is not. So once a shard has
-//! acknowledged through an LSN `A >= hi`, the rows it may be missing later are exactly those
-//! whose transaction the snapshot does not show, and the stream entries that may already
-//! hold some of them have ids at or above `lo`. The relay takes one every second
+//! snapshot was taken) and `hi` (read after). No transaction whose commit record lies above
+//! `hi` is visible in the snapshot; nearly every one below `lo` is. (Not quite all: a commit
+//! is in the WAL a moment before snapshots show it, as long as a synchronous standby keeps it
+//! waiting. The pipeline makes sure such a transaction is never dropped unseen; at worst one
+//! of them is republished under a new id, which consumers deduplicate by `outbox_id`.) So
+//! once a shard has acknowledged through an LSN `A >= hi`, the rows it may be missing later
+//! are exactly those whose transaction the snapshot does not show, and the stream entries
+//! that may already hold some of them have ids at or above `lo`. The relay takes one every second
 //! ([`WATERMARK_INTERVAL`]) and records the newest one a shard's acknowledgement covers in
 //! that shard's record, beside `acked_through`.
 //!
@@ -93,7 +96,7 @@ impl std::fmt::Display for Snapshot {
 /// A snapshot between two WAL positions (see the module doc).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Watermark {
-    /// Read before the snapshot: everything committed below it is visible.
+    /// Read before the snapshot: what committed below it is visible (see the module doc).
     pub(crate) lo: Lsn,
     /// Read after the snapshot: nothing committed above it is visible.
     pub(crate) hi: Lsn,
@@ -187,6 +190,11 @@ impl Watermarks {
             kept.pop_front();
         }
         watermark
+    }
+
+    /// The newest watermark taken (the highest `hi`).
+    pub(crate) fn newest(&self) -> Option<Arc<Watermark>> {
+        self.0.lock().unwrap().back().cloned()
     }
 
     /// The newest watermark an acknowledgement through `acked` covers (`hi <= acked`) whose
