@@ -228,7 +228,13 @@ async fn a_wait_the_server_ends_with_unblocked_is_sent_again_not_fatal() {
                 .map_err(|e| e.to_string())?;
             clients
                 .lines()
-                .find(|l| l.contains("cmd=wait"))
+                // Blocked now (flag b): each shard has its own connection, and another
+                // shard's on this master may have just come back from its WAIT.
+                .find(|l| {
+                    l.contains("cmd=wait")
+                        && l.split_whitespace()
+                            .any(|f| f.strip_prefix("flags=").is_some_and(|f| f.contains('b')))
+                })
                 .and_then(|l| l.split_whitespace().find_map(|f| f.strip_prefix("id=")))
                 .map(str::to_string)
                 .ok_or_else(|| "no client blocked in WAIT".to_string())
@@ -450,4 +456,147 @@ async fn shard_that_cannot_confirm(flags: &[&str], txns: u32) -> String {
     assert!(relay.child.is_running(), "{}", tail(&relay.child.log()));
     relay.stop();
     relay.child.log()
+}
+
+/// Every row committed so far for the shards in `shards` is in its shard (read through `urls`,
+/// nodes that answer).
+async fn wait_shards_have(
+    fx: &Fixture<'_>,
+    urls: &str,
+    shards: &[u32],
+    within: Duration,
+    log: impl Fn() -> String,
+) {
+    let expected = crate::support::expected_by_shard(&fx.witness().await, SHARDS);
+    wait_until(within, "every row of the shards that answer", || async {
+        let client = redis::cluster::ClusterClient::builder(
+            urls.split(',').map(str::to_string).collect::<Vec<_>>(),
+        )
+        .response_timeout(Duration::from_millis(500))
+        .build()
+        .map_err(|e| e.to_string())?;
+        let mut conn = client
+            .get_async_connection()
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut short = Vec::new();
+        for &k in shards {
+            let len: usize = redis::cmd("XLEN")
+                .arg(shard_key(&fx.stream, k, SHARDS))
+                .query_async(&mut conn)
+                .await
+                .map_err(|e| e.to_string())?;
+            if len < expected[k as usize].len() {
+                short.push((k, len, expected[k as usize].len()));
+            }
+        }
+        if short.is_empty() {
+            Ok(())
+        } else {
+            Err(format!(
+                "(shard, have, want): {short:?}; log: {}",
+                tail(&log())
+            ))
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_started_while_shard_0s_master_is_frozen_streams_the_other_shards() {
+    // GIVEN a relay writing 8 shards to a cluster that serves the slots it can
+    // (cluster-require-full-coverage no)
+    let cluster = RedisCluster::start().unwrap();
+    for i in 0..6 {
+        cluster
+            .cli(
+                cluster.port(i),
+                &["CONFIG", "SET", "cluster-require-full-coverage", "no"],
+            )
+            .unwrap();
+    }
+    let scratch = RedisServer::start().unwrap();
+    let fx = Fixture::sharded(shared_postgres(), &scratch, SHARDS).await;
+    fx.init_records_on_cluster(&cluster.url()).await;
+    let url = cluster.url();
+    let flags = ["--redis-url", url.as_str(), "--redis-cluster", "true"];
+    let relay = fx.spawn_relay("relay", &flags);
+    relay.wait_streaming().await;
+    write_rows(&fx, 0, 10).await;
+
+    // WHEN the master holding shard 0 (the rebuild lock's shard) and its replica freeze (a
+    // host that vanished: no failover), the relay is SIGKILLed and started again, and rows
+    // keep coming for every shard
+    let frozen = cluster
+        .master_of(&shard_key(&fx.stream, 0, SHARDS))
+        .unwrap();
+    let replica = cluster.replica_of(frozen).unwrap();
+    let healthy: Vec<u32> = (0..SHARDS)
+        .filter(|k| {
+            cluster
+                .master_of(&shard_key(&fx.stream, *k, SHARDS))
+                .unwrap()
+                != frozen
+        })
+        .collect();
+    let others: Vec<String> = (0..6)
+        .filter(|i| *i != frozen && *i != replica)
+        .map(|i| format!("redis://127.0.0.1:{}", cluster.port(i)))
+        .collect();
+    cluster.pause_node(frozen).unwrap();
+    cluster.pause_node(replica).unwrap();
+    relay.child.signal(testkit::Signal::Kill).unwrap();
+    relay.child.wait_exit(Duration::from_secs(10)).unwrap();
+    let started = std::time::Instant::now();
+    let again = fx.spawn_relay("relay-again", &flags);
+    write_rows(&fx, 1, 20).await;
+
+    // THEN the shards on the other masters get their rows within seconds
+    wait_shards_have(
+        &fx,
+        &others.join(","),
+        &healthy,
+        Duration::from_secs(60),
+        || again.child.log(),
+    )
+    .await;
+    let took = started.elapsed();
+    println!("relay started with shard 0's master frozen: the other shards' rows in {took:?}");
+    assert!(took < Duration::from_secs(20), "{took:?}");
+    // ... and once the node is back, every shard holds what committed, once, in order
+    cluster.resume_node(frozen).unwrap();
+    cluster.resume_node(replica).unwrap();
+    write_rows(&fx, 2, 10).await;
+    let expected = crate::support::expected_by_shard(&fx.witness().await, SHARDS);
+    let want: usize = expected.iter().map(Vec::len).sum();
+    wait_until(
+        Duration::from_secs(60),
+        "every row in its shard",
+        || async {
+            let have: usize = cluster_entries(&cluster, &fx.stream)
+                .await
+                .iter()
+                .map(Vec::len)
+                .sum();
+            if have >= want {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{have} of {want}; log: {}",
+                    tail(&again.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+    // (The frozen master's shards started behind: their catch-up gave the rows ids of their own.)
+    let have = cluster_entries(&cluster, &fx.stream).await;
+    for k in 0..SHARDS as usize {
+        if healthy.contains(&(k as u32)) {
+            assert_eq!(have[k], expected[k], "shard {k}");
+        } else {
+            crate::support::assert_caught_up(&have[k], &expected[k], &format!("shard {k}"));
+        }
+    }
+    again.stop();
 }

@@ -97,10 +97,17 @@ async fn read_state(ctx: &Context, publisher: &Publisher) -> Result<State, Relay
         .get(0);
     let mut records = publisher.records();
     let slot = read_slot(ctx, &sql, in_recovery).await?;
-    if records[0].rebuilding_elsewhere(ctx.instance_id()).await? {
+    // The lock and the records together: a node that does not answer costs one timeout.
+    let mut lock_shard = publisher.records_of(0);
+    let (elsewhere, all) = futures::future::join(
+        rebuild_elsewhere(ctx, std::slice::from_mut(&mut lock_shard)),
+        read_each(ctx, &mut records),
+    )
+    .await;
+    if elsewhere? {
         return Err(busy(ctx, None));
     }
-    let all = read_each(ctx, &mut records).await?;
+    let all = all?;
     let readable: Vec<StreamRecord> = all.iter().flatten().cloned().collect();
     publisher.clone().check_layout(&readable).await?;
 
@@ -154,8 +161,15 @@ async fn read_each(
     let timeout = ctx.config.redis_timeout;
     let mut all = Vec::with_capacity(records.len());
     let mut last_error = None;
-    for (k, r) in records.iter_mut().enumerate() {
-        match tokio::time::timeout(timeout, r.read()).await {
+    // All at once: shards on a node that does not answer cost one timeout, not one each.
+    let reads = futures::future::join_all(
+        records
+            .iter_mut()
+            .map(|r| tokio::time::timeout(timeout, r.read())),
+    )
+    .await;
+    for (k, read) in reads.into_iter().enumerate() {
+        match read {
             Ok(Ok(record)) => all.push(Some(record)),
             Ok(Err(e)) if e.is_transient() => {
                 warn!(shard = k, error = %e, "the shard's record cannot be read; it starts behind");
@@ -363,10 +377,7 @@ async fn start(
             // The slot went between reading it and START: another relay dropped it to make
             // it anew (it holds the lock now). Not for a human: stand by.
             RelayError::SlotMissing { .. }
-                if records[0]
-                    .rebuilding_elsewhere(ctx.instance_id())
-                    .await
-                    .unwrap_or(false) =>
+                if rebuild_elsewhere(ctx, &mut records).await.unwrap_or(false) =>
             {
                 busy(ctx, None)
             }
@@ -377,7 +388,8 @@ async fn start(
     drop(sql);
     // Another relay may have begun making the slot anew between our decision and START
     // (it dropped and made the slot we now hold): leave the stream to it.
-    if !rebuilt_here && rebuild_elsewhere(ctx, &mut records).await? {
+    // (Not when shard 0 did not answer: no rebuild begins without it.)
+    if !rebuilt_here && all[0].is_some() && rebuild_elsewhere(ctx, &mut records).await? {
         return Err(busy(ctx, None));
     }
     // Holding the slot: claim each live shard, so a relay that held it before (paused, cut
@@ -490,9 +502,28 @@ fn refuse_lost_slot(ctx: &Context, reason: Reason) -> Result<(), RelayError> {
     Ok(())
 }
 
-/// Whether another relay is making the slot anew: it holds the rebuild lock.
+/// Whether another relay is making the slot anew: it holds the rebuild lock (on shard 0).
+/// Shard 0 not answering within the Redis timeout counts as no: no rebuild can begin without
+/// taking that lock, one under way stops at its next step once it cannot extend it, and the
+/// slot itself admits one session at a time; waiting would hold every other shard back for
+/// as long as that one node is gone.
 async fn rebuild_elsewhere(ctx: &Context, records: &mut [Records]) -> Result<bool, RelayError> {
-    records[0].rebuilding_elsewhere(ctx.instance_id()).await
+    let timeout = ctx.config.redis_timeout;
+    match tokio::time::timeout(timeout, records[0].rebuilding_elsewhere(ctx.instance_id())).await {
+        Ok(Ok(elsewhere)) => Ok(elsewhere),
+        Ok(Err(e)) if e.is_transient() => {
+            warn!(error = %e, "the rebuild lock (shard 0) cannot be read; going on without it");
+            Ok(false)
+        }
+        Ok(Err(e)) => Err(e),
+        Err(_) => {
+            warn!(
+                ?timeout,
+                "the rebuild lock (shard 0) did not answer; going on without it"
+            );
+            Ok(false)
+        }
+    }
 }
 
 fn busy(ctx: &Context, holder: Option<u32>) -> RelayError {

@@ -83,6 +83,15 @@ struct SharedConn {
 }
 
 impl SharedConn {
+    fn new(conn: RedisConn, target: &RedisTarget, timeout: Duration) -> Self {
+        Self {
+            current: Arc::new(std::sync::Mutex::new(conn)),
+            target: target.clone(),
+            timeout,
+            renewed_at: Arc::default(),
+        }
+    }
+
     fn get(&self) -> RedisConn {
         self.current.lock().unwrap().clone()
     }
@@ -126,7 +135,13 @@ fn lost_its_nodes(e: &RelayError) -> bool {
 
 #[derive(Clone)]
 pub(crate) struct Publisher {
+    /// For what concerns the whole stream (its layout).
     conn: SharedConn,
+    /// Each shard's own (on a cluster; one shared on a single server). redis-rs sends
+    /// nothing on a cluster connection while it refreshes its slot map, and a request that
+    /// times out on a frozen node starts the next refresh (which waits for that node): on
+    /// one shared connection, one frozen host would time out every shard's calls.
+    shard_conns: Arc<[SharedConn]>,
     /// The stream's configured name (shard keys derive from it).
     base: String,
     shards: Arc<[ShardKeys]>,
@@ -153,13 +168,30 @@ impl Publisher {
         max_len: u64,
         response_timeout: Duration,
     ) -> Result<Self, RelayError> {
-        let mut conn = target.connect(response_timeout).await?;
+        let own = if target.is_cluster() && shards > 1 {
+            shards as usize
+        } else {
+            0
+        };
+        // All at once: each waits for any node that does not answer.
+        let (conn, made) = futures::future::join(
+            target.connect(response_timeout),
+            futures::future::join_all((0..own).map(|_| target.connect(response_timeout))),
+        )
+        .await;
+        let mut conn = conn?;
         let script_sha = load_script(&mut conn, SCRIPT).await?;
-        let conn = SharedConn {
-            current: Arc::new(std::sync::Mutex::new(conn)),
-            target: target.clone(),
-            timeout: response_timeout,
-            renewed_at: Arc::default(),
+        let conn = SharedConn::new(conn, target, response_timeout);
+        let shard_conns: Arc<[SharedConn]> = if own > 0 {
+            made.into_iter()
+                .map(|c| match c {
+                    Ok(c) => SharedConn::new(c, target, response_timeout),
+                    // Renewed once it finds no node; meanwhile the stream's own.
+                    Err(_) => conn.clone(),
+                })
+                .collect()
+        } else {
+            (0..shards).map(|_| conn.clone()).collect()
         };
         let shards: Arc<[ShardKeys]> = shard_keys(stream, shards)
             .into_iter()
@@ -171,6 +203,7 @@ impl Publisher {
         let writer_epochs = (0..shards.len()).map(|_| AtomicU64::new(0)).collect();
         Ok(Self {
             conn,
+            shard_conns,
             base: stream.to_string(),
             shards,
             max_len,
@@ -212,8 +245,7 @@ impl Publisher {
             let keys = &self.shards[shard as usize];
             let mut touch = redis::cmd("HINCRBY");
             touch.arg(&keys.origin_key).arg("claims").arg(1);
-            let (_, replicas) = self
-                .conn
+            let (_, replicas) = self.shard_conns[shard as usize]
                 .get()
                 .then_wait(touch, &keys.stream, self.wait_replicas, self.timeout / 2)
                 .await?;
@@ -247,7 +279,7 @@ impl Publisher {
         let keys = &self.shards[shard as usize];
         let (entries, groups): (u64, u64) = SCRIPT
             .key(&keys.stream)
-            .invoke_async(&mut self.conn.get())
+            .invoke_async(&mut self.shard_conns[shard as usize].get())
             .await?;
         Ok((entries, groups))
     }
@@ -281,12 +313,15 @@ impl Publisher {
 
     /// The record of `shard`.
     pub(crate) fn records_of(&self, shard: u32) -> Records {
-        Records::new(self.conn.get(), &self.shards[shard as usize].stream)
+        Records::new(
+            self.shard_conns[shard as usize].get(),
+            &self.shards[shard as usize].stream,
+        )
     }
 
-    /// The connection (for the rebuild lock).
+    /// Shard 0's connection (for the rebuild lock, which lives beside its record).
     pub(crate) fn connection(&self) -> RedisConn {
-        self.conn.get()
+        self.shard_conns[0].get()
     }
 
     /// Publish `entries` (all of shard `shard`, ids increasing) as one call, recording what
@@ -304,10 +339,10 @@ impl Publisher {
                 // Redis restarted or failed over (scripts are not persisted): load it again
                 // (on every node of a cluster) and resend. Every node restarted at once
                 // leaves a cluster connection with none of its nodes here.
-                match load_script(&mut self.conn.get(), SCRIPT).await {
+                match load_script(&mut self.shard_conns[shard].get(), SCRIPT).await {
                     Ok(sha) => self.script_sha = sha,
                     Err(e) => {
-                        self.conn.renew_if_lost(&e).await;
+                        self.shard_conns[shard].renew_if_lost(&e).await;
                         return Err(e);
                     }
                 }
@@ -319,7 +354,7 @@ impl Publisher {
             Ok(reply) => reply,
             Err(e) => {
                 let e = self.script_error(shard, e, origin);
-                self.conn.renew_if_lost(&e).await;
+                self.shard_conns[shard].renew_if_lost(&e).await;
                 return Err(e);
             }
         };
@@ -394,13 +429,15 @@ impl Publisher {
             }
         }
         if self.wait_replicas == 0 {
-            return Ok((cmd.query_async(&mut self.conn.get()).await?, None));
+            return Ok((
+                cmd.query_async(&mut self.shard_conns[shard].get()).await?,
+                None,
+            ));
         }
         // WAIT counts the writes of the connection it arrives on: it must follow the
         // script on the same one, so both go as one pipeline. Its own timeout stays well
         // inside the response timeout.
-        let (reply, replicas) = self
-            .conn
+        let (reply, replicas) = self.shard_conns[shard]
             .get()
             .then_wait(cmd, &keys.stream, self.wait_replicas, self.timeout / 2)
             .await?;

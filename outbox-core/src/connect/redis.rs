@@ -123,6 +123,9 @@ fn tcp_deadlines() -> redis::io::tcp::TcpSettings {
         .set_user_timeout(Duration::from_secs(10))
 }
 
+/// How long a cluster client waits for a node to accept a connection (see its use).
+const CLUSTER_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+
 fn build_cluster_client(
     nodes: Vec<ConnectionInfo>,
     timeout: Duration,
@@ -132,7 +135,11 @@ fn build_cluster_client(
     let mut builder = redis::cluster::ClusterClientBuilder::new(nodes)
         .tcp_settings(tcp_deadlines())
         .response_timeout(timeout)
-        .connection_timeout(timeout)
+        // Short: while the client refreshes its slot map it connects to every node, a frozen
+        // one too, and sends nothing meanwhile; a refresh that took the whole response
+        // timeout would time out every request to the healthy nodes as well, and each
+        // timeout starts the next refresh (one frozen host would stall the whole cluster).
+        .connection_timeout(timeout.min(CLUSTER_CONNECT_TIMEOUT))
         .use_protocol(protocol);
     if let Some(root_cert) = root_cert {
         builder = builder.certs(redis::TlsCertificates {
