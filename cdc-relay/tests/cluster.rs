@@ -600,3 +600,177 @@ async fn a_relay_started_while_shard_0s_master_is_frozen_streams_the_other_shard
     }
     again.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_but_confirming_shard_does_not_slow_the_others() {
+    // GIVEN a relay writing 8 shards to a cluster, waiting for a replica on every call
+    let cluster = RedisCluster::start().unwrap();
+    let scratch = RedisServer::start().unwrap();
+    let fx = Fixture::sharded(shared_postgres(), &scratch, SHARDS).await;
+    fx.init_records_on_cluster(&cluster.url()).await;
+    let url = cluster.url();
+    let relay = fx.spawn_relay(
+        "relay",
+        &[
+            "--redis-url",
+            url.as_str(),
+            "--redis-cluster",
+            "true",
+            "--redis-wait-replicas",
+            "1",
+            "--redis-timeout",
+            "5s",
+        ],
+    );
+    relay.wait_streaming().await;
+    let slow_master = cluster
+        .master_of(&shard_key(&fx.stream, 3, SHARDS))
+        .unwrap();
+    let healthy: Vec<u32> = (0..SHARDS)
+        .filter(|k| {
+            cluster
+                .master_of(&shard_key(&fx.stream, *k, SHARDS))
+                .unwrap()
+                != slow_master
+        })
+        .collect();
+
+    // WHEN shard 3's master confirms every write late but within its deadline (its replica
+    // freezes for 2 s, thaws for a moment, again and again: each WAIT there takes up to 2 s)
+    // while rows are committed for every shard, 20 a second for 15 s
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let replica = cluster.replica_of(slow_master).unwrap();
+    let cluster = std::sync::Arc::new(cluster);
+    let slowing = std::thread::spawn({
+        let (cluster, stop) = (cluster.clone(), stop.clone());
+        move || {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                cluster.pause_node(replica).unwrap();
+                std::thread::sleep(Duration::from_secs(2));
+                cluster.resume_node(replica).unwrap();
+                std::thread::sleep(Duration::from_millis(200));
+            }
+        }
+    });
+    let committed: std::sync::Arc<std::sync::Mutex<Vec<(String, u32, std::time::Instant)>>> =
+        Default::default();
+    let writer = tokio::spawn({
+        let committed = committed.clone();
+        let client = fx.writer().await;
+        async move {
+            for n in 0..300i64 {
+                let chat = 1 + n % 40;
+                let id: i64 = client
+                    .query_one(
+                        "INSERT INTO consumers.outbox (event, payload, partition_key)
+                         VALUES ('test.event', $1::text::jsonb, $2) RETURNING id",
+                        &[
+                            &serde_json::json!({"chat_id": chat, "n": n}).to_string(),
+                            &chat.to_string(),
+                        ],
+                    )
+                    .await
+                    .unwrap()
+                    .get(0);
+                let shard =
+                    outbox_core::stream::shard_of(Some(chat.to_string().as_bytes()), SHARDS);
+                committed
+                    .lock()
+                    .unwrap()
+                    .push((id.to_string(), shard, std::time::Instant::now()));
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    });
+    let mut seen: std::collections::HashMap<String, std::time::Instant> = Default::default();
+    // Read from each healthy shard's master directly (a cluster client of the test's own
+    // would have its own pauses to explain).
+    let mut conns = std::collections::HashMap::new();
+    for &k in &healthy {
+        let master = cluster
+            .master_of(&shard_key(&fx.stream, k, SHARDS))
+            .unwrap();
+        let client =
+            redis::Client::open(format!("redis://127.0.0.1:{}", cluster.port(master))).unwrap();
+        conns.insert(k, client.get_multiplexed_async_connection().await.unwrap());
+    }
+    let mut after: Vec<String> = vec!["-".into(); SHARDS as usize];
+    while !writer.is_finished() {
+        for &k in &healthy {
+            let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+                .arg(shard_key(&fx.stream, k, SHARDS))
+                .arg(&after[k as usize])
+                .arg("+")
+                .query_async(conns.get_mut(&k).unwrap())
+                .await
+                .unwrap();
+            let now = std::time::Instant::now();
+            for e in &page.ids {
+                if let Some(id) = e.map.get("outbox_id") {
+                    seen.entry(redis::from_redis_value_ref::<String>(id).unwrap())
+                        .or_insert(now);
+                }
+                after[k as usize] = format!("({}", e.id);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    writer.await.unwrap();
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    slowing.join().unwrap();
+
+    // THEN the other shards' rows arrive as if nothing were slow (each within a second;
+    // the slow shard's WAITs take up to 2 s)
+    let committed = committed.lock().unwrap().clone();
+    let mut late: Vec<Duration> = committed
+        .iter()
+        .filter(|(_, shard, _)| healthy.contains(shard))
+        .filter_map(|(id, _, at)| seen.get(id).map(|s| s.saturating_duration_since(*at)))
+        .collect();
+    late.sort();
+    let healthy_rows = committed
+        .iter()
+        .filter(|(_, s, _)| healthy.contains(s))
+        .count();
+    println!(
+        "healthy shards beside a slow one: {} of {healthy_rows} rows seen while writing, p50 {:?}, max {:?}",
+        late.len(),
+        late.get(late.len() / 2),
+        late.last()
+    );
+    assert!(
+        late.last().is_some_and(|max| *max < Duration::from_secs(1)),
+        "max {:?}; log: {}",
+        late.last(),
+        tail(&relay.child.log())
+    );
+    // ... and every row is in its shard once, in order
+    let expected = crate::support::expected_by_shard(&fx.witness().await, SHARDS);
+    let want: usize = expected.iter().map(Vec::len).sum();
+    wait_until(
+        Duration::from_secs(60),
+        "every row in its shard",
+        || async {
+            let have: usize = cluster_entries(&cluster, &fx.stream)
+                .await
+                .iter()
+                .map(Vec::len)
+                .sum();
+            if have >= want {
+                Ok(())
+            } else {
+                Err(format!(
+                    "{have} of {want}; log: {}",
+                    tail(&relay.child.log())
+                ))
+            }
+        },
+    )
+    .await;
+    assert_shards_hold(
+        &cluster_entries(&cluster, &fx.stream).await,
+        &expected,
+        &relay.child.log(),
+    );
+    relay.stop();
+}

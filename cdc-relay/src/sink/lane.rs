@@ -121,6 +121,10 @@ impl std::fmt::Display for BehindReason {
     }
 }
 
+/// A lane whose oldest call has waited longer than this is slow: sealing no longer waits for
+/// it (far above a healthy call's milliseconds, far below the 2 s a message may take).
+pub(crate) const SLOW_LANE: Duration = Duration::from_millis(250);
+
 /// What a behind lane keeps of what is sealed for it while a catch-up hands over.
 pub(super) struct Capture {
     pub(super) entries: Vec<StreamEntry>,
@@ -197,6 +201,13 @@ impl Lane {
     /// Nothing sealed is unconfirmed (a behind lane holds nothing).
     pub(super) fn is_idle(&self) -> bool {
         self.in_flight.is_empty() && self.queued.is_empty() && self.retry_at.is_none()
+    }
+
+    /// Its oldest unconfirmed part has waited longer than [`SLOW_LANE`] (it confirms, but
+    /// slowly: the others are not held to its pace).
+    pub(super) fn slow(&self, now: Instant) -> bool {
+        self.unconfirmed_since()
+            .is_some_and(|since| now.saturating_duration_since(since) > SLOW_LANE)
     }
 
     /// Since when its oldest unconfirmed part has waited for Redis.

@@ -145,10 +145,17 @@ impl Pipeline {
     /// A new batch may be sealed now: every healthy lane is idle, or the batch is full and
     /// every healthy lane has room for one more call. A lone message goes out at once; a
     /// burst rides in full batches; in between, batches grow while calls are in flight
-    /// (each costs an fsync, so fewer, larger calls go faster). Failing lanes do not hold
-    /// sealing back (they queue, bounded in bytes, and fall behind), nor do behind ones.
+    /// (each costs an fsync, so fewer, larger calls go faster). Lanes that fail, or confirm
+    /// slowly (a call waiting longer than [`SLOW_LANE`](super::lane::SLOW_LANE)), do not hold sealing back: they
+    /// queue, bounded in bytes, and fall behind; nor do behind ones. One slow shard never
+    /// sets the pace of the others.
     pub(crate) fn has_room_for(&self, batch_full: bool) -> bool {
-        let healthy: Vec<&Lane> = self.lanes.iter().filter(|l| l.healthy()).collect();
+        let now = Instant::now();
+        let healthy: Vec<&Lane> = self
+            .lanes
+            .iter()
+            .filter(|l| l.healthy() && !l.slow(now))
+            .collect();
         healthy.iter().all(|l| l.is_idle())
             || (batch_full
                 && healthy
@@ -274,7 +281,7 @@ impl Pipeline {
                 };
                 lane.push(Part::new(entries, meta));
                 let held = lane.held_bytes();
-                if lane.failing && held > self.limits.max_bytes {
+                if (lane.failing || lane.slow(Instant::now())) && held > self.limits.max_bytes {
                     memory.push((k as u32, BehindReason::Memory(held)));
                 }
                 continue;
