@@ -973,3 +973,61 @@ async fn a_commit_invisible_when_its_shard_rejoins_is_published_once_visible() {
 async fn a_commit_invisible_across_a_relay_restart_is_published_once_visible() {
     a_commit_not_yet_visible_at_the_hand_over(true).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_catch_up_still_waiting_past_the_outbox_retention_is_counted() {
+    // GIVEN a relay whose services keep outbox rows 3 s (--outbox-retention), a stream capped
+    // at 20 unread entries, and a consumer group that reads nothing
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let mut conn = redis.connect().await.unwrap();
+    let () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(&fx.stream)
+        .arg("g")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    let relay = fx.spawn_relay(
+        "relay",
+        &["--stream-max-len", "20", "--outbox-retention", "3s"],
+    );
+    relay.wait_streaming().await;
+
+    // WHEN more than the cap is sent: the shard falls behind at once, and its catch-up waits
+    // for the group (behind less than the retention when it began)
+    let mut writer = fx.writer().await;
+    for txn in 0..40 {
+        crate::support::insert_txn(&mut writer, 0, txn, 1, true)
+            .await
+            .unwrap();
+    }
+    wait_metric(
+        &relay,
+        "cdc_relay_catch_up_waiting_for_consumers",
+        "the catch-up waiting for the group",
+        |v| v == 1.0,
+    )
+    .await;
+
+    // THEN once it has waited past the retention (the table's cleanup may delete what it
+    // still owes), the relay counts it: the one way this design can lose a message is said
+    wait_metric(
+        &relay,
+        "cdc_relay_catch_up_past_retention_total",
+        "a catch-up counted past the retention",
+        |v| v >= 1.0,
+    )
+    .await;
+    assert!(
+        relay
+            .child
+            .log()
+            .contains("fell behind longer ago than --outbox-retention"),
+        "{}",
+        tail(&relay.child.log())
+    );
+    relay.stop();
+}

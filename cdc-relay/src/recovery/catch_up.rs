@@ -388,6 +388,32 @@ struct Prepared {
     done: Option<Snapshot>,
     /// ... and every row this snapshot shows up to this outbox id.
     cursor: Option<(Snapshot, i64)>,
+    /// Counted as behind longer than `--outbox-retention` (once per catch-up).
+    past_retention: bool,
+}
+
+impl Prepared {
+    /// How long ago the shard fell behind, exported; past `--outbox-retention` (checked at
+    /// the start and as a long catch-up goes on: the table's cleanup does not wait for it),
+    /// counted and said once.
+    fn check_age(&mut self, ctx: &SharedContext) {
+        let Mode::Since { watermark, .. } = &self.mode else {
+            return;
+        };
+        let age = watermark.age();
+        ctx.metrics
+            .shard_behind_seconds
+            .with_label_values(&[&self.shard.to_string()])
+            .set(age.as_secs_f64());
+        let retention = ctx.config.outbox_retention;
+        if age > retention && !self.past_retention {
+            // Rows older than the services' retention may have been deleted before this
+            // shard got them: the one way this design loses a message. Counted and said.
+            self.past_retention = true;
+            ctx.metrics.catch_up_past_retention_total.inc();
+            tracing::error!(shard = self.shard, behind_for = ?age, ?retention, "the shard fell behind longer ago than --outbox-retention: rows it never got may have been deleted from the outbox table");
+        }
+    }
 }
 
 /// Step 1: read `shard`'s record, decide what to compare, claim the shard, mark the record.
@@ -475,19 +501,6 @@ async fn prepare(
         .with_label_values(&[marker])
         .inc();
     let (top, _) = records.top_and_len().await?;
-    if let Mode::Since { watermark, .. } = &mode {
-        ctx.metrics
-            .shard_behind_seconds
-            .with_label_values(&[&shard.to_string()])
-            .set(watermark.age().as_secs_f64());
-        let retention = ctx.config.outbox_retention;
-        if watermark.age() > retention {
-            // Rows older than the services' retention may have been deleted before this
-            // shard got them: the one way this design loses a message. Counted and said.
-            ctx.metrics.catch_up_past_retention_total.inc();
-            tracing::error!(shard, behind_for = ?watermark.age(), ?retention, "the shard fell behind longer ago than --outbox-retention: rows it never got may have been deleted from the outbox table");
-        }
-    }
     info!(shard, stream = %publisher.shard_stream(shard), mode = marker, %top, "catching the shard up from the outbox table");
     // What an earlier catch-up did counts only while the shard holds it and the snapshots
     // are this history's.
@@ -506,13 +519,16 @@ async fn prepare(
             "an earlier catch-up of the shard stopped midway: going on from there"
         );
     }
-    Ok(Prepared {
+    let mut prepared = Prepared {
         shard,
         mode,
         top,
         done,
         cursor,
-    })
+        past_retention: false,
+    };
+    prepared.check_age(ctx);
+    Ok(prepared)
 }
 
 /// The record must be this cluster's, of this layout, on this history or a later one
@@ -661,6 +677,9 @@ impl CatchUp<'_> {
         hi: &Watermark,
         start_after: Option<i64>,
     ) -> Result<u64, RelayError> {
+        for prepared in self.shards.values_mut() {
+            prepared.check_age(self.ctx);
+        }
         let lowest = self.lowest_xmin(lo);
         let mut cursor: i64 = match lowest {
             Some(xmin) => {
@@ -866,6 +885,9 @@ impl CatchUp<'_> {
                 return Ok(());
             }
             self.ctx.metrics.catch_up_waiting_for_consumers.set(1);
+            if let Some(prepared) = self.shards.get_mut(&shard) {
+                prepared.check_age(self.ctx);
+            }
             if self
                 .gives_way
                 .is_some_and(|limit| started.elapsed() >= limit)
