@@ -967,7 +967,12 @@ impl CatchUp<'_> {
             })
             .await
             .map_err(|_| RelayError::ShuttingDown)?;
-        let dropped = started_rx.await.map_err(|_| RelayError::ShuttingDown)?;
+        // The loop begins at its next transaction boundary: after the one it is receiving,
+        // however large; bounded all the same, and a hand-over that cannot begin gives way.
+        let dropped = tokio::time::timeout(STEP_TIMEOUT, started_rx)
+            .await
+            .map_err(|_| timed_out("beginning the capture"))?
+            .map_err(|_| RelayError::ShuttingDown)?;
         // Taken after the loop captures, and once it shows every transaction the loop dropped
         // before: a transaction it does not show was then captured.
         let last = self.last_snapshot(sql, &dropped).await?;

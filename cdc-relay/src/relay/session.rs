@@ -463,7 +463,18 @@ impl Session<'_> {
                 let _ = done.send(rejoined);
                 self.acknowledge_slot();
             }
-            Handover::Abandon { shards } => self.pipeline.abandon_capture(&shards),
+            Handover::Abandon { shards } => {
+                // A capture asked for and not begun yet is no longer wanted either.
+                if self
+                    .state
+                    .pending_capture
+                    .as_ref()
+                    .is_some_and(|(pending, _)| pending.iter().any(|k| shards.contains(k)))
+                {
+                    self.state.pending_capture = None;
+                }
+                self.pipeline.abandon_capture(&shards)
+            }
             Handover::Failed(e) => return Err(e),
         }
         Ok(())

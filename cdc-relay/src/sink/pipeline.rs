@@ -315,9 +315,14 @@ impl Pipeline {
     /// The lanes of `shards` keep what is sealed for them from now on (a catch-up is about
     /// to take its last snapshot).
     pub(crate) fn start_capture(&mut self, shards: &[u32]) {
+        let id_offset = self.publisher.id_offset();
         for &k in shards {
             let lane = &mut self.lanes[k as usize];
             if let State::Behind { capture } = &mut lane.state {
+                // A capture left over is dropped like any other.
+                if let Some(old) = capture.take() {
+                    Self::note_dropped(&mut self.unseen, id_offset, &old.entries);
+                }
                 *capture = Some(Capture {
                     entries: Vec::new(),
                     bytes: 0,
