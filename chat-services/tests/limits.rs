@@ -297,9 +297,15 @@ async fn clients_gone_with_a_full_queue_leave_no_queued_bytes_counted() {
         }
     })
     .await;
-    // ~1.2 MB for each: far more than the sockets and a queue of 64 frames hold.
+    // More for each than its socket can take in: the kernel grows a socket's send buffer
+    // up to tcp_wmem's maximum (4 MiB by default) before anything waits in the queue of 64
+    // frames; 256 KiB beyond that.
+    let wmem_max: usize = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_wmem")
+        .ok()
+        .and_then(|t| t.split_whitespace().nth(2)?.parse().ok())
+        .unwrap_or(4 << 20);
     let body = "x".repeat(4000);
-    for _ in 0..6 {
+    for _ in 0..(wmem_max + (256 << 10)) / (50 * 4000) + 1 {
         let batch: Vec<_> = (0..50)
             .map(|_| {
                 let (addr, body) = (workers.addr, body.clone());
@@ -310,8 +316,18 @@ async fn clients_gone_with_a_full_queue_leave_no_queued_bytes_counted() {
             send.await.unwrap();
         }
     }
-    let queued = metric(&workers, "chat_sse_queued_bytes").await.unwrap();
-    assert!(queued > 100_000.0, "queues full: {queued} bytes queued");
+    // (Sends answer at commit; the streams get the messages a moment later.)
+    wait_until(Duration::from_secs(30), "the queues filled", || async {
+        match metric(&workers, "chat_sse_queued_bytes").await {
+            Some(queued) if queued > 100_000.0 => Ok(()),
+            other => Err(format!(
+                "{other:?} bytes queued; clients {:?}, dropped {:?}",
+                metric(&workers, "chat_sse_clients").await,
+                metric(&workers, "chat_sse_slow_clients_dropped_total").await,
+            )),
+        }
+    })
+    .await;
 
     // WHEN the clients go away while their streams wait for room in their queues
     drop(stalled);
