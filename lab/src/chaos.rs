@@ -363,11 +363,13 @@ async fn unpublished(
     received: &HashMap<String, String>,
 ) -> anyhow::Result<usize> {
     let mut conn = match &system.cluster {
-        Some(cluster) => outbox_core::connect::RedisConn::Cluster(
-            redis::cluster::ClusterClient::new(cluster.urls())?
-                .get_async_connection()
-                .await?,
-        ),
+        Some(cluster) => {
+            outbox_core::connect::RedisConn::Cluster(outbox_core::connect::SharedCluster::of(
+                redis::cluster::ClusterClient::new(cluster.urls())?
+                    .get_async_connection()
+                    .await?,
+            ))
+        }
         None => outbox_core::connect::RedisConn::Single(
             redis::aio::ConnectionManager::new(redis::Client::open(system.redis.url())?).await?,
         ),

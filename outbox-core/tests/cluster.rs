@@ -33,3 +33,66 @@ async fn a_target_seeded_with_one_node_connects_after_that_node_is_gone() {
     let answer = ping(&target).await;
     assert_eq!(answer.as_deref().ok(), Some("PONG"), "{answer:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_that_lost_every_node_at_once_answers_again_once_they_are_back() {
+    // GIVEN a connection to a cluster, in use
+    let cluster = RedisCluster::start().unwrap();
+    let target = redis_target(
+        &cluster.url(),
+        true,
+        None,
+        None,
+        "--redis-url",
+        Duration::from_secs(2),
+    )
+    .unwrap();
+    let mut conn = target.connect(Duration::from_secs(2)).await.unwrap();
+    let () = redis::cmd("SET")
+        .arg("k")
+        .arg("v")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+
+    // WHEN every node stops at once and starts again on its data, the connection in use all
+    // along (every 5 ms, as a busy service's is)
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let busy = tokio::spawn({
+        let (mut conn, stop) = (conn.clone(), stop.clone());
+        async move {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let _: redis::RedisResult<Option<String>> =
+                    redis::cmd("GET").arg("k").query_async(&mut conn).await;
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+    });
+    tokio::task::block_in_place(|| {
+        cluster.stop_all().unwrap();
+        cluster.start_all().unwrap();
+    });
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    busy.await.unwrap();
+
+    // THEN the same connection (and its clones) answers again within seconds
+    let back = std::time::Instant::now();
+    let mut last = None;
+    while back.elapsed() < Duration::from_secs(20) {
+        let got: redis::RedisResult<String> =
+            redis::cmd("GET").arg("k").query_async(&mut conn).await;
+        match got {
+            Ok(v) => {
+                assert_eq!(v, "v");
+                println!(
+                    "cluster connection answered {:?} after the nodes were back",
+                    back.elapsed()
+                );
+                return;
+            }
+            Err(e) => last = Some(e.to_string()),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    panic!("no answer 20 s after every node was back: {last:?}");
+}

@@ -7,7 +7,9 @@ mod redis;
 mod secrets;
 mod tls;
 
-pub use self::redis::{client as redis_client, target as redis_target, RedisConn, RedisTarget};
+pub use self::redis::{
+    client as redis_client, target as redis_target, RedisConn, RedisTarget, SharedCluster,
+};
 pub use pg::{read_secret_file, PgEndpoint};
 pub use secrets::{DatabaseSecrets, RedisSecrets};
 pub use tls::{client_config, root_store, SslMode};
