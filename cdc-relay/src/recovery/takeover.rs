@@ -376,8 +376,10 @@ async fn start(
             },
             // The slot went between reading it and START: another relay dropped it to make
             // it anew (it holds the lock now). Not for a human: stand by.
+            // Gone in another relay's drop→create window, or shard 0 cannot say: stand by
+            // (retried), not a missing slot that needs a human.
             RelayError::SlotMissing { .. }
-                if rebuild_elsewhere(ctx, &mut records).await.unwrap_or(false) =>
+                if rebuild_lock(ctx, &mut records).await.ok().flatten() != Some(false) =>
             {
                 busy(ctx, None)
             }
@@ -508,12 +510,18 @@ fn refuse_lost_slot(ctx: &Context, reason: Reason) -> Result<(), RelayError> {
 /// slot itself admits one session at a time; waiting would hold every other shard back for
 /// as long as that one node is gone.
 async fn rebuild_elsewhere(ctx: &Context, records: &mut [Records]) -> Result<bool, RelayError> {
+    Ok(rebuild_lock(ctx, records).await?.unwrap_or(false))
+}
+
+/// Whether another relay holds the rebuild lock; `None` when shard 0 does not answer within
+/// the Redis timeout (said in the log).
+async fn rebuild_lock(ctx: &Context, records: &mut [Records]) -> Result<Option<bool>, RelayError> {
     let timeout = ctx.config.redis_timeout;
     match tokio::time::timeout(timeout, records[0].rebuilding_elsewhere(ctx.instance_id())).await {
-        Ok(Ok(elsewhere)) => Ok(elsewhere),
+        Ok(Ok(elsewhere)) => Ok(Some(elsewhere)),
         Ok(Err(e)) if e.is_transient() => {
             warn!(error = %e, "the rebuild lock (shard 0) cannot be read; going on without it");
-            Ok(false)
+            Ok(None)
         }
         Ok(Err(e)) => Err(e),
         Err(_) => {
@@ -521,7 +529,7 @@ async fn rebuild_elsewhere(ctx: &Context, records: &mut [Records]) -> Result<boo
                 ?timeout,
                 "the rebuild lock (shard 0) did not answer; going on without it"
             );
-            Ok(false)
+            Ok(None)
         }
     }
 }

@@ -486,7 +486,7 @@ impl Session<'_> {
         if let Some((shards, started)) = self.state.pending_capture.take() {
             self.pipeline.start_capture(&shards);
             // Everything dropped before this point: the hand-over's last snapshot must show it.
-            let _ = started.send(self.pipeline.unseen());
+            let _ = started.send(self.pipeline.unseen(&shards));
         }
     }
 

@@ -25,9 +25,10 @@
 //! it visible; with a standby down, for as long as that lasts). A catch-up judges what a shard
 //! lacks by snapshots, so a transaction a lane dropped must be visible before its shard's
 //! catch-up hands over, and must come again if the session ends first. The pipeline keeps
-//! the transactions its lanes dropped that no watermark has shown yet ([`Pipeline::unseen`]):
-//! the slot is acknowledged below the oldest of them (a new session receives it again), and
-//! a hand-over waits until its last snapshot shows them all.
+//! the transactions its behind lanes dropped or captured that no watermark has shown yet
+//! ([`Pipeline::unseen`]), by shard: the slot is acknowledged below the oldest of them (a new
+//! session receives it again), and a hand-over waits until its last snapshot shows those of
+//! its shards. (A commit held for long by a synchronous standby holds the slot as long.)
 
 use std::collections::BTreeMap;
 use std::future::Future;
@@ -94,16 +95,16 @@ pub(crate) struct Pipeline {
     watermarks: Watermarks,
     /// The highest acknowledgement sealed so far.
     sealed_ack: Option<Lsn>,
-    /// Transactions whose entries a lane dropped and no watermark has shown yet, by commit
-    /// LSN (their 32-bit xid; see the module doc).
-    unseen: BTreeMap<Lsn, u32>,
+    /// Transactions whose entries a lane dropped or captured and no watermark has shown yet,
+    /// by commit LSN and shard (their 32-bit xid; see the module doc).
+    unseen: BTreeMap<(Lsn, u32), u32>,
     /// The watermark (its `hi`) `unseen` was last pruned with.
     pruned_with: Option<Lsn>,
 }
 
 /// Dropped transactions no watermark has shown yet, at most: more means the watermarks
 /// stopped (their connection fails) while lanes drop; the session starts again.
-pub(crate) const MAX_UNSEEN: usize = 100_000;
+pub(crate) const MAX_UNSEEN: usize = 250_000;
 
 impl Pipeline {
     /// `fences`: each shard's top when the session decided to stream (a shard's first part
@@ -186,16 +187,20 @@ impl Pipeline {
             live.map(|l| l.acked).min()
         }?;
         Some(match self.unseen.first_key_value() {
-            Some((oldest, _)) => ack.min(*oldest),
+            Some(((oldest, _), _)) => ack.min(*oldest),
             None => ack,
         })
     }
 
-    /// The xids of the dropped transactions no watermark has shown yet (what a hand-over's
-    /// last snapshot must show).
-    pub(crate) fn unseen(&mut self) -> Vec<u32> {
+    /// The xids of the transactions of `shards` dropped that no watermark has shown yet
+    /// (what a hand-over's last snapshot must show).
+    pub(crate) fn unseen(&mut self, shards: &[u32]) -> Vec<u32> {
         self.prune_unseen();
-        self.unseen.values().copied().collect()
+        self.unseen
+            .iter()
+            .filter(|((_, shard), _)| shards.contains(shard))
+            .map(|(_, xid)| *xid)
+            .collect()
     }
 
     /// How many dropped transactions no watermark has shown yet.
@@ -205,7 +210,7 @@ impl Pipeline {
 
     /// Remember the transactions of `entries`, which a lane drops.
     fn note_dropped<'e>(
-        unseen: &mut BTreeMap<Lsn, u32>,
+        unseen: &mut BTreeMap<(Lsn, u32), u32>,
         id_offset: u64,
         entries: impl IntoIterator<Item = &'e StreamEntry>,
     ) {
@@ -213,7 +218,7 @@ impl Pipeline {
             // Entries a catch-up read from the table carry no xid, and never pass here.
             if e.xid != 0 {
                 let commit = Lsn(e.id.commit_lsn.saturating_sub(id_offset));
-                unseen.insert(commit, e.xid);
+                unseen.insert((commit, e.shard), e.xid);
             }
         }
     }
@@ -293,6 +298,9 @@ impl Pipeline {
                 State::Behind {
                     capture: Some(capture),
                 } => {
+                    // Captured ones too: until they are released and confirmed, the slot must
+                    // not pass them (a session ending first would never see them again).
+                    Self::note_dropped(&mut self.unseen, id_offset, &entries);
                     capture.bytes += entries.iter().map(StreamEntry::bytes).sum::<usize>();
                     capture.entries.extend(entries);
                     if capture.bytes > self.limits.max_bytes {
@@ -516,6 +524,9 @@ impl Pipeline {
         let lane = &mut self.lanes[k];
         let head = lane.in_flight.pop_front().expect("a head finished");
         let behind = |reason: BehindReason, this: &mut Self| {
+            // The refused head is no longer in flight: its transactions are dropped too.
+            let id_offset = this.publisher.id_offset();
+            Self::note_dropped(&mut this.unseen, id_offset, &head.part.entries);
             let consumed = this.fall_behind(k as u32, &reason);
             Ok(Some(Event::Behind {
                 shard: k as u32,
