@@ -924,6 +924,8 @@ impl CatchUp<'_> {
     ) -> Result<Arc<Watermark>, RelayError> {
         let started = Instant::now();
         let gauge = &self.ctx.metrics.catch_up_waiting_for_commits;
+        // Back to 0 however this ends (an answer, an error, the task aborted with its session).
+        let _lowered = LowerOnDrop(gauge);
         loop {
             let last = take_watermark(sql).await?;
             let snapshot = &last.snapshot;
@@ -933,11 +935,9 @@ impl CatchUp<'_> {
                 .filter(|x| !snapshot.visible(snapshot.widen(*x)))
                 .collect();
             if invisible.is_empty() {
-                gauge.set(0);
                 return Ok(Arc::new(last));
             }
             if started.elapsed() >= COMMITS_WAIT {
-                gauge.set(0);
                 return Err(RelayError::CommitsInvisible {
                     count: invisible.len(),
                     waited: COMMITS_WAIT,
@@ -1005,6 +1005,15 @@ impl CatchUp<'_> {
         }
         info!(shards = ?self.rejoined, republished = self.published, "caught up from the outbox table");
         Ok(())
+    }
+}
+
+/// Sets its gauge to 0 when dropped.
+struct LowerOnDrop<'g>(&'g prometheus::IntGauge);
+
+impl Drop for LowerOnDrop<'_> {
+    fn drop(&mut self) {
+        self.0.set(0);
     }
 }
 
