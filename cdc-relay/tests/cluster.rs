@@ -73,6 +73,35 @@ fn assert_shards_hold(have: &[Vec<Entry>], expected: &[Vec<Entry>], log: &str) {
     }
 }
 
+/// Wait until the shards hold as many entries as rows committed (`log`: the relay's, for the
+/// message); what each shard must hold.
+async fn every_row_in_its_shard(
+    cluster: &RedisCluster,
+    fx: &Fixture<'_>,
+    log: impl Fn() -> String,
+) -> Vec<Vec<Entry>> {
+    let expected = crate::support::expected_by_shard(&fx.witness().await, SHARDS);
+    let want: usize = expected.iter().map(Vec::len).sum();
+    wait_until(
+        Duration::from_secs(60),
+        "every row in its shard",
+        || async {
+            let have: usize = cluster_entries(cluster, &fx.stream)
+                .await
+                .iter()
+                .map(Vec::len)
+                .sum();
+            if have >= want {
+                Ok(())
+            } else {
+                Err(format!("{have} of {want}; log: {}", tail(&log())))
+            }
+        },
+    )
+    .await;
+    expected
+}
+
 async fn write_rows(fx: &Fixture<'_>, round: u32, txns: u32) {
     write_rows_with(fx.writer().await, round, txns).await
 }
@@ -426,28 +455,7 @@ async fn shard_that_cannot_confirm(flags: &[&str], txns: u32) -> String {
     // table, under ids of their own)
     tokio::task::block_in_place(|| cluster.restart_node(victim).unwrap());
     write_rows(&fx, 2, 10).await;
-    let expected = crate::support::expected_by_shard(&fx.witness().await, SHARDS);
-    let want: usize = expected.iter().map(Vec::len).sum();
-    wait_until(
-        Duration::from_secs(60),
-        "every row in its shard",
-        || async {
-            let have: usize = cluster_entries(&cluster, &fx.stream)
-                .await
-                .iter()
-                .map(Vec::len)
-                .sum();
-            if have >= want {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{have} of {want}; log: {}",
-                    tail(&relay.child.log())
-                ))
-            }
-        },
-    )
-    .await;
+    let expected = every_row_in_its_shard(&cluster, &fx, || relay.child.log()).await;
     assert_shards_hold(
         &cluster_entries(&cluster, &fx.stream).await,
         &expected,
@@ -567,28 +575,7 @@ async fn a_relay_started_while_shard_0s_master_is_frozen_streams_the_other_shard
     cluster.resume_node(frozen).unwrap();
     cluster.resume_node(replica).unwrap();
     write_rows(&fx, 2, 10).await;
-    let expected = crate::support::expected_by_shard(&fx.witness().await, SHARDS);
-    let want: usize = expected.iter().map(Vec::len).sum();
-    wait_until(
-        Duration::from_secs(60),
-        "every row in its shard",
-        || async {
-            let have: usize = cluster_entries(&cluster, &fx.stream)
-                .await
-                .iter()
-                .map(Vec::len)
-                .sum();
-            if have >= want {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{have} of {want}; log: {}",
-                    tail(&again.child.log())
-                ))
-            }
-        },
-    )
-    .await;
+    let expected = every_row_in_its_shard(&cluster, &fx, || again.child.log()).await;
     // (The frozen master's shards started behind: their catch-up gave the rows ids of their own.)
     let have = cluster_entries(&cluster, &fx.stream).await;
     for k in 0..SHARDS as usize {
@@ -745,28 +732,7 @@ async fn a_slow_but_confirming_shard_does_not_slow_the_others() {
         tail(&relay.child.log())
     );
     // ... and every row is in its shard once, in order
-    let expected = crate::support::expected_by_shard(&fx.witness().await, SHARDS);
-    let want: usize = expected.iter().map(Vec::len).sum();
-    wait_until(
-        Duration::from_secs(60),
-        "every row in its shard",
-        || async {
-            let have: usize = cluster_entries(&cluster, &fx.stream)
-                .await
-                .iter()
-                .map(Vec::len)
-                .sum();
-            if have >= want {
-                Ok(())
-            } else {
-                Err(format!(
-                    "{have} of {want}; log: {}",
-                    tail(&relay.child.log())
-                ))
-            }
-        },
-    )
-    .await;
+    let expected = every_row_in_its_shard(&cluster, &fx, || relay.child.log()).await;
     assert_shards_hold(
         &cluster_entries(&cluster, &fx.stream).await,
         &expected,

@@ -158,6 +158,24 @@ impl Seen {
     }
 }
 
+/// Consumer group `g` on `stream` (made if missing), reading nothing yet; a connection to use.
+async fn group_that_reads_nothing_yet(
+    redis: &RedisServer,
+    stream: &str,
+) -> redis::aio::MultiplexedConnection {
+    let mut conn = redis.connect().await.unwrap();
+    let () = redis::cmd("XGROUP")
+        .arg("CREATE")
+        .arg(stream)
+        .arg("g")
+        .arg("0")
+        .arg("MKSTREAM")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    conn
+}
+
 /// ~1 MB of WAL a second into a table outside the publication (another service's traffic).
 fn noise(fx: &Fixture<'_>, stop: Arc<AtomicBool>) -> tokio::task::JoinHandle<()> {
     let db = fx.db.clone();
@@ -327,16 +345,7 @@ async fn a_receiver_down_for_three_caps_of_messages_loses_none_and_nothing_unrea
     // GIVEN a relay whose streams may hold 200 unread entries, and a group that does not read
     let redis = RedisServer::start().unwrap();
     let fx = Fixture::new(shared_postgres(), &redis).await;
-    let mut conn = redis.connect().await.unwrap();
-    let () = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg(&fx.stream)
-        .arg("g")
-        .arg("0")
-        .arg("MKSTREAM")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    let mut conn = group_that_reads_nothing_yet(&redis, &fx.stream).await;
     let relay = fx.spawn_relay("relay", &["--stream-max-len", "200"]);
     relay.wait_streaming().await;
 
@@ -980,16 +989,7 @@ async fn a_catch_up_still_waiting_past_the_outbox_retention_is_counted() {
     // at 20 unread entries, and a consumer group that reads nothing
     let redis = RedisServer::start().unwrap();
     let fx = Fixture::new(shared_postgres(), &redis).await;
-    let mut conn = redis.connect().await.unwrap();
-    let () = redis::cmd("XGROUP")
-        .arg("CREATE")
-        .arg(&fx.stream)
-        .arg("g")
-        .arg("0")
-        .arg("MKSTREAM")
-        .query_async(&mut conn)
-        .await
-        .unwrap();
+    group_that_reads_nothing_yet(&redis, &fx.stream).await;
     let relay = fx.spawn_relay(
         "relay",
         &["--stream-max-len", "20", "--outbox-retention", "3s"],

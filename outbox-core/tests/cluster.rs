@@ -11,11 +11,9 @@ async fn ping(target: &outbox_core::connect::RedisTarget) -> redis::RedisResult<
     redis::cmd("PING").query_async(&mut conn).await
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_target_seeded_with_one_node_connects_after_that_node_is_gone() {
-    // GIVEN a target that was told of node 0 only, and connected once
-    let cluster = RedisCluster::start().unwrap();
-    let target = redis_target(
+/// A cluster target told of `cluster`'s first node only.
+fn target_of(cluster: &RedisCluster) -> outbox_core::connect::RedisTarget {
+    redis_target(
         &cluster.url(),
         true,
         None,
@@ -23,7 +21,14 @@ async fn a_target_seeded_with_one_node_connects_after_that_node_is_gone() {
         "--redis-url",
         Duration::from_secs(2),
     )
-    .unwrap();
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_target_seeded_with_one_node_connects_after_that_node_is_gone() {
+    // GIVEN a target that was told of node 0 only, and connected once
+    let cluster = RedisCluster::start().unwrap();
+    let target = target_of(&cluster);
     assert_eq!(ping(&target).await.unwrap(), "PONG");
 
     // WHEN node 0 dies for good (its replica takes over)
@@ -38,15 +43,7 @@ async fn a_target_seeded_with_one_node_connects_after_that_node_is_gone() {
 async fn a_connection_that_lost_every_node_at_once_answers_again_once_they_are_back() {
     // GIVEN a connection to a cluster, in use
     let cluster = RedisCluster::start().unwrap();
-    let target = redis_target(
-        &cluster.url(),
-        true,
-        None,
-        None,
-        "--redis-url",
-        Duration::from_secs(2),
-    )
-    .unwrap();
+    let target = target_of(&cluster);
     let mut conn = target.connect(Duration::from_secs(2)).await.unwrap();
     let () = redis::cmd("SET")
         .arg("k")

@@ -293,23 +293,20 @@ impl Pipeline {
             }
             // Behind: kept while a catch-up hands over, otherwise still in the outbox
             // table, which its catch-up publishes.
-            let id_offset = self.publisher.id_offset();
-            match &mut lane.state {
-                State::Behind {
-                    capture: Some(capture),
-                } => {
-                    // Captured ones too: until they are released and confirmed, the slot must
-                    // not pass them (a session ending first would never see them again).
-                    Self::note_dropped(&mut self.unseen, id_offset, &entries);
-                    capture.bytes += entries.iter().map(StreamEntry::bytes).sum::<usize>();
-                    capture.entries.extend(entries);
-                    if capture.bytes > self.limits.max_bytes {
-                        Self::note_dropped(&mut self.unseen, id_offset, &capture.entries);
-                        lane.state = State::Behind { capture: None };
-                        sealed.capture_lost.push(k as u32);
-                    }
+            // Noted whether dropped or captured: until a snapshot shows them, the slot must
+            // not pass them (a session ending first would never see them again). So a
+            // capture dropped later (lost, abandoned, left over) needs no note of its own.
+            Self::note_dropped(&mut self.unseen, self.publisher.id_offset(), &entries);
+            if let State::Behind {
+                capture: Some(capture),
+            } = &mut lane.state
+            {
+                capture.bytes += entries.iter().map(StreamEntry::bytes).sum::<usize>();
+                capture.entries.extend(entries);
+                if capture.bytes > self.limits.max_bytes {
+                    lane.state = State::Behind { capture: None };
+                    sealed.capture_lost.push(k as u32);
                 }
-                _ => Self::note_dropped(&mut self.unseen, id_offset, &entries),
             }
         }
         for (shard, reason) in memory {
@@ -323,14 +320,10 @@ impl Pipeline {
     /// The lanes of `shards` keep what is sealed for them from now on (a catch-up is about
     /// to take its last snapshot).
     pub(crate) fn start_capture(&mut self, shards: &[u32]) {
-        let id_offset = self.publisher.id_offset();
         for &k in shards {
             let lane = &mut self.lanes[k as usize];
             if let State::Behind { capture } = &mut lane.state {
-                // A capture left over is dropped like any other.
-                if let Some(old) = capture.take() {
-                    Self::note_dropped(&mut self.unseen, id_offset, &old.entries);
-                }
+                // A capture left over is dropped (its transactions were noted when captured).
                 *capture = Some(Capture {
                     entries: Vec::new(),
                     bytes: 0,
@@ -341,13 +334,10 @@ impl Pipeline {
 
     /// Drop what the lanes of `shards` captured (their catch-up goes on, or gave up).
     pub(crate) fn abandon_capture(&mut self, shards: &[u32]) {
-        let id_offset = self.publisher.id_offset();
         for &k in shards {
             let lane = &mut self.lanes[k as usize];
             if let State::Behind { capture } = &mut lane.state {
-                if let Some(dropped) = capture.take() {
-                    Self::note_dropped(&mut self.unseen, id_offset, &dropped.entries);
-                }
+                *capture = None;
             }
         }
     }
