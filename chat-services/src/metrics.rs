@@ -10,6 +10,7 @@ pub(crate) struct Metrics {
     pub messages_sent_total: IntCounter,
     pub messages_received_total: IntCounter,
     pub duplicates_skipped_total: IntCounter,
+    pub recorded_ahead_total: IntCounter,
     pub dead_lettered_total: IntCounter,
     pub entries_lost_total: IntCounter,
     pub consumer_active: IntGauge,
@@ -172,6 +173,10 @@ impl Metrics {
             duplicates_skipped_total: counter(
                 "chat_duplicates_skipped_total",
                 "Redeliveries of messages already in the inbox",
+            ),
+            recorded_ahead_total: counter(
+                "chat_inbox_recorded_ahead_total",
+                "Messages recorded ahead of the reads through a backlog: their chats had nothing older unprocessed (also in chat_messages_received_total)",
             ),
             dead_lettered_total: counter(
                 "chat_dead_lettered_total",

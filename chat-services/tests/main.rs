@@ -9,6 +9,7 @@ mod support;
 mod api;
 mod attempts;
 mod auth;
+mod backlog;
 mod browser;
 mod cluster;
 mod containers;

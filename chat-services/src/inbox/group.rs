@@ -16,6 +16,9 @@ use super::{Active, ConsumeError, READ_BLOCK, READ_COUNT};
 /// Marks an attempt record of an entry processed alone: if that run ended during it, the
 /// entry is what ended it.
 const ALONE: &str = "alone";
+/// Attempt records read whole at most when looking for other runs' (see
+/// `Active::foreign_records`).
+const FOREIGN_RECORDS_READ: usize = 10_000;
 
 /// A stream entry read from the group.
 #[derive(Debug, Clone)]
@@ -258,9 +261,11 @@ impl Active<'_> {
         entries: &[Entry],
         shutdown: &tokio_util::sync::CancellationToken,
     ) -> Result<Option<HashMap<String, u64>>, ConsumeError> {
+        // First deliveries cost no record lookup, except those another run was recording
+        // ahead of its reads when it ended.
         let redelivered: Vec<&str> = entries
             .iter()
-            .filter(|e| e.deliveries > 1)
+            .filter(|e| e.deliveries > 1 || self.foreign.contains(&e.id))
             .map(|e| e.id.as_str())
             .collect();
         let mut attempts = HashMap::new();
@@ -331,18 +336,30 @@ impl Active<'_> {
         entries: &[Entry],
         attempts: &HashMap<String, u64>,
     ) -> Result<(), ConsumeError> {
+        let ids: Vec<String> = entries.iter().map(|e| e.id.clone()).collect();
+        self.begin_attempts_of(&ids, attempts, entries.len() == 1)
+            .await
+    }
+
+    /// [`Active::begin_attempts`] by entry ids; `alone` marks the records as of an entry
+    /// processed on its own.
+    pub(super) async fn begin_attempts_of(
+        &mut self,
+        ids: &[String],
+        attempts: &HashMap<String, u64>,
+        alone: bool,
+    ) -> Result<(), ConsumeError> {
         let mut hset = redis::cmd("HSET");
         hset.arg(&self.cfg().attempts_key);
         let mut any = false;
-        let alone = entries.len() == 1;
-        for e in entries {
-            if let Some(n) = attempts.get(&e.id) {
+        for id in ids {
+            if let Some(n) = attempts.get(id) {
                 let record = if alone {
                     format!("{} {n} {ALONE}", self.inbox.run_id)
                 } else {
                     format!("{} {n}", self.inbox.run_id)
                 };
-                hset.arg(&e.id).arg(record);
+                hset.arg(id).arg(record);
                 any = true;
             }
         }
@@ -350,6 +367,53 @@ impl Active<'_> {
             let _: i64 = hset.query_async(&mut self.conn).await?;
         }
         Ok(())
+    }
+
+    /// Remove this run's attempt records of entries it finished without acknowledging
+    /// them (recorded ahead, see `ahead`): they are no longer in its hands.
+    pub(super) async fn end_attempts(&mut self, ids: &[String]) -> Result<(), ConsumeError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let _: i64 = redis::cmd("HDEL")
+            .arg(&self.cfg().attempts_key)
+            .arg(ids)
+            .query_async(&mut self.conn)
+            .await?;
+        let mut delivered = self.inbox.delivered.lock().unwrap();
+        for id in ids {
+            delivered.remove(id);
+        }
+        Ok(())
+    }
+
+    /// Attempt records of runs other than this one that were not released: entries
+    /// another run was recording ahead of its reads when it ended (see `ahead`), which
+    /// its group deliveries alone would not show. Empty if there are implausibly many (the
+    /// records are of entries in flight; they would only cost memory here).
+    pub(super) async fn foreign_records(
+        &mut self,
+    ) -> Result<std::collections::HashSet<String>, ConsumeError> {
+        let key = self.cfg().attempts_key.clone();
+        let len: usize = redis::cmd("HLEN")
+            .arg(&key)
+            .query_async(&mut self.conn)
+            .await?;
+        if len == 0 || len > FOREIGN_RECORDS_READ {
+            return Ok(Default::default());
+        }
+        let records: HashMap<String, String> = redis::cmd("HGETALL")
+            .arg(&key)
+            .query_async(&mut self.conn)
+            .await?;
+        Ok(records
+            .into_iter()
+            .filter(|(_, record)| {
+                let run = record.split(' ').next().unwrap_or("-");
+                run != "-" && run != self.inbox.run_id
+            })
+            .map(|(id, _)| id)
+            .collect())
     }
 
     /// Entries pending under this consumer's name that this run was not handed (see
@@ -522,29 +586,45 @@ fn parse_read_reply(reply: Value) -> Result<Vec<Entry>, ConsumeError> {
         let Value::Array(items) = stream else {
             continue;
         };
-        for item in items {
-            let Value::Array(mut parts) = item else {
-                return Err(ConsumeError::Reply("entry is not an array".into()));
-            };
-            if parts.len() != 2 {
-                return Err(ConsumeError::Reply("entry is not [id, fields]".into()));
-            }
-            let fields = parts.pop().expect("two parts");
-            let id: String = redis::from_redis_value(parts.pop().expect("two parts"))
-                .map_err(|e| ConsumeError::Reply(e.to_string()))?;
-            let fields = match fields {
-                Value::Nil => None,
-                other => Some(
-                    redis::from_redis_value::<HashMap<String, String>>(other)
-                        .map_err(|e| ConsumeError::Reply(e.to_string()))?,
-                ),
-            };
-            entries.push(Entry {
-                id,
-                fields,
-                deliveries: 1,
-            });
+        entries.extend(parse_items(items)?);
+    }
+    Ok(entries)
+}
+
+/// An XRANGE reply's entries.
+pub(super) fn parse_range_reply(reply: Value) -> Result<Vec<Entry>, ConsumeError> {
+    match reply {
+        Value::Nil => Ok(Vec::new()),
+        Value::Array(items) => parse_items(items),
+        other => Err(ConsumeError::Reply(format!("XRANGE: {other:?}"))),
+    }
+}
+
+/// Entries as `[id, fields]` pairs (fields nil: trimmed since delivered).
+fn parse_items(items: Vec<Value>) -> Result<Vec<Entry>, ConsumeError> {
+    let mut entries = Vec::with_capacity(items.len());
+    for item in items {
+        let Value::Array(mut parts) = item else {
+            return Err(ConsumeError::Reply("entry is not an array".into()));
+        };
+        if parts.len() != 2 {
+            return Err(ConsumeError::Reply("entry is not [id, fields]".into()));
         }
+        let fields = parts.pop().expect("two parts");
+        let id: String = redis::from_redis_value(parts.pop().expect("two parts"))
+            .map_err(|e| ConsumeError::Reply(e.to_string()))?;
+        let fields = match fields {
+            Value::Nil => None,
+            other => Some(
+                redis::from_redis_value::<HashMap<String, String>>(other)
+                    .map_err(|e| ConsumeError::Reply(e.to_string()))?,
+            ),
+        };
+        entries.push(Entry {
+            id,
+            fields,
+            deliveries: 1,
+        });
     }
     Ok(entries)
 }

@@ -46,6 +46,7 @@ use crate::side::Side;
 use crate::store::{Position, Received, Store, StoreError};
 use group::Entry;
 
+mod ahead;
 mod group;
 pub(crate) mod shards;
 
@@ -368,6 +369,8 @@ impl Inbox {
             epoch,
             inherited: Default::default(),
             suspects: Default::default(),
+            foreign: Default::default(),
+            ahead: Default::default(),
         };
         let result = active.consume(shutdown).await;
         active.release_delivered().await;
@@ -423,6 +426,11 @@ struct Active<'a> {
     /// processed alone, so that if one of them is what ended that run, it ends no more than
     /// one more.
     suspects: std::collections::HashSet<String>,
+    /// Entries whose attempt records name another run that ended while recording them
+    /// ahead of its reads: processed alone when read (see `ahead`).
+    foreign: std::collections::HashSet<String>,
+    /// Scanning ahead of the reads through a backlog (see `ahead`).
+    ahead: ahead::Ahead,
 }
 
 impl Active<'_> {
@@ -434,6 +442,7 @@ impl Active<'_> {
         self.ensure_group().await?;
         self.count_dead_letters().await?;
         self.inherited = self.inherited_entries().await?;
+        self.foreign = self.foreign_records().await?;
         // Holding the lease, nobody else consumes: everything pending in the group is ours
         // to finish, in id order, before anything new.
         self.claim(Duration::ZERO).await?;
@@ -485,8 +494,21 @@ impl Active<'_> {
                 }
                 continue;
             }
+            // A full read means more is waiting: a backlog, which the look-ahead lets the
+            // chats with little in it pass.
+            let full = entries.len() == READ_COUNT;
+            let last = match entries.last() {
+                Some(entry) => entry.id.parse()?,
+                None => ahead::StreamId::default(),
+            };
             if !entries.is_empty() {
                 if let Flow::Shutdown = self.process(entries, shutdown).await? {
+                    return Ok(Flow::Shutdown);
+                }
+            }
+            self.ahead.processed_to(last, full);
+            if self.ahead.is_active() {
+                if let Flow::Shutdown = self.look_ahead(shutdown).await? {
                     return Ok(Flow::Shutdown);
                 }
             }
@@ -529,6 +551,17 @@ impl Active<'_> {
         entries: Vec<Entry>,
         shutdown: &CancellationToken,
     ) -> Result<Flow, ConsumeError> {
+        // Recorded and shown already: only acknowledged now.
+        let (done, entries): (Vec<Entry>, Vec<Entry>) = entries
+            .into_iter()
+            .partition(|e| self.ahead.take_recorded(&e.id));
+        if !done.is_empty() {
+            let ids: Vec<String> = done.into_iter().map(|e| e.id).collect();
+            self.ack(&ids).await?;
+        }
+        if entries.is_empty() {
+            return Ok(Flow::Continue);
+        }
         let Some(attempts) = self.attempts(&entries, shutdown).await? else {
             return Ok(Flow::Shutdown);
         };
@@ -805,11 +838,24 @@ impl Active<'_> {
         }
     }
 
-    /// After the inbox commit: show, then acknowledge. Redeliveries are shown again: the
-    /// first showing may never have happened (the previous writer killed between its commit
-    /// and its hint); streams that sent them skip them by position.
+    /// After the inbox commit: show, then acknowledge.
     async fn after_commit(
         &mut self,
+        received: &[(Entry, model::Message)],
+        recorded: &HashMap<uuid::Uuid, Position>,
+        read_at: std::time::SystemTime,
+    ) -> Result<(), ConsumeError> {
+        self.show(received, recorded, read_at)?;
+        let ids: Vec<String> = received.iter().map(|(e, _)| e.id.clone()).collect();
+        self.ack(&ids).await
+    }
+
+    /// Show what an inbox commit recorded (or found recorded) on every instance, and count
+    /// it. Redeliveries are shown again: the first showing may never have happened (the
+    /// previous writer killed between its commit and its hint); streams that sent them
+    /// skip them by position.
+    fn show(
+        &self,
         received: &[(Entry, model::Message)],
         recorded: &HashMap<uuid::Uuid, Position>,
         read_at: std::time::SystemTime,
@@ -901,8 +947,7 @@ impl Active<'_> {
                     .observe((now - written).as_seconds_f64().max(0.0));
             }
         }
-        let ids: Vec<String> = received.iter().map(|(e, _)| e.id.clone()).collect();
-        self.ack(&ids).await
+        Ok(())
     }
 }
 
