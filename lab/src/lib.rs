@@ -3,6 +3,7 @@
 //! printing a table and writing a JSON result to `target/lab/`.
 
 pub mod auth_cost;
+pub mod backlog;
 pub mod baseline;
 pub mod chaos;
 pub mod clients;

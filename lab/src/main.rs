@@ -1,7 +1,7 @@
 //! `chat-lab`: parse the command line and run one experiment.
 
 use clap::{Parser, Subcommand};
-use lab::{auth_cost, baseline, chaos, latency, rebuild, soak, stuck, throughput};
+use lab::{auth_cost, backlog, baseline, chaos, latency, rebuild, soak, stuck, throughput};
 
 #[derive(Debug, Parser)]
 #[command(name = "chat-lab", version)]
@@ -20,6 +20,9 @@ enum Command {
     /// One shard refusing writes for minutes under traffic on every shard: the others' chats
     /// shown within 2 s, no WAL kept for it, everything shown once it accepts again.
     StuckShard(stuck::Args),
+    /// The receiving side back to a large backlog, with live chats beside it: the live
+    /// ones shown within seconds while the backlog is caught up, everything once, in order.
+    Backlog(backlog::Args),
     /// Send→shown latency, side by side with the baselines.
     Latency(latency::Args),
     /// Relay drain rate (beside pg_recvlogical and the NOTIFY relay) and the end-to-end knee.
@@ -41,6 +44,7 @@ fn main() -> anyhow::Result<()> {
             Command::Chaos(args) => chaos::run(args).await,
             Command::Soak(args) => soak::run(args).await,
             Command::StuckShard(args) => stuck::run(args).await,
+            Command::Backlog(args) => backlog::run(args).await,
             Command::Latency(args) => latency::run(args).await,
             Command::Throughput(args) => throughput::run(args).await,
             Command::Rebuild(args) => rebuild::run(args).await,

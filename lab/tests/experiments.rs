@@ -299,3 +299,26 @@ async fn a_shard_refusing_writes_delays_only_its_own_chats_and_keeps_no_wal() {
         report.slot_lag_max_bytes
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn live_chats_are_shown_while_the_receiving_side_catches_up_a_backlog() {
+    // The receiving side comes back to a backlog in two chats, with live traffic into four
+    // others of the same shard (`chat-lab backlog` writes 200,000).
+    let args = lab::backlog::Args {
+        backlog: 20_000,
+        backlog_chats: 2,
+        live_chats: 4,
+        rate: 10.0,
+        shards: 1,
+    };
+    let report = lab::backlog::run_backlog(bins(), &args).await.unwrap();
+    lab::backlog::print(&report);
+    assert!(report.violations.is_empty(), "{:?}", report.violations);
+    assert!(report.live_shown > 0, "no live message shown");
+    assert!(
+        report.backlog_recorded_at_first_live < args.backlog / 2,
+        "the first live message waited for the backlog: shown with {} of {} recorded",
+        report.backlog_recorded_at_first_live,
+        args.backlog
+    );
+}
