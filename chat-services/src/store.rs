@@ -325,6 +325,9 @@ pub struct Store {
 struct Breaker {
     tripped: AtomicBool,
     probing: AtomicBool,
+    /// Woken when a tripped breaker sees an answer: whatever waits out a backoff because
+    /// the database did not answer tries again at once.
+    answering: tokio::sync::Notify,
 }
 
 /// Whether an operation may go to the database now.
@@ -357,7 +360,9 @@ impl Breaker {
 
     /// An operation got an answer from the server within its deadline: it is not frozen.
     fn answered(&self) {
-        self.tripped.store(false, Ordering::Release);
+        if self.tripped.swap(false, Ordering::AcqRel) {
+            self.answering.notify_waiters();
+        }
     }
 
     fn trip(&self) {
@@ -544,6 +549,13 @@ impl Store {
                 )))
             }
         }
+    }
+
+    /// Resolves when the database answers again after it did not (the breaker clears):
+    /// a retry waiting out its backoff because of an outage starts at once instead. Create
+    /// it before the wait; it sees only answers that come after.
+    pub(crate) fn answering_again(&self) -> tokio::sync::futures::Notified<'_> {
+        self.breaker.answering.notified()
     }
 
     /// Write the message and its outbox event in one transaction. With an idempotency key

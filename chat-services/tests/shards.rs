@@ -183,3 +183,93 @@ async fn wait_held(instance: &ServiceProcess, n: usize) {
     })
     .await;
 }
+
+/// The shards an instance says it holds, whatever its readiness (a 503 while Postgres is
+/// down still names them).
+async fn held_any(admin: SocketAddr) -> Vec<u32> {
+    let Ok(Ok((_, body))) =
+        tokio::time::timeout(Duration::from_secs(1), testkit::http::get(admin, "/readyz")).await
+    else {
+        return Vec::new();
+    };
+    serde_json::from_str::<serde_json::Value>(&body)
+        .ok()
+        .and_then(|json| {
+            json["shards"].as_array().map(|shards| {
+                shards
+                    .iter()
+                    .filter_map(|s| s.as_u64().map(|s| s as u32))
+                    .collect()
+            })
+        })
+        .unwrap_or_default()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_postgres_outage_for_every_instance_moves_no_shard() {
+    // GIVEN 4 shards per side on a Postgres of their own, two Workers instances sharing
+    // them, a message delivered on every shard
+    let pg = testkit::PgServer::start().unwrap();
+    let stack = Stack::start_sharded(&pg, 4).await;
+    let c1 = stack
+        .service_process(Side::Consumers, "consumers-1", &[])
+        .await;
+    let w1 = stack
+        .service_process_standby(Side::Workers, "workers-1", &[])
+        .await;
+    let w2 = stack
+        .service_process_standby(Side::Workers, "workers-2", &[])
+        .await;
+    wait_split(&[&w1, &w2], 4).await;
+    for i in 0..8i64 {
+        send(c1.addr, 1 + i, &format!("before {i}")).await;
+    }
+    for chat in 1..=8 {
+        assert_received_in_sent_order(&stack, Side::Consumers, chat).await;
+    }
+    let before = [held_any(w1.admin).await, held_any(w2.admin).await];
+    // Every shard each instance is seen holding from now on.
+    let watch = tokio_util::sync::CancellationToken::new();
+    let seen = tokio::spawn({
+        let (admins, watch) = ([w1.admin, w2.admin], watch.clone());
+        async move {
+            let mut seen = [std::collections::BTreeSet::new(), Default::default()];
+            while !watch.is_cancelled() {
+                for (k, admin) in admins.iter().enumerate() {
+                    seen[k].extend(held_any(*admin).await);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            seen
+        }
+    });
+
+    // WHEN every Postgres process is SIGSTOPped for three lease TTLs (3 s each): long past
+    // the point where an instance that alone cannot reach Postgres leaves the member set
+    pg.freeze().unwrap();
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    pg.thaw().unwrap();
+
+    // THEN, once it answers again, every message sent is recorded once, in order
+    for i in 8..16i64 {
+        send(c1.addr, 1 + i % 8, &format!("after {i}")).await;
+    }
+    for chat in 1..=8 {
+        assert_received_in_sent_order(&stack, Side::Consumers, chat).await;
+    }
+    wait_split(&[&w1, &w2], 4).await;
+    watch.cancel();
+    let seen = seen.await.unwrap();
+    // AND no shard changed hands, not even for a moment: an outage nobody could consume
+    // through gave nobody's shards to anybody (each move is a hand-over after the outage,
+    // while the shard's messages wait)
+    for k in 0..2 {
+        assert_eq!(
+            seen[k].iter().copied().collect::<Vec<_>>(),
+            before[k],
+            "workers-{} held only its own shards throughout",
+            k + 1
+        );
+    }
+    assert_eq!([held_any(w1.admin).await, held_any(w2.admin).await], before);
+}

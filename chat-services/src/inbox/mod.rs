@@ -286,9 +286,12 @@ impl Inbox {
                     }
                     warn!(error = %e, retry_in = ?delay, "inbox consumer interrupted; retrying");
                     self.set_role(ConsumerRole::Starting);
+                    // Postgres answering again ends the wait: after an outage the shard
+                    // resumes within moments of the database, not a backoff later.
                     tokio::select! {
                         _ = shutdown.cancelled() => break,
                         _ = tokio::time::sleep(delay) => {}
+                        _ = self.store.answering_again() => {}
                     }
                 }
             }
@@ -826,6 +829,7 @@ impl Active<'_> {
                     tokio::select! {
                         _ = shutdown.cancelled() => return Ok(Recorded::Shutdown),
                         _ = tokio::time::sleep(delay) => {}
+                        _ = self.inbox.store.answering_again() => {}
                     }
                     if !self.inbox.wanted() {
                         // This instance left the member set (it cannot reach Postgres, say):

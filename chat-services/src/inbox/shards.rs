@@ -10,10 +10,15 @@
 //! Ownership is only ever the lease's (fenced per shard in Postgres); the split only says
 //! who tries.
 //!
-//! Only an instance that can consume is a member: one that cannot reach Postgres, or whose
-//! shard count the stream's records refuse, leaves the set, so its share goes to the
-//! others instead of stalling behind it. When no instance is a member (Postgres down for
-//! everyone), every instance tries every shard, as with one shard, so consuming resumes
+//! Only an instance that can consume is a member: one whose shard count the stream's
+//! records refuse leaves the set, and so does one that cannot reach Postgres *while another
+//! member can* (it heartbeat after a Postgres answer since this one's pings began to fail),
+//! so its share goes to the others instead of stalling behind it. An outage nobody can
+//! consume through (Postgres down or frozen for everyone) moves nothing: each keeps its
+//! shards, and resumes them the moment Postgres answers, instead of handing them around
+//! when it comes back. Each heartbeat's score says whether its Postgres check passed (a
+//! half millisecond added). When no instance is a member (every one started during an
+//! outage), every instance tries every shard, as with one shard, so consuming resumes
 //! wherever it can first.
 
 use std::sync::{Arc, Mutex};
@@ -39,24 +44,46 @@ const VIEW_REFRESH: Duration = Duration::from_millis(250);
 /// Which shards this instance should try to hold (index: shard).
 pub(crate) type Assignment = Arc<Vec<bool>>;
 
-/// Heartbeat (join), leave, or only look, then the live members. KEYS[1]: the members'
-/// sorted set; ARGV: member, liveness window (ms), '1' to heartbeat, '0' to leave, '2' to
-/// only read the live members.
+/// Heartbeat, leave, or only look, then Redis's time (ms), whether this member is out of the
+/// set, and the live members. KEYS[1]: the members' sorted set; ARGV: member, liveness
+/// window (ms), mode, and for mode '3' the time this member's Postgres checks began to
+/// fail. Modes: '1' heartbeat after a Postgres answer (the score's half millisecond says
+/// so), '4' heartbeat after a failed check, '3' cannot reach Postgres: leave if another
+/// member heartbeat after an answer since ARGV[4], else heartbeat as '4'; '0' leave; '2'
+/// only look. Scores are built as strings: Lua's own formatting keeps 14 digits.
 static MEMBERS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local window = tonumber(ARGV[2])
-if ARGV[3] == '1' then
-  redis.call('ZADD', KEYS[1], now, ARGV[1])
-elseif ARGV[3] == '0' then
-  redis.call('ZREM', KEYS[1], ARGV[1])
+local mode = ARGV[3]
+local out = 0
+if mode == '3' then
+  local since = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[4], '+inf', 'WITHSCORES')
+  for i = 1, #since, 2 do
+    local score = tonumber(since[i + 1])
+    if since[i] ~= ARGV[1] and score - math.floor(score) > 0.25 then
+      mode = '0'
+    end
+  end
+  if mode == '3' then mode = '4' end
 end
-if ARGV[3] ~= '2' then
+if mode == '1' then
+  redis.call('ZADD', KEYS[1], string.format('%d.5', now), ARGV[1])
+elseif mode == '4' then
+  redis.call('ZADD', KEYS[1], string.format('%d', now), ARGV[1])
+elseif mode == '0' then
+  redis.call('ZREM', KEYS[1], ARGV[1])
+  out = 1
+end
+if mode ~= '2' then
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - 10 * window))
 end
-return redis.call('ZRANGEBYSCORE', KEYS[1], now - window, '+inf')
+local live = redis.call('ZRANGEBYSCORE', KEYS[1], now - window, '+inf')
+table.insert(live, 1, tostring(out))
+table.insert(live, 1, string.format('%d', now))
+return live
 "#,
     )
 });
@@ -130,6 +157,18 @@ pub(crate) struct Membership {
     pub roles: Arc<ShardRoles>,
 }
 
+/// What this instance says of itself in the member set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Standing {
+    /// Its Postgres check passed.
+    Able,
+    /// A check failed, or Postgres has not answered for a while but no other member has
+    /// either: it stays, and keeps its shards.
+    Unanswered,
+    /// Out of the set: it cannot consume and another member can (or its layout is refused).
+    Out(&'static str),
+}
+
 /// Keep this instance in the member set while it can consume, and `assignment` up to date,
 /// until `shutdown`; then leave, so the others take its shards at once.
 pub(crate) async fn run_membership(
@@ -140,10 +179,15 @@ pub(crate) async fn run_membership(
     let key = members_key(m.side);
     let window = m.ttl.as_millis() as u64;
     let mut conn: Option<RedisConn> = None;
-    let mut last: Option<(Vec<String>, bool)> = None;
+    let mut last: Option<(Vec<String>, Standing)> = None;
     // Pings failed in a row: one slow answer under load is not a reason to move shards.
     let mut failed_pings = 0u32;
-    let mut unable: Option<&str> = None;
+    // Redis's time at the first heartbeat after the pings began to fail: a member that
+    // heartbeat after a Postgres answer since then can consume where this one cannot.
+    let mut failing_since: Option<u64> = None;
+    // An instance that has never reached Postgres does not join while it cannot: its share
+    // would wait on it.
+    let mut ever_able = false;
     let mut next_beat = tokio::time::Instant::now();
     loop {
         if conn.is_none() {
@@ -165,18 +209,40 @@ pub(crate) async fn run_membership(
                 } else {
                     m.ttl / 3
                 };
-            unable = if m.roles.layout_refused() {
-                Some("the stream's records refuse this instance's shard count")
-            } else if failed_pings >= 3 {
-                Some("Postgres does not answer")
-            } else {
-                None
-            };
+            if failed_pings == 0 {
+                failing_since = None;
+                ever_able = true;
+            }
         }
-        let mode = match (beat_now, unable) {
-            (false, _) => "2",
-            (true, None) => "1",
-            (true, Some(_)) => "0",
+        // What to say in the set, and why this instance would be out of it.
+        let (mode, out_why) = if !beat_now {
+            ("2", None)
+        } else if m.roles.layout_refused() {
+            (
+                "0",
+                Some("the stream's records refuse this instance's shard count"),
+            )
+        } else if failed_pings == 0 {
+            ("1", None)
+        } else if !ever_able {
+            // Joining while it cannot would give it a share, to wait on it.
+            (
+                "0",
+                Some("Postgres has not answered since this instance started"),
+            )
+        } else if failed_pings < 3 || failing_since.is_none() {
+            ("4", None)
+        } else if matches!(last, Some((_, Standing::Out(_)))) {
+            // Out until Postgres answers: rejoining would move its share back, to wait.
+            (
+                "0",
+                Some("Postgres does not answer, and another instance's does"),
+            )
+        } else {
+            (
+                "3",
+                Some("Postgres does not answer, and another instance's does"),
+            )
         };
         if let Some(c) = conn.as_mut() {
             // Bounded well below the connection's response timeout: a frozen node holding
@@ -188,6 +254,7 @@ pub(crate) async fn run_membership(
                     .arg(&m.me)
                     .arg(window)
                     .arg(mode)
+                    .arg(failing_since.unwrap_or(0))
                     .invoke_async(c),
             )
             .await
@@ -197,18 +264,30 @@ pub(crate) async fn run_membership(
                     "no answer within the heartbeat's deadline",
                 )))
             });
-            match beat {
-                Ok(mut members) => {
+            match beat.map(split_reply) {
+                Ok((now, out, mut members)) => {
+                    if failed_pings > 0 && failing_since.is_none() && mode != "2" {
+                        failing_since = Some(now);
+                    }
                     members.sort_unstable();
-                    let now = (members, unable.is_none());
+                    let standing = match (mode, out) {
+                        (_, true) => Standing::Out(out_why.unwrap_or("leaving")),
+                        ("2", false) => last.as_ref().map_or(Standing::Able, |(_, s)| *s),
+                        ("1", false) => Standing::Able,
+                        (_, false) => Standing::Unanswered,
+                    };
+                    let now = (members, standing);
                     if last.as_ref() != Some(&now) {
                         let mine = assign(m.shards, &now.0, &m.me);
                         let wanted: Vec<usize> = (0..mine.len()).filter(|k| mine[*k]).collect();
-                        match unable {
-                            None => {
+                        match standing {
+                            Standing::Able => {
                                 info!(members = ?now.0, shards = ?wanted, "inbox members changed; shards wanted by this instance")
                             }
-                            Some(why) => {
+                            Standing::Unanswered => {
+                                warn!(members = ?now.0, shards = ?wanted, "Postgres does not answer this instance; it keeps its shards while no other instance does better")
+                            }
+                            Standing::Out(why) => {
                                 warn!(members = ?now.0, shards = ?wanted, why, "this instance cannot consume: out of the inbox member set, its shards go to the others")
                             }
                         }
@@ -222,7 +301,7 @@ pub(crate) async fn run_membership(
                 // those nobody holds, so shards on the other nodes do not wait for this one.
                 Err(e) => {
                     warn!(error = %e, "inbox membership heartbeat failed; retrying");
-                    if last.is_none() && unable.is_none() {
+                    if last.is_none() && mode != "0" {
                         let every = vec![true; m.shards as usize];
                         if **assignment.borrow() != every {
                             warn!("the inbox member set cannot be read: this instance takes any shard whose lease is free until it can");
@@ -243,12 +322,22 @@ pub(crate) async fn run_membership(
             .arg(&m.me)
             .arg(window)
             .arg("0")
+            .arg(0)
             .invoke_async(c)
             .await;
         if let Err(e) = left {
             warn!(error = %e, "could not leave the inbox member set; the others notice within the lease TTL");
         }
     }
+}
+
+/// The members script's reply: Redis's time (ms), whether this member is out of the set,
+/// and the live members.
+fn split_reply(mut reply: Vec<String>) -> (u64, bool, Vec<String>) {
+    let members = reply.split_off(2.min(reply.len()));
+    let now = reply.first().and_then(|t| t.parse().ok()).unwrap_or(0);
+    let out = reply.get(1).is_some_and(|o| o == "1");
+    (now, out, members)
 }
 
 /// The roles of an instance's shard consumers, summed up in one status: active while it
