@@ -300,12 +300,35 @@ fn parse_event(block: &str) -> Option<SseEvent> {
     })
 }
 
-/// A port on 127.0.0.1 that was free a moment ago (the kernel's choice, not a fixed one).
+/// A port on 127.0.0.1 that was free a moment ago, below the kernel's ephemeral range
+/// (32768 and up on Linux). Processes the tests restart (a killed service, a Redis node)
+/// listen on the same port again; a port of the ephemeral range may meanwhile be the
+/// source port of some outgoing connection, and the restart then fails with "Address
+/// already in use" (seen in the cluster soak). No outgoing connection takes one of these.
+/// Each process walks the range from its own starting point, so two test processes
+/// rarely probe the same port, and never hands out one port twice.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("bind 127.0.0.1:0")
+    use std::sync::atomic::{AtomicU32, Ordering};
+    const FIRST: u32 = 10_000;
+    const COUNT: u32 = 22_000;
+    static NEXT: AtomicU32 = AtomicU32::new(u32::MAX);
+    if NEXT.load(Ordering::Relaxed) == u32::MAX {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        let start = (std::process::id().wrapping_mul(7_919) ^ nanos) % COUNT;
+        let _ = NEXT.compare_exchange(u32::MAX, start, Ordering::Relaxed, Ordering::Relaxed);
+    }
+    for _ in 0..COUNT {
+        let port = (FIRST + NEXT.fetch_add(1, Ordering::Relaxed) % COUNT) as u16;
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!(
+        "no free port on 127.0.0.1 between {FIRST} and {}",
+        FIRST + COUNT
+    )
 }
 
 /// Every sample of Prometheus text output by series, with the constant labels every

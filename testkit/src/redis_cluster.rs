@@ -464,15 +464,17 @@ fn serves(port: u16, pid: u32) -> bool {
         })
 }
 
-/// `n` free ports whose cluster bus ports (port + 10000) are free too and collide with
-/// no other node's port or bus port.
+/// `n` free ports whose cluster bus ports (port + 10000) are free too, below the kernel's
+/// ephemeral range like the ports themselves (a node restarted on its ports must find
+/// them free), and collide with no other node's port or bus port.
 fn node_ports(n: usize) -> Vec<u16> {
     let mut ports: Vec<u16> = Vec::new();
     while ports.len() < n {
         let port = crate::http::free_port();
-        let Some(bus) = port.checked_add(10_000) else {
+        let bus = port + 10_000;
+        if bus >= 32_768 {
             continue;
-        };
+        }
         let taken = ports
             .iter()
             .any(|p| [*p, p + 10_000].iter().any(|q| *q == port || *q == bus));
