@@ -311,9 +311,23 @@ pub struct Store {
     breaker: Arc<Breaker>,
     /// A connection of its own for [`Store::ping`], outside the pool: a pool that is all in
     /// use means a busy database, not a dead one, and the health checks must tell them apart.
-    health: Arc<tokio::sync::Mutex<Option<tokio_postgres::Client>>>,
+    health: Arc<tokio::sync::Mutex<Health>>,
     endpoint: outbox_core::connect::PgEndpoint,
 }
+
+/// The health check's own connection, and since when it has left a check unanswered.
+#[derive(Default)]
+struct Health {
+    client: Option<tokio_postgres::Client>,
+    unanswered_since: Option<std::time::Instant>,
+}
+
+/// How long the health check's connection may leave checks unanswered before it is given up
+/// for a new one. A frozen server answers on it the moment it wakes; a new connection would
+/// queue behind every one abandoned during the freeze, and the instance would learn that
+/// Postgres is back only after the server forked a backend for each. A server that went
+/// away without closing it (a vanished host) is noticed this much later.
+const HEALTH_GIVE_UP: Duration = Duration::from_secs(10);
 
 /// Trips when an operation gets no answer by its deadline: from then on one operation at a
 /// time goes to the database (waiting, if need be, on a connection to a frozen server) and
@@ -499,9 +513,9 @@ impl Store {
     }
 
     /// Postgres answers, on a connection of its own (never one of the pool, which may be all
-    /// in use by a busy database: that is not a dead one), within `deadline` (the caller's:
-    /// a check cut short by its caller would never learn the answer, nor reset a connection
-    /// left on a frozen server). Never refused by the breaker, so the health checks
+    /// in use by a busy database: that is not a dead one), within `deadline` (the caller's).
+    /// A check left unanswered keeps its connection (see [`HEALTH_GIVE_UP`]): the next check
+    /// goes behind it on the same one. Never refused by the breaker, so the health checks
     /// (readiness, the inbox membership) learn the truth; its answer clears the breaker, its
     /// silence trips it.
     pub(crate) async fn ping(&self, deadline: Duration) -> Result<(), StoreError> {
@@ -511,19 +525,25 @@ impl Store {
                 "another health check has not finished".into(),
             ));
         };
+        let health = &mut *health;
         let left = deadline.saturating_sub(started.elapsed());
         let outcome = tokio::time::timeout(left, async {
-            if health.as_ref().is_none_or(|c| c.is_closed()) {
-                *health = None;
+            let given_up = health
+                .unanswered_since
+                .is_some_and(|t| t.elapsed() >= HEALTH_GIVE_UP);
+            if given_up || health.client.as_ref().is_none_or(|c| c.is_closed()) {
+                health.client = None;
+                health.unanswered_since = None;
                 let client = self
                     .endpoint
                     .connect_as(left, &format!("chat-{}-health", self.side))
                     .await
                     .map_err(|e| StoreError::Unavailable(e.to_string()))?;
                 client.batch_execute("SET statement_timeout = '4s'").await?;
-                *health = Some(client);
+                health.client = Some(client);
             }
             health
+                .client
                 .as_ref()
                 .expect("connected above")
                 .simple_query("SELECT 1")
@@ -533,15 +553,21 @@ impl Store {
         .await;
         match outcome {
             Ok(Ok(())) => {
+                health.unanswered_since = None;
                 self.breaker.answered();
                 Ok(())
             }
             Ok(Err(e)) => {
-                *health = None;
+                health.client = None;
+                health.unanswered_since = None;
                 Err(e)
             }
             Err(_) => {
-                *health = None;
+                if health.client.is_some() {
+                    health
+                        .unanswered_since
+                        .get_or_insert_with(std::time::Instant::now);
+                }
                 self.breaker.trip();
                 self.pool.retain(|_, _| false);
                 Err(StoreError::Unavailable(format!(

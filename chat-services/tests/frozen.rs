@@ -33,6 +33,7 @@ async fn a_frozen_postgres_answers_sends_with_503_within_5_s_and_delivery_resume
         }
     };
     received(1).await;
+    let health_before = health_backend(&stack).await;
 
     // WHEN every Postgres process is SIGSTOPped
     pg.freeze().unwrap();
@@ -91,4 +92,27 @@ async fn a_frozen_postgres_answers_sends_with_503_within_5_s_and_delivery_resume
             .await,
         3
     );
+    // AND the health check kept its connection through the freeze: a new one would queue
+    // behind every connection abandoned meanwhile, and the instance would learn that
+    // Postgres is back (readiness, the inbox membership, the retries that wait for it) only
+    // once the server had forked a backend for each of those first
+    assert_eq!(
+        health_backend(&stack).await,
+        health_before,
+        "the health check's backend (pid) after the freeze is the one from before"
+    );
+}
+
+/// The pid of the Consumers service's health-check backend.
+async fn health_backend(stack: &Stack<'_>) -> i32 {
+    let db = stack.db.connect().await.unwrap();
+    let rows = db
+        .query(
+            "SELECT pid FROM pg_stat_activity WHERE application_name = 'chat-consumers-health'",
+            &[],
+        )
+        .await
+        .unwrap();
+    assert_eq!(rows.len(), 1, "one health-check connection");
+    rows[0].get(0)
 }

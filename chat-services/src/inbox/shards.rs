@@ -10,16 +10,15 @@
 //! Ownership is only ever the lease's (fenced per shard in Postgres); the split only says
 //! who tries.
 //!
-//! Only an instance that can consume is a member: one whose shard count the stream's
-//! records refuse leaves the set, and so does one that cannot reach Postgres *while another
-//! member can* (it heartbeat after a Postgres answer since this one's pings began to fail),
-//! so its share goes to the others instead of stalling behind it. An outage nobody can
-//! consume through (Postgres down or frozen for everyone) moves nothing: each keeps its
-//! shards, and resumes them the moment Postgres answers, instead of handing them around
-//! when it comes back. Each heartbeat's score says whether its Postgres check passed (a
-//! half millisecond added). When no instance is a member (every one started during an
-//! outage), every instance tries every shard, as with one shard, so consuming resumes
-//! wherever it can first.
+//! Only an instance that can consume is a member: one whose shard count the stream's records
+//! refuse leaves the set, and so does one that cannot reach Postgres *while another member can*
+//! (for a heartbeat period, it heartbeat after Postgres answers while this one's checks kept
+//! failing), so its share goes to the others instead of stalling behind it. An outage nobody
+//! can consume through (Postgres down or frozen for everyone) moves nothing: each keeps its
+//! shards, and resumes them the moment Postgres answers, instead of handing them around when it
+//! comes back. Each heartbeat's score says whether its Postgres check passed (a half
+//! millisecond added). When no instance is a member (every one started during an outage), every
+//! instance tries every shard, as with one shard, so consuming resumes wherever it can first.
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -45,12 +44,12 @@ const VIEW_REFRESH: Duration = Duration::from_millis(250);
 pub(crate) type Assignment = Arc<Vec<bool>>;
 
 /// Heartbeat, leave, or only look, then Redis's time (ms), whether this member is out of the
-/// set, and the live members. KEYS[1]: the members' sorted set; ARGV: member, liveness
-/// window (ms), mode, and for mode '3' the time this member's Postgres checks began to
-/// fail. Modes: '1' heartbeat after a Postgres answer (the score's half millisecond says
-/// so), '4' heartbeat after a failed check, '3' cannot reach Postgres: leave if another
-/// member heartbeat after an answer since ARGV[4], else heartbeat as '4'; '0' leave; '2'
-/// only look. Scores are built as strings: Lua's own formatting keeps 14 digits.
+/// set, whether another member heartbeat after a Postgres answer since ARGV[4], and the live
+/// members. KEYS[1]: the members' sorted set; ARGV: member, liveness window (ms), mode, the
+/// time this member's Postgres checks began to fail (0 if they pass). Modes: '1' heartbeat
+/// after a Postgres answer (the score's half millisecond says so), '4' heartbeat after a
+/// failed check, '0' leave, '2' only look. Scores are built as strings: Lua's own
+/// formatting keeps 14 digits.
 static MEMBERS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
     redis::Script::new(
         r#"
@@ -59,15 +58,15 @@ local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local window = tonumber(ARGV[2])
 local mode = ARGV[3]
 local out = 0
-if mode == '3' then
+local able = 0
+if ARGV[4] ~= '0' then
   local since = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[4], '+inf', 'WITHSCORES')
   for i = 1, #since, 2 do
     local score = tonumber(since[i + 1])
     if since[i] ~= ARGV[1] and score - math.floor(score) > 0.25 then
-      mode = '0'
+      able = 1
     end
   end
-  if mode == '3' then mode = '4' end
 end
 if mode == '1' then
   redis.call('ZADD', KEYS[1], string.format('%d.5', now), ARGV[1])
@@ -81,6 +80,7 @@ if mode ~= '2' then
   redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', '(' .. (now - 10 * window))
 end
 local live = redis.call('ZRANGEBYSCORE', KEYS[1], now - window, '+inf')
+table.insert(live, 1, tostring(able))
 table.insert(live, 1, tostring(out))
 table.insert(live, 1, string.format('%d', now))
 return live
@@ -188,6 +188,11 @@ pub(crate) async fn run_membership(
     // An instance that has never reached Postgres does not join while it cannot: its share
     // would wait on it.
     let mut ever_able = false;
+    // Since when another member has been seen reaching Postgres while this one cannot. It
+    // leaves only once that has lasted a heartbeat period: after an outage of everyone's,
+    // the first to see Postgres again must not push out the others, whose checks pass
+    // moments later.
+    let mut others_able_since: Option<tokio::time::Instant> = None;
     let mut next_beat = tokio::time::Instant::now();
     loop {
         if conn.is_none() {
@@ -232,17 +237,16 @@ pub(crate) async fn run_membership(
             )
         } else if failed_pings < 3 || failing_since.is_none() {
             ("4", None)
-        } else if matches!(last, Some((_, Standing::Out(_)))) {
+        } else if matches!(last, Some((_, Standing::Out(_))))
+            || others_able_since.is_some_and(|t| t.elapsed() >= m.ttl / 3)
+        {
             // Out until Postgres answers: rejoining would move its share back, to wait.
             (
                 "0",
                 Some("Postgres does not answer, and another instance's does"),
             )
         } else {
-            (
-                "3",
-                Some("Postgres does not answer, and another instance's does"),
-            )
+            ("4", None)
         };
         if let Some(c) = conn.as_mut() {
             // Bounded well below the connection's response timeout: a frozen node holding
@@ -254,7 +258,11 @@ pub(crate) async fn run_membership(
                     .arg(&m.me)
                     .arg(window)
                     .arg(mode)
-                    .arg(failing_since.unwrap_or(0))
+                    .arg(if failed_pings > 0 {
+                        failing_since.unwrap_or(0)
+                    } else {
+                        0
+                    })
                     .invoke_async(c),
             )
             .await
@@ -265,10 +273,15 @@ pub(crate) async fn run_membership(
                 )))
             });
             match beat.map(split_reply) {
-                Ok((now, out, mut members)) => {
+                Ok((now, out, others_able, mut members)) => {
                     if failed_pings > 0 && failing_since.is_none() && mode != "2" {
                         failing_since = Some(now);
                     }
+                    others_able_since = if failed_pings > 0 && others_able {
+                        others_able_since.or_else(|| Some(tokio::time::Instant::now()))
+                    } else {
+                        None
+                    };
                     members.sort_unstable();
                     let standing = match (mode, out) {
                         (_, true) => Standing::Out(out_why.unwrap_or("leaving")),
@@ -332,12 +345,14 @@ pub(crate) async fn run_membership(
 }
 
 /// The members script's reply: Redis's time (ms), whether this member is out of the set,
-/// and the live members.
-fn split_reply(mut reply: Vec<String>) -> (u64, bool, Vec<String>) {
-    let members = reply.split_off(2.min(reply.len()));
+/// whether another member reached Postgres since this one's checks began to fail, and the
+/// live members.
+fn split_reply(mut reply: Vec<String>) -> (u64, bool, bool, Vec<String>) {
+    let members = reply.split_off(3.min(reply.len()));
     let now = reply.first().and_then(|t| t.parse().ok()).unwrap_or(0);
     let out = reply.get(1).is_some_and(|o| o == "1");
-    (now, out, members)
+    let others_able = reply.get(2).is_some_and(|o| o == "1");
+    (now, out, others_able, members)
 }
 
 /// The roles of an instance's shard consumers, summed up in one status: active while it
