@@ -607,6 +607,12 @@ async fn redis_acl_users_have_least_privilege() {
             true,
         ),
         ("consumers", "HSET inbox-attempts:consumers:{3} 1-1 x", true),
+        // The look-ahead past a backlog: it scans the stream and reads the attempt records.
+        ("consumers", "XRANGE outbox:workers:{3} - + COUNT 1", true),
+        ("consumers", "HLEN inbox-attempts:consumers:{3}", true),
+        ("consumers", "HGETALL inbox-attempts:consumers:{3}", true),
+        ("consumers", "HGETALL inbox-attempts:workers:{3}", false),
+        ("consumers", "XRANGE deadletter:workers - + COUNT 1", false),
         ("consumers", "ZADD inbox-members:consumers 1 me", true),
         (
             "consumers",

@@ -216,3 +216,89 @@ async fn a_message_that_kills_its_consumer_while_recorded_ahead_is_dead_lettered
     consumers.stop().await;
     stack.stop().await;
 }
+
+/// The rules of `deploy/redis/users.acl`'s `user` line for `name`, as ACL SETUSER takes
+/// them (a selector in parentheses is one argument), with the password `password` and
+/// without `dropped` (the commands a previous version's file did not grant).
+fn acl_rules(name: &str, password: &str, dropped: &[&str]) -> Vec<String> {
+    let acl = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../deploy/redis/users.acl"
+    ))
+    .unwrap();
+    let line = acl
+        .lines()
+        .find(|l| l.starts_with(&format!("user {name} ")))
+        .expect("the user's line");
+    let mut rules = Vec::new();
+    let mut selector: Option<String> = None;
+    for word in line.split_whitespace().skip(2) {
+        let word = if word.starts_with('#') {
+            format!(">{password}")
+        } else {
+            word.to_string()
+        };
+        match selector.as_mut() {
+            Some(open) => {
+                if !dropped.contains(&word.trim_end_matches(')')) {
+                    open.push(' ');
+                    open.push_str(&word);
+                } else if word.ends_with(')') {
+                    open.push(')');
+                }
+                if word.ends_with(')') {
+                    rules.push(selector.take().unwrap());
+                }
+            }
+            None if word.starts_with('(') => selector = Some(word),
+            None if dropped.contains(&word.as_str()) => {}
+            None => rules.push(word),
+        }
+    }
+    rules
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_an_acl_from_before_the_look_ahead_a_backlog_is_consumed_in_order_and_the_operator_told(
+) {
+    // GIVEN Workers' Redis user as the previous deploy/redis/users.acl made it (no XRANGE of
+    // the stream, no HLEN/HGETALL of the attempt records), and a backlog of two chats
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let mut admin = stack.redis().connect().await.unwrap();
+    let mut setuser = redis::cmd("ACL");
+    setuser.arg("SETUSER").arg("workers").arg("reset");
+    for rule in acl_rules("workers", "old-acl", &["+xrange", "+hlen", "+hgetall"]) {
+        setuser.arg(rule);
+    }
+    let _: () = setuser.query_async(&mut admin).await.unwrap();
+    write_backlog(&stack, 1, 600).await;
+    for i in 0..5 {
+        send(consumers.addr, 2, &format!("m{i}")).await;
+    }
+
+    // WHEN Workers starts as that user
+    let url = stack.redis().url_as("workers", "old-acl");
+    let workers = stack
+        .service_process(Side::Workers, "workers-1", &["--redis-url", &url])
+        .await;
+
+    // THEN every message is recorded once, in its chat's order, nothing dead-lettered, and
+    // the log says what to load
+    testkit::wait_until(Duration::from_secs(60), "all recorded", || async {
+        match stack.count("SELECT count(*) FROM workers.inbox").await {
+            605 => Ok(()),
+            n => Err(format!("{n}")),
+        }
+    })
+    .await;
+    assert_received_in_sent_order(&stack, Side::Consumers, 1).await;
+    assert_received_in_sent_order(&stack, Side::Consumers, 2).await;
+    assert_eq!(stack.dead_letters().await, 0);
+    let log = workers.child.log();
+    assert!(
+        log.contains("may not scan the stream (XRANGE)")
+            && log.contains("load the current deploy/redis/users.acl"),
+        "the log names the ACL to load"
+    );
+}

@@ -25,10 +25,11 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::str::FromStr;
+use std::sync::atomic::Ordering;
 
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use super::group::{parse_range_reply, Entry};
 use super::{Active, ConsumeError, Flow, Recorded, READ_COUNT};
@@ -217,14 +218,24 @@ impl Active<'_> {
         shutdown: &CancellationToken,
     ) -> Result<Scan, ConsumeError> {
         let from = self.ahead.scan_from();
-        let reply: redis::Value = redis::cmd("XRANGE")
+        let reply: redis::Value = match redis::cmd("XRANGE")
             .arg(&self.cfg().stream)
             .arg(format!("({from}"))
             .arg("+")
             .arg("COUNT")
             .arg(SCAN_COUNT)
             .query_async(&mut self.conn)
-            .await?;
+            .await
+        {
+            Ok(reply) => reply,
+            Err(e) if e.code() == Some("NOPERM") => {
+                if !self.inbox.ahead_refused.swap(true, Ordering::Relaxed) {
+                    warn!(error = %e, "the Redis user may not scan the stream (XRANGE), so a backlog holds back every chat of its shard; load the current deploy/redis/users.acl");
+                }
+                return Ok(Scan::AtEnd);
+            }
+            Err(e) => return Err(e.into()),
+        };
         let entries = parse_range_reply(reply)?;
         let Some(last) = entries.last() else {
             return Ok(Scan::AtEnd);

@@ -21,7 +21,7 @@
 //!   in place, and session restarts and handovers never count.
 
 use std::collections::HashMap;
-use std::sync::atomic::AtomicU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -200,6 +200,9 @@ pub(crate) struct Inbox {
     /// Messages recorded so far (for the `failpoints` crash hook).
     #[cfg_attr(not(feature = "failpoints"), allow(dead_code))]
     recorded: AtomicU64,
+    /// Redis refused the look-ahead's commands (an ACL from before it, not reloaded): the
+    /// shard is consumed in order only, said once.
+    ahead_refused: std::sync::atomic::AtomicBool,
 }
 
 impl Inbox {
@@ -223,6 +226,7 @@ impl Inbox {
             run_id: uuid::Uuid::new_v4().simple().to_string(),
             delivered: std::sync::Mutex::new(HashMap::new()),
             recorded: AtomicU64::new(0),
+            ahead_refused: Default::default(),
         }
     }
 
@@ -510,7 +514,7 @@ impl Active<'_> {
                 }
             }
             self.ahead.processed_to(last, full);
-            if self.ahead.is_active() {
+            if self.ahead.is_active() && !self.inbox.ahead_refused.load(Ordering::Relaxed) {
                 if let Flow::Shutdown = self.look_ahead(shutdown).await? {
                     return Ok(Flow::Shutdown);
                 }
