@@ -72,20 +72,23 @@ pub(crate) struct Entitlement {
 
 /// A cursor past the feed's tip names positions the database does not have (it was
 /// restored from a backup since): the client resumes from the tip, or it would be shown
-/// nothing new until some future position passed its cursor. The tip is read before the
-/// stream subscribes to live messages: read after, a message committed in between would
-/// sit at or below it and be taken for one the client had.
+/// nothing new until some future position passed its cursor. No cursor ("from now on")
+/// is the tip. The tip is read before the stream subscribes to live messages and before
+/// the client has its answer: read after, a message committed in between (one the client
+/// sent on getting its answer) would sit at or below it and be taken for one the client
+/// had, and never shown (seen in CI, under load).
 pub(crate) async fn clamp(
     app: &App,
     chat_id: i64,
     after: Option<Cursor>,
 ) -> Result<Option<Cursor>, StoreError> {
+    let tip = || async {
+        let tips = app.store.tips(&[chat_id]).await?;
+        Ok::<_, StoreError>(tips.first().map_or(0, |(_, tip)| *tip))
+    };
     match after {
-        Some(Cursor::Pos(pos)) => {
-            let tips = app.store.tips(&[chat_id]).await?;
-            let tip = tips.first().map_or(0, |(_, tip)| *tip);
-            Ok(Some(Cursor::Pos(pos.min(tip))))
-        }
+        Some(Cursor::Pos(pos)) => Ok(Some(Cursor::Pos(pos.min(tip().await?)))),
+        None => Ok(Some(Cursor::Pos(tip().await?))),
         other => Ok(other),
     }
 }
