@@ -380,11 +380,16 @@ impl Active<'_> {
             .arg(ids)
             .query_async(&mut self.conn)
             .await?;
+        self.forget_delivered(ids);
+        Ok(())
+    }
+
+    /// These entries are no longer in this run's hands.
+    fn forget_delivered(&self, ids: &[String]) {
         let mut delivered = self.inbox.delivered.lock().unwrap();
         for id in ids {
             delivered.remove(id);
         }
-        Ok(())
     }
 
     /// Attempt records of runs other than this one that were not released: entries
@@ -493,10 +498,7 @@ impl Active<'_> {
             .ignore()
             .query_async(&mut self.conn)
             .await?;
-        let mut delivered = self.inbox.delivered.lock().unwrap();
-        for id in ids {
-            delivered.remove(id);
-        }
+        self.forget_delivered(ids);
         Ok(())
     }
 
