@@ -213,6 +213,12 @@ fn percentile(sorted: &[Duration], p: f64) -> Duration {
 /// Every shard but `stuck` holds exactly what committed (its commits' ids, commit order);
 /// `stuck` holds each of its rows once, each chat in commit order.
 async fn assert_every_shard(fx: &Fixture<'_>, stuck: u32, relay: &RelayProcess) {
+    assert_every_shard_of(fx, &[stuck], relay).await;
+}
+
+/// Every shard not in `caught_up` holds exactly what committed (its commits' ids, commit
+/// order); those in it hold each of their rows once, each chat in commit order.
+async fn assert_every_shard_of(fx: &Fixture<'_>, caught_up: &[u32], relay: &RelayProcess) {
     let expected = expected_by_shard(&fx.witness().await, SHARDS);
     let want: usize = expected.iter().map(Vec::len).sum();
     let mut have: Vec<Vec<Entry>> = Vec::new();
@@ -242,7 +248,7 @@ async fn assert_every_shard(fx: &Fixture<'_>, stuck: u32, relay: &RelayProcess) 
         );
     }
     for k in 0..SHARDS as usize {
-        if k as u32 == stuck {
+        if caught_up.contains(&(k as u32)) {
             assert_caught_up(&have[k], &expected[k], &format!("shard {k}"));
         } else {
             assert_eq!(have[k], expected[k], "shard {k}");
@@ -981,6 +987,106 @@ async fn a_commit_invisible_when_its_shard_rejoins_is_published_once_visible() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_invisible_across_a_relay_restart_is_published_once_visible() {
     a_commit_not_yet_visible_at_the_hand_over(true).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_live_again_before_the_slot_passed_its_dropped_rows_streams_after_a_restart() {
+    // GIVEN a primary whose commits may wait for a synchronous standby that never comes, a
+    // relay on 4 shards, and two chats of different shards
+    let pg = testkit::PgServer::start_with(
+        testkit::PgOptions::default()
+            .setting("synchronous_standby_names", "ghost")
+            .setting("synchronous_commit", "local"),
+    )
+    .unwrap();
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::sharded(&pg, &redis, SHARDS).await;
+    let flags = ["--shard-detach-after", "1s"];
+    let relay = fx.spawn_relay("relay", &flags);
+    relay.wait_streaming().await;
+    let (pinned_chat, rejoining_chat) = (
+        1,
+        (2..=CHATS)
+            .find(|c| shard_of_chat(*c) != shard_of_chat(1))
+            .unwrap(),
+    );
+    let (pinned, rejoining) = (shard_of_chat(pinned_chat), shard_of_chat(rejoining_chat));
+    let behind = |k: u32| format!("cdc_relay_shard_behind{{shard=\"{k}\"}}");
+    // ... one shard behind, holding the slot back with a commit no snapshot shows yet
+    let pinning = StuckShard::start(&redis, &shard_key(&fx.stream, pinned, SHARDS)).await;
+    send_to(&fx, pinned_chat, 0).await;
+    wait_metric(&relay, &behind(pinned), "the pinned shard behind", |v| {
+        v == 1.0
+    })
+    .await;
+    let received = relay
+        .metric("cdc_relay_transactions_total")
+        .await
+        .unwrap_or(0.0);
+    let (pid, waiting) = commit_waiting_for_a_standby(&fx, pinned_chat).await;
+    wait_metric(
+        &relay,
+        "cdc_relay_transactions_total",
+        "the waiting commit received",
+        |v| v > received,
+    )
+    .await;
+    // ... and another shard that falls behind later, drops a row, catches up and is live
+    // again with a live entry above the one its catch-up wrote (the slot still below it)
+    let refusing = StuckShard::start(&redis, &shard_key(&fx.stream, rejoining, SHARDS)).await;
+    send_to(&fx, rejoining_chat, 1).await;
+    wait_metric(&relay, &behind(rejoining), "the second shard behind", |v| {
+        v == 1.0
+    })
+    .await;
+    refusing.release().await;
+    wait_metric(
+        &relay,
+        &behind(rejoining),
+        "the second shard live again",
+        |v| v == 0.0,
+    )
+    .await;
+    send_to(&fx, rejoining_chat, 2).await;
+    let rejoining_key = shard_key(&fx.stream, rejoining, SHARDS);
+    wait_until(
+        Duration::from_secs(30),
+        "the live entry in its shard",
+        || async {
+            let n = read_stream(fx.redis, &rejoining_key)
+                .await
+                .map_err(|e| e.to_string())?
+                .len();
+            if n >= 2 {
+                Ok(())
+            } else {
+                Err(format!("{n} entries"))
+            }
+        },
+    )
+    .await;
+
+    // WHEN the relay is SIGKILLed and started again: the slot sends the dropped row again, to
+    // a shard that is live and holds it under its catch-up's id
+    relay.child.signal(testkit::Signal::Kill).unwrap();
+    relay.child.wait_exit(Duration::from_secs(10)).unwrap();
+    let relay = fx.spawn_relay("relay-again", &flags);
+    relay.wait_streaming().await;
+    send_to(&fx, rejoining_chat, 3).await;
+    // ... and the first shard accepts again, its commit visible
+    pinning.release().await;
+    let admin = fx.db.connect().await.unwrap();
+    admin
+        .execute("SELECT pg_cancel_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    waiting.await.unwrap();
+    send_to(&fx, pinned_chat, 4).await;
+
+    // THEN the relay streams on (the replay is recognised as held), and every row is in its
+    // shard once, in order
+    assert_every_shard_of(&fx, &[pinned, rejoining], &relay).await;
+    relay.stop();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -30,7 +30,10 @@
 //! feed counter) per-key order holds; rounds follow snapshots, so a later round's rows
 //! committed after every earlier round's. Live entries after the hand-over committed after the
 //! last snapshot. Ids: each shard continues above its top (`<top lsn>-<seq + n>`), below
-//! every live id that follows (those are later commit LSNs).
+//! every live id that follows (those are later commit LSNs). The slot may not have been
+//! acknowledged past the rows a round published when the session ends: the next session
+//! receives them again, and their live ids would land below the top where nothing was ever
+//! written. The shard's recorded watermark shows them, so they are not sent (`Lane::holds`).
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;

@@ -31,7 +31,7 @@ use crate::error::RelayError;
 use crate::sink::{Publisher, RebuildLock, Records, StreamRecord};
 use crate::source::{
     check_prerequisites, replication_config, replication_error, slot_info, Origin,
-    ReplicationPhase, SlotInfo,
+    ReplicationPhase, SlotInfo, Watermark,
 };
 
 /// A replication session that took the slot and started streaming, and where the stream's
@@ -45,6 +45,9 @@ pub(crate) struct Started {
     pub(crate) tops: Vec<EntryId>,
     /// The shards that start behind (caught up from the outbox table).
     pub(crate) behind: Vec<u32>,
+    /// Each live shard's recorded watermark, read after its claim: every row it shows is in
+    /// the shard (or consumed), under whatever id a catch-up gave it.
+    pub(crate) held: Vec<Option<Watermark>>,
 }
 
 /// What step 1 read, in that order.
@@ -409,6 +412,7 @@ async fn start(
     }
     // What the decision rested on, read again after the claims: a relay that wrote (or
     // rebuilt) in between is fenced now, but what it wrote is not what was decided on.
+    let mut held = vec![None; plan.tops.len()];
     for &k in &live {
         let now = records[k as usize].read().await?;
         let before = all[k as usize].as_ref();
@@ -419,6 +423,7 @@ async fn start(
                 "shard {k} changed while this relay took the slot over"
             )));
         }
+        held[k as usize] = now.watermark;
     }
     let behind: Vec<u32> = plan
         .decisions
@@ -461,6 +466,7 @@ async fn start(
         origin,
         tops: plan.tops,
         behind,
+        held,
     })
 }
 

@@ -59,6 +59,7 @@ pub(crate) async fn stream(
         origin,
         tops,
         behind,
+        held,
     } = started;
     let fences = tops
         .iter()
@@ -98,7 +99,15 @@ pub(crate) async fn stream(
             pending_capture: None,
             last_heard: Instant::now(),
         },
-        pipeline: Pipeline::new(publisher, origin, ctx.shared(), fences, &behind, watermarks),
+        pipeline: Pipeline::new(
+            publisher,
+            origin,
+            ctx.shared(),
+            fences,
+            held,
+            &behind,
+            watermarks,
+        ),
         client,
         catch_ups,
         handover,

@@ -126,11 +126,11 @@ impl Batch {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use bytes::Bytes;
 
-    fn entry(lsn: u64, seq: u64) -> StreamEntry {
+    pub(crate) fn entry(lsn: u64, seq: u64) -> StreamEntry {
         StreamEntry {
             id: EntryId {
                 commit_lsn: lsn,

@@ -166,6 +166,10 @@ pub(super) struct Lane {
     /// A watermark every row of which its consumer groups acknowledged (learnt from the
     /// publish script): should the shard lose its data, only what it does not show is owed.
     pub(super) consumed: Option<Arc<Watermark>>,
+    /// The watermark its record held when the session began, until the slot passes it:
+    /// every row it shows is in the stream already, maybe under a catch-up's id (below the
+    /// live ids that followed), so the slot's replay of it is not sent (see `holds`).
+    pub(super) held_at_start: Option<Watermark>,
 }
 
 impl Lane {
@@ -186,7 +190,24 @@ impl Lane {
             watermark_sealed: None,
             first_live_id: fence,
             consumed: None,
+            held_at_start: None,
         }
+    }
+
+    /// Whether the stream holds `entry` already, as the watermark recorded before the
+    /// session shows: a replay whose row a catch-up published under another id (the slot was
+    /// not yet acknowledged past it when the last session ended). Sent again, it would sit
+    /// below the stream's top at an id never written there, which the script must refuse as
+    /// another writer's.
+    pub(super) fn holds(&self, entry: &StreamEntry, id_offset: u64) -> bool {
+        let Some(held) = &self.held_at_start else {
+            return false;
+        };
+        let commit = entry.id.commit_lsn.saturating_sub(id_offset);
+        // Nothing committed above `hi` is visible in it; below, its snapshot decides.
+        entry.xid != 0
+            && commit <= held.hi.as_u64()
+            && held.snapshot.visible(held.snapshot.widen(entry.xid))
     }
 
     pub(super) fn is_live(&self) -> bool {
@@ -296,5 +317,43 @@ impl Lane {
             _ => 0,
         };
         self.queued_bytes + self.in_flight.iter().map(|f| f.part.bytes).sum::<usize>() + captured
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::source::Snapshot;
+
+    #[test]
+    fn a_replay_is_held_when_the_recorded_watermark_shows_its_transaction() {
+        let mut lane = Lane::new(0, None, Duration::from_secs(1));
+        let at = |lsn: u64, xid: u32| StreamEntry {
+            xid,
+            ..crate::sink::batch::tests::entry(lsn + 7, 0)
+        };
+        assert!(!lane.holds(&at(900, 99), 7), "no watermark: nothing held");
+        lane.held_at_start = Some(Watermark {
+            lo: Lsn(800),
+            hi: Lsn(1000),
+            taken_at_micros: 0,
+            snapshot: Snapshot {
+                xmin: 100,
+                xmax: 105,
+                xip: vec![103],
+            },
+        });
+        assert!(lane.holds(&at(900, 99), 7), "finished before the snapshot");
+        assert!(lane.holds(&at(1000, 104), 7), "committed before it, at hi");
+        assert!(!lane.holds(&at(900, 103), 7), "running when it was taken");
+        assert!(
+            !lane.holds(&at(900, 105), 7),
+            "not started when it was taken"
+        );
+        assert!(!lane.holds(&at(1001, 99), 7), "committed above hi");
+        assert!(
+            !lane.holds(&at(900, 0), 7),
+            "read from the table, not the slot"
+        );
     }
 }

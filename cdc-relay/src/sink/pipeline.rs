@@ -109,21 +109,25 @@ pub(crate) const MAX_UNSEEN: usize = 250_000;
 impl Pipeline {
     /// `fences`: each shard's top when the session decided to stream (a shard's first part
     /// is refused (GAP) if Redis no longer holds it). `behind`: the shards that start behind.
+    /// `held`: each live shard's recorded watermark (replays of what it shows are not sent).
     pub(crate) fn new(
         publisher: Publisher,
         origin: Origin,
         ctx: SharedContext,
         fences: Vec<Option<EntryId>>,
+        held: Vec<Option<Watermark>>,
         behind: &[u32],
         watermarks: Watermarks,
     ) -> Self {
         let max_backoff = ctx.config.reconnect_max_backoff;
         let limits = ctx.config.lanes;
+        let mut held = held.into_iter();
         let lanes = fences
             .into_iter()
             .enumerate()
             .map(|(shard, fence)| {
                 let mut lane = Lane::new(shard as u32, fence, max_backoff);
+                lane.held_at_start = held.next().flatten();
                 if behind.contains(&(shard as u32)) {
                     lane.fall_behind();
                 }
@@ -269,9 +273,22 @@ impl Pipeline {
         }
         let mut sealed = Sealed::default();
         let mut memory = Vec::new();
-        for (k, entries) in parts.into_iter().enumerate() {
+        let id_offset = self.publisher.id_offset();
+        for (k, mut entries) in parts.into_iter().enumerate() {
             let lane = &mut self.lanes[k];
             if lane.is_live() {
+                if lane.held_at_start.is_some() {
+                    let before = entries.len();
+                    entries.retain(|e| !lane.holds(e, id_offset));
+                    let held = (before - entries.len()) as u64;
+                    self.ctx.metrics.duplicates_rejected_total.inc_by(held);
+                    if ack_lsn
+                        .is_some_and(|ack| lane.held_at_start.as_ref().is_some_and(|w| ack >= w.hi))
+                    {
+                        // The slot passes it: nothing it shows comes again.
+                        lane.held_at_start = None;
+                    }
+                }
                 if entries.is_empty() && !(ack_all && ack_lsn.is_some()) {
                     continue;
                 }
