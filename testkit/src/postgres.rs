@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-use crate::process::{children_of, describe_exit, pid_alive, ChildProcess, Signal};
+use crate::process::{children_of, describe_exit, pid_alive, process_title, ChildProcess, Signal};
 use crate::scratch::{scratch_dir, unique_name};
 use crate::tls::ServerCert;
 
@@ -694,7 +694,25 @@ impl PgServer {
             bail!("postgres is not running");
         };
         let backends = children_of(child.pid());
-        child.stop_with(signal, Duration::from_secs(120))?;
+        if let Err(e) = child.stop_with(signal, Duration::from_secs(120)) {
+            // Which process holds the shutdown up (a walsender waiting for its client to
+            // confirm, a backend, the checkpointer) is the whole diagnosis: say it.
+            let titles: Vec<String> = children_of(child.pid())
+                .into_iter()
+                .map(|p| format!("{p} {}", process_title(p)))
+                .collect();
+            let log = child.log();
+            let tail: String = log
+                .lines()
+                .rev()
+                .take(30)
+                .collect::<Vec<_>>()
+                .into_iter()
+                .rev()
+                .collect::<Vec<_>>()
+                .join("\n");
+            bail!("{e}; its processes: {titles:?}; the end of its log:\n{tail}");
+        }
         let deadline = Instant::now() + Duration::from_secs(30);
         while backends.iter().any(|pid| pid_alive(*pid)) {
             if Instant::now() >= deadline {

@@ -244,6 +244,19 @@ pub(crate) fn children_of(parent: u32) -> Vec<i32> {
         .collect()
 }
 
+/// What process `pid` says it is doing: its command line, which Postgres rewrites into a
+/// title per process ("walsender ... streaming 0/1A2B3C", "checkpointer", ...).
+pub(crate) fn process_title(pid: i32) -> String {
+    std::fs::read(format!("/proc/{pid}/cmdline"))
+        .map(|b| {
+            String::from_utf8_lossy(&b)
+                .replace('\0', " ")
+                .trim()
+                .to_string()
+        })
+        .unwrap_or_else(|_| "(gone)".to_string())
+}
+
 extern "C" fn kill_children_at_exit() {
     let pids: Vec<i32> = LIVE
         .lock()
