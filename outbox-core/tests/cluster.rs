@@ -93,3 +93,90 @@ async fn a_connection_that_lost_every_node_at_once_answers_again_once_they_are_b
     }
     panic!("no answer 20 s after every node was back: {last:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_sent_during_a_whole_cluster_restart_are_answered_soon_after_it_is_ok() {
+    // GIVEN a connection to a cluster, with the shipped 5 s deadline
+    let cluster = RedisCluster::start().unwrap();
+    let target = redis_target(
+        &cluster.url(),
+        true,
+        None,
+        None,
+        "--redis-url",
+        Duration::from_secs(5),
+    )
+    .unwrap();
+    let conn = target.connect(Duration::from_secs(5)).await.unwrap();
+    let () = redis::cmd("SET")
+        .arg("k")
+        .arg("v")
+        .query_async(&mut conn.clone())
+        .await
+        .unwrap();
+
+    // WHEN every node stops, a request is sent every 100 ms meanwhile, and the nodes start
+    // again on their data
+    tokio::task::block_in_place(|| cluster.stop_all().unwrap());
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sender = tokio::spawn({
+        let (conn, stop) = (conn.clone(), stop.clone());
+        async move {
+            let mut requests = Vec::new();
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                let mut conn = conn.clone();
+                requests.push(tokio::spawn(async move {
+                    let sent = std::time::Instant::now();
+                    let got: redis::RedisResult<String> =
+                        redis::cmd("GET").arg("k").query_async(&mut conn).await;
+                    (sent, std::time::Instant::now(), got)
+                }));
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+            requests
+        }
+    });
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let cluster = std::sync::Arc::new(cluster);
+    let starting = tokio::task::spawn_blocking({
+        let cluster = cluster.clone();
+        move || cluster.start_all().unwrap()
+    });
+    // The cluster is ok again when a new client's request is answered.
+    let ok_at = loop {
+        let fresh = async {
+            let mut c = target.connect(Duration::from_millis(300)).await?;
+            redis::cmd("GET")
+                .arg("k")
+                .query_async::<String>(&mut c)
+                .await
+        };
+        if let Ok(Ok(_)) = tokio::time::timeout(Duration::from_millis(500), fresh).await {
+            break std::time::Instant::now();
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    starting.await.unwrap();
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let requests = sender.await.unwrap();
+
+    // THEN each of them ended (answered, or refused to be retried by its caller) within half a
+    // second of the cluster being ok, or of its sending if later
+    let mut latest = Duration::ZERO;
+    let mut answered = 0;
+    for request in requests {
+        let (sent, ended, got) = request.await.unwrap();
+        let late = ended.saturating_duration_since(sent.max(ok_at));
+        latest = latest.max(late);
+        assert!(
+            late <= Duration::from_millis(500),
+            "a request sent {:?} before the cluster was ok ended {late:?} after it: {got:?}",
+            ok_at.saturating_duration_since(sent)
+        );
+        if got.is_ok() {
+            answered += 1;
+        }
+    }
+    println!("requests ended at most {latest:?} after the cluster was ok; {answered} answered");
+    assert!(answered > 0, "no request was answered");
+}

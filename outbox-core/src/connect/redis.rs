@@ -125,6 +125,9 @@ fn tcp_deadlines() -> redis::io::tcp::TcpSettings {
 
 /// How long a cluster client waits for a node to accept a connection (see its use).
 const CLUSTER_CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// The least and most a cluster client waits before it sends a failed request again (ms;
+/// jittered, doubling from 10 ms per retry in between).
+const CLUSTER_RETRY_WAIT_MS: (u64, u64) = (20, 250);
 
 fn build_cluster_client(
     nodes: Vec<ConnectionInfo>,
@@ -140,6 +143,13 @@ fn build_cluster_client(
         // timeout would time out every request to the healthy nodes as well, and each
         // timeout starts the next refresh (one frozen host would stall the whole cluster).
         .connection_timeout(timeout.min(CLUSTER_CONNECT_TIMEOUT))
+        // redis-rs retries a request that met a down node or CLUSTERDOWN by itself, after at
+        // least 1.28 s each by default: a request sent during a cluster restart then waits
+        // up to that long after the cluster is ok again (or its whole deadline, seen in the
+        // soak). Short waits answer it within a quarter second of the cluster's return; the
+        // callers' own backoff paces anything longer.
+        .min_retry_wait(CLUSTER_RETRY_WAIT_MS.0)
+        .max_retry_wait(CLUSTER_RETRY_WAIT_MS.1)
         .use_protocol(protocol);
     if let Some(root_cert) = root_cert {
         builder = builder.certs(redis::TlsCertificates {
