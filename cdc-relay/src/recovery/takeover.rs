@@ -60,6 +60,8 @@ struct State {
     client: ReplicationClient,
     origin: Origin,
     server: Server,
+    /// When the server started (Unix microseconds, its clock).
+    started_micros: i64,
 }
 
 /// Connect, take the slot (making it anew first when needed) and start streaming.
@@ -94,10 +96,14 @@ async fn read_state(ctx: &Context, publisher: &Publisher) -> Result<State, Relay
     let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
     ctx.set_postgres_reachable(true);
     check_prerequisites(&sql, pg).await?;
-    let in_recovery: bool = sql
-        .query_one("SELECT pg_is_in_recovery()", &[])
-        .await?
-        .get(0);
+    let row = sql
+        .query_one(
+            "SELECT pg_is_in_recovery(),
+                    (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::int8",
+            &[],
+        )
+        .await?;
+    let (in_recovery, started_micros): (bool, i64) = (row.get(0), row.get(1));
     let mut records = publisher.records();
     let slot = read_slot(ctx, &sql, in_recovery).await?;
     // The lock and the records together: a node that does not answer costs one timeout.
@@ -148,6 +154,7 @@ async fn read_state(ctx: &Context, publisher: &Publisher) -> Result<State, Relay
         client,
         origin,
         server,
+        started_micros,
     })
 }
 
@@ -318,6 +325,7 @@ async fn start(
         mut client,
         origin,
         server,
+        started_micros,
         ..
     } = state;
     match plan.slot {
@@ -412,7 +420,7 @@ async fn start(
     }
     // What the decision rested on, read again after the claims: a relay that wrote (or
     // rebuilt) in between is fenced now, but what it wrote is not what was decided on.
-    let mut held = vec![None; plan.tops.len()];
+    let mut held_rows = vec![None; plan.tops.len()];
     for &k in &live {
         let now = records[k as usize].read().await?;
         let before = all[k as usize].as_ref();
@@ -423,7 +431,14 @@ async fn start(
                 "shard {k} changed while this relay took the slot over"
             )));
         }
-        held[k as usize] = now.watermark;
+        // Only where the snapshot's transaction ids still mean what they meant: the same
+        // history (not adopted after a failover, whose new primary gives out again the ids
+        // the old one used past the switch), and no restart since it was taken (a crash can
+        // lose commits it showed that were not flushed yet, and give out their ids again).
+        // Elsewhere a replay is sent as before: at worst refused loudly, never skipped.
+        if matches!(plan.decisions[k as usize], Decision::Stream) {
+            held_rows[k as usize] = now.watermark.filter(|w| w.taken_at_micros > started_micros);
+        }
     }
     let behind: Vec<u32> = plan
         .decisions
@@ -466,7 +481,7 @@ async fn start(
         origin,
         tops: plan.tops,
         behind,
-        held,
+        held: held_rows,
     })
 }
 
