@@ -851,13 +851,18 @@ async fn a_catch_up_of_every_retained_row_stopped_by_sigterm_resumes_where_it_st
     relay.stop();
 }
 
-/// A commit on `client` that waits for the synchronous standby (which never comes): written
-/// to the WAL, sent to the relay, invisible to every snapshot until its wait is cancelled.
+/// A commit that waits for the synchronous standby (which never comes): written to the WAL,
+/// sent to the relay (waited for), invisible to every snapshot until its wait is cancelled.
 /// Answers the backend's pid; the commit's task ends when the wait is cancelled.
 async fn commit_waiting_for_a_standby(
     fx: &Fixture<'_>,
+    relay: &RelayProcess,
     chat: i64,
 ) -> (i32, tokio::task::JoinHandle<()>) {
+    let received = relay
+        .metric("cdc_relay_transactions_total")
+        .await
+        .unwrap_or(0.0);
     let mut client = fx.writer().await;
     let pid: i32 = client
         .query_one("SELECT pg_backend_pid()", &[])
@@ -880,7 +885,25 @@ async fn commit_waiting_for_a_standby(
         // Cancelled, the wait ends with a warning: the commit stands (locally).
         tx.commit().await.unwrap();
     });
+    wait_metric(
+        relay,
+        "cdc_relay_transactions_total",
+        "the waiting commit received",
+        |v| v > received,
+    )
+    .await;
     (pid, task)
+}
+
+/// A primary whose commits with `synchronous_commit = on` wait for a synchronous standby
+/// that never comes: the window between a commit's WAL and its visibility, held open.
+fn primary_with_a_ghost_standby() -> testkit::PgServer {
+    testkit::PgServer::start_with(
+        testkit::PgOptions::default()
+            .setting("synchronous_standby_names", "ghost")
+            .setting("synchronous_commit", "local"),
+    )
+    .unwrap()
 }
 
 /// One committed row for `chat`, its own transaction.
@@ -905,12 +928,7 @@ async fn send_to(fx: &Fixture<'_>, chat: i64, n: i64) {
 async fn a_commit_not_yet_visible_at_the_hand_over(restart: bool) {
     // GIVEN a primary whose commits may wait for a synchronous standby that never comes (the
     // window between a commit's WAL and its visibility, held open), a relay on 4 shards
-    let pg = testkit::PgServer::start_with(
-        testkit::PgOptions::default()
-            .setting("synchronous_standby_names", "ghost")
-            .setting("synchronous_commit", "local"),
-    )
-    .unwrap();
+    let pg = primary_with_a_ghost_standby();
     let redis = RedisServer::start().unwrap();
     let fx = Fixture::sharded(&pg, &redis, SHARDS).await;
     let flags = ["--shard-detach-after", "1s"];
@@ -927,18 +945,7 @@ async fn a_commit_not_yet_visible_at_the_hand_over(restart: bool) {
 
     // WHEN a transaction of that shard commits but stays invisible (its commit waits for the
     // standby), and the relay receives it: the other shards' acknowledgements move on
-    let received = relay
-        .metric("cdc_relay_transactions_total")
-        .await
-        .unwrap_or(0.0);
-    let (pid, waiting) = commit_waiting_for_a_standby(&fx, chat).await;
-    wait_metric(
-        &relay,
-        "cdc_relay_transactions_total",
-        "the waiting commit received",
-        |v| v > received,
-    )
-    .await;
+    let (pid, waiting) = commit_waiting_for_a_standby(&fx, &relay, chat).await;
     send_to(&fx, other, 1).await;
     if restart {
         relay.child.signal(testkit::Signal::Kill).unwrap();
@@ -993,12 +1000,7 @@ async fn a_commit_invisible_across_a_relay_restart_is_published_once_visible() {
 async fn a_shard_live_again_before_the_slot_passed_its_dropped_rows_streams_after_a_restart() {
     // GIVEN a primary whose commits may wait for a synchronous standby that never comes, a
     // relay on 4 shards, and two chats of different shards
-    let pg = testkit::PgServer::start_with(
-        testkit::PgOptions::default()
-            .setting("synchronous_standby_names", "ghost")
-            .setting("synchronous_commit", "local"),
-    )
-    .unwrap();
+    let pg = primary_with_a_ghost_standby();
     let redis = RedisServer::start().unwrap();
     let fx = Fixture::sharded(&pg, &redis, SHARDS).await;
     let flags = ["--shard-detach-after", "1s"];
@@ -1019,18 +1021,7 @@ async fn a_shard_live_again_before_the_slot_passed_its_dropped_rows_streams_afte
         v == 1.0
     })
     .await;
-    let received = relay
-        .metric("cdc_relay_transactions_total")
-        .await
-        .unwrap_or(0.0);
-    let (pid, waiting) = commit_waiting_for_a_standby(&fx, pinned_chat).await;
-    wait_metric(
-        &relay,
-        "cdc_relay_transactions_total",
-        "the waiting commit received",
-        |v| v > received,
-    )
-    .await;
+    let (pid, waiting) = commit_waiting_for_a_standby(&fx, &relay, pinned_chat).await;
     // ... and another shard that falls behind later, drops a row, catches up and is live
     // again with a live entry above the one its catch-up wrote (the slot still below it)
     let refusing = StuckShard::start(&redis, &shard_key(&fx.stream, rejoining, SHARDS)).await;

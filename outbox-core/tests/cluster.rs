@@ -13,15 +13,15 @@ async fn ping(target: &outbox_core::connect::RedisTarget) -> redis::RedisResult<
 
 /// A cluster target told of `cluster`'s first node only.
 fn target_of(cluster: &RedisCluster) -> outbox_core::connect::RedisTarget {
-    redis_target(
-        &cluster.url(),
-        true,
-        None,
-        None,
-        "--redis-url",
-        Duration::from_secs(2),
-    )
-    .unwrap()
+    target_with_timeout(cluster, Duration::from_secs(2))
+}
+
+/// The same, with `timeout` for each request.
+fn target_with_timeout(
+    cluster: &RedisCluster,
+    timeout: Duration,
+) -> outbox_core::connect::RedisTarget {
+    redis_target(&cluster.url(), true, None, None, "--redis-url", timeout).unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -98,15 +98,7 @@ async fn a_connection_that_lost_every_node_at_once_answers_again_once_they_are_b
 async fn requests_sent_during_a_whole_cluster_restart_are_answered_soon_after_it_is_ok() {
     // GIVEN a connection to a cluster, with the shipped 5 s deadline
     let cluster = RedisCluster::start().unwrap();
-    let target = redis_target(
-        &cluster.url(),
-        true,
-        None,
-        None,
-        "--redis-url",
-        Duration::from_secs(5),
-    )
-    .unwrap();
+    let target = target_with_timeout(&cluster, Duration::from_secs(5));
     let conn = target.connect(Duration::from_secs(5)).await.unwrap();
     let () = redis::cmd("SET")
         .arg("k")

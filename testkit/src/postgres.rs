@@ -702,15 +702,8 @@ impl PgServer {
                 .map(|p| format!("{p} {}", process_title(p)))
                 .collect();
             let log = child.log();
-            let tail: String = log
-                .lines()
-                .rev()
-                .take(30)
-                .collect::<Vec<_>>()
-                .into_iter()
-                .rev()
-                .collect::<Vec<_>>()
-                .join("\n");
+            let lines: Vec<&str> = log.lines().collect();
+            let tail = lines[lines.len().saturating_sub(30)..].join("\n");
             bail!("{e}; its processes: {titles:?}; the end of its log:\n{tail}");
         }
         let deadline = Instant::now() + Duration::from_secs(30);

@@ -418,28 +418,7 @@ async fn start(
     for &k in &live {
         publisher.claim_writer_epoch(k).await?;
     }
-    // What the decision rested on, read again after the claims: a relay that wrote (or
-    // rebuilt) in between is fenced now, but what it wrote is not what was decided on.
-    let mut held_rows = vec![None; plan.tops.len()];
-    for &k in &live {
-        let now = records[k as usize].read().await?;
-        let before = all[k as usize].as_ref();
-        if before.is_some_and(|b| b.top != now.top || b.id_offset != now.id_offset)
-            || now.rebuilding.is_some()
-        {
-            return Err(RelayError::Restart(format!(
-                "shard {k} changed while this relay took the slot over"
-            )));
-        }
-        // Only where the snapshot's transaction ids still mean what they meant: the same
-        // history (not adopted after a failover, whose new primary gives out again the ids
-        // the old one used past the switch), and no restart since it was taken (a crash can
-        // lose commits it showed that were not flushed yet, and give out their ids again).
-        // Elsewhere a replay is sent as before: at worst refused loudly, never skipped.
-        if matches!(plan.decisions[k as usize], Decision::Stream) {
-            held_rows[k as usize] = now.watermark.filter(|w| w.taken_at_micros > started_micros);
-        }
-    }
+    let held_rows = reread_live(&mut records, &all, &live, &plan, started_micros).await?;
     let behind: Vec<u32> = plan
         .decisions
         .iter()
@@ -483,6 +462,39 @@ async fn start(
         behind,
         held: held_rows,
     })
+}
+
+/// What the decision rested on, read again after the claims: a relay that wrote (or rebuilt)
+/// in between is fenced now, but what it wrote is not what was decided on. Answers each
+/// live shard's watermark whose rows the session need not send again (see `Started::held`).
+async fn reread_live(
+    records: &mut [Records],
+    all: &[Option<StreamRecord>],
+    live: &[u32],
+    plan: &Plan,
+    started_micros: i64,
+) -> Result<Vec<Option<Watermark>>, RelayError> {
+    let mut held = vec![None; plan.tops.len()];
+    for &k in live {
+        let now = records[k as usize].read().await?;
+        let before = all[k as usize].as_ref();
+        if before.is_some_and(|b| b.top != now.top || b.id_offset != now.id_offset)
+            || now.rebuilding.is_some()
+        {
+            return Err(RelayError::Restart(format!(
+                "shard {k} changed while this relay took the slot over"
+            )));
+        }
+        // Only where the snapshot's transaction ids still mean what they meant: the same
+        // history (not adopted after a failover, whose new primary gives out again the ids
+        // the old one used past the switch), and no restart since it was taken (a crash can
+        // lose commits it showed that were not flushed yet, and give out their ids again).
+        // Elsewhere a replay is sent as before: at worst refused loudly, never skipped.
+        if matches!(plan.decisions[k as usize], Decision::Stream) {
+            held[k as usize] = now.watermark.filter(|w| w.taken_at_micros > started_micros);
+        }
+    }
+    Ok(held)
 }
 
 /// The slot as Postgres shows it; a slot held by another walsender means standing by, and a

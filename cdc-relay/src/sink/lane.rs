@@ -194,6 +194,26 @@ impl Lane {
         }
     }
 
+    /// Take out of `entries` (sealed for this lane with the slot acknowledgement `ack`) those
+    /// the stream holds already (see `holds`); answers how many. Once the slot passes the
+    /// watermark, nothing it shows comes again and the check ends.
+    pub(super) fn drop_held(
+        &mut self,
+        entries: &mut Vec<StreamEntry>,
+        ack: Option<Lsn>,
+        id_offset: u64,
+    ) -> usize {
+        let Some(hi) = self.held_at_start.as_ref().map(|w| w.hi) else {
+            return 0;
+        };
+        let before = entries.len();
+        entries.retain(|e| !self.holds(e, id_offset));
+        if ack.is_some_and(|ack| ack >= hi) {
+            self.held_at_start = None;
+        }
+        before - entries.len()
+    }
+
     /// Whether the stream holds `entry` already, as the watermark recorded before the
     /// session shows: a replay whose row a catch-up published under another id (the slot was
     /// not yet acknowledged past it when the last session ended). Sent again, it would sit

@@ -277,18 +277,11 @@ impl Pipeline {
         for (k, mut entries) in parts.into_iter().enumerate() {
             let lane = &mut self.lanes[k];
             if lane.is_live() {
-                if lane.held_at_start.is_some() {
-                    let before = entries.len();
-                    entries.retain(|e| !lane.holds(e, id_offset));
-                    let held = (before - entries.len()) as u64;
-                    self.ctx.metrics.duplicates_rejected_total.inc_by(held);
-                    if ack_lsn
-                        .is_some_and(|ack| lane.held_at_start.as_ref().is_some_and(|w| ack >= w.hi))
-                    {
-                        // The slot passes it: nothing it shows comes again.
-                        lane.held_at_start = None;
-                    }
-                }
+                let held = lane.drop_held(&mut entries, ack_lsn, id_offset);
+                self.ctx
+                    .metrics
+                    .duplicates_rejected_total
+                    .inc_by(held as u64);
                 if entries.is_empty() && !(ack_all && ack_lsn.is_some()) {
                     continue;
                 }
