@@ -44,8 +44,8 @@ const VIEW_REFRESH: Duration = Duration::from_millis(250);
 pub(crate) type Assignment = Arc<Vec<bool>>;
 
 /// Heartbeat, leave, or only look, then Redis's time (ms), whether this member is out of the
-/// set, whether another member heartbeat after a Postgres answer since ARGV[4], and the live
-/// members. KEYS[1]: the members' sorted set; ARGV: member, liveness window (ms), mode, the
+/// set, whether another live member's last heartbeat came after a Postgres answer and after
+/// ARGV[4], and the live members. KEYS[1]: the members' sorted set; ARGV: member, liveness window (ms), mode, the
 /// time this member's Postgres checks began to fail (0 if they pass). Modes: '1' heartbeat
 /// after a Postgres answer (the score's half millisecond says so), '4' heartbeat after a
 /// failed check, '0' leave, '2' only look. Scores are built as strings: Lua's own
@@ -60,7 +60,9 @@ local mode = ARGV[3]
 local out = 0
 local able = 0
 if ARGV[4] ~= '0' then
-  local since = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. ARGV[4], '+inf', 'WITHSCORES')
+  -- Only live members count: a dead one's last score stays in the set for 10 windows.
+  local from = math.max(tonumber(ARGV[4]), now - window)
+  local since = redis.call('ZRANGEBYSCORE', KEYS[1], '(' .. string.format('%d', from), '+inf', 'WITHSCORES')
   for i = 1, #since, 2 do
     local score = tonumber(since[i + 1])
     if since[i] ~= ARGV[1] and score - math.floor(score) > 0.25 then
@@ -494,5 +496,61 @@ mod tests {
         let moved = before.iter().zip(&after).filter(|(a, b)| a != b).count();
         // Its share is 16 of 64; `k mod m` would move 48.
         assert!(moved <= 24, "{moved} of 64 moved");
+    }
+
+    /// Runs the members script for `me` in `mode`; returns (out, others able, live members).
+    async fn members_script(
+        conn: &mut redis::aio::MultiplexedConnection,
+        me: &str,
+        window: u64,
+        mode: &str,
+        failing_since: u64,
+    ) -> (bool, bool, Vec<String>) {
+        let reply: Vec<String> = MEMBERS
+            .key("members")
+            .arg(me)
+            .arg(window)
+            .arg(mode)
+            .arg(failing_since)
+            .invoke_async(conn)
+            .await
+            .unwrap();
+        let (_, out, able, members) = split_reply(reply);
+        (out, able, members)
+    }
+
+    #[tokio::test]
+    async fn only_a_live_member_reaching_postgres_counts_as_able() {
+        let redis = testkit::RedisServer::start().unwrap();
+        let mut conn = redis.connect().await.unwrap();
+        let window = 1_000u64;
+        let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
+        let now = secs * 1000 + micros / 1000;
+        // "a" began failing 5 windows ago; "b" last heartbeat after a Postgres answer 3
+        // windows ago, then died (its score stays in the set for 10 windows).
+        let failing_since = now - 5 * window;
+        let () = redis::cmd("ZADD")
+            .arg("members")
+            .arg(format!("{}.5", now - 3 * window))
+            .arg("b")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let (out, able, live) = members_script(&mut conn, "a", window, "4", failing_since).await;
+        assert!(!out);
+        assert_eq!(live, vec!["a".to_string()]);
+        assert!(
+            !able,
+            "a dead member's old heartbeat counted as another able member"
+        );
+
+        // A live member that reaches Postgres counts; one whose checks fail does not.
+        members_script(&mut conn, "c", window, "4", 0).await;
+        let (_, able, _) = members_script(&mut conn, "a", window, "4", failing_since).await;
+        assert!(!able, "a member whose checks fail counted as able");
+        members_script(&mut conn, "c", window, "1", 0).await;
+        let (_, able, live) = members_script(&mut conn, "a", window, "4", failing_since).await;
+        assert!(able);
+        assert_eq!(live.len(), 2, "{live:?}");
     }
 }
