@@ -1006,6 +1006,19 @@ async fn a_commit_invisible_across_a_relay_restart_is_published_once_visible() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_shard_live_again_before_the_slot_passed_its_dropped_rows_streams_after_a_restart() {
+    live_again_before_the_slot_passed_its_dropped_rows(false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shard_live_again_before_the_slot_passed_its_dropped_rows_streams_after_a_postgres_restart(
+) {
+    live_again_before_the_slot_passed_its_dropped_rows(true).await;
+}
+
+/// A shard caught up and live again while the slot is still below the rows its catch-up
+/// wrote; the relay SIGKILLed (and Postgres restarted, with `restart_postgres`) and started
+/// again: the slot's replay of those rows must be recognised, not refused as another writer's.
+async fn live_again_before_the_slot_passed_its_dropped_rows(restart_postgres: bool) {
     // GIVEN a primary whose commits may wait for a synchronous standby that never comes, a
     // relay on 4 shards, and two chats of different shards
     let pg = primary_with_a_ghost_standby();
@@ -1069,17 +1082,28 @@ async fn a_shard_live_again_before_the_slot_passed_its_dropped_rows_streams_afte
     // a shard that is live and holds it under its catch-up's id
     relay.child.signal(testkit::Signal::Kill).unwrap();
     relay.child.wait_exit(Duration::from_secs(10)).unwrap();
+    let mut visible = Some(async {
+        let admin = fx.db.connect().await.unwrap();
+        admin
+            .execute("SELECT pg_cancel_backend($1)", &[&pid])
+            .await
+            .unwrap();
+        waiting.await.unwrap();
+    });
+    // ... (with Postgres restarted meanwhile: the slot is where it was acknowledged, and
+    // every watermark the records hold was taken before the restart)
+    if restart_postgres {
+        visible.take().expect("once").await;
+        pg.restart_fast().unwrap();
+    }
     let relay = fx.spawn_relay("relay-again", &flags);
     relay.wait_streaming().await;
     send_to(&fx, rejoining_chat, 3).await;
     // ... and the first shard accepts again, its commit visible
     pinning.release().await;
-    let admin = fx.db.connect().await.unwrap();
-    admin
-        .execute("SELECT pg_cancel_backend($1)", &[&pid])
-        .await
-        .unwrap();
-    waiting.await.unwrap();
+    if let Some(visible) = visible.take() {
+        visible.await;
+    }
     send_to(&fx, pinned_chat, 4).await;
 
     // THEN the relay streams on (the replay is recognised as held), and every row is in its
