@@ -166,10 +166,24 @@ redis.call('HSET', KEYS[1], 'writer_epoch', claimed)
 return tostring(claimed)
 "#;
 
-/// Move an existing record onto a later timeline of the same history.
+/// Move an existing record onto a later timeline of the same history (its switch point is
+/// at or past everything the record acknowledged). Snapshots the record may hold from past
+/// its acknowledgement (a catch-up's hand-over watermark, its progress snapshots) can show
+/// transactions of the old primary past the switch point, whose ids the new one gives out
+/// again: they are forgotten, so a later catch-up compares everything instead of skipping
+/// new rows by a stale snapshot. (Acknowledgements record new watermarks, taken here.)
 const ADOPT: &str = r#"
 if redis.call('HGET', KEYS[1], 'system_id') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'timeline', ARGV[2], 'history', ARGV[3])
+local acked = tonumber(redis.call('HGET', KEYS[1], 'acked_through') or '0') or 0
+local w = redis.call('HGET', KEYS[1], 'watermark')
+local hi = w and tonumber(string.match(w, '^%d+/(%d+)/'))
+local stale = (w and (hi == nil or hi > acked))
+  or redis.call('HEXISTS', KEYS[1], 'catch_up_done') == 1
+  or redis.call('HEXISTS', KEYS[1], 'catch_up_cursor') == 1
+if stale then
+  redis.call('HDEL', KEYS[1], 'watermark', 'watermark_from', 'catch_up_done', 'catch_up_cursor')
+end
 return 1
 "#;
 
@@ -443,5 +457,97 @@ mod tests {
         assert_eq!(offset_above(top, 400, 0), 601);
         assert!(400 + offset_above(top, 400, 0) > top.commit_lsn);
         assert_eq!(offset_above(top, 400, 700), 700);
+    }
+
+    #[tokio::test]
+    async fn adopting_a_timeline_forgets_snapshots_from_past_the_acknowledgement() {
+        let redis = testkit::RedisServer::start().unwrap();
+        let mut conn = redis.connect().await.unwrap();
+        let shared = conn.clone();
+        let adopt = |key: &'static str| {
+            let mut conn = shared.clone();
+            async move {
+                let adopted: i64 = redis::Script::new(ADOPT)
+                    .key(key)
+                    .arg("7")
+                    .arg(2)
+                    .arg("1/1000")
+                    .invoke_async(&mut conn)
+                    .await
+                    .unwrap();
+                assert_eq!(adopted, 1);
+            }
+        };
+        let fields = |key: &'static str| {
+            let mut conn = shared.clone();
+            async move {
+                let f: Vec<String> = redis::cmd("HKEYS")
+                    .arg(key)
+                    .query_async(&mut conn)
+                    .await
+                    .unwrap();
+                f
+            }
+        };
+        // Acknowledged through 1000: a watermark up to there stays, on timeline 2.
+        let () = redis::cmd("HSET")
+            .arg("covered")
+            .arg(&["system_id", "7", "timeline", "1", "acked_through", "1000"])
+            .arg(&[
+                "watermark",
+                "900/1000/5/100:110:",
+                "watermark_from",
+                "900-0",
+            ])
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        adopt("covered").await;
+        let kept = fields("covered").await;
+        assert!(kept.contains(&"watermark".to_string()), "{kept:?}");
+        let timeline: String = redis::cmd("HGET")
+            .arg("covered")
+            .arg("timeline")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(timeline, "2");
+        // A hand-over's watermark above the acknowledgement, and a catch-up's progress: gone.
+        let () = redis::cmd("HSET")
+            .arg("past")
+            .arg(&["system_id", "7", "timeline", "1", "acked_through", "800"])
+            .arg(&[
+                "watermark",
+                "900/1000/5/100:110:",
+                "watermark_from",
+                "900-0",
+            ])
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        let () = redis::cmd("HSET")
+            .arg("progress")
+            .arg(&["system_id", "7", "timeline", "1", "acked_through", "1000"])
+            .arg(&[
+                "watermark",
+                "900/1000/5/100:110:",
+                "catch_up_done",
+                "120:130:",
+            ])
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        for key in ["past", "progress"] {
+            adopt(key).await;
+            let left = fields(key).await;
+            for gone in [
+                "watermark",
+                "watermark_from",
+                "catch_up_done",
+                "catch_up_cursor",
+            ] {
+                assert!(!left.contains(&gone.to_string()), "{key}: {left:?}");
+            }
+        }
     }
 }
