@@ -60,6 +60,8 @@ struct State {
     client: ReplicationClient,
     origin: Origin,
     server: Server,
+    /// When the server started (Unix microseconds, its clock).
+    started_micros: i64,
 }
 
 /// Connect, take the slot (making it anew first when needed) and start streaming.
@@ -94,8 +96,14 @@ async fn read_state(ctx: &Context, publisher: &Publisher) -> Result<State, Relay
     let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
     ctx.set_postgres_reachable(true);
     check_prerequisites(&sql, pg).await?;
-    let row = sql.query_one("SELECT pg_is_in_recovery()", &[]).await?;
-    let in_recovery: bool = row.get(0);
+    let row = sql
+        .query_one(
+            "SELECT pg_is_in_recovery(),
+                    (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::int8",
+            &[],
+        )
+        .await?;
+    let (in_recovery, started_micros): (bool, i64) = (row.get(0), row.get(1));
     let mut records = publisher.records();
     let slot = read_slot(ctx, &sql, in_recovery).await?;
     // The lock and the records together: a node that does not answer costs one timeout.
@@ -146,6 +154,7 @@ async fn read_state(ctx: &Context, publisher: &Publisher) -> Result<State, Relay
         client,
         origin,
         server,
+        started_micros,
     })
 }
 
@@ -316,6 +325,7 @@ async fn start(
         mut client,
         origin,
         server,
+        started_micros,
         ..
     } = state;
     match plan.slot {
@@ -408,7 +418,7 @@ async fn start(
     for &k in &live {
         publisher.claim_writer_epoch(k).await?;
     }
-    let held_rows = reread_live(&mut records, &all, &live, &plan).await?;
+    let held_rows = reread_live(&mut records, &all, &live, &plan, started_micros).await?;
     let behind: Vec<u32> = plan
         .decisions
         .iter()
@@ -462,6 +472,7 @@ async fn reread_live(
     all: &[Option<StreamRecord>],
     live: &[u32],
     plan: &Plan,
+    started_micros: i64,
 ) -> Result<Vec<Option<Watermark>>, RelayError> {
     let mut held = vec![None; plan.tops.len()];
     for &k in live {
@@ -474,17 +485,22 @@ async fn reread_live(
                 "shard {k} changed while this relay took the slot over"
             )));
         }
-        // Only where the snapshot's transaction ids still mean what they meant: every
-        // commit it shows (and every id it saw end) lies at or below `hi`, and the shard
-        // acknowledged through `hi`, so that WAL was flushed (a walsender sends nothing
-        // else) and is on this server's history (an adopted failover's switch point is at or
-        // above every acknowledgement). A crash cannot lose those commits, nor a promoted
-        // standby give out their ids again. A watermark above the acknowledgement (a
-        // catch-up's hand-over, until the next acknowledgement passes it) is not held:
-        // a replay is sent as before, at worst refused loudly, never skipped.
+        // Only where the snapshot's transaction ids still mean what they meant, which holds
+        // if either:
+        // - the shard acknowledged through its `hi`: every commit it shows (and every id it
+        //   saw end) is in WAL that was flushed (a walsender sends nothing else) and lies on
+        //   this server's history (an adopted failover's switch point is at or above every
+        //   acknowledgement, and adopting forgets watermarks above it), so neither a crash
+        //   nor a promoted standby gives those ids out again;
+        // - or it was taken since the server last started (no crash since could lose the
+        //   commits it shows; a promotion since would have been adopted, as above): a
+        //   catch-up's hand-over, before the next acknowledgement passes it.
+        // Elsewhere a replay is sent as before: at worst refused loudly, never skipped.
         if matches!(plan.decisions[k as usize], Decision::Stream) {
             let acked = Lsn(now.acked_through.unwrap_or(0));
-            held[k as usize] = now.watermark.filter(|w| w.hi <= acked);
+            held[k as usize] = now
+                .watermark
+                .filter(|w| w.hi <= acked || w.taken_at_micros > started_micros);
         }
     }
     Ok(held)
