@@ -560,8 +560,17 @@ async fn check_identity(
     }
     match shard_history(record, origin) {
         ShardHistory::Same => Ok(true),
-        ShardHistory::Later | ShardHistory::Forked => {
-            records.adopt_timeline(origin).await?;
+        history @ (ShardHistory::Later | ShardHistory::Forked) => {
+            // A later timeline agrees with the record's up to its switch point; a fork,
+            // nowhere that can be trusted.
+            let agrees_through = match history {
+                ShardHistory::Later => record
+                    .timeline
+                    .and_then(|tli| origin.history.switch_point(tli))
+                    .unwrap_or(0),
+                _ => 0,
+            };
+            records.adopt_timeline(origin, agrees_through).await?;
             Ok(false)
         }
         ShardHistory::Older => Err(RelayError::OlderTimeline {

@@ -113,7 +113,7 @@ pub(crate) async fn rebuild(
         if record.exists() {
             r.set_id_offset(id_offset).await?;
             if !reason.keeps_watermarks() {
-                r.adopt_timeline(origin).await?;
+                r.adopt_timeline(origin, 0).await?;
             }
         }
     }

@@ -355,9 +355,16 @@ async fn start(
         _ => {}
     }
     let mut adopted = false;
-    for (r, decision) in records.iter_mut().zip(&plan.decisions) {
+    for ((r, decision), record) in records.iter_mut().zip(&plan.decisions).zip(&all) {
         if *decision == Decision::Adopt {
-            adopted |= r.adopt_timeline(&origin).await?;
+            // Adopt: the record's timeline is an ancestor whose switch point is past
+            // everything it acknowledged.
+            let agrees_through = record
+                .as_ref()
+                .and_then(|rec| rec.timeline)
+                .and_then(|tli| origin.history.switch_point(tli))
+                .unwrap_or(0);
+            adopted |= r.adopt_timeline(&origin, agrees_through).await?;
         }
     }
     if adopted {

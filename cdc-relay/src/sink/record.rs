@@ -166,19 +166,21 @@ redis.call('HSET', KEYS[1], 'writer_epoch', claimed)
 return tostring(claimed)
 "#;
 
-/// Move an existing record onto a later timeline of the same history (its switch point is
-/// at or past everything the record acknowledged). Snapshots the record may hold from past
-/// its acknowledgement (a catch-up's hand-over watermark, its progress snapshots) can show
-/// transactions of the old primary past the switch point, whose ids the new one gives out
-/// again: they are forgotten, so a later catch-up compares everything instead of skipping
-/// new rows by a stale snapshot. (Acknowledgements record new watermarks, taken here.)
+/// Move an existing record onto the server's timeline. Snapshots the record holds from past
+/// where its history and the server's agree (ARGV[4]: an LSN; 0 when they forked or when no
+/// watermark stays meaningful) or past its acknowledgement (a catch-up's hand-over
+/// watermark; a catch-up's progress snapshots, which carry no position) can show
+/// transactions of the old primary whose ids the new one gives out again: they are
+/// forgotten, so a later catch-up compares everything instead of skipping new rows by a
+/// stale snapshot. (Acknowledgements record new watermarks, taken on the new primary.)
 const ADOPT: &str = r#"
 if redis.call('HGET', KEYS[1], 'system_id') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'timeline', ARGV[2], 'history', ARGV[3])
 local acked = tonumber(redis.call('HGET', KEYS[1], 'acked_through') or '0') or 0
+local bound = math.min(acked, tonumber(ARGV[4]) or 0)
 local w = redis.call('HGET', KEYS[1], 'watermark')
 local hi = w and tonumber(string.match(w, '^%d+/(%d+)/'))
-local stale = (w and (hi == nil or hi > acked))
+local stale = (w and (hi == nil or hi > bound))
   or redis.call('HEXISTS', KEYS[1], 'catch_up_done') == 1
   or redis.call('HEXISTS', KEYS[1], 'catch_up_cursor') == 1
 if stale then
@@ -323,12 +325,17 @@ impl Records {
     }
 
     /// Record that the stream continues on `origin`'s (later) timeline.
-    pub(crate) async fn adopt_timeline(&mut self, origin: &Origin) -> Result<bool, RelayError> {
+    pub(crate) async fn adopt_timeline(
+        &mut self,
+        origin: &Origin,
+        agrees_through: u64,
+    ) -> Result<bool, RelayError> {
         let adopted: i64 = redis::Script::new(ADOPT)
             .key(&self.origin_key)
             .arg(&origin.system_id)
             .arg(origin.timeline)
             .arg(origin.history.encode())
+            .arg(agrees_through.to_string())
             .invoke_async(&mut self.conn)
             .await?;
         Ok(adopted == 1)
@@ -464,7 +471,7 @@ mod tests {
         let redis = testkit::RedisServer::start().unwrap();
         let mut conn = redis.connect().await.unwrap();
         let shared = conn.clone();
-        let adopt = |key: &'static str| {
+        let adopt = |key: &'static str, agrees: &'static str| {
             let mut conn = shared.clone();
             async move {
                 let adopted: i64 = redis::Script::new(ADOPT)
@@ -472,6 +479,7 @@ mod tests {
                     .arg("7")
                     .arg(2)
                     .arg("1/1000")
+                    .arg(agrees)
                     .invoke_async(&mut conn)
                     .await
                     .unwrap();
@@ -502,7 +510,7 @@ mod tests {
             .query_async(&mut conn)
             .await
             .unwrap();
-        adopt("covered").await;
+        adopt("covered", "1000").await;
         let kept = fields("covered").await;
         assert!(kept.contains(&"watermark".to_string()), "{kept:?}");
         let timeline: String = redis::cmd("HGET")
@@ -537,8 +545,22 @@ mod tests {
             .query_async(&mut conn)
             .await
             .unwrap();
-        for key in ["past", "progress"] {
-            adopt(key).await;
+        // ... and so is one the acknowledgement covers from past where the histories agree
+        // (a fork, or a rebuild whose watermarks mean nothing any more).
+        let () = redis::cmd("HSET")
+            .arg("forked")
+            .arg(&["system_id", "7", "timeline", "1", "acked_through", "1000"])
+            .arg(&[
+                "watermark",
+                "900/1000/5/100:110:",
+                "watermark_from",
+                "900-0",
+            ])
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        for (key, agrees) in [("past", "1000"), ("progress", "1000"), ("forked", "950")] {
+            adopt(key, agrees).await;
             let left = fields(key).await;
             for gone in [
                 "watermark",
