@@ -15,7 +15,7 @@ use crate::error::RelayError;
 use crate::sink::{offset_above, read_all, NewRecord, Publisher};
 use crate::source::{
     check_prerequisites, check_slot, create_slot, make_failover, replication_config,
-    replication_error, take_watermark, Origin, ReplicationPhase,
+    replication_error, take_watermark, wait_durable, Origin, ReplicationPhase,
 };
 
 /// Connecting and each step's wait.
@@ -130,6 +130,9 @@ pub async fn init_stream_record(
     // see, it shows none, so it is a true lower bound for a shard that falls behind later.
     let client = cfg.endpoint.connect(timeout).await?;
     let watermark = take_watermark(&client).await?;
+    // Recorded only once flushed (see `source::wait_durable`); without it a shard that falls
+    // behind before its first acknowledgement compares everything.
+    let durable = wait_durable(&client, &watermark, timeout).await?;
     let table = format!(
         "\"{}\".\"{}\"",
         cfg.outbox_table.schema, cfg.outbox_table.table
@@ -159,7 +162,7 @@ pub async fn init_stream_record(
                 acked_through: consistent_point.as_u64(),
                 id_offset,
                 last_id: None,
-                watermark: Some(&watermark),
+                watermark: durable.then_some(&watermark),
                 rebuilding: None,
             })
             .await?;

@@ -55,7 +55,7 @@ use crate::sink::{
     NewRecord, PartMeta, Publisher, Records, StreamEntry, StreamRecord, CATCH_UP_EVERYTHING,
     CATCH_UP_SINCE,
 };
-use crate::source::{take_watermark, Origin, Snapshot, Watermark, Watermarks};
+use crate::source::{take_watermark, wait_durable, Origin, Snapshot, Watermark, Watermarks};
 
 /// Rows a query looks at, at most (it returns at most `--batch-max-bytes` of them).
 const CHUNK: usize = 1000;
@@ -988,6 +988,11 @@ impl CatchUp<'_> {
         // Taken after the loop captures, and once it shows every transaction the loop dropped
         // before: a transaction it does not show was then captured.
         let last = self.last_snapshot(sql, &dropped).await?;
+        // Recorded below with no acknowledgement: flushed first, so that it holds across a
+        // crash like every other recorded watermark (see `source::wait_durable`).
+        if !wait_durable(sql, &last, STEP_TIMEOUT).await? {
+            return Err(timed_out("the WAL flush through the last snapshot"));
+        }
         self.round(sql, table, Some(&prev.snapshot), &last, None)
             .await?;
         self.watermarks.push((*last).clone());

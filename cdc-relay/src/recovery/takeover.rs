@@ -18,7 +18,7 @@
 //! process at once.
 
 use outbox_core::stream::EntryId;
-use pgwire_replication::{Lsn, ReplicationClient};
+use pgwire_replication::ReplicationClient;
 use tokio_postgres::Client;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -60,8 +60,6 @@ struct State {
     client: ReplicationClient,
     origin: Origin,
     server: Server,
-    /// When the server started (Unix microseconds, its clock).
-    started_micros: i64,
 }
 
 /// Connect, take the slot (making it anew first when needed) and start streaming.
@@ -96,14 +94,8 @@ async fn read_state(ctx: &Context, publisher: &Publisher) -> Result<State, Relay
     let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
     ctx.set_postgres_reachable(true);
     check_prerequisites(&sql, pg).await?;
-    let row = sql
-        .query_one(
-            "SELECT pg_is_in_recovery(),
-                    (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::int8",
-            &[],
-        )
-        .await?;
-    let (in_recovery, started_micros): (bool, i64) = (row.get(0), row.get(1));
+    let row = sql.query_one("SELECT pg_is_in_recovery()", &[]).await?;
+    let in_recovery: bool = row.get(0);
     let mut records = publisher.records();
     let slot = read_slot(ctx, &sql, in_recovery).await?;
     // The lock and the records together: a node that does not answer costs one timeout.
@@ -154,7 +146,6 @@ async fn read_state(ctx: &Context, publisher: &Publisher) -> Result<State, Relay
         client,
         origin,
         server,
-        started_micros,
     })
 }
 
@@ -325,7 +316,6 @@ async fn start(
         mut client,
         origin,
         server,
-        started_micros,
         ..
     } = state;
     match plan.slot {
@@ -425,7 +415,7 @@ async fn start(
     for &k in &live {
         publisher.claim_writer_epoch(k).await?;
     }
-    let held_rows = reread_live(&mut records, &all, &live, &plan, started_micros).await?;
+    let held_rows = reread_live(&mut records, &all, &live, &plan).await?;
     let behind: Vec<u32> = plan
         .decisions
         .iter()
@@ -479,7 +469,6 @@ async fn reread_live(
     all: &[Option<StreamRecord>],
     live: &[u32],
     plan: &Plan,
-    started_micros: i64,
 ) -> Result<Vec<Option<Watermark>>, RelayError> {
     let mut held = vec![None; plan.tops.len()];
     for &k in live {
@@ -492,22 +481,15 @@ async fn reread_live(
                 "shard {k} changed while this relay took the slot over"
             )));
         }
-        // Only where the snapshot's transaction ids still mean what they meant, which holds
-        // if either:
-        // - the shard acknowledged through its `hi`: every commit it shows (and every id it
-        //   saw end) is in WAL that was flushed (a walsender sends nothing else) and lies on
-        //   this server's history (an adopted failover's switch point is at or above every
-        //   acknowledgement, and adopting forgets watermarks above it), so neither a crash
-        //   nor a promoted standby gives those ids out again;
-        // - or it was taken since the server last started (no crash since could lose the
-        //   commits it shows; a promotion since would have been adopted, as above): a
-        //   catch-up's hand-over, before the next acknowledgement passes it.
-        // Elsewhere a replay is sent as before: at worst refused loudly, never skipped.
+        // Every recorded watermark's transaction ids still mean what they meant on this
+        // server: it was recorded only once the WAL through its `hi` was flushed (with an
+        // acknowledgement past it, or after waiting for the flush: `source::wait_durable`),
+        // so no crash loses a commit it shows nor gives out again an id it saw end; and a
+        // timeline adopted since forgot every watermark past where the histories agree
+        // (`Records::adopt_timeline`). A shard not decided `Stream` holds nothing: its
+        // replays are sent, and refused or caught up as before.
         if matches!(plan.decisions[k as usize], Decision::Stream) {
-            let acked = Lsn(now.acked_through.unwrap_or(0));
-            held[k as usize] = now
-                .watermark
-                .filter(|w| w.hi <= acked || w.taken_at_micros > started_micros);
+            held[k as usize] = now.watermark;
         }
     }
     Ok(held)

@@ -186,6 +186,12 @@ local stale = (w and (hi == nil or hi > bound))
 if stale then
   redis.call('HDEL', KEYS[1], 'watermark', 'watermark_from', 'catch_up_done', 'catch_up_cursor')
 end
+-- Histories that part before the acknowledgement (a fork): what the shard holds past that
+-- point is not this server's. Marked in the same step, so a crash before the catch-up that
+-- follows cannot leave a record that looks like the same history, streamed as is.
+if bound < acked then
+  redis.call('HSET', KEYS[1], 'rebuilding', 'everything')
+end
 return 1
 "#;
 
@@ -546,7 +552,8 @@ mod tests {
             .await
             .unwrap();
         // ... and so is one the acknowledgement covers from past where the histories agree
-        // (a fork, or a rebuild whose watermarks mean nothing any more).
+        // (a fork, or a rebuild whose watermarks mean nothing any more), which is marked
+        // to be caught up comparing everything.
         let () = redis::cmd("HSET")
             .arg("forked")
             .arg(&["system_id", "7", "timeline", "1", "acked_through", "1000"])
@@ -559,7 +566,7 @@ mod tests {
             .query_async(&mut conn)
             .await
             .unwrap();
-        for (key, agrees) in [("past", "1000"), ("progress", "1000"), ("forked", "950")] {
+        for (key, agrees) in [("past", "1000"), ("progress", "1000"), ("forked", "0")] {
             adopt(key, agrees).await;
             let left = fields(key).await;
             for gone in [
@@ -570,6 +577,17 @@ mod tests {
             ] {
                 assert!(!left.contains(&gone.to_string()), "{key}: {left:?}");
             }
+            let marker: Option<String> = redis::cmd("HGET")
+                .arg(key)
+                .arg("rebuilding")
+                .query_async(&mut conn)
+                .await
+                .unwrap();
+            assert_eq!(
+                marker.as_deref(),
+                (key == "forked").then_some("everything"),
+                "{key}"
+            );
         }
     }
 }

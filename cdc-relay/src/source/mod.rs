@@ -17,5 +17,5 @@ pub(crate) use slot::{
 };
 pub(crate) use timeline::{Origin, TimelineHistory};
 pub(crate) use watermark::{
-    take as take_watermark, Snapshot, Watermark, Watermarks, WATERMARK_INTERVAL,
+    take as take_watermark, wait_durable, Snapshot, Watermark, Watermarks, WATERMARK_INTERVAL,
 };

@@ -174,6 +174,40 @@ pub(crate) async fn take(client: &Client) -> Result<Watermark, RelayError> {
     })
 }
 
+/// Wait up to `within` until the server has flushed its WAL through `w.hi` (a standby: replayed
+/// it). From then on every commit `w` shows survives a crash, and no transaction id it saw
+/// end is given out again, so a record may keep it across restarts: held replays
+/// (`recovery::takeover`) trust every recorded watermark on its timeline. `false`: not
+/// flushed in time (WAL is flushed within the WAL writer's delay; this is a bound, not a wait
+/// anyone expects).
+pub(crate) async fn wait_durable(
+    client: &Client,
+    w: &Watermark,
+    within: Duration,
+) -> Result<bool, RelayError> {
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let flushed: String = client
+            .query_one(
+                "SELECT (CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+                              ELSE pg_current_wal_flush_lsn() END - '0/0')::text",
+                &[],
+            )
+            .await?
+            .get(0);
+        let flushed: u64 = flushed
+            .parse()
+            .map_err(|_| RelayError::Protocol("unreadable WAL flush position".into()))?;
+        if flushed >= w.hi.as_u64() {
+            return Ok(true);
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Ok(false);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
 /// The watermarks a session took, oldest first (shared by the task that takes them, the
 /// streaming loop that records them with acknowledgements, and catch-ups).
 #[derive(Clone, Default)]
