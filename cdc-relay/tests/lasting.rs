@@ -903,6 +903,17 @@ async fn commit_waiting_for_a_standby(
     (pid, task)
 }
 
+/// End the wait of the commit `commit_waiting_for_a_standby` left (backend `pid`, its task
+/// `waiting`): it stands, and becomes visible.
+async fn let_the_commit_through(fx: &Fixture<'_>, pid: i32, waiting: tokio::task::JoinHandle<()>) {
+    let admin = fx.db.connect().await.unwrap();
+    admin
+        .execute("SELECT pg_cancel_backend($1)", &[&pid])
+        .await
+        .unwrap();
+    waiting.await.unwrap();
+}
+
 /// A primary whose commits with `synchronous_commit = on` wait for a synchronous standby
 /// that never comes: the window between a commit's WAL and its visibility, held open.
 fn primary_with_a_ghost_standby() -> testkit::PgServer {
@@ -980,12 +991,7 @@ async fn a_commit_not_yet_visible_at_the_hand_over(restart: bool) {
     )
     .await;
     // ... then the commit's wait is cancelled (it becomes visible), and more is sent
-    let admin = fx.db.connect().await.unwrap();
-    admin
-        .execute("SELECT pg_cancel_backend($1)", &[&pid])
-        .await
-        .unwrap();
-    waiting.await.unwrap();
+    let_the_commit_through(&fx, pid, waiting).await;
     send_to(&fx, chat, 2).await;
     send_to(&fx, other, 3).await;
 
@@ -1082,18 +1088,11 @@ async fn live_again_before_the_slot_passed_its_dropped_rows(restart_postgres: bo
     // a shard that is live and holds it under its catch-up's id
     relay.child.signal(testkit::Signal::Kill).unwrap();
     relay.child.wait_exit(Duration::from_secs(10)).unwrap();
-    let mut visible = Some(async {
-        let admin = fx.db.connect().await.unwrap();
-        admin
-            .execute("SELECT pg_cancel_backend($1)", &[&pid])
-            .await
-            .unwrap();
-        waiting.await.unwrap();
-    });
     // ... (with Postgres restarted meanwhile: the slot is where it was acknowledged, and
     // every watermark the records hold was taken before the restart)
+    let mut waiting = Some(waiting);
     if restart_postgres {
-        visible.take().expect("once").await;
+        let_the_commit_through(&fx, pid, waiting.take().expect("once")).await;
         pg.restart_fast().unwrap();
     }
     let relay = fx.spawn_relay("relay-again", &flags);
@@ -1101,8 +1100,8 @@ async fn live_again_before_the_slot_passed_its_dropped_rows(restart_postgres: bo
     send_to(&fx, rejoining_chat, 3).await;
     // ... and the first shard accepts again, its commit visible
     pinning.release().await;
-    if let Some(visible) = visible.take() {
-        visible.await;
+    if let Some(waiting) = waiting.take() {
+        let_the_commit_through(&fx, pid, waiting).await;
     }
     send_to(&fx, pinned_chat, 4).await;
 

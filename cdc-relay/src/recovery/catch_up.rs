@@ -564,10 +564,7 @@ async fn check_identity(
             // A later timeline agrees with the record's up to its switch point; a fork,
             // nowhere that can be trusted.
             let agrees_through = match history {
-                ShardHistory::Later => record
-                    .timeline
-                    .and_then(|tli| origin.history.switch_point(tli))
-                    .unwrap_or(0),
+                ShardHistory::Later => origin.history.agrees_through(record.timeline),
                 _ => 0,
             };
             records.adopt_timeline(origin, agrees_through).await?;

@@ -349,11 +349,9 @@ async fn start(
         if *decision == Decision::Adopt {
             // Adopt: the record's timeline is an ancestor whose switch point is past
             // everything it acknowledged.
-            let agrees_through = record
-                .as_ref()
-                .and_then(|rec| rec.timeline)
-                .and_then(|tli| origin.history.switch_point(tli))
-                .unwrap_or(0);
+            let agrees_through = origin
+                .history
+                .agrees_through(record.as_ref().and_then(|rec| rec.timeline));
             adopted |= r.adopt_timeline(&origin, agrees_through).await?;
         }
     }

@@ -503,19 +503,22 @@ mod tests {
                 f
             }
         };
+        // A record on timeline 1 acknowledged through `acked`, with a watermark up to 1000.
+        let seed =
+            |key: &'static str, acked: &'static str, field: &'static str, value: &'static str| {
+                let mut conn = shared.clone();
+                async move {
+                    let () = redis::cmd("HSET")
+                        .arg(key)
+                        .arg(&["system_id", "7", "timeline", "1", "acked_through", acked])
+                        .arg(&["watermark", "900/1000/5/100:110:", field, value])
+                        .query_async(&mut conn)
+                        .await
+                        .unwrap();
+                }
+            };
         // Acknowledged through 1000: a watermark up to there stays, on timeline 2.
-        let () = redis::cmd("HSET")
-            .arg("covered")
-            .arg(&["system_id", "7", "timeline", "1", "acked_through", "1000"])
-            .arg(&[
-                "watermark",
-                "900/1000/5/100:110:",
-                "watermark_from",
-                "900-0",
-            ])
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        seed("covered", "1000", "watermark_from", "900-0").await;
         adopt("covered", "1000").await;
         let kept = fields("covered").await;
         assert!(kept.contains(&"watermark".to_string()), "{kept:?}");
@@ -527,45 +530,12 @@ mod tests {
             .unwrap();
         assert_eq!(timeline, "2");
         // A hand-over's watermark above the acknowledgement, and a catch-up's progress: gone.
-        let () = redis::cmd("HSET")
-            .arg("past")
-            .arg(&["system_id", "7", "timeline", "1", "acked_through", "800"])
-            .arg(&[
-                "watermark",
-                "900/1000/5/100:110:",
-                "watermark_from",
-                "900-0",
-            ])
-            .query_async(&mut conn)
-            .await
-            .unwrap();
-        let () = redis::cmd("HSET")
-            .arg("progress")
-            .arg(&["system_id", "7", "timeline", "1", "acked_through", "1000"])
-            .arg(&[
-                "watermark",
-                "900/1000/5/100:110:",
-                "catch_up_done",
-                "120:130:",
-            ])
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        seed("past", "800", "watermark_from", "900-0").await;
+        seed("progress", "1000", "catch_up_done", "120:130:").await;
         // ... and so is one the acknowledgement covers from past where the histories agree
         // (a fork, or a rebuild whose watermarks mean nothing any more), which is marked
         // to be caught up comparing everything.
-        let () = redis::cmd("HSET")
-            .arg("forked")
-            .arg(&["system_id", "7", "timeline", "1", "acked_through", "1000"])
-            .arg(&[
-                "watermark",
-                "900/1000/5/100:110:",
-                "watermark_from",
-                "900-0",
-            ])
-            .query_async(&mut conn)
-            .await
-            .unwrap();
+        seed("forked", "1000", "watermark_from", "900-0").await;
         for (key, agrees) in [("past", "1000"), ("progress", "1000"), ("forked", "0")] {
             adopt(key, agrees).await;
             let left = fields(key).await;

@@ -96,6 +96,12 @@ impl TimelineHistory {
         Some(Self { switches })
     }
 
+    /// Where a record's `timeline` (`None`: unknown) ended on the way to the current one: up
+    /// to there both histories agree; 0 when it is not an ancestor.
+    pub(crate) fn agrees_through(&self, timeline: Option<u32>) -> u64 {
+        timeline.and_then(|t| self.switch_point(t)).unwrap_or(0)
+    }
+
     /// Where `timeline` ended on the way to the current one (`None`: not an ancestor).
     pub(crate) fn switch_point(&self, timeline: u32) -> Option<u64> {
         self.switches
