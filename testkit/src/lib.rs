@@ -16,6 +16,7 @@
 pub mod balancer;
 pub mod http;
 pub mod otlp;
+mod pids;
 mod postgres;
 mod process;
 pub mod proxy;

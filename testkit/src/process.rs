@@ -7,7 +7,7 @@
 
 use std::collections::BTreeSet;
 use std::fs::File;
-use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
@@ -76,6 +76,7 @@ impl ChildProcess {
     /// Spawn `command` with stdout and stderr appended to `log_path`.
     pub fn spawn(name: &str, mut command: Command, log_path: &Path) -> anyhow::Result<Self> {
         crate::scratch::scratch_root();
+        install_exit_cleanup();
         let log = File::options()
             .create(true)
             .append(true)
@@ -207,56 +208,6 @@ impl Drop for ChildProcess {
     }
 }
 
-/// A readable summary of how a process ended.
-pub(crate) fn describe_exit(status: ExitStatus) -> String {
-    match (status.code(), status.signal()) {
-        (Some(code), _) => format!("exit code {code}"),
-        (None, Some(sig)) => format!("signal {sig}"),
-        _ => "unknown".into(),
-    }
-}
-
-/// Whether a process with this pid exists (it may belong to anyone).
-pub(crate) fn pid_alive(pid: i32) -> bool {
-    // SAFETY: signal 0 only checks for existence and permission.
-    let rc = unsafe { libc::kill(pid, 0) };
-    rc == 0 || std::io::Error::last_os_error().raw_os_error() != Some(libc::ESRCH)
-}
-
-/// Pids of the live direct children of `parent`, from /proc.
-pub(crate) fn children_of(parent: u32) -> Vec<i32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            std::fs::read_to_string(format!("/proc/{pid}/stat"))
-                .ok()
-                .and_then(|stat| {
-                    // The command name may contain spaces; fields after ')' are fixed.
-                    let rest = &stat[stat.rfind(')')? + 2..];
-                    rest.split(' ').nth(1)?.parse::<u32>().ok()
-                })
-                == Some(parent)
-        })
-        .collect()
-}
-
-/// What process `pid` says it is doing: its command line, which Postgres rewrites into a
-/// title per process ("walsender ... streaming 0/1A2B3C", "checkpointer", ...).
-pub(crate) fn process_title(pid: i32) -> String {
-    std::fs::read(format!("/proc/{pid}/cmdline"))
-        .map(|b| {
-            String::from_utf8_lossy(&b)
-                .replace('\0', " ")
-                .trim()
-                .to_string()
-        })
-        .unwrap_or_else(|_| "(gone)".to_string())
-}
-
 extern "C" fn kill_children_at_exit() {
     let pids: Vec<i32> = LIVE
         .lock()
@@ -275,14 +226,19 @@ extern "C" fn kill_children_at_exit() {
             libc::waitpid(*pid, &mut status, 0);
         }
     }
-    crate::scratch::remove_scratch_root();
 }
 
-pub(crate) fn install_exit_cleanup() {
-    // SAFETY: registering a plain extern "C" function.
-    unsafe {
-        libc::atexit(kill_children_at_exit);
-    }
+/// Kill this process's children at exit. Registered after the scratch directory's own
+/// clean-up (`spawn` makes the directory first), so it runs before it: `atexit` runs the
+/// last registered first, and a server is gone before its directory is removed.
+fn install_exit_cleanup() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: registering a plain extern "C" function.
+        unsafe {
+            libc::atexit(kill_children_at_exit);
+        }
+    });
 }
 
 #[cfg(test)]

@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 
-use crate::process::{describe_exit, ChildProcess, Signal};
+use crate::pids::describe_exit;
+use crate::process::{ChildProcess, Signal};
 use crate::scratch::scratch_dir;
 use crate::tls::ServerCert;
 

@@ -26,7 +26,10 @@ pub(crate) fn scratch_root() -> &'static Path {
         std::fs::create_dir_all(&root).expect("create testkit scratch directory");
         std::fs::set_permissions(&root, std::fs::Permissions::from_mode(0o755))
             .expect("chmod scratch directory");
-        crate::process::install_exit_cleanup();
+        // SAFETY: registering a plain extern "C" function.
+        unsafe {
+            libc::atexit(remove_at_exit);
+        }
         root
     })
 }
@@ -60,16 +63,20 @@ fn prune_stale(base: &Path) {
         else {
             continue;
         };
-        if pid as u32 == std::process::id() || crate::process::pid_alive(pid) {
+        if pid as u32 == std::process::id() || crate::pids::pid_alive(pid) {
             continue;
         }
         let _ = std::fs::remove_dir_all(entry.path());
     }
 }
 
+extern "C" fn remove_at_exit() {
+    remove_scratch_root();
+}
+
 /// Remove this process's scratch directory at exit, unless `TESTKIT_KEEP_SCRATCH` is set
 /// (to read a failed test's process logs; the next test run prunes it).
-pub(crate) fn remove_scratch_root() {
+fn remove_scratch_root() {
     if std::env::var_os("TESTKIT_KEEP_SCRATCH").is_some() {
         return;
     }
