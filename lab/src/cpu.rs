@@ -8,8 +8,6 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-use crate::report::{cpu_seconds, proc_stat, stat_seconds};
-
 /// CPU seconds of every process accounted for at one moment, with its group; and what the
 /// postmaster's exited children used in all.
 #[derive(Debug, Clone, Default)]
@@ -170,6 +168,29 @@ pub fn print(title: &str, groups: &[GroupCpu]) {
         "  {:<28} {:>8.2} s {:>9.3} s per 1,000 messages",
         "total", total, per
     );
+}
+
+/// The fields of `/proc/<pid>/stat` after the command name (state is field 0, the parent
+/// pid field 1, utime and stime fields 11 and 12, cutime and cstime 13 and 14); `None` when
+/// the process is gone.
+pub fn proc_stat(pid: u32) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let rest = stat.get(stat.rfind(')')? + 2..)?;
+    Some(rest.split(' ').map(str::to_string).collect())
+}
+
+/// Seconds of the clock-tick fields `at` of a `proc_stat` reading (Linux reports them in
+/// USER_HZ, 100 per second).
+pub fn stat_seconds(fields: &[String], at: &[usize]) -> f64 {
+    at.iter()
+        .filter_map(|i| fields.get(*i)?.parse::<f64>().ok())
+        .sum::<f64>()
+        / 100.0
+}
+
+/// User plus system CPU time of a process so far, from /proc (0 when gone).
+pub fn cpu_seconds(pid: u32) -> f64 {
+    proc_stat(pid).map_or(0.0, |fields| stat_seconds(&fields, &[11, 12]))
 }
 
 #[cfg(test)]

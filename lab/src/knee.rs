@@ -14,7 +14,7 @@ use serde::Serialize;
 use testkit::http::SseClient;
 
 use crate::cpu;
-use crate::latency::summarize;
+use crate::stats::summarize;
 use crate::system::{Bins, Kind, Side, System};
 
 #[derive(Debug, Clone, clap::Args)]
@@ -90,7 +90,7 @@ pub struct Knee {
     /// Flame graphs written (SVG paths).
     pub flamegraphs: Vec<String>,
     /// Send→shown one message at a time on the same system, before the climb.
-    pub sequential: crate::latency::Summary,
+    pub sequential: crate::stats::Summary,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -406,7 +406,7 @@ const SEQUENTIAL_MESSAGES: usize = 200;
 async fn one_at_a_time(
     consumers: std::net::SocketAddr,
     arrivals: &Arc<Mutex<HashMap<String, Instant>>>,
-) -> anyhow::Result<crate::latency::Summary> {
+) -> anyhow::Result<crate::stats::Summary> {
     let mut conn = testkit::http::Connection::open(consumers).await?;
     let mut samples = Vec::with_capacity(SEQUENTIAL_MESSAGES);
     for i in 0..SEQUENTIAL_MESSAGES + 5 {
@@ -429,7 +429,7 @@ async fn one_at_a_time(
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    Ok(crate::latency::summarize("one at a time", samples))
+    Ok(crate::stats::summarize("one at a time", samples))
 }
 
 /// The send-only floor: the same HTTP load on Consumers with no relay and no receiver

@@ -13,6 +13,7 @@ pub mod latency;
 pub mod rebuild;
 pub mod report;
 pub mod soak;
+pub mod stats;
 pub mod stuck;
 pub mod system;
 pub mod throughput;

@@ -105,7 +105,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             // Redis keeps the stream but "forgot" how far it acknowledged.
             let mut conn = redis.connect().await?;
             let _: i64 = redis::cmd("HSET")
-                .arg(format!("{stream}:origin"))
+                .arg(outbox_core::stream::keys::origin_key(&stream))
                 .arg("acked_through")
                 .arg(0)
                 .query_async(&mut conn)

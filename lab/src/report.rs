@@ -43,7 +43,7 @@ pub struct Machine {
     /// Every hop of a message wakes a process, so a virtual machine whose idle cores wake
     /// slowly (host contention) shows it in every end-to-end figure: compare this before
     /// comparing runs of two machines.
-    pub wakeup_round_trip: Option<crate::latency::Summary>,
+    pub wakeup_round_trip: Option<crate::stats::Summary>,
 }
 
 /// The cores this process may run on.
@@ -99,7 +99,7 @@ impl Machine {
 /// 1,000 round trips between two threads over a Unix socket pair, 1 ms apart (see
 /// [`Machine::wakeup_round_trip`]). The pause is well past KVM's halt polling (200 µs by
 /// default), so a virtual core is really asleep when the byte arrives.
-pub fn wakeup_round_trip() -> Option<crate::latency::Summary> {
+pub fn wakeup_round_trip() -> Option<crate::stats::Summary> {
     use std::io::{Read, Write};
     use std::os::unix::net::UnixStream;
     let measure = || -> std::io::Result<Vec<f64>> {
@@ -125,7 +125,7 @@ pub fn wakeup_round_trip() -> Option<crate::latency::Summary> {
     };
     measure()
         .ok()
-        .map(|samples| crate::latency::summarize("wake-up round trip", samples))
+        .map(|samples| crate::stats::summarize("wake-up round trip", samples))
 }
 
 /// Write `value` as pretty JSON to `target/lab/<name>.json`; returns the path.
@@ -135,29 +135,6 @@ pub fn write_json(name: &str, value: &impl Serialize) -> anyhow::Result<PathBuf>
     let path = dir.join(format!("{name}.json"));
     std::fs::write(&path, serde_json::to_string_pretty(value)?)?;
     Ok(path)
-}
-
-/// The fields of `/proc/<pid>/stat` after the command name (state is field 0, the parent
-/// pid field 1, utime and stime fields 11 and 12, cutime and cstime 13 and 14); `None` when
-/// the process is gone.
-pub fn proc_stat(pid: u32) -> Option<Vec<String>> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let rest = stat.get(stat.rfind(')')? + 2..)?;
-    Some(rest.split(' ').map(str::to_string).collect())
-}
-
-/// Seconds of the clock-tick fields `at` of a `proc_stat` reading (Linux reports them in
-/// USER_HZ, 100 per second).
-pub fn stat_seconds(fields: &[String], at: &[usize]) -> f64 {
-    at.iter()
-        .filter_map(|i| fields.get(*i)?.parse::<f64>().ok())
-        .sum::<f64>()
-        / 100.0
-}
-
-/// User plus system CPU time of a process so far, from /proc (0 when gone).
-pub fn cpu_seconds(pid: u32) -> f64 {
-    proc_stat(pid).map_or(0.0, |fields| stat_seconds(&fields, &[11, 12]))
 }
 
 /// A private key made by `openssl genpkey <args>` into `dir/<name>.pem`, as PEM.

@@ -701,7 +701,11 @@ async fn inject(
             let system = system.clone();
             tokio::task::spawn_blocking(move || {
                 let cluster = system.cluster.as_ref().expect("a cluster");
-                let key = format!("outbox:consumers:{{{target}}}");
+                let key = outbox_core::stream::shard_key(
+                    &Side::Consumers.outbox_stream(),
+                    target,
+                    system.shards(),
+                );
                 let node = cluster.master_of(&key)?;
                 let t = Instant::now();
                 cluster.kill_node(node)?;

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use clap::Args as ClapArgs;
-use outbox_core::stream::{shard_key, shard_of};
+use outbox_core::stream::{keys, shard_key, shard_of};
 use serde::Serialize;
 
 use crate::clients::{self, Watcher};
@@ -170,10 +170,7 @@ pub async fn run_stuck(bins: Bins, args: &Args) -> anyhow::Result<StuckReport> {
     // The fault: the shard of chat 1 refuses every write.
     let shards = system.shards();
     let stuck = shard_of(Some(b"1"), shards);
-    let record = format!(
-        "{}:origin",
-        shard_key(&Side::Consumers.outbox_stream(), stuck, shards)
-    );
+    let record = keys::origin_key(&shard_key(&Side::Consumers.outbox_stream(), stuck, shards));
     let mut redis = system.redis.connect().await?;
     let dump: Vec<u8> = redis::cmd("DUMP")
         .arg(&record)

@@ -318,7 +318,7 @@ impl System {
             .lock()
             .unwrap()
             .get(name)
-            .map_or(0.0, |p| crate::report::cpu_seconds(p.pid()))
+            .map_or(0.0, |p| crate::cpu::cpu_seconds(p.pid()))
     }
 
     /// Wait until instance `i` of `side` answers /readyz (consuming or standing by).
@@ -374,7 +374,7 @@ impl System {
                     .args(self.redis_flags())
                     .args([
                         "--stream",
-                        &format!("outbox:{}", side.as_str()),
+                        &side.outbox_stream(),
                         "--stream-shards",
                         &self.shards.to_string(),
                     ])

@@ -384,7 +384,8 @@ async fn drain_with_notify_relay(
     redis: &RedisServer,
     events: u64,
 ) -> anyhow::Result<f64> {
-    let stream = "outbox:consumers";
+    let stream = crate::system::Side::Consumers.outbox_stream();
+    let stream = stream.as_str();
     let mut conn = redis.connect().await?;
     let _: () = redis::cmd("DEL").arg(stream).query_async(&mut conn).await?;
     let mut cmd = Command::new(std::env::current_exe()?);
@@ -504,7 +505,7 @@ async fn drain_with_relay(
     let started = Instant::now();
     let relay = ChildProcess::spawn("cdc-relay", cmd, &log)?;
     let mut conn = redis.connect().await?;
-    let redis_cpu_start = crate::report::cpu_seconds(redis.pid().unwrap_or(0));
+    let redis_cpu_start = crate::cpu::cpu_seconds(redis.pid().unwrap_or(0));
     wait_drained(
         &mut conn,
         &outbox_core::stream::shard_keys(stream, shards),
@@ -524,9 +525,9 @@ async fn drain_with_relay(
         .await?
         .get(0);
     let cpu = DrainCpu {
-        relay: crate::report::cpu_seconds(relay.pid()),
-        redis: crate::report::cpu_seconds(redis.pid().unwrap_or(0)) - redis_cpu_start,
-        walsender: crate::report::cpu_seconds(walsender as u32),
+        relay: crate::cpu::cpu_seconds(relay.pid()),
+        redis: crate::cpu::cpu_seconds(redis.pid().unwrap_or(0)) - redis_cpu_start,
+        walsender: crate::cpu::cpu_seconds(walsender as u32),
     };
     eprintln!(
         "[throughput]   CPU seconds: relay {:.2}, redis {:.2}, walsender {:.2}",
