@@ -54,7 +54,7 @@ fn channel(side: Side) -> String {
 /// other only "re-read": a resync (at most every [`LEGACY_EVERY`], after hints) from this
 /// version, and from theirs a hint read here as "that chat changed".
 fn legacy_channel(side: Side) -> String {
-    format!("inbox:{side}")
+    keys::legacy_hint_channel(side.as_str())
 }
 
 /// How often at most instances of the previous version are told to re-read.

@@ -107,6 +107,8 @@ pub mod dead_letter {
     pub const DELIVERIES: &str = "deliveries";
     /// Prefix of the original entry's fields (`entry.event`, `entry.payload`, ...).
     pub const ENTRY_PREFIX: &str = "entry.";
+    /// Every field a dead letter has besides the entry's own.
+    pub const ALL: [&str; 4] = [STREAM, ID, REASON, DELIVERIES];
 
     /// The dead-letter field that carries the original entry's `field`.
     pub fn entry_field(field: &str) -> String {

@@ -14,6 +14,7 @@
 //! | `deadletter:<consumer group>` (+ shard) | stream | the consuming service | entries it could not record, with the reason |
 //! | `<dead-letter stream>:audit` | stream | `chat-service dead-letters` | who replayed or dropped what |
 //! | `feed:<consumer group>` | pub/sub channel | the service | live hints between its instances |
+//! | `inbox:<consumer group>` | pub/sub channel | the service | hints of versions before feed positions (rolling deploys only) |
 
 /// The outbox stream a service's relay writes (the base of its shard keys).
 pub fn outbox_stream(service: &str) -> String {
@@ -60,6 +61,13 @@ pub fn feed_channel(group: &str) -> String {
     format!("feed:{group}")
 }
 
+/// The pub/sub channel of `group`'s hints as versions before feed positions sent them
+/// (side-wide inbox positions): read and written only to tell those versions "re-read"
+/// during a rolling deploy.
+pub fn legacy_hint_channel(group: &str) -> String {
+    format!("inbox:{group}")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -88,5 +96,6 @@ mod tests {
             "deadletter:workers:audit"
         );
         assert_eq!(feed_channel("workers"), "feed:workers");
+        assert_eq!(legacy_hint_channel("workers"), "inbox:workers");
     }
 }

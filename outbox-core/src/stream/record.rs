@@ -46,6 +46,23 @@ pub mod fields {
     pub const CATCH_UP_CURSOR: &str = "catch_up_cursor";
     /// A snapshot every row of which a catch-up put in the shard (a round it finished).
     pub const CATCH_UP_DONE: &str = "catch_up_done";
+
+    /// Every field of the record.
+    pub const ALL: [&str; 13] = [
+        SYSTEM_ID,
+        TIMELINE,
+        HISTORY,
+        ACKED_THROUGH,
+        REBUILDING,
+        LAST_ID,
+        ID_OFFSET,
+        SHARDS,
+        WRITER_EPOCH,
+        WATERMARK,
+        WATERMARK_FROM,
+        CATCH_UP_CURSOR,
+        CATCH_UP_DONE,
+    ];
 }
 
 /// Key of the record that only the other key layout of `base` has (with one shard: shard
