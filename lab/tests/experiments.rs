@@ -2,20 +2,11 @@
 //! directions, and a 60-second fault soak. Ours must lose, hide, duplicate and reorder
 //! nothing; the dual-write baseline must reproduce the write-up's loss (messages 7 and 8).
 
-use std::path::PathBuf;
 use std::time::Duration;
 
+use crate::bins;
 use lab::chaos::{self, Direction, Topology, Variant};
 use lab::soak;
-use lab::system::Bins;
-
-/// The debug builds of the binaries the experiments run, built now if they are stale.
-fn bins() -> Bins {
-    Bins::built_for_tests(
-        PathBuf::from(env!("CARGO_BIN_EXE_chat-lab")),
-        env!("CARGO_MANIFEST_DIR"),
-    )
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_timeline_both_designs_both_directions() {

@@ -4,19 +4,12 @@
 //! in the request's trace, exported over OTLP to a receiver on loopback; a POST without one
 //! starts a trace that goes the same way.
 
-use std::path::PathBuf;
 use std::time::Duration;
 
-use lab::system::{Bins, Kind, Side, System};
+use crate::bins;
+use lab::system::{Kind, Side, System};
 use testkit::http::{Connection, SseClient};
 use testkit::otlp::{OtlpReceiver, ReceivedSpan};
-
-fn bins() -> Bins {
-    Bins::built_for_tests(
-        PathBuf::from(env!("CARGO_BIN_EXE_chat-lab")),
-        env!("CARGO_MANIFEST_DIR"),
-    )
-}
 
 const SERVER: i32 = 2;
 const PRODUCER: i32 = 4;
