@@ -2,7 +2,7 @@
 //! logical replication slot (pgoutput), in commit order, exactly once per stream id.
 //!
 //! The folders are the path of a message:
-//! - [`source`](crate::source) (private): the slot, the prerequisites, the replication
+//! - `source` (private): the slot, the prerequisites, the replication
 //!   connection and the server's timeline history;
 //! - [`decode`]: pgoutput bytes into outbox rows, without I/O;
 //! - `relay`: the streaming loop (events in, batches out, acknowledgements back behind

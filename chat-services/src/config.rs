@@ -14,6 +14,9 @@ use crate::side::Side;
 
 /// One side of the chat (Consumers or Workers): HTTP API, chat page, outbox writes on send,
 /// and the inbox consumer of the other side's stream.
+// Field docs are --help text, written for a terminal: `<side>` is a placeholder there, not
+// an HTML tag, and a URL is an example, not a link.
+#[allow(rustdoc::invalid_html_tags, rustdoc::bare_urls)]
 #[derive(Debug, Clone, Parser)]
 #[command(name = "chat-service", version)]
 pub struct Cli {
@@ -187,6 +190,8 @@ pub struct Cli {
 /// Who may use the API: bearer tokens of the team's identity provider (JWTs), verified
 /// here against its published keys. One of `--jwks-file`, `--jwks-url` or
 /// `--allow-anonymous` is needed.
+// --help text (see `Cli`).
+#[allow(rustdoc::bare_urls)]
 #[derive(Debug, Clone, clap::Args)]
 pub struct AuthArgs {
     /// The identity provider's keys (a JWKS document, JSON) that bearer tokens are verified

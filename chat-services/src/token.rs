@@ -1,6 +1,6 @@
 //! Tokens as an identity provider issues them, for the local stack, the lab and the tests:
 //! a JWT signed with a private key (PEM, PKCS#8: Ed25519, P-256 or RSA) and the JWKS
-//! document that publishes its public half. The services only ever verify ([`crate::auth`]).
+//! document that publishes its public half. The services only ever verify (`auth`).
 
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 

@@ -260,7 +260,7 @@ fn carried(span: Option<&Span>, given: Option<&SpanContext>) -> Option<SpanConte
         .filter(SpanContext::is_valid)
 }
 
-/// What a hop passes on, as a `traceparent` (see [`carried`]).
+/// What a hop passes on, as a `traceparent` (see `carried`).
 pub fn passed_on(span: Option<&Span>, given: Option<&SpanContext>) -> Option<String> {
     carried(span, given).as_ref().map(format)
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tokio::net::{TcpListener, TcpStream};
 
-/// Forwards 127.0.0.1:<port> to healthy backends until dropped.
+/// Forwards `127.0.0.1:<port>` to healthy backends until dropped.
 pub struct Balancer {
     addr: SocketAddr,
     /// Backends taken out of rotation by the test (as an operator drains one).

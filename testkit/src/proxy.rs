@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, UnixStream};
 
-/// Forwards 127.0.0.1:<port> to a Unix socket until dropped.
+/// Forwards `127.0.0.1:<port>` to a Unix socket until dropped.
 pub struct Proxy {
     addr: SocketAddr,
     armed: Arc<Mutex<Option<Vec<u8>>>>,

@@ -1,6 +1,6 @@
 //! Decoding, without I/O: the walsender's pgoutput messages into relations and inserts
-//! ([`pgoutput`]), and inserts into the outbox into the fields of stream entries
-//! ([`outbox`]). Malformed bytes are an error, never a silent skip; tested on bytes.
+//! (`pgoutput`), and inserts into the outbox into the fields of stream entries
+//! (`outbox`). Malformed bytes are an error, never a silent skip; tested on bytes.
 
 mod outbox;
 mod pgoutput;
