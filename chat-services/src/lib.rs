@@ -6,7 +6,8 @@
 //!
 //! - `http`: the API, the page, event streams; `hub`: the live channels of this instance;
 //! - `store`: every statement (outbox writes, inbox writes, feeds, the writer fence);
-//! - `inbox`: the consumer of the other side's stream, one per shard, and who holds which;
+//! - `inbox`: this side's inbox, fed by the other side's stream through `outbox_consumer`
+//!   (the receiving protocol: leases, claims, dead letters, sharing the shards);
 //! - `notify`: live hints between this side's instances, and the safety nets behind them;
 //! - `dead_letters`: the operator's command for entries the consumer could not record;
 //! - `auth`: who is asking (bearer tokens verified against the provider's JWKS, the
@@ -39,13 +40,13 @@ use tokio::net::TcpListener;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{info, warn};
 
 pub use auth::{KeySource, TokenConfig, TokenVerifier};
 pub use config::{AuthArgs, AuthMode, Cli, Command, DeadLetterCommand, MigrateCli, ServiceConfig};
 pub use dead_letters::{run as dead_letters, Outcome as DeadLetterOutcome};
-pub use inbox::{ConsumerRole, ConsumerStatus};
 pub use model::{parse_chat_id, parse_send_request, Message, MESSAGE_CREATED};
+pub use outbox_consumer::{ConsumerRole, ConsumerStatus};
 pub use side::Side;
 
 /// The backoff between attempts to reach Postgres or Redis again: from `first` up to one
@@ -81,7 +82,7 @@ pub struct Service {
     admin: Option<TcpListener>,
     app: Arc<http::App>,
     publisher: notify::Publisher,
-    status_tx: watch::Sender<inbox::ConsumerStatus>,
+    status_tx: watch::Sender<ConsumerStatus>,
     /// The public listener's certificate, with `--tls-cert-file`.
     tls: Option<Arc<http::tls::Certificate>>,
 }
@@ -107,7 +108,7 @@ impl Service {
             Some(addr) => Some(listen("--admin-addr", addr).await?),
             None => None,
         };
-        let (status_tx, status_rx) = watch::channel(inbox::ConsumerStatus::default());
+        let (status_tx, status_rx) = watch::channel(ConsumerStatus::default());
         let hub = hub::Hub::new();
         let metrics = Arc::new(metrics::Metrics::new(config.side));
         let (announcer, publisher) = notify::Announcer::new(
@@ -165,7 +166,7 @@ impl Service {
         self.admin.as_ref().and_then(|l| l.local_addr().ok())
     }
 
-    pub fn consumer_status(&self) -> watch::Receiver<inbox::ConsumerStatus> {
+    pub fn consumer_status(&self) -> watch::Receiver<ConsumerStatus> {
         self.status_tx.subscribe()
     }
 
@@ -175,7 +176,7 @@ impl Service {
         let shutdown = self.app.shutdown.clone();
         let cfg = &self.config;
         info!(side = %cfg.side, addr = %self.local_addr(), consumer = %cfg.consumer_name, "chat service listening");
-        let consumers = Consumers::start(cfg, &self.app, self.status_tx, &shutdown);
+        let consumer = start_consumer(cfg, &self.app, self.status_tx, &shutdown);
         let background = Background::start(cfg, &self.app, self.publisher, &shutdown);
         let admin = self.admin.map(|listener| {
             info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listener (healthz, readyz, metrics)");
@@ -207,7 +208,7 @@ impl Service {
             streams,
         } = background;
         let _ = retention.await;
-        consumers.stop().await;
+        consumer.stop().await;
         for task in [follower, publisher, tips, streams] {
             let _ = task.await;
         }
@@ -215,94 +216,30 @@ impl Service {
     }
 }
 
-/// The inbox consumers, one per shard, and the membership that shares the shards out.
-struct Consumers {
-    shards: Vec<JoinHandle<()>>,
-    membership: Option<JoinHandle<()>>,
-    /// Kept as long as the consumers run (a dropped sender would wake them for ever).
-    _fixed_assignment: Option<watch::Sender<inbox::Assignment>>,
-}
-
-impl Consumers {
-    fn start(
-        cfg: &ServiceConfig,
-        app: &Arc<http::App>,
-        status_tx: watch::Sender<inbox::ConsumerStatus>,
-        shutdown: &CancellationToken,
-    ) -> Self {
-        let shards = cfg.stream_shards;
-        let roles = Arc::new(inbox::ShardRoles::new(
-            shards,
-            status_tx,
-            app.metrics.clone(),
-        ));
-        // One shard: every instance competes for the one lease, as before shards existed.
-        // More: instances split them (see `inbox::shards`).
-        let (assignment_tx, assignment) =
-            watch::channel::<inbox::Assignment>(Arc::new(vec![shards == 1; shards as usize]));
-        let (membership, fixed_assignment) = if shards > 1 {
-            let task = tokio::spawn(inbox::shards::run_membership(
-                inbox::shards::Membership {
-                    client: cfg.redis.clone(),
-                    side: cfg.side,
-                    me: cfg.consumer_name.clone(),
-                    shards,
-                    ttl: cfg.lease_ttl,
-                    store: app.store.clone(),
-                    roles: roles.clone(),
-                },
-                assignment_tx,
-                shutdown.clone(),
-            ));
-            (Some(task), None)
-        } else {
-            (None, Some(assignment_tx))
-        };
-        let shards = (0..shards)
-            .map(|shard| {
-                let inbox = inbox::Inbox::new(
-                    inbox::InboxConfig::for_shard(cfg, shard),
-                    cfg.redis.clone(),
-                    app.store.clone(),
-                    app.announcer.clone(),
-                    app.metrics.clone(),
-                    roles.clone(),
-                    assignment.clone(),
-                );
-                let shutdown = shutdown.clone();
-                tokio::spawn(async move {
-                    // A panic in the consumer is a crash: end the process, so the entry that
-                    // caused it is redelivered and counted (and dead-lettered if it does it
-                    // again), instead of a process that serves but no longer consumes.
-                    let run = tokio::spawn(async move { inbox.run(shutdown).await });
-                    if let Err(e) = run.await {
-                        if e.is_panic() {
-                            error!(error = %e, "inbox consumer panicked; aborting the process");
-                            std::process::abort();
-                        }
-                    }
-                })
-            })
-            .collect();
-        Self {
-            shards,
-            membership,
-            _fixed_assignment: fixed_assignment,
-        }
-    }
-
-    async fn stop(self) {
-        let consumers = futures::future::join_all(self.shards);
-        if tokio::time::timeout(Duration::from_secs(10), consumers)
-            .await
-            .is_err()
-        {
-            warn!("inbox consumer did not stop within 10 s");
-        }
-        if let Some(membership) = self.membership {
-            let _ = membership.await;
-        }
-    }
+/// The inbox consumer: the receiving protocol (`outbox_consumer`) with this side's inbox.
+fn start_consumer(
+    cfg: &ServiceConfig,
+    app: &Arc<http::App>,
+    status_tx: watch::Sender<ConsumerStatus>,
+    shutdown: &CancellationToken,
+) -> outbox_consumer::Consumer {
+    let inbox = inbox::ChatInbox::new(
+        cfg.side,
+        app.store.clone(),
+        app.announcer.clone(),
+        app.metrics.clone(),
+        inbox::Failpoints {
+            crash_after_inbox_commit: cfg.crash_after_inbox_commit,
+            crash_on_body: cfg.crash_on_body.clone(),
+        },
+    );
+    outbox_consumer::Consumer::start(
+        inbox::consumer_config(cfg),
+        Arc::new(inbox),
+        app.metrics.consumer.clone(),
+        status_tx,
+        shutdown,
+    )
 }
 
 /// The tasks beside the consumers: live hints (in and out), the feed check, retention.

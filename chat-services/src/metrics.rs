@@ -7,14 +7,11 @@ use prometheus::{
 
 pub(crate) struct Metrics {
     registry: Registry,
+    /// The receiving protocol's (`outbox_consumer`), named `chat_...` like the rest.
+    pub consumer: std::sync::Arc<outbox_consumer::ConsumerMetrics>,
     pub messages_sent_total: IntCounter,
     pub messages_received_total: IntCounter,
     pub duplicates_skipped_total: IntCounter,
-    pub recorded_ahead_total: IntCounter,
-    pub dead_lettered_total: IntCounter,
-    pub entries_lost_total: IntCounter,
-    pub consumer_active: IntGauge,
-    pub inbox_shards: IntGauge,
     pub sse_clients: IntGauge,
     pub sse_gaps_filled_total: IntCounter,
     pub sse_slow_clients_dropped_total: IntCounter,
@@ -24,9 +21,6 @@ pub(crate) struct Metrics {
     pub recorded_to_pushed_seconds: Histogram,
     pub http_request_duration_seconds: HistogramVec,
     pub outbox_deleted_total: IntCounter,
-    pub dead_letter_entries: IntGauge,
-    pub dead_letters_trimmed_total: IntCounter,
-    pub inbox_write_retries_total: IntCounterVec,
     pub accept_errors_total: IntCounter,
     pub connections_refused_total: IntCounter,
     pub event_streams_refused_total: IntCounter,
@@ -107,11 +101,6 @@ impl Metrics {
             )
             .expect("valid metric"),
         );
-        let inbox_write_retries_total = counters(
-            "chat_inbox_write_retries_total",
-            "Inbox writes retried in place, by cause: unavailable (connection, shutdown, a statement or lock wait that ran out), database_state (read-only, permissions, missing table) or busy (a batch written in halves because the database was too slow for it whole); never a delivery",
-            &["cause"],
-        );
         let requests_refused_total = counters(
             "chat_requests_refused_total",
             "Requests refused for who sent them, by reason: no_credentials, invalid_token, not_member (answered as a missing chat), not_admin",
@@ -157,7 +146,6 @@ impl Metrics {
                 "chat_sse_queued_bytes",
                 "Bytes queued for all event-stream clients of the instance, not yet taken by their connections (at most --sse-buffer-total beside one frame per client)",
             ),
-            inbox_write_retries_total,
             delivery_seconds,
             published_to_recorded_seconds,
             recorded_to_pushed_seconds,
@@ -173,26 +161,6 @@ impl Metrics {
             duplicates_skipped_total: counter(
                 "chat_duplicates_skipped_total",
                 "Redeliveries of messages already in the inbox",
-            ),
-            recorded_ahead_total: counter(
-                "chat_inbox_recorded_ahead_total",
-                "Messages recorded ahead of the reads through a backlog: their chats had nothing older unprocessed (also in chat_messages_received_total)",
-            ),
-            dead_lettered_total: counter(
-                "chat_dead_lettered_total",
-                "Stream entries moved to the dead-letter stream",
-            ),
-            entries_lost_total: counter(
-                "chat_stream_entries_lost_total",
-                "Pending entries trimmed from the stream before they were recorded",
-            ),
-            consumer_active: gauge(
-                "chat_inbox_consumer_active",
-                "Inbox shards whose lease this instance holds (1 or 0 with one shard)",
-            ),
-            inbox_shards: gauge(
-                "chat_inbox_shards",
-                "Shards of the stream this side consumes (--stream-shards)",
             ),
             sse_clients: gauge("chat_sse_clients", "Connected Server-Sent Events clients"),
             live_hints_unpublished_total: counter(
@@ -211,13 +179,9 @@ impl Metrics {
                 "chat_outbox_deleted_total",
                 "Outbox rows deleted by retention",
             ),
-            dead_letters_trimmed_total: counter(
-                "chat_dead_letters_trimmed_total",
-                "Oldest dead letters trimmed because the stream reached --dead-letter-max-len (lost for replay)",
-            ),
-            dead_letter_entries: gauge(
-                "chat_dead_letter_entries",
-                "Entries in the dead-letter streams of the shards this instance consumes (summed over instances, each shard counts once)",
+            consumer: std::sync::Arc::new(
+                outbox_consumer::ConsumerMetrics::register(&registry, "chat")
+                    .expect("unique metric names"),
             ),
             registry,
         }

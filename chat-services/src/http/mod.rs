@@ -28,10 +28,10 @@ use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
 use crate::hub::Hub;
-use crate::inbox::ConsumerStatus;
 use crate::metrics::Metrics;
 use crate::side::Side;
 use crate::store::Store;
+use outbox_consumer::ConsumerStatus;
 use reply::Body;
 
 /// What every handler can reach.

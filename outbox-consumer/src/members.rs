@@ -1,5 +1,4 @@
-//! Sharing a sharded stream's shards among this side's instances, and one status for all of
-//! an instance's shard consumers.
+//! Sharing a sharded stream's shards among the instances of one consumer group.
 //!
 //! Each instance heartbeats into a sorted set of members (scored by Redis's clock, so hosts'
 //! clocks do not matter) and reads the live ones back; [`assign`] splits the shards over
@@ -7,20 +6,20 @@
 //! views differ (a member joined or died moments ago) the per-shard lease decides, and an
 //! instance gives a shard up as soon as its view says another live member wants it. A dead
 //! member drops out of the view within the lease TTL, when its leases have expired too.
-//! Ownership is only ever the lease's (fenced per shard in Postgres); the split only says
+//! Ownership is only ever the lease's (fenced per shard in the database); the split only says
 //! who tries.
 //!
 //! Only an instance that can consume is a member: one whose shard count the stream's records
-//! refuse leaves the set, and so does one that cannot reach Postgres *while another member can*
-//! (for a heartbeat period, it heartbeat after Postgres answers while this one's checks kept
+//! refuse leaves the set, and so does one that cannot reach the database *while another member can*
+//! (for a heartbeat period, it heartbeat after the database answers while this one's checks kept
 //! failing), so its share goes to the others instead of stalling behind it. An outage nobody
-//! can consume through (Postgres down or frozen for everyone) moves nothing: each keeps its
-//! shards, and resumes them the moment Postgres answers, instead of handing them around when it
-//! comes back. Each heartbeat's score says whether its Postgres check passed (a half
+//! can consume through (the database down or frozen for everyone) moves nothing: each keeps its
+//! shards, and resumes them the moment the database answers, instead of handing them around when it
+//! comes back. Each heartbeat's score says whether its database check passed (a half
 //! millisecond added). When no instance is a member (every one started during an outage), every
 //! instance tries every shard, as with one shard, so consuming resumes wherever it can first.
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::connect::{RedisConn, RedisTarget};
@@ -29,10 +28,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
-use super::{ConsumerRole, ConsumerStatus};
-use crate::metrics::Metrics;
-use crate::side::Side;
-use crate::store::Store;
+use crate::inbox::Inbox;
+use crate::status::ShardRoles;
 
 /// How long one look at (or heartbeat into) the member set may take.
 const BEAT_WAIT: Duration = Duration::from_secs(2);
@@ -44,10 +41,10 @@ const VIEW_REFRESH: Duration = Duration::from_millis(250);
 pub(crate) type Assignment = Arc<Vec<bool>>;
 
 /// Heartbeat, leave, or only look, then Redis's time (ms), whether this member is out of the
-/// set, whether another live member's last heartbeat came after a Postgres answer and after
+/// set, whether another live member's last heartbeat came after a database answer and after
 /// ARGV[4], and the live members. KEYS[1]: the members' sorted set; ARGV: member, liveness window (ms), mode, the
-/// time this member's Postgres checks began to fail (0 if they pass). Modes: '1' heartbeat
-/// after a Postgres answer (the score's half millisecond says so), '4' heartbeat after a
+/// time this member's database checks began to fail (0 if they pass). Modes: '1' heartbeat
+/// after a database answer (the score's half millisecond says so), '4' heartbeat after a
 /// failed check, '0' leave, '2' only look. Scores are built as strings: Lua's own
 /// formatting keeps 14 digits.
 static MEMBERS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
@@ -89,11 +86,6 @@ return live
 "#,
     )
 });
-
-/// The key of `side`'s member set.
-pub(crate) fn members_key(side: Side) -> String {
-    keys::inbox_members_key(side.as_str())
-}
 
 /// The shards `me` wants among `members` (any order); with no members at all, every shard
 /// (everyone competes). Balanced rendezvous hashing: each shard ranks the members by a hash
@@ -149,22 +141,23 @@ fn weight(member: &str, k: u32) -> u64 {
 }
 
 /// What the membership task needs.
-pub(crate) struct Membership {
-    pub client: RedisTarget,
-    pub side: Side,
-    pub me: String,
-    pub shards: u32,
-    pub ttl: Duration,
-    pub store: Store,
-    pub roles: Arc<ShardRoles>,
+pub(crate) struct Membership<I> {
+    pub(crate) client: RedisTarget,
+    pub(crate) group: String,
+    pub(crate) me: String,
+    pub(crate) shards: u32,
+    pub(crate) ttl: Duration,
+    /// Asked whether this instance can record (`Inbox::ping`).
+    pub(crate) inbox: Arc<I>,
+    pub(crate) roles: Arc<ShardRoles>,
 }
 
 /// What this instance says of itself in the member set.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Standing {
-    /// Its Postgres check passed.
+    /// Its database check passed.
     Able,
-    /// A check failed, or Postgres has not answered for a while but no other member has
+    /// A check failed, or the database has not answered for a while but no other member has
     /// either: it stays, and keeps its shards.
     Unanswered,
     /// Out of the set: it cannot consume and another member can (or its layout is refused).
@@ -173,26 +166,26 @@ enum Standing {
 
 /// Keep this instance in the member set while it can consume, and `assignment` up to date,
 /// until `shutdown`; then leave, so the others take its shards at once.
-pub(crate) async fn run_membership(
-    m: Membership,
+pub(crate) async fn run_membership<I: Inbox>(
+    m: Membership<I>,
     assignment: watch::Sender<Assignment>,
     shutdown: CancellationToken,
 ) {
-    let key = members_key(m.side);
+    let key = keys::inbox_members_key(&m.group);
     let window = m.ttl.as_millis() as u64;
     let mut conn: Option<RedisConn> = None;
     let mut last: Option<(Vec<String>, Standing)> = None;
     // Pings failed in a row: one slow answer under load is not a reason to move shards.
     let mut failed_pings = 0u32;
     // Redis's time at the first heartbeat after the pings began to fail: a member that
-    // heartbeat after a Postgres answer since then can consume where this one cannot.
+    // heartbeat after a database answer since then can consume where this one cannot.
     let mut failing_since: Option<u64> = None;
-    // An instance that has never reached Postgres does not join while it cannot: its share
+    // An instance that has never reached the database does not join while it cannot: its share
     // would wait on it.
     let mut ever_able = false;
-    // Since when another member has been seen reaching Postgres while this one cannot. It
+    // Since when another member has been seen reaching the database while this one cannot. It
     // leaves only once that has lasted a heartbeat period: after an outage of everyone's,
-    // the first to see Postgres again must not push out the others, whose checks pass
+    // the first to see the database again must not push out the others, whose checks pass
     // moments later.
     let mut others_able_since: Option<tokio::time::Instant> = None;
     let mut next_beat = tokio::time::Instant::now();
@@ -205,11 +198,11 @@ pub(crate) async fn run_membership(
         // moves its shards within VIEW_REFRESH, not a heartbeat later.
         let beat_now = tokio::time::Instant::now() >= next_beat;
         if beat_now {
-            let ping = m.store.ping(m.ttl / 3).await;
+            let ping = m.inbox.ping(m.ttl / 3).await;
             failed_pings = if ping.is_ok() { 0 } else { failed_pings + 1 };
-            // While Postgres fails, look again at once (a ping waiting on a frozen server
+            // While the database fails, look again at once (a ping waiting on a frozen server
             // returns as soon as it answers): the instance is back in the member set, and
-            // takes its shards again, within moments of Postgres, not a third of the TTL.
+            // takes its shards again, within moments of the database, not a third of the TTL.
             next_beat = tokio::time::Instant::now()
                 + if failed_pings > 0 {
                     Duration::ZERO
@@ -235,17 +228,17 @@ pub(crate) async fn run_membership(
             // Joining while it cannot would give it a share, to wait on it.
             (
                 "0",
-                Some("Postgres has not answered since this instance started"),
+                Some("the database has not answered since this instance started"),
             )
         } else if failed_pings < 3 || failing_since.is_none() {
             ("4", None)
         } else if matches!(last, Some((_, Standing::Out(_))))
             || others_able_since.is_some_and(|t| t.elapsed() >= m.ttl / 3)
         {
-            // Out until Postgres answers: rejoining would move its share back, to wait.
+            // Out until the database answers: rejoining would move its share back, to wait.
             (
                 "0",
-                Some("Postgres does not answer, and another instance's does"),
+                Some("the database does not answer, and another instance's does"),
             )
         } else {
             ("4", None)
@@ -300,7 +293,7 @@ pub(crate) async fn run_membership(
                                 info!(members = ?now.0, shards = ?wanted, "inbox members changed; shards wanted by this instance")
                             }
                             Standing::Unanswered => {
-                                warn!(members = ?now.0, shards = ?wanted, "Postgres does not answer this instance; it keeps its shards while no other instance does better")
+                                warn!(members = ?now.0, shards = ?wanted, "the database does not answer this instance; it keeps its shards while no other instance does better")
                             }
                             Standing::Out(why) => {
                                 warn!(members = ?now.0, shards = ?wanted, why, "this instance cannot consume: out of the inbox member set, its shards go to the others")
@@ -347,7 +340,7 @@ pub(crate) async fn run_membership(
 }
 
 /// The members script's reply: Redis's time (ms), whether this member is out of the set,
-/// whether another member reached Postgres since this one's checks began to fail, and the
+/// whether another member reached the database since this one's checks began to fail, and the
 /// live members.
 fn split_reply(mut reply: Vec<String>) -> (u64, bool, bool, Vec<String>) {
     let members = reply.split_off(3.min(reply.len()));
@@ -355,96 +348,6 @@ fn split_reply(mut reply: Vec<String>) -> (u64, bool, bool, Vec<String>) {
     let out = reply.get(1).is_some_and(|o| o == "1");
     let others_able = reply.get(2).is_some_and(|o| o == "1");
     (now, out, others_able, members)
-}
-
-/// The roles of an instance's shard consumers, summed up in one status: active while it
-/// holds any shard.
-pub(crate) struct ShardRoles {
-    roles: Mutex<Vec<ConsumerRole>>,
-    /// Entries in each held shard's dead-letter stream (0 for shards not held: their
-    /// holder reports them).
-    dead_letters: Mutex<Vec<i64>>,
-    status: watch::Sender<ConsumerStatus>,
-    metrics: Arc<Metrics>,
-    /// The stream's records refused this instance's shard count (a configuration error).
-    layout_refused: std::sync::atomic::AtomicBool,
-}
-
-impl ShardRoles {
-    pub(crate) fn new(
-        shards: u32,
-        status: watch::Sender<ConsumerStatus>,
-        metrics: Arc<Metrics>,
-    ) -> Self {
-        metrics.inbox_shards.set(i64::from(shards));
-        Self {
-            roles: Mutex::new(vec![ConsumerRole::Starting; shards as usize]),
-            dead_letters: Mutex::new(vec![0; shards as usize]),
-            status,
-            metrics,
-            layout_refused: Default::default(),
-        }
-    }
-
-    pub(crate) fn set_layout_refused(&self, refused: bool) {
-        self.layout_refused
-            .store(refused, std::sync::atomic::Ordering::SeqCst);
-    }
-
-    pub(crate) fn layout_refused(&self) -> bool {
-        self.layout_refused
-            .load(std::sync::atomic::Ordering::SeqCst)
-    }
-
-    pub(crate) fn set(&self, shard: u32, role: ConsumerRole) {
-        let (summary, held) = {
-            let mut roles = self.roles.lock().unwrap();
-            roles[shard as usize] = role;
-            let held: Vec<u32> = (0..roles.len() as u32)
-                .filter(|k| roles[*k as usize] == ConsumerRole::Active)
-                .collect();
-            let summary = if !held.is_empty() {
-                ConsumerRole::Active
-            } else if roles.iter().all(|r| *r == ConsumerRole::Stopped) {
-                ConsumerRole::Stopped
-            } else if roles.contains(&ConsumerRole::Starting) {
-                ConsumerRole::Starting
-            } else {
-                ConsumerRole::Standby
-            };
-            (summary, held)
-        };
-        self.metrics.consumer_active.set(held.len() as i64);
-        if role != ConsumerRole::Active {
-            self.set_dead_letters(shard, 0);
-        }
-        self.status.send_if_modified(|s| {
-            let changed = s.role != summary || s.shards != held;
-            s.role = summary;
-            s.shards = held;
-            changed
-        });
-    }
-
-    /// The length of a held shard's dead-letter stream; the gauge sums the held shards', so
-    /// summed over instances each shard counts once.
-    pub(crate) fn set_dead_letters(&self, shard: u32, entries: i64) {
-        let total = {
-            let mut counts = self.dead_letters.lock().unwrap();
-            counts[shard as usize] = entries;
-            counts.iter().sum()
-        };
-        self.metrics.dead_letter_entries.set(total);
-    }
-
-    /// This shard's role.
-    pub(crate) fn get(&self, shard: u32) -> ConsumerRole {
-        self.roles.lock().unwrap()[shard as usize]
-    }
-
-    pub(crate) fn status(&self) -> &watch::Sender<ConsumerStatus> {
-        &self.status
-    }
 }
 
 #[cfg(test)]
@@ -526,7 +429,7 @@ mod tests {
         let window = 1_000u64;
         let (secs, micros): (u64, u64) = redis::cmd("TIME").query_async(&mut conn).await.unwrap();
         let now = secs * 1000 + micros / 1000;
-        // "a" began failing 5 windows ago; "b" last heartbeat after a Postgres answer 3
+        // "a" began failing 5 windows ago; "b" last heartbeat after a database answer 3
         // windows ago, then died (its score stays in the set for 10 windows).
         let failing_since = now - 5 * window;
         let () = redis::cmd("ZADD")
@@ -544,7 +447,7 @@ mod tests {
             "a dead member's old heartbeat counted as another able member"
         );
 
-        // A live member that reaches Postgres counts; one whose checks fail does not.
+        // A live member that reaches the database counts; one whose checks fail does not.
         members_script(&mut conn, "c", window, "4", 0).await;
         let (_, able, _) = members_script(&mut conn, "a", window, "4", failing_since).await;
         assert!(!able, "a member whose checks fail counted as able");

@@ -1,25 +1,25 @@
 //! Looking ahead over a backlog: while the consumer works through a shard's entries in
-//! stream order, it also scans ahead of its read position and records at once the messages
-//! of chats that have nothing older left unprocessed, up to [`AHEAD_PER_CHAT`] per chat. A
-//! chat with few entries in a backlog (quiet while the receiving side was down for hours,
-//! beside another chat's burst) is shown within a few rounds instead of after the whole
-//! backlog; a chat with many is left to the ordered path, which gives them in order, and
+//! stream order, it also scans ahead of its read position and records at once the entries
+//! of order keys (`Inbox::order_key`: a chat, an aggregate) that have nothing older left
+//! unprocessed, up to [`AHEAD_PER_KEY`] per key. A key with few entries in a backlog (quiet while the receiving side was down for hours,
+//! beside another key's burst) is shown within a few rounds instead of after the whole
+//! backlog; a key with many is left to the ordered path, which gives them in order, and
 //! the scan goes on past them without writing.
 //!
 //! Invariants:
-//! - An entry is recorded ahead only if every older entry of its chat is processed: at or
+//! - An entry is recorded ahead only if every older entry of its key is processed: at or
 //!   below `done_to` (the ordered path has finished everything up to there: it claims what
 //!   a previous holder left before it goes past it) or recorded ahead itself. The scan runs
-//!   in stream order, so every older entry of a chat above `done_to` was seen, and one not
-//!   recorded ahead holds the chat back (`waiting`) until the ordered path passes it.
+//!   in stream order, so every older entry of a key above `done_to` was seen, and one not
+//!   recorded ahead holds the key back (`waiting`) until the ordered path passes it.
 //! - Recorded ahead means committed and shown, never acknowledged: the entry stays in the
 //!   stream, and when the ordered path reaches it, it is acknowledged without being
-//!   recorded again (after a restart, the inbox's unique message id absorbs it).
-//! - What the look-ahead cannot decide it leaves to the ordered path, which holds its chat
-//!   back: an entry that does not parse (dead-lettered there), a batch Postgres refuses, an
+//!   recorded again (after a restart, the application's inbox absorbs it).
+//! - What the look-ahead cannot decide it leaves to the ordered path, which holds its key
+//!   back: an entry that does not parse (dead-lettered there), a batch the database refuses, an
 //!   entry another run was recording ahead when it ended (processed alone there, so a
-//!   message that crashes its consumer is dead-lettered after one conclusive crash).
-//! - Bounded: at most [`MAX_TRACKED`] chats held back and as many entries recorded ahead;
+//!   entry that crashes its consumer is dead-lettered after one conclusive crash).
+//! - Bounded: at most [`MAX_TRACKED`] keys held back and as many entries recorded ahead;
 //!   past that the scan pauses until the ordered path catches up.
 
 use std::collections::{HashMap, HashSet};
@@ -31,10 +31,9 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use super::group::{parse_range_reply, Entry};
-use super::{Active, ConsumeError, Flow, Recorded, READ_COUNT};
-use crate::model;
-use crate::store::Received;
+use super::group::parse_range_reply;
+use super::{Active, After, ConsumeError, Flow, Recorded, READ_COUNT};
+use crate::inbox::{Entry, Inbox};
 
 /// Entries one scan reads.
 const SCAN_COUNT: usize = 1_000;
@@ -43,10 +42,10 @@ const SCAN_COUNT: usize = 1_000;
 const SLICE: std::time::Duration = std::time::Duration::from_secs(1);
 /// Chats held back, and entries recorded ahead, tracked at most.
 pub(super) const MAX_TRACKED: usize = 100_000;
-/// Entries of one chat recorded ahead at most, from when the look-ahead begins or the
-/// ordered path has passed the chat: past that, the chat has a backlog of its own, which
-/// the ordered path works through while the scan goes on to the chats behind it.
-const AHEAD_PER_CHAT: u32 = 100;
+/// Entries of one key recorded ahead at most, from when the look-ahead begins or the
+/// ordered path has passed the key: past that, the key has a backlog of its own, which
+/// the ordered path works through while the scan goes on to the keys behind it.
+const AHEAD_PER_KEY: u32 = 100;
 
 /// A stream entry id, ordered as Redis orders them.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
@@ -80,10 +79,10 @@ pub(super) struct Ahead {
     done_to: StreamId,
     /// The scan has seen every entry up to here.
     scanned_to: StreamId,
-    /// Per chat, its newest scanned entry that was not recorded ahead: the chat is held
+    /// Per key, its newest scanned entry that was not recorded ahead: the key is held
     /// back while that entry is above `done_to`.
     waiting: HashMap<i64, StreamId>,
-    /// Per chat, entries taken to be recorded ahead (see [`AHEAD_PER_CHAT`]).
+    /// Per key, entries taken to be recorded ahead (see [`AHEAD_PER_KEY`]).
     taken: HashMap<i64, u32>,
     /// Entries recorded ahead that the ordered path has not reached yet.
     recorded: HashSet<StreamId>,
@@ -114,42 +113,42 @@ impl Ahead {
         self.scanned_to.max(self.done_to)
     }
 
-    /// Whether `chat` has an entry above `done_to` that was not recorded ahead.
-    fn holds_back(&self, chat: i64) -> bool {
-        self.waiting.get(&chat).is_some_and(|id| *id > self.done_to)
+    /// Whether `key` has an entry above `done_to` that was not recorded ahead.
+    fn holds_back(&self, key: i64) -> bool {
+        self.waiting.get(&key).is_some_and(|id| *id > self.done_to)
     }
 
-    /// `id` of `chat` is left to the ordered path: the chat's later entries wait for it.
-    fn wait(&mut self, chat: i64, id: StreamId) {
-        self.waiting.insert(chat, id);
+    /// `id` of `key` is left to the ordered path: the key's later entries wait for it.
+    fn wait(&mut self, key: i64, id: StreamId) {
+        self.waiting.insert(key, id);
     }
 
-    /// Whether the scanned entry `id` of `chat` may be recorded ahead (then it counts
-    /// towards the chat's share), or must wait for the ordered path (then so must the
-    /// chat's later ones).
-    fn take(&mut self, chat: i64, id: StreamId) -> bool {
-        match self.waiting.get(&chat) {
+    /// Whether the scanned entry `id` of `key` may be recorded ahead (then it counts
+    /// towards the key's share), or must wait for the ordered path (then so must the
+    /// key's later ones).
+    fn take(&mut self, key: i64, id: StreamId) -> bool {
+        match self.waiting.get(&key) {
             Some(last) if *last > self.done_to => {
-                self.waiting.insert(chat, id);
+                self.waiting.insert(key, id);
                 return false;
             }
-            // The ordered path passed the chat's backlog: it starts afresh.
+            // The ordered path passed the key's backlog: it starts afresh.
             Some(_) => {
-                self.waiting.remove(&chat);
-                self.taken.remove(&chat);
+                self.waiting.remove(&key);
+                self.taken.remove(&key);
             }
             None => {}
         }
-        let taken = self.taken.entry(chat).or_default();
-        if *taken >= AHEAD_PER_CHAT {
-            self.waiting.insert(chat, id);
+        let taken = self.taken.entry(key).or_default();
+        if *taken >= AHEAD_PER_KEY {
+            self.waiting.insert(key, id);
             return false;
         }
         *taken += 1;
         true
     }
 
-    /// Whether the scan must pause: too much tracked even after forgetting the chats the
+    /// Whether the scan must pause: too much tracked even after forgetting the keys the
     /// ordered path has passed.
     fn full(&mut self) -> bool {
         if self.waiting.len() >= MAX_TRACKED || self.taken.len() >= MAX_TRACKED {
@@ -158,16 +157,21 @@ impl Ahead {
                 .waiting
                 .iter()
                 .filter(|(_, id)| **id <= done_to)
-                .map(|(chat, _)| *chat)
+                .map(|(key, _)| *key)
                 .collect();
-            for chat in passed {
-                self.waiting.remove(&chat);
-                self.taken.remove(&chat);
+            for key in passed {
+                self.waiting.remove(&key);
+                self.taken.remove(&key);
             }
         }
         self.waiting.len() >= MAX_TRACKED
             || self.taken.len() >= MAX_TRACKED
             || self.recorded.len() >= MAX_TRACKED
+    }
+
+    /// The entry `id` was recorded ahead (committed, not acknowledged).
+    pub(super) fn recorded_ahead(&mut self, id: StreamId) {
+        self.recorded.insert(id);
     }
 
     /// Whether the ordered path's entry `id` was recorded ahead (then it only acknowledges
@@ -180,11 +184,11 @@ impl Ahead {
     }
 }
 
-impl Active<'_> {
+impl<I: Inbox> Active<'_, I> {
     /// Scan ahead and record what may go first, until the scan reaches the stream's end
     /// or for [`SLICE`]. The scan reads some twenty times faster than the ordered path
     /// records, so it goes first: the time it takes from the backlog's catch-up is a few
-    /// percent of it, and halves how long a live chat waits for the scan to reach it.
+    /// percent of it, and halves how long a live key waits for the scan to reach it.
     pub(super) async fn look_ahead(
         &mut self,
         shutdown: &CancellationToken,
@@ -196,7 +200,7 @@ impl Active<'_> {
             }
             if self.ahead.full() {
                 debug!(
-                    shard = self.cfg().shard,
+                    shard = self.keys().shard,
                     "look-ahead paused: it tracks as much as it may"
                 );
                 return Ok(Flow::Continue);
@@ -211,7 +215,7 @@ impl Active<'_> {
         }
     }
 
-    /// Read the next entries past the scan, and record those whose chats are not held
+    /// Read the next entries past the scan, and record those whose keys are not held
     /// back.
     async fn look_ahead_once(
         &mut self,
@@ -219,7 +223,7 @@ impl Active<'_> {
     ) -> Result<Scan, ConsumeError> {
         let from = self.ahead.scan_from();
         let reply: redis::Value = match redis::cmd("XRANGE")
-            .arg(&self.cfg().stream)
+            .arg(&self.keys().stream)
             .arg(format!("({from}"))
             .arg("+")
             .arg("COUNT")
@@ -229,8 +233,8 @@ impl Active<'_> {
         {
             Ok(reply) => reply,
             Err(e) if e.code() == Some("NOPERM") => {
-                if !self.inbox.ahead_refused.swap(true, Ordering::Relaxed) {
-                    warn!(error = %e, "the Redis user may not scan the stream (XRANGE), so a backlog holds back every chat of its shard; load the current deploy/redis/users.acl");
+                if !self.consumer.ahead_refused.swap(true, Ordering::Relaxed) {
+                    warn!(error = %e, "the Redis user may not scan the stream (XRANGE), so a backlog holds back every key of its shard; load the current deploy/redis/users.acl");
                 }
                 return Ok(Scan::AtEnd);
             }
@@ -241,54 +245,53 @@ impl Active<'_> {
             return Ok(Scan::AtEnd);
         };
         let last: StreamId = last.id.parse()?;
-        let mut first: Vec<(Entry, model::Message)> = Vec::new();
-        let mut first_chats: HashSet<i64> = HashSet::new();
+        let mut first: Vec<(Entry, I::Item, i64)> = Vec::new();
+        let mut first_keys: HashSet<i64> = HashSet::new();
         for entry in entries {
             let id: StreamId = entry.id.parse()?;
-            let Some(fields) = &entry.fields else {
+            if entry.fields.is_none() {
                 continue;
-            };
-            let field = |name: &str| fields.get(name).map(String::as_str);
-            // Most of a backlog is held back: its chat is all the scan needs of it. One
-            // that names no chat holds none back (the ordered path dead-letters it).
-            let Some(chat) = chat_of(field) else {
+            }
+            // Most of a backlog is held back: its key is all the scan needs of it. One
+            // without a key holds none back (the ordered path records or dead-letters it).
+            let Some(key) = self.inbox().order_key(&entry) else {
                 continue;
             };
             if self.foreign.contains(&entry.id) {
-                self.ahead.wait(chat, id);
-            } else if self.ahead.take(chat, id) {
-                // One that does not parse whole is dead-lettered by the ordered path, and
-                // never recorded: the chat's later ones may still go first.
-                if let Ok(message) = model::parse_entry(field, self.cfg().side.other()) {
-                    first.push((entry, message));
-                    first_chats.insert(chat);
+                self.ahead.wait(key, id);
+            } else if self.ahead.take(key, id) {
+                // One that does not decode is dead-lettered by the ordered path, and never
+                // recorded: the key's later ones may still go first.
+                if let Ok(item) = self.inbox().decode(&entry) {
+                    first.push((entry, item, key));
+                    first_keys.insert(key);
                 }
                 continue;
             }
-            // Held back from here: what this scan took of the chat is left to the
-            // ordered path too.
-            if first_chats.remove(&chat) {
-                first.retain(|(_, m)| m.chat_id != chat);
+            // Held back from here: what this scan took of the key is left to the ordered
+            // path too.
+            if first_keys.remove(&key) {
+                first.retain(|(_, _, k)| *k != key);
             }
         }
         self.ahead.scanned_to = last;
         let mut rest = first.into_iter().peekable();
         while rest.peek().is_some() {
-            // A part Postgres refused holds its chats back: their entries in later parts
-            // wait too.
+            // A part the database refused holds its keys back: their entries in later
+            // parts wait too.
             let mut part = Vec::with_capacity(READ_COUNT);
             while part.len() < READ_COUNT {
-                let Some((entry, message)) = rest.next() else {
+                let Some((entry, item, key)) = rest.next() else {
                     break;
                 };
-                if self.ahead.holds_back(message.chat_id) {
-                    self.ahead.wait(message.chat_id, entry.id.parse()?);
+                if self.ahead.holds_back(key) {
+                    self.ahead.wait(key, entry.id.parse()?);
                 } else {
-                    part.push((entry, message));
+                    part.push((entry, item, key));
                 }
             }
             if !part.is_empty() {
-                if let Flow::Shutdown = self.record_ahead(&part, shutdown).await? {
+                if let Flow::Shutdown = self.record_ahead(part, shutdown).await? {
                     return Ok(Scan::Shutdown);
                 }
             }
@@ -296,82 +299,46 @@ impl Active<'_> {
         Ok(Scan::More)
     }
 
-    /// Record `part` (entries whose chats have nothing older unprocessed) and show it,
+    /// Record `part` (entries whose keys have nothing older unprocessed) and show it,
     /// under attempt records of this run while it is at it (see the module's invariants).
     async fn record_ahead(
         &mut self,
-        part: &[(Entry, model::Message)],
+        part: Vec<(Entry, I::Item, i64)>,
         shutdown: &CancellationToken,
     ) -> Result<Flow, ConsumeError> {
-        let ids: Vec<String> = part.iter().map(|(e, _)| e.id.clone()).collect();
+        let ids: Vec<String> = part.iter().map(|(e, _, _)| e.id.clone()).collect();
         let attempts = ids.iter().map(|id| (id.clone(), 1)).collect();
         {
             // Released as this run's if its session ends before the records are removed.
-            let mut delivered = self.inbox.delivered.lock().unwrap();
+            let mut delivered = self.consumer.delivered.lock().unwrap();
             for id in &ids {
                 delivered.insert(id.clone(), 1);
             }
         }
         self.begin_attempts_of(&ids, &attempts, false).await?;
-        #[cfg(feature = "failpoints")]
-        if let Some(body) = &self.cfg().crash_on_body {
-            if part.iter().any(|(_, m)| &m.body == body) {
-                tracing::error!("failpoint: crashing on a message recorded ahead");
-                // SAFETY: signalling our own process.
-                unsafe {
-                    libc::kill(libc::getpid(), libc::SIGKILL);
-                }
-            }
-        }
         let read_at = std::time::SystemTime::now();
-        let batch: Vec<Received> = part
-            .iter()
-            .map(|(e, m)| Received {
-                stream_id: e.id.clone(),
-                message: m.clone(),
-            })
-            .collect();
-        match self.record_in_parts(&batch, shutdown).await? {
-            Recorded::Done(positions) => {
-                self.show(part, &positions, read_at)?;
-                self.inbox
-                    .metrics
-                    .recorded_ahead_total
-                    .inc_by(part.len() as u64);
-                for (entry, _) in part {
-                    self.ahead.recorded.insert(entry.id.parse()?);
-                }
-            }
-            // Postgres refused one of them for its own data: the ordered path finds which
-            // and dead-letters it; their chats wait for it.
-            Recorded::Rejected(e) => {
+        let (batch, keys): (Vec<(Entry, I::Item)>, Vec<i64>) = part
+            .into_iter()
+            .map(|(entry, item, key)| ((entry, item), key))
+            .unzip();
+        match self
+            .record_in_parts(&batch, read_at, After::KeepPending, shutdown)
+            .await?
+        {
+            Recorded::Done => {}
+            // The database refused one of them for its own data: the ordered path finds
+            // which and dead-letters it; the keys of what did not commit wait for it.
+            Recorded::Rejected(e, committed) => {
                 debug!(error = %e, "inbox refused a batch recorded ahead; left to the ordered path");
-                for (entry, message) in part {
-                    self.ahead.wait(message.chat_id, entry.id.parse()?);
+                for ((entry, _), key) in batch.iter().zip(&keys).skip(committed) {
+                    self.ahead.wait(*key, entry.id.parse()?);
                 }
             }
             Recorded::Shutdown => return Ok(Flow::Shutdown),
-            Recorded::TooLarge => unreachable!("parts of one entry are written whole"),
         }
         self.end_attempts(&ids).await?;
         Ok(Flow::Continue)
     }
-}
-
-/// The chat an entry's message is in, read without the rest of it (held-back entries
-/// need no more).
-fn chat_of<'a>(field: impl Fn(&str) -> Option<&'a str>) -> Option<i64> {
-    #[derive(serde::Deserialize)]
-    struct ChatOf {
-        chat_id: i64,
-    }
-    let fields = outbox_core::stream::entry::EntryFields::decode(field).ok()?;
-    if fields.event != model::MESSAGE_CREATED {
-        return None;
-    }
-    serde_json::from_str::<ChatOf>(fields.payload)
-        .ok()
-        .map(|c| c.chat_id)
 }
 
 /// How one scan went.
@@ -402,11 +369,11 @@ mod tests {
     }
 
     #[test]
-    fn a_chat_waits_until_the_ordered_path_passes_its_entry() {
+    fn a_key_waits_until_the_ordered_path_passes_its_entry() {
         let mut ahead = Ahead::default();
         ahead.processed_to(id(100), true);
         assert!(ahead.is_active());
-        assert!(!ahead.holds_back(1), "nothing of chat 1 seen past 100");
+        assert!(!ahead.holds_back(1), "nothing of key 1 seen past 100");
         ahead.wait(1, id(150));
         assert!(ahead.holds_back(1));
         assert!(!ahead.holds_back(2));
@@ -449,15 +416,15 @@ mod tests {
     }
 
     #[test]
-    fn a_chat_with_a_backlog_of_its_own_is_left_to_the_ordered_path() {
+    fn a_key_with_a_backlog_of_its_own_is_left_to_the_ordered_path() {
         let mut ahead = Ahead::default();
         ahead.processed_to(id(100), true);
-        for n in 0..AHEAD_PER_CHAT as u64 {
+        for n in 0..AHEAD_PER_KEY as u64 {
             assert!(ahead.take(1, id(101 + n)));
         }
-        let past = id(101 + AHEAD_PER_CHAT as u64);
+        let past = id(101 + AHEAD_PER_KEY as u64);
         assert!(!ahead.take(1, past), "its share is taken");
-        assert!(ahead.take(2, id(1000)), "another chat is not held back");
+        assert!(ahead.take(2, id(1000)), "another key is not held back");
         assert!(
             !ahead.take(1, id(1001)),
             "held back until the ordered path passes it"
@@ -471,10 +438,10 @@ mod tests {
     fn the_scan_pauses_only_while_what_it_tracks_is_still_needed() {
         let mut ahead = Ahead::default();
         ahead.processed_to(id(1), true);
-        for chat in 0..MAX_TRACKED as i64 {
-            ahead.wait(chat, id(10));
+        for key in 0..MAX_TRACKED as i64 {
+            ahead.wait(key, id(10));
         }
-        assert!(ahead.full(), "every chat still held back");
+        assert!(ahead.full(), "every key still held back");
         ahead.processed_to(id(10), true);
         assert!(!ahead.full(), "the ordered path passed them all");
         assert!(ahead.waiting.is_empty());

@@ -6,12 +6,13 @@
 use std::collections::HashMap;
 use std::time::Duration;
 
-use outbox_core::stream::entry::{self, dead_letter};
+use outbox_core::stream::entry::dead_letter;
 use redis::Value;
 use tokio::time::Instant;
 use tracing::{debug, error, info, warn};
 
 use super::{Active, ConsumeError, READ_BLOCK, READ_COUNT};
+use crate::inbox::{Entry, Inbox};
 
 /// Marks an attempt record of an entry processed alone: if that run ended during it, the
 /// entry is what ended it.
@@ -20,35 +21,14 @@ const ALONE: &str = "alone";
 /// `Active::foreign_records`).
 const FOREIGN_RECORDS_READ: usize = 10_000;
 
-/// A stream entry read from the group.
-#[derive(Debug, Clone)]
-pub(super) struct Entry {
-    pub(super) id: String,
-    /// `None`: the entry was trimmed from the stream before it was acknowledged.
-    pub(super) fields: Option<HashMap<String, String>>,
-    pub(super) deliveries: u64,
-}
-
-impl Entry {
-    /// The trace context the entry carries, if valid.
-    pub(super) fn trace_context(&self) -> Option<outbox_core::telemetry::SpanContext> {
-        let traceparent = self.fields.as_ref()?.get(entry::TRACEPARENT)?;
-        outbox_core::telemetry::parse(traceparent)
-    }
-
-    /// The trace id for log lines of this entry (empty without one).
-    pub(super) fn trace_id(&self) -> String {
-        outbox_core::telemetry::trace_id(None, self.trace_context().as_ref())
-    }
-}
-
-impl Active<'_> {
+impl<I: Inbox> Active<'_, I> {
     /// Export the shard's dead-letter stream's length (alerts fire while it is not empty),
     /// with the pre-shard stream's for shard 0.
     pub(super) async fn count_dead_letters(&mut self) -> Result<(), ConsumeError> {
         let mut total = 0;
-        let streams = std::iter::once(&self.inbox.cfg.dead_letter_stream)
-            .chain(self.inbox.cfg.legacy_dead_letter_stream.as_ref());
+        let keys = self.keys().clone();
+        let streams =
+            std::iter::once(&keys.dead_letters).chain(keys.unsharded_dead_letters.as_ref());
         for stream in streams {
             let counted: redis::RedisResult<i64> = redis::cmd("XLEN")
                 .arg(stream)
@@ -64,7 +44,7 @@ impl Active<'_> {
                 Err(e) => return Err(e.into()),
             }
         }
-        self.inbox.roles.set_dead_letters(self.cfg().shard, total);
+        self.consumer.roles.set_dead_letters(keys.shard, total);
         Ok(())
     }
 
@@ -72,15 +52,15 @@ impl Active<'_> {
         // From id 0: a group created after the relay already published misses nothing.
         let created: redis::RedisResult<()> = redis::cmd("XGROUP")
             .arg("CREATE")
-            .arg(&self.cfg().stream)
-            .arg(&self.cfg().group)
+            .arg(&self.keys().stream)
+            .arg(&self.config().group)
             .arg("0")
             .arg("MKSTREAM")
             .query_async(&mut self.conn)
             .await;
         match created {
             Ok(()) => {
-                info!(stream = %self.cfg().stream, group = %self.cfg().group, "created consumer group");
+                info!(stream = %self.keys().stream, group = %self.config().group, "created consumer group");
                 Ok(())
             }
             Err(e) if e.code() == Some("BUSYGROUP") => Ok(()),
@@ -129,9 +109,9 @@ impl Active<'_> {
         let mut claimed = Vec::new();
         loop {
             let reply: Value = redis::cmd("XAUTOCLAIM")
-                .arg(&self.cfg().stream)
-                .arg(&self.cfg().group)
-                .arg(&self.cfg().consumer)
+                .arg(&self.keys().stream)
+                .arg(&self.config().group)
+                .arg(&self.config().consumer)
                 .arg(min_idle.as_millis() as u64)
                 .arg(&cursor)
                 .arg("COUNT")
@@ -164,13 +144,12 @@ impl Active<'_> {
                         .filter_map(|id| redis::from_redis_value_ref::<String>(id).ok())
                         .collect();
                     let _: redis::RedisResult<i64> = redis::cmd("HDEL")
-                        .arg(&self.cfg().attempts_key)
+                        .arg(&self.keys().attempts)
                         .arg(&ids)
                         .query_async(&mut self.conn)
                         .await;
                     error!(count = deleted.len(), "pending entries were trimmed from the stream before being recorded; stream MAXLEN is too small for the consumer lag");
-                    self.inbox
-                        .metrics
+                    self.metrics()
                         .entries_lost_total
                         .inc_by(deleted.len() as u64);
                 }
@@ -188,20 +167,20 @@ impl Active<'_> {
     pub(super) async fn read(&mut self, id: &str) -> Result<Vec<Entry>, ConsumeError> {
         let mut cmd = redis::cmd("XREADGROUP");
         cmd.arg("GROUP")
-            .arg(&self.cfg().group)
-            .arg(&self.cfg().consumer)
+            .arg(&self.config().group)
+            .arg(&self.config().consumer)
             .arg("COUNT")
             .arg(READ_COUNT);
         if id == ">" {
             cmd.arg("BLOCK").arg(READ_BLOCK.as_millis() as u64);
         }
-        cmd.arg("STREAMS").arg(&self.cfg().stream).arg(id);
+        cmd.arg("STREAMS").arg(&self.keys().stream).arg(id);
         let reply: Value = cmd.query_async(&mut self.blocking).await?;
         let mut entries = parse_read_reply(reply)?;
         if id == ">" {
             // First deliveries, to this run: if it reads them again (a session restart, a
             // claim of its own late read), they are its own, not a crashed run's.
-            let mut delivered = self.inbox.delivered.lock().unwrap();
+            let mut delivered = self.consumer.delivered.lock().unwrap();
             for e in &entries {
                 delivered.entry(e.id.clone()).or_insert(1);
             }
@@ -220,12 +199,12 @@ impl Active<'_> {
         entries: &[Entry],
     ) -> Result<HashMap<String, u64>, ConsumeError> {
         let reply: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
-            .arg(&self.cfg().stream)
-            .arg(&self.cfg().group)
+            .arg(&self.keys().stream)
+            .arg(&self.config().group)
             .arg(&entries[0].id)
             .arg(&entries[entries.len() - 1].id)
             .arg(entries.len())
-            .arg(&self.cfg().consumer)
+            .arg(&self.config().consumer)
             .query_async(&mut self.conn)
             .await?;
         Ok(reply
@@ -238,7 +217,7 @@ impl Active<'_> {
     /// Each redelivered entry's attempt number: how many times processing it started and
     /// ended with the process that ran it (a crash), plus one. Redis's delivery count is not
     /// it: every session restart, handover and claim raises that, through no fault of the
-    /// entry. A record `<run> <n>` per redelivered entry (in `inbox-attempts:<side>`) names
+    /// entry. A record `<run> <n>` per redelivered entry (in `inbox-attempts:<group>`) names
     /// the run processing it, `<run> <n> alone` when it processed it on its own; a run whose
     /// session ends marks what it was handed released (`- <n>`). What this run was handed
     /// itself is its own (see `Inbox::delivered`).
@@ -272,8 +251,8 @@ impl Active<'_> {
         if redelivered.is_empty() {
             return Ok(Some(attempts));
         }
-        let key = self.cfg().attempts_key.clone();
-        let ours = self.inbox.delivered.lock().unwrap().clone();
+        let key = self.keys().attempts.clone();
+        let ours = self.consumer.delivered.lock().unwrap().clone();
         let deadline = Instant::now() + self.lease.ttl();
         let records = loop {
             let records: Vec<Option<(String, u64, bool)>> = redis::cmd("HMGET")
@@ -294,7 +273,7 @@ impl Active<'_> {
             // verdict is a dead letter); inherited ones are decided at once.
             let verdict_pending = redelivered.iter().zip(&records).any(|(id, record)| {
                 !self.inherited.contains(*id)
-                    && matches!(record, Some((run, _, true)) if run != "-" && *run != self.inbox.run_id)
+                    && matches!(record, Some((run, _, true)) if run != "-" && *run != self.consumer.run_id)
             });
             if !verdict_pending || Instant::now() >= deadline {
                 break records;
@@ -315,9 +294,9 @@ impl Active<'_> {
                         1
                     }
                 },
-                Some((run, n, _)) if run == "-" || run == self.inbox.run_id => n,
+                Some((run, n, _)) if run == "-" || run == self.consumer.run_id => n,
                 // Processed alone, and the run ended: the entry did it.
-                Some((_, n, true)) => (n + 1).max(self.cfg().max_deliveries + 1),
+                Some((_, n, true)) => (n + 1).max(self.config().max_deliveries + 1),
                 // Its processing ended with that run, maybe through no fault of its own.
                 Some((_, n, false)) => {
                     self.suspects.insert(id.to_string());
@@ -350,14 +329,14 @@ impl Active<'_> {
         alone: bool,
     ) -> Result<(), ConsumeError> {
         let mut hset = redis::cmd("HSET");
-        hset.arg(&self.cfg().attempts_key);
+        hset.arg(&self.keys().attempts);
         let mut any = false;
         for id in ids {
             if let Some(n) = attempts.get(id) {
                 let record = if alone {
-                    format!("{} {n} {ALONE}", self.inbox.run_id)
+                    format!("{} {n} {ALONE}", self.consumer.run_id)
                 } else {
-                    format!("{} {n}", self.inbox.run_id)
+                    format!("{} {n}", self.consumer.run_id)
                 };
                 hset.arg(id).arg(record);
                 any = true;
@@ -376,7 +355,7 @@ impl Active<'_> {
             return Ok(());
         }
         let _: i64 = redis::cmd("HDEL")
-            .arg(&self.cfg().attempts_key)
+            .arg(&self.keys().attempts)
             .arg(ids)
             .query_async(&mut self.conn)
             .await?;
@@ -386,7 +365,7 @@ impl Active<'_> {
 
     /// These entries are no longer in this run's hands.
     fn forget_delivered(&self, ids: &[String]) {
-        let mut delivered = self.inbox.delivered.lock().unwrap();
+        let mut delivered = self.consumer.delivered.lock().unwrap();
         for id in ids {
             delivered.remove(id);
         }
@@ -399,7 +378,7 @@ impl Active<'_> {
     pub(super) async fn foreign_records(
         &mut self,
     ) -> Result<std::collections::HashSet<String>, ConsumeError> {
-        let key = self.cfg().attempts_key.clone();
+        let key = self.keys().attempts.clone();
         let len: usize = match redis::cmd("HLEN")
             .arg(&key)
             .query_async(&mut self.conn)
@@ -425,7 +404,7 @@ impl Active<'_> {
             .into_iter()
             .filter(|(_, record)| {
                 let run = record.split(' ').next().unwrap_or("-");
-                run != "-" && run != self.inbox.run_id
+                run != "-" && run != self.consumer.run_id
             })
             .map(|(id, _)| id)
             .collect())
@@ -437,15 +416,15 @@ impl Active<'_> {
         &mut self,
     ) -> Result<std::collections::HashSet<String>, ConsumeError> {
         let reply: redis::streams::StreamPendingCountReply = redis::cmd("XPENDING")
-            .arg(&self.cfg().stream)
-            .arg(&self.cfg().group)
+            .arg(&self.keys().stream)
+            .arg(&self.config().group)
             .arg("-")
             .arg("+")
             .arg(10_000)
-            .arg(&self.cfg().consumer)
+            .arg(&self.config().consumer)
             .query_async(&mut self.conn)
             .await?;
-        let ours = self.inbox.delivered.lock().unwrap();
+        let ours = self.consumer.delivered.lock().unwrap();
         Ok(reply
             .ids
             .into_iter()
@@ -459,12 +438,12 @@ impl Active<'_> {
     /// absent): a newer holder's record stays. Best effort: if Redis cannot take it, the
     /// next holder counts one attempt too many.
     pub(super) async fn release_delivered(&mut self) {
-        let delivered = std::mem::take(&mut *self.inbox.delivered.lock().unwrap());
+        let delivered = std::mem::take(&mut *self.consumer.delivered.lock().unwrap());
         if delivered.is_empty() {
             return;
         }
-        let mut invocation = RELEASE.key(&self.cfg().attempts_key);
-        invocation.arg(&self.inbox.run_id);
+        let mut invocation = RELEASE.key(&self.keys().attempts);
+        invocation.arg(&self.consumer.run_id);
         for (id, n) in &delivered {
             invocation.arg(id).arg(n);
         }
@@ -473,7 +452,7 @@ impl Active<'_> {
             debug!(error = %e, "could not mark entries in flight as released; the next session tries again");
             // Kept, so the next session of this run releases them (or reads its own records
             // as its own): an unreleased record reads as this run having died on them.
-            let mut kept = self.inbox.delivered.lock().unwrap();
+            let mut kept = self.consumer.delivered.lock().unwrap();
             for (id, n) in delivered {
                 kept.entry(id).or_insert(n);
             }
@@ -488,12 +467,12 @@ impl Active<'_> {
         }
         let () = redis::pipe()
             .cmd("XACK")
-            .arg(&self.cfg().stream)
-            .arg(&self.cfg().group)
+            .arg(&self.keys().stream)
+            .arg(&self.config().group)
             .arg(ids)
             .ignore()
             .cmd("HDEL")
-            .arg(&self.cfg().attempts_key)
+            .arg(&self.keys().attempts)
             .arg(ids)
             .ignore()
             .query_async(&mut self.conn)
@@ -509,15 +488,15 @@ impl Active<'_> {
         entry: &Entry,
         reason: &str,
     ) -> Result<(), ConsumeError> {
-        let max_len = self.cfg().dead_letter_max_len;
+        let max_len = self.config().dead_letter_max_len;
         let mut xadd = redis::cmd("XADD");
-        xadd.arg(&self.cfg().dead_letter_stream)
+        xadd.arg(&self.keys().dead_letters)
             .arg("MAXLEN")
             .arg("=")
             .arg(max_len)
             .arg("*")
             .arg(dead_letter::STREAM)
-            .arg(&self.cfg().stream)
+            .arg(&self.keys().stream)
             .arg(dead_letter::ID)
             .arg(&entry.id)
             .arg(dead_letter::REASON)
@@ -532,31 +511,28 @@ impl Active<'_> {
         let mut pipe = redis::pipe();
         pipe.atomic()
             .cmd("XLEN")
-            .arg(&self.cfg().dead_letter_stream)
+            .arg(&self.keys().dead_letters)
             .add_command(xadd)
             .ignore()
             .cmd("XACK")
-            .arg(&self.cfg().stream)
-            .arg(&self.cfg().group)
+            .arg(&self.keys().stream)
+            .arg(&self.config().group)
             .arg(&entry.id)
             .ignore()
             .cmd("HDEL")
-            .arg(&self.cfg().attempts_key)
+            .arg(&self.keys().attempts)
             .arg(&entry.id)
             .ignore();
         let (before,): (u64,) = pipe.query_async(&mut self.conn).await?;
-        self.inbox.delivered.lock().unwrap().remove(&entry.id);
-        self.inbox.metrics.dead_lettered_total.inc();
+        self.consumer.delivered.lock().unwrap().remove(&entry.id);
+        self.metrics().dead_lettered_total.inc();
         let trimmed = (before + 1).saturating_sub(max_len);
         if trimmed > 0 {
-            self.inbox
-                .metrics
-                .dead_letters_trimmed_total
-                .inc_by(trimmed);
-            error!(trimmed, max_len, dead_letter_stream = %self.cfg().dead_letter_stream, "dead-letter stream full: its oldest entries were trimmed and can no longer be replayed; act on the dead letters (chat-service dead-letters) or raise --dead-letter-max-len");
+            self.metrics().dead_letters_trimmed_total.inc_by(trimmed);
+            error!(trimmed, max_len, dead_letter_stream = %self.keys().dead_letters, "dead-letter stream full: its oldest entries were trimmed and can no longer be replayed; act on the dead letters (replay or drop them) or raise the cap (--dead-letter-max-len)");
         }
         self.count_dead_letters().await?;
-        warn!(stream_id = %entry.id, trace_id = %entry.trace_id(), %reason, dead_letter_stream = %self.cfg().dead_letter_stream, "entry dead-lettered");
+        warn!(stream_id = %entry.id, trace_id = %entry.trace_id(), %reason, dead_letter_stream = %self.keys().dead_letters, "entry dead-lettered");
         Ok(())
     }
 }
