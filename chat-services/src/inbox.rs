@@ -274,7 +274,8 @@ impl outbox_consumer::Inbox for ChatInbox {
 fn record_error(e: StoreError) -> RecordError {
     match e {
         StoreError::Fenced { ours, current } => RecordError::Fenced { ours, current },
-        StoreError::RowRefused(_) => RecordError::Refused(e.to_string()),
+        // The dead letter's reason, as before the consumer was a crate of its own.
+        StoreError::RowRefused(_) => RecordError::Refused(format!("postgres refused it: {e}")),
         StoreError::Busy(_) => RecordError::Busy(e.to_string()),
         StoreError::Unavailable(_) => RecordError::Unavailable(e.to_string()),
         other => RecordError::State(other.to_string()),

@@ -34,7 +34,9 @@ pub struct ConsumerConfig {
     /// Pending entries idle this long are claimed (from a consumer that died).
     pub claim_idle: Duration,
     /// Times an entry's processing may end with its consumer process (a crash) before it
-    /// is dead-lettered; restarts and handovers never count.
+    /// is dead-lettered; restarts and handovers never count. An entry whose processing
+    /// ended a process while it was processed alone (after one crash, suspects are) is
+    /// dead-lettered at once: it is what ended it.
     pub max_deliveries: u64,
     /// The shard lease's TTL: how soon a dead holder's shards are taken over.
     pub lease_ttl: Duration,
@@ -61,9 +63,8 @@ impl std::fmt::Debug for ConsumerConfig {
 }
 
 impl ConsumerConfig {
-    /// A configuration with the defaults the chat services ship: dead letters in
-    /// `deadletter:<group>` (10,000 kept), claims after 30 s idle, 5 deliveries, a 10 s
-    /// lease, the layout checked.
+    /// A configuration with defaults: dead letters in `deadletter:<group>` (10,000 kept),
+    /// claims after 30 s idle, 5 deliveries, a 10 s lease, the layout checked.
     pub fn new(
         redis: RedisTarget,
         stream: impl Into<String>,

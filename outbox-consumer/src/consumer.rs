@@ -27,6 +27,9 @@ use crate::status::{ConsumerStatus, ShardRoles};
 pub const STOP_WAIT: Duration = Duration::from_secs(10);
 
 /// A running consumer: every shard's task, and the membership that shares the shards out.
+/// Keep it until [`Consumer::stop`]: dropped, the shards' tasks go on but no longer learn
+/// which shards to take (a standby would never take over from a dead holder).
+#[must_use = "keep the Consumer until stop(): dropped, standby shards never take over"]
 pub struct Consumer {
     shards: Vec<JoinHandle<()>>,
     membership: Option<JoinHandle<()>>,

@@ -8,6 +8,10 @@
 //! claim). A holder paused past its lease (a stall, SIGSTOP) thus finds a newer epoch when
 //! it wakes and writes nothing, however long it slept: the lease alone cannot promise that.
 //!
+//! Set `lock_timeout`, `statement_timeout` and `idle_in_transaction_session_timeout` on the
+//! connections that record and claim: a holder paused inside its transaction keeps the
+//! row locked, and only those end the next holder's wait (and make a slow write `Busy`).
+//!
 //! ```sql
 //! -- FenceTable::migration("billing.inbox_fence")
 //! CREATE TABLE IF NOT EXISTS billing.inbox_fence (
@@ -116,7 +120,7 @@ impl FenceTable {
 pub fn classify(e: &tokio_postgres::Error) -> RecordError {
     let text = e.as_db_error().map_or_else(
         || e.to_string(),
-        |db| format!("{}: {}", db.code().code(), db.message()),
+        |db| format!("postgres {}: {}", db.code().code(), db.message()),
     );
     match e.code().map(|c| c.code()) {
         Some("57014" | "55P03") => RecordError::Busy(text),

@@ -63,7 +63,9 @@ pub struct Fence {
     pub epoch: i64,
 }
 
-/// Why recording failed, classified once: the consumer's answer to each is fixed.
+/// Why recording failed, classified once: the consumer's answer to each is fixed. Each
+/// carries the application's own words (logged, and a `Refused` one is the dead letter's
+/// reason).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RecordError {
     /// Another instance claimed the shard's fence since: nothing was written. The consumer
@@ -73,18 +75,18 @@ pub enum RecordError {
     /// The database refused a row for its own data (a data exception, a constraint): the
     /// entry's fault. A batch is then recorded entry by entry, and the refused one
     /// dead-lettered with this reason.
-    #[error("the database refused it: {0}")]
+    #[error("{0}")]
     Refused(String),
     /// The database answered too slowly for a batch this large (a statement or lock wait
     /// ran out): the batch is written in halves.
-    #[error("the database is busy: {0}")]
+    #[error("{0}")]
     Busy(String),
     /// The database cannot be reached: retried in place (counted as `unavailable`).
-    #[error("the database is unavailable: {0}")]
+    #[error("{0}")]
     Unavailable(String),
     /// The database's state refuses the write (read-only, a permission, a missing table):
     /// retried in place (counted as `database_state`); nobody's entry's fault.
-    #[error("the database refuses writes: {0}")]
+    #[error("{0}")]
     State(String),
 }
 
@@ -127,7 +129,9 @@ pub trait Inbox: Send + Sync + 'static {
 
     /// Record `batch` (in stream order) in one transaction that checks `fence` first; each
     /// entry once (a redelivery finds its first recording). Called again with the same
-    /// entries after any error but `Refused` and `Fenced`.
+    /// entries after any error but `Refused`, `Fenced` and `Busy` (then with halves of
+    /// them). Bound every statement (`statement_timeout`, `lock_timeout`): a write that
+    /// waits without end stalls its shard, and only an answer in time says `Busy`.
     fn record(
         &self,
         batch: &[(Entry, Self::Item)],

@@ -68,9 +68,14 @@
 //!         Ok(())
 //!     }
 //!
-//!     async fn ping(&self, _deadline: Duration) -> Result<(), RecordError> {
-//!         let db = self.db.lock().await;
-//!         db.simple_query("SELECT 1").await.map(drop).map_err(|e| classify(&e))
+//!     async fn ping(&self, deadline: Duration) -> Result<(), RecordError> {
+//!         let ping = async {
+//!             let db = self.db.lock().await;
+//!             db.simple_query("SELECT 1").await.map(drop).map_err(|e| classify(&e))
+//!         };
+//!         tokio::time::timeout(deadline, ping)
+//!             .await
+//!             .unwrap_or_else(|_| Err(RecordError::Unavailable("no answer in time".into())))
 //!     }
 //! }
 //!

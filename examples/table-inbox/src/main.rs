@@ -37,9 +37,10 @@ const SCHEMA: &str = "CREATE SCHEMA IF NOT EXISTS inbox;
       outbox_id bigint PRIMARY KEY, seq bigserial, shard integer NOT NULL,
       event text NOT NULL, payload jsonb NOT NULL);";
 
-/// The table, through one connection (made again when it breaks).
+/// The table, through one connection (made again when it breaks) whose waits are bounded:
+/// a previous holder paused mid-transaction cannot hold the fence's row for long.
 struct Table {
-    url: String,
+    config: tokio_postgres::Config,
     client: Mutex<Option<Client>>,
     fence: FenceTable,
 }
@@ -55,9 +56,8 @@ impl Table {
     async fn client(&self) -> Result<tokio::sync::MappedMutexGuard<'_, Client>, RecordError> {
         let mut slot = self.client.lock().await;
         if slot.as_ref().is_none_or(Client::is_closed) {
-            let (client, connection) = tokio_postgres::connect(&self.url, NoTls)
-                .await
-                .map_err(|e| classify(&e))?;
+            let (client, connection) =
+                self.config.connect(NoTls).await.map_err(|e| classify(&e))?;
             tokio::spawn(connection);
             *slot = Some(client);
         }
@@ -115,9 +115,15 @@ impl Inbox for Table {
     }
 
     async fn ping(&self, deadline: Duration) -> Result<(), RecordError> {
-        let client = self.client().await?;
-        match tokio::time::timeout(deadline, client.simple_query("SELECT 1")).await {
-            Ok(answer) => answer.map(drop).map_err(|e| classify(&e)),
+        let ping = async {
+            self.client()
+                .await?
+                .simple_query("SELECT 1")
+                .await
+                .map_err(|e| classify(&e))
+        };
+        match tokio::time::timeout(deadline, ping).await {
+            Ok(answer) => answer.map(drop),
             Err(_) => Err(RecordError::Unavailable("no answer in time".into())),
         }
     }
@@ -128,8 +134,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     outbox_core::logging::init(outbox_core::logging::LogFormat::Text, "info");
     let args = Args::parse();
     let fence = FenceTable::new("inbox.fence")?;
+    let mut config: tokio_postgres::Config = args.postgres_url.parse()?;
+    config.options(
+        "-c lock_timeout=2s -c statement_timeout=5s -c idle_in_transaction_session_timeout=10s",
+    );
     let table = Table {
-        url: args.postgres_url,
+        config,
         client: Mutex::new(None),
         fence,
     };

@@ -569,8 +569,9 @@ impl<I: Inbox> Active<'_, I> {
                         {
                             Recorded::Done => {}
                             Recorded::Shutdown => return Ok(Flow::Shutdown),
-                            Recorded::Rejected(e, _) => dead
-                                .push((single[0].0.clone(), format!("the inbox refused it: {e}"))),
+                            Recorded::Rejected(e, _) => {
+                                dead.push((single[0].0.clone(), e.to_string()))
+                            }
                         }
                     }
                 }
