@@ -238,14 +238,19 @@ pub struct AuthArgs {
 pub enum AuthMode {
     /// `--allow-anonymous`.
     Anonymous,
-    Tokens(crate::auth::TokenConfig),
+    Tokens(crate::access::auth::TokenConfig),
 }
 
 impl AuthArgs {
-    fn validate(&self, cookie_secure: bool) -> Result<AuthMode, ConfigError> {
+    /// The mode, and with tokens the verifier (its key set read now, so a missing or
+    /// malformed one refuses the start with its reason).
+    fn validate(
+        &self,
+        cookie_secure: bool,
+    ) -> Result<(AuthMode, Option<crate::access::auth::Verifier>), ConfigError> {
         let refuse = |message: String| Err(ConfigError(message));
         let jwks = match (&self.jwks_file, &self.jwks_url) {
-            (Some(file), _) => crate::auth::KeySource::File(file.clone()),
+            (Some(file), _) => crate::access::auth::KeySource::File(file.clone()),
             (None, Some(url)) => {
                 let uri = url.parse::<hyper::Uri>().ok();
                 let authority = uri.as_ref().and_then(|u| u.authority()).map(|a| a.as_str());
@@ -262,7 +267,7 @@ impl AuthArgs {
                 if let Some(ca) = &self.jwks_ca_file {
                     outbox_core::connect::root_store(Some(ca))?;
                 }
-                crate::auth::KeySource::Url {
+                crate::access::auth::KeySource::Url {
                     url: url.clone(),
                     ca_file: self.jwks_ca_file.clone(),
                     refresh: self.jwks_refresh,
@@ -270,7 +275,7 @@ impl AuthArgs {
             }
             (None, None) => {
                 if self.allow_anonymous {
-                    return Ok(AuthMode::Anonymous);
+                    return Ok((AuthMode::Anonymous, None));
                 }
                 return refuse("no authentication configured: set --jwks-file (CHAT_JWKS_FILE) or --jwks-url (CHAT_JWKS_URL) to the identity provider's keys, with --jwt-issuer and --jwt-audience, or --allow-anonymous (CHAT_ALLOW_ANONYMOUS=true) for a trusted test setup where anyone may read and post".into());
             }
@@ -302,7 +307,7 @@ impl AuthArgs {
         if self.admin_scope.is_empty() || self.admin_scope.contains(' ') {
             return refuse("--admin-scope must be one scope, without spaces".into());
         }
-        let config = crate::auth::TokenConfig {
+        let config = crate::access::auth::TokenConfig {
             jwks,
             cookie_secure,
             issuer,
@@ -310,9 +315,8 @@ impl AuthArgs {
             leeway: self.jwt_leeway,
             admin_scope: self.admin_scope.clone(),
         };
-        // Read now, so a missing or malformed key set refuses the start with its reason.
-        crate::auth::Verifier::load(config.clone())?;
-        Ok(AuthMode::Tokens(config))
+        let verifier = crate::access::auth::Verifier::load(config.clone())?;
+        Ok((AuthMode::Tokens(config), Some(verifier)))
     }
 }
 
@@ -360,8 +364,11 @@ pub struct ServiceConfig {
     pub postgres: PgEndpoint,
     pub redis: RedisTarget,
     pub listen: SocketAddr,
-    /// TLS on --listen: the certificate chain and key files.
-    pub tls: Option<(PathBuf, PathBuf)>,
+    /// TLS on --listen: the certificate chain and key, loaded once at start (and watched for
+    /// renewal while serving).
+    pub(crate) certificate: Option<std::sync::Arc<crate::http::tls::Certificate>>,
+    /// The token verifier, its key set read (with `AuthMode::Tokens`).
+    pub(crate) verifier: Option<std::sync::Arc<crate::access::auth::Verifier>>,
     pub admin_addr: Option<SocketAddr>,
     pub consumer_name: String,
     pub inbound_stream: String,
@@ -418,6 +425,53 @@ fn hostname() -> String {
         .unwrap_or_else(|| "local".into())
 }
 
+impl ServiceConfig {
+    /// What the HTTP server holds clients to.
+    pub(crate) fn http_limits(&self) -> crate::http::Limits {
+        use std::sync::Arc;
+        use tokio::sync::Semaphore;
+        crate::http::Limits {
+            connections: Arc::new(Semaphore::new(self.max_connections)),
+            event_streams: Arc::new(Semaphore::new(self.max_event_streams)),
+            feed_reads: Semaphore::new((self.db_pool_size / 2).max(1)),
+            sse_client_buffer: self.sse_client_buffer,
+            sse_buffer_total: self.sse_buffer_total,
+            sse_queued: Arc::default(),
+            header_read_timeout: self.header_read_timeout,
+            quotas: Arc::new(crate::access::quota::Quotas::new(
+                self.send_rate,
+                self.send_burst,
+                self.max_event_streams_per_user,
+            )),
+            body_read_timeout: self.body_read_timeout,
+            write_timeout: self.write_timeout,
+        }
+    }
+
+    /// The receiving protocol's settings (`outbox_consumer`).
+    pub(crate) fn consumer(&self) -> outbox_consumer::ConsumerConfig {
+        let cfg = self;
+        let group = cfg.side.as_str();
+        outbox_consumer::ConsumerConfig {
+            redis: cfg.redis.clone(),
+            stream: cfg.inbound_stream.clone(),
+            shards: cfg.stream_shards,
+            group: group.to_string(),
+            consumer: cfg.consumer_name.clone(),
+            dead_letter_stream: cfg.dead_letter_stream.clone(),
+            dead_letter_max_len: cfg.dead_letter_max_len,
+            claim_idle: cfg.claim_idle,
+            max_deliveries: cfg.max_deliveries,
+            lease_ttl: cfg.lease_ttl,
+            // A stream named by --inbound-stream: its layout is the operator's.
+            check_layout: cfg
+                .inbound_stream
+                .starts_with(&cfg.side.other().outbox_stream()),
+            count_unsharded_dead_letters: true,
+        }
+    }
+}
+
 impl Cli {
     /// Everything the service needs, or what to change.
     pub fn validate(&self) -> Result<ServiceConfig, ConfigError> {
@@ -432,23 +486,24 @@ impl Cli {
         let stream_shards = self.stream_layout()?;
         self.check_bounds()?;
         // An operator's command (dead letters) serves nobody: it needs no identities.
-        let tls = match (&self.tls_cert_file, &self.tls_key_file) {
-            (Some(cert), Some(key)) => {
-                // Loaded now, so a bad pair refuses the start with its reason.
-                crate::http::tls::Certificate::load(cert.clone(), key.clone())?;
-                Some((cert.clone(), key.clone()))
-            }
+        // Loaded now (and only now), so a bad pair refuses the start with its reason.
+        let certificate = match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(cert), Some(key)) => Some(crate::http::tls::Certificate::load(
+                cert.clone(),
+                key.clone(),
+            )?),
             _ => None,
         };
         // Served over TLS, the session cookie is for HTTPS only.
-        let cookie_secure = self.auth.cookie_secure || tls.is_some();
-        let auth = match self.command {
-            Some(_) => AuthMode::Anonymous,
+        let cookie_secure = self.auth.cookie_secure || certificate.is_some();
+        let (auth, verifier) = match self.command {
+            Some(_) => (AuthMode::Anonymous, None),
             None => self.auth.validate(cookie_secure)?,
         };
         Ok(ServiceConfig {
             auth,
-            tls,
+            certificate,
+            verifier: verifier.map(std::sync::Arc::new),
             cookie_secure,
             side: self.side,
             postgres,

@@ -17,39 +17,17 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime};
 
-use outbox_consumer::{ConsumerConfig, Entry, Fence, RecordError};
+use outbox_consumer::{Entry, Fence, RecordError};
 use outbox_core::stream::entry;
 use outbox_core::telemetry;
 use tracing::info;
 
-use crate::hub::Delivery;
+use crate::live::hints::Announcer;
+use crate::live::hub::Delivery;
 use crate::metrics::Metrics;
 use crate::model::{self, HistoryItem, Message};
-use crate::notify::Announcer;
 use crate::side::Side;
 use crate::store::{Position, Received, Store, StoreError};
-
-/// The receiving protocol's settings, from the service's configuration.
-pub(crate) fn consumer_config(cfg: &crate::ServiceConfig) -> ConsumerConfig {
-    let group = cfg.side.as_str();
-    ConsumerConfig {
-        redis: cfg.redis.clone(),
-        stream: cfg.inbound_stream.clone(),
-        shards: cfg.stream_shards,
-        group: group.to_string(),
-        consumer: cfg.consumer_name.clone(),
-        dead_letter_stream: cfg.dead_letter_stream.clone(),
-        dead_letter_max_len: cfg.dead_letter_max_len,
-        claim_idle: cfg.claim_idle,
-        max_deliveries: cfg.max_deliveries,
-        lease_ttl: cfg.lease_ttl,
-        // A stream named by --inbound-stream: its layout is the operator's.
-        check_layout: cfg
-            .inbound_stream
-            .starts_with(&cfg.side.other().outbox_stream()),
-        count_unsharded_dead_letters: true,
-    }
-}
 
 /// Test hooks (the `failpoints` feature): SIGKILL this process at a chosen point.
 #[derive(Debug, Clone, Default)]

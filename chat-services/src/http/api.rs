@@ -15,7 +15,7 @@ use uuid::Uuid;
 
 use super::reply::{self, Body};
 use super::{sse, App};
-use crate::auth::{AuthError, Identity};
+use crate::access::auth::{AuthError, Identity};
 use crate::model::{self, InputError};
 use crate::store::StoreError;
 

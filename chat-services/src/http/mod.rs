@@ -1,10 +1,8 @@
 //! The HTTP server (hyper 1, HTTP/1.1): routing, graceful shutdown, and the shared state
 //! handlers see. JSON everywhere; every error is `{"error": "..."}` naming the problem.
 
-mod access;
 mod admin;
 mod api;
-mod quota;
 pub(crate) mod reply;
 pub(crate) mod sse;
 pub(crate) mod tls;
@@ -27,7 +25,7 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-use crate::hub::Hub;
+use crate::live::hub::Hub;
 use crate::metrics::Metrics;
 use crate::side::Side;
 use crate::store::Store;
@@ -40,7 +38,7 @@ pub(crate) struct App {
     pub store: Store,
     pub hub: Arc<Hub>,
     /// Shows committed sends on every instance of this side.
-    pub announcer: crate::notify::Announcer,
+    pub announcer: crate::live::hints::Announcer,
     pub metrics: Arc<Metrics>,
     pub consumer: watch::Receiver<ConsumerStatus>,
     /// Cancelled at shutdown: open event streams end so connections can close.
@@ -50,11 +48,11 @@ pub(crate) struct App {
     pub trust_traceparent: bool,
     pub limits: Limits,
     /// Who is asking (bearer tokens, the session cookie), or nobody (`--allow-anonymous`).
-    pub auth: crate::auth::Auth,
+    pub auth: crate::access::auth::Auth,
     /// The session cookie is `Secure`.
     pub cookie_secure: bool,
     /// The open event streams of identified users, held to the chat's members.
-    pub streams: Arc<access::Streams>,
+    pub streams: Arc<crate::access::streams::Streams>,
     /// Test hook (`failpoints`): history of this chat answers this much later.
     pub slow_history: Option<(i64, Duration)>,
     /// Test hook (`failpoints`): sends to this chat answer 503 while the count lasts.
@@ -75,31 +73,10 @@ pub(crate) struct Limits {
     pub sse_queued: Arc<std::sync::atomic::AtomicUsize>,
     pub header_read_timeout: Duration,
     /// Each user's share: sends per second, open streams.
-    pub quotas: Arc<quota::Quotas>,
+    pub quotas: Arc<crate::access::quota::Quotas>,
     pub body_read_timeout: Duration,
     /// How long a write to a client may wait for it to read.
     pub write_timeout: Duration,
-}
-
-impl Limits {
-    pub(crate) fn new(config: &crate::config::ServiceConfig) -> Self {
-        Self {
-            connections: Arc::new(Semaphore::new(config.max_connections)),
-            event_streams: Arc::new(Semaphore::new(config.max_event_streams)),
-            feed_reads: Semaphore::new((config.db_pool_size / 2).max(1)),
-            sse_client_buffer: config.sse_client_buffer,
-            sse_buffer_total: config.sse_buffer_total,
-            sse_queued: Arc::default(),
-            header_read_timeout: config.header_read_timeout,
-            quotas: Arc::new(quota::Quotas::new(
-                config.send_rate,
-                config.send_burst,
-                config.max_event_streams_per_user,
-            )),
-            body_read_timeout: config.body_read_timeout,
-            write_timeout: config.write_timeout,
-        }
-    }
 }
 
 /// Written to a connection past `--max-connections` before closing it.

@@ -27,7 +27,7 @@ use tracing::debug;
 
 use super::reply::Body;
 use super::App;
-use crate::hub::{frame, Delivery, Live, Subscription};
+use crate::live::hub::{frame, Delivery, Live, Subscription};
 use crate::store::StoreError;
 
 /// Where a client resumes.
@@ -64,10 +64,10 @@ const CLIENT_QUEUE: usize = 64;
 /// What ends a user's stream besides the client: leaving the chat, or the token expiring
 /// (the page then signs in again and resumes with `Last-Event-ID`).
 pub(crate) struct Entitlement {
-    pub watch: super::access::Watch,
+    pub watch: crate::access::streams::Watch,
     pub expires_in: std::time::Duration,
     /// The user's place among their open streams, held as long as the stream.
-    pub _slot: super::quota::StreamSlot,
+    pub _slot: crate::access::quota::StreamSlot,
 }
 
 /// A cursor past the feed's tip names positions the database does not have (it was

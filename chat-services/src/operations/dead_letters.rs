@@ -211,7 +211,8 @@ pub async fn run(
             }
             if replayed {
                 // Streams show the replayed messages now (else within --feed-check-interval).
-                if let Err(e) = crate::notify::publish_resync(&config.redis, config.side).await {
+                if let Err(e) = crate::live::hints::publish_resync(&config.redis, config.side).await
+                {
                     tracing::warn!(error = %e, "could not hint the instances; they show the replayed messages within --feed-check-interval");
                 }
             }

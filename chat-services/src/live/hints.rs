@@ -7,7 +7,7 @@
 //! - a PUBLISH that fails (Redis down, an ACL refusing it) or a hint dropped because the
 //!   queue was full leaves a resync owed, published as soon as Redis takes it again;
 //! - a subscriber whose feed broke (Redis restarted, connection lost) re-reads on reconnect;
-//! - a process killed between its commit and its hint is covered by [`watch_tips`], which
+//! - a process killed between its commit and its hint is covered by `tips::watch_tips`, which
 //!   compares every subscribed chat's newest position with what streams have sent.
 
 use std::collections::HashMap;
@@ -24,23 +24,27 @@ use redis::cluster_routing::{Route, RoutingInfo, SingleNodeRoutingInfo, Slot, Sl
 use tokio::sync::mpsc;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
-use crate::hub::{frame, Delivery, Hub};
+use crate::live::hub::{frame, Delivery, Hub};
 use crate::metrics::Metrics;
 use crate::model::HistoryItem;
 use crate::side::Side;
-use crate::store::Store;
 
 /// Hints queued for the Redis publisher before new ones are dropped (and a resync owed).
 const QUEUE: usize = 4096;
-/// Chats asked about per tip query.
-const TIPS_PER_QUERY: usize = 10_000;
 
 /// Instance id in notifications, so an instance skips its own.
 fn instance_id() -> &'static str {
     static ID: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     ID.get_or_init(|| uuid::Uuid::new_v4().simple().to_string())
+}
+
+/// The backoff between attempts to reach Redis again: from `first` up to one second, so a
+/// server that comes back after a long outage is noticed within a second of it (an
+/// attempt costs one connection), not after a pause that grew through the outage.
+fn retry_backoff(first: Duration) -> Backoff {
+    Backoff::new(first, Duration::from_secs(1))
 }
 
 /// The side's hint channel. Named after the feed (ids `p<pos>`): instances of the previous
@@ -237,7 +241,7 @@ pub(crate) struct Publisher {
 
 impl Publisher {
     pub(crate) async fn run(mut self, shutdown: CancellationToken) {
-        let mut backoff = crate::retry_backoff(Duration::from_millis(100));
+        let mut backoff = retry_backoff(Duration::from_millis(100));
         let mut conn: Option<RedisConn> = None;
         // When instances of the previous version are owed a resync (see LEGACY_EVERY).
         let mut legacy_due: Option<Instant> = None;
@@ -317,7 +321,7 @@ pub(crate) async fn follow(
     hub: Arc<Hub>,
     shutdown: CancellationToken,
 ) {
-    let mut backoff = crate::retry_backoff(Duration::from_millis(200));
+    let mut backoff = retry_backoff(Duration::from_millis(200));
     loop {
         let session = async {
             match &client {
@@ -497,46 +501,6 @@ async fn follow_sharded(
                     Err(_) => {
                         return Err(doubt("the sharded hint channel's node did not answer a probe"))
                     }
-                }
-            }
-        }
-    }
-}
-
-/// Every `every`, tell each subscribed chat's streams how far its feed reaches, so a
-/// message whose hint never came (its writer killed between commit and hint, a hint lost
-/// with Redis) is shown within `every` at the latest. One query per `TIPS_PER_QUERY` chats.
-pub(crate) async fn watch_tips(
-    store: Store,
-    hub: Arc<Hub>,
-    every: Duration,
-    shutdown: CancellationToken,
-) {
-    let mut tick = tokio::time::interval(every);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut failing = false;
-    loop {
-        tokio::select! {
-            _ = shutdown.cancelled() => return,
-            _ = tick.tick() => {}
-        }
-        for chats in hub.chat_ids().chunks(TIPS_PER_QUERY) {
-            match store.tips(chats).await {
-                Ok(tips) => {
-                    if failing {
-                        info!("feed tips readable again");
-                        failing = false;
-                    }
-                    for (chat_id, pos) in tips {
-                        hub.tip(chat_id, pos);
-                    }
-                }
-                Err(e) => {
-                    if !failing {
-                        warn!(error = %e, "cannot read feed tips; live hints still flow");
-                        failing = true;
-                    }
-                    break;
                 }
             }
         }
