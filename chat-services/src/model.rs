@@ -105,7 +105,7 @@ pub(crate) fn check_user_id(id: &str) -> Result<(), String> {
     Ok(())
 }
 
-/// The body of `POST /chats/{chat_id}/messages`: `{"body": "..."}`.
+/// The body of `POST /chats/{id}/messages`: `{"body": "..."}`.
 pub fn parse_send_request(raw: &[u8]) -> Result<String, InputError> {
     let value: serde_json::Value =
         serde_json::from_slice(raw).map_err(|e| InputError::MalformedJson(e.to_string()))?;

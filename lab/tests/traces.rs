@@ -17,7 +17,7 @@ const CONSUMER: i32 = 5;
 
 /// The hops of one message, each the child of the one before: (service, span, kind).
 const PATH: [(&str, &str, i32); 4] = [
-    ("chat-consumers", "POST /chats/{chat_id}/messages", SERVER),
+    ("chat-consumers", "POST /chats/{id}/messages", SERVER),
     ("cdc-relay", "outbox publish", PRODUCER),
     ("chat-workers", "inbox record", CONSUMER),
     ("chat-workers", "sse push", PRODUCER),

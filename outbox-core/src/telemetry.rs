@@ -214,7 +214,7 @@ pub fn format(context: &SpanContext) -> String {
 /// Start a span of `kind` under `parent` (a new trace without one), from `start` (now
 /// when `None`). `None` when spans are off.
 pub fn start(
-    name: &'static str,
+    name: impl Into<std::borrow::Cow<'static, str>>,
     kind: SpanKind,
     parent: Option<&SpanContext>,
     start: Option<SystemTime>,
@@ -226,7 +226,7 @@ pub fn start(
 /// [`start`], with a link to a context that is related but not trusted as the parent
 /// (a client's, when a service does not continue it).
 pub fn start_linked(
-    name: &'static str,
+    name: impl Into<std::borrow::Cow<'static, str>>,
     kind: SpanKind,
     parent: Option<&SpanContext>,
     start: Option<SystemTime>,

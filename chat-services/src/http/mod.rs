@@ -2,8 +2,14 @@
 //! handlers see. JSON everywhere; every error is `{"error": "..."}` naming the problem.
 
 mod admin;
-mod api;
+mod events;
+mod members;
+mod messages;
+mod page;
 pub(crate) mod reply;
+mod request;
+mod routes;
+mod session;
 pub(crate) mod sse;
 pub(crate) mod tls;
 
@@ -31,6 +37,7 @@ use crate::side::Side;
 use crate::store::Store;
 use outbox_consumer::ConsumerStatus;
 use reply::Body;
+use routes::{Matched, Route};
 
 /// What every handler can reach.
 pub(crate) struct App {
@@ -175,12 +182,13 @@ where
 /// learn where it came from.
 async fn route(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     let started = std::time::Instant::now();
-    let (name, method) = (route_name(req.uri().path()), req.method().clone());
+    let label = Route::label(Route::of(req.uri().path()).map(|m| m.route));
+    let method = req.method().clone();
     let metrics = app.metrics.clone();
     let mut resp = dispatch(app, req).await;
     metrics
         .http_request_duration_seconds
-        .with_label_values(&[name, method_label(&method), resp.status().as_str()])
+        .with_label_values(&[label, method_label(&method), resp.status().as_str()])
         .observe(started.elapsed().as_secs_f64());
     let headers = resp.headers_mut();
     headers.insert(
@@ -192,23 +200,6 @@ async fn route(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
         hyper::header::HeaderValue::from_static("no-referrer"),
     );
     resp
-}
-
-/// The route a path matches, as a template (a bounded label: ids and users left out).
-fn route_name(path: &str) -> &'static str {
-    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    match segments.as_slice() {
-        [""] => "/",
-        ["page.js"] => "/page.js",
-        ["page.css"] => "/page.css",
-        ["healthz"] => "/healthz",
-        ["session"] => "/session",
-        ["chats", _, "messages"] => "/chats/{id}/messages",
-        ["chats", _, "events"] => "/chats/{id}/events",
-        ["chats", _, "members"] => "/chats/{id}/members",
-        ["chats", _, "members", _] => "/chats/{id}/members/{user}",
-        _ => "other",
-    }
 }
 
 /// A method as a bounded label (anything unusual is `other`).
@@ -226,50 +217,30 @@ fn method_label(method: &Method) -> &'static str {
 
 async fn dispatch(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     let path = req.uri().path().to_string();
-    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
     let method = req.method().clone();
-    let get_only = |handler: Response<Body>| {
-        if method == Method::GET {
-            handler
-        } else {
-            reply::method_not_allowed(&method, &path, "GET")
-        }
+    let Some(Matched { route, id, user }) = Route::of(&path) else {
+        return reply::error(StatusCode::NOT_FOUND, format!("no route {path}"));
     };
-    match segments.as_slice() {
-        [""] => get_only(api::page(&app)),
-        [name @ ("page.js" | "page.css")] => get_only(api::page_file(name)),
-        ["healthz"] => get_only(reply::json(
-            StatusCode::OK,
-            &serde_json::json!({"status": "alive"}),
-        )),
-        ["readyz"] | ["metrics"] => reply::error(
+    match (route, &method) {
+        (Route::Page, &Method::GET) => page::page(&app),
+        (Route::PageJs, &Method::GET) => page::page_file("page.js"),
+        (Route::PageCss, &Method::GET) => page::page_file("page.css"),
+        (Route::Healthz, &Method::GET) => {
+            reply::json(StatusCode::OK, &serde_json::json!({"status": "alive"}))
+        }
+        (Route::AdminOnly, _) => reply::error(
             StatusCode::NOT_FOUND,
             format!("{path} is served on the admin listener (--admin-addr)"),
         ),
-        ["session"] => match method {
-            Method::GET => api::session(&app, &req),
-            Method::POST => api::sign_in(&app, &req),
-            Method::DELETE => api::sign_out(&app),
-            _ => reply::method_not_allowed(&method, &path, "GET, POST, DELETE"),
-        },
-        ["chats", chat_id, "messages"] => match method {
-            Method::GET => api::history(&app, chat_id, &req).await,
-            Method::POST => api::send(&app, chat_id, req).await,
-            _ => reply::method_not_allowed(&method, &path, "GET, POST"),
-        },
-        ["chats", chat_id, "events"] if method == Method::GET => {
-            api::events(app.clone(), chat_id, &req).await
-        }
-        ["chats", chat_id, "members"] => match method {
-            Method::GET => api::members(&app, chat_id, &req).await,
-            _ => reply::method_not_allowed(&method, &path, "GET"),
-        },
-        ["chats", chat_id, "members", user] => match method {
-            Method::PUT => api::set_member(&app, chat_id, user, true, &req).await,
-            Method::DELETE => api::set_member(&app, chat_id, user, false, &req).await,
-            _ => reply::method_not_allowed(&method, &path, "PUT, DELETE"),
-        },
-        ["chats", _, "events"] => reply::method_not_allowed(&method, &path, "GET"),
-        _ => reply::error(StatusCode::NOT_FOUND, format!("no route {path}")),
+        (Route::Session, &Method::GET) => session::session(&app, &req),
+        (Route::Session, &Method::POST) => session::sign_in(&app, &req),
+        (Route::Session, &Method::DELETE) => session::sign_out(&app),
+        (Route::Messages, &Method::GET) => messages::history(&app, id, &req).await,
+        (Route::Messages, &Method::POST) => messages::send(&app, id, req).await,
+        (Route::Events, &Method::GET) => events::events(app.clone(), id, &req).await,
+        (Route::Members, &Method::GET) => members::members(&app, id, &req).await,
+        (Route::Member, &Method::PUT) => members::set_member(&app, id, user, true, &req).await,
+        (Route::Member, &Method::DELETE) => members::set_member(&app, id, user, false, &req).await,
+        (route, _) => reply::method_not_allowed(&method, &path, route.allowed()),
     }
 }

@@ -1,4 +1,4 @@
-//! `GET /chats/{chat_id}/events`: the chat's feed (sent and received messages, in the order
+//! `GET /chats/{id}/events`: the chat's feed (sent and received messages, in the order
 //! history shows them) as Server-Sent Events.
 //!
 //! The stream subscribes to the live hub first, then replays from the database everything

@@ -1,0 +1,62 @@
+//! `GET`, `POST`, `DELETE /session`: the session cookie a browser signs in with.
+
+use super::reply::{self, Body};
+use super::request::*;
+use super::App;
+use crate::access::auth::Identity;
+use hyper::body::Incoming;
+use hyper::header::{HeaderValue, SET_COOKIE};
+use hyper::{Request, Response, StatusCode};
+
+/// The session cookie holding `token` for `max_age` seconds (0: removes it).
+pub(super) fn session_cookie(app: &App, token: &str, max_age: u64) -> HeaderValue {
+    let secure = if app.cookie_secure { "; Secure" } else { "" };
+    let name = app.auth.cookie_name();
+    HeaderValue::from_str(&format!(
+        "{name}={token}; Path=/; Max-Age={max_age}; HttpOnly; SameSite=Strict{secure}"
+    ))
+    .expect("a token from a header is a valid header value")
+}
+
+pub(super) fn identity_json(who: &Identity) -> serde_json::Value {
+    serde_json::json!({"user": who.user, "expires_at": who.expires_at, "admin": who.admin})
+}
+
+/// `POST /session` with `Authorization: Bearer <token>`: the page signs in. The token is
+/// kept in an `HttpOnly`, `SameSite=Strict` cookie until it expires, because
+/// `EventSource` cannot send headers.
+pub(super) fn sign_in(app: &App, req: &Request<Incoming>) -> Response<Body> {
+    match app.auth.sign_in(req.headers()) {
+        Ok(None) => reply::json(
+            StatusCode::OK,
+            &serde_json::json!({"user": null, "anonymous": true}),
+        ),
+        Ok(Some((who, token))) => {
+            let mut resp = reply::json(StatusCode::OK, &identity_json(&who));
+            let cookie = session_cookie(app, token, who.remaining().as_secs());
+            resp.headers_mut().insert(SET_COOKIE, cookie);
+            resp
+        }
+        Err(e) => unauthorized(app, e),
+    }
+}
+
+/// `GET /session`: who the cookie (or a bearer token) says the caller is.
+pub(super) fn session(app: &App, req: &Request<Incoming>) -> Response<Body> {
+    match app.auth.identify(req.headers()) {
+        Ok(None) => reply::json(
+            StatusCode::OK,
+            &serde_json::json!({"user": null, "anonymous": true}),
+        ),
+        Ok(Some(who)) => reply::json(StatusCode::OK, &identity_json(&who)),
+        Err(e) => unauthorized(app, e),
+    }
+}
+
+/// `DELETE /session`: sign out (the cookie is removed).
+pub(super) fn sign_out(app: &App) -> Response<Body> {
+    let mut resp = reply::json(StatusCode::OK, &serde_json::json!({"signed_out": true}));
+    resp.headers_mut()
+        .insert(SET_COOKIE, session_cookie(app, "", 0));
+    resp
+}
