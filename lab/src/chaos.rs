@@ -146,26 +146,90 @@ pub async fn run_once(
     topology: Topology,
 ) -> anyhow::Result<Outcome> {
     let receiver = sender.other();
-    let system = System::new_on(durable, bins, topology.shards, topology.cluster).await?;
-    let (sender_name, receiver_name) = (sender.as_str(), receiver.as_str());
-    let crash_flag = vec!["--crash-after-inbox-commit".to_string(), "2".to_string()];
     let sender_kind = match variant {
         Variant::DualWrite => Kind::BaselineSender(sender, SenderMode::DualWrite),
         _ => Kind::Service(sender),
     };
+    let system = start(bins, variant, sender, sender_kind, durable, topology).await?;
+    let watcher = Watcher::start(system.service_addr(receiver), CHAT);
+    let timeline = play(&system, sender, sender_kind, interval).await?;
+    let db = system.db.connect().await?;
+    let saved = messages_of(
+        &db,
+        &format!("SELECT id::text, body FROM {sender}.messages WHERE chat_id = $1"),
+    )
+    .await?;
+    settle(&system, &db, &watcher, receiver, saved.len()).await?;
+    let received = messages_of(
+        &db,
+        &format!("SELECT message_id::text, body FROM {receiver}.inbox WHERE chat_id = $1"),
+    )
+    .await?;
+    let shown = watcher.stop().await;
+    let duplicates_skipped = system
+        .logs(receiver.as_str())
+        .matches("redelivery of a message already in the inbox")
+        .count();
+    let unpublished = unpublished(&system, variant, sender, &saved, &received).await?;
+    system.shutdown();
+    let (lost, never_shown, shown_twice) = tally(&saved, &received, &shown);
+    Ok(Outcome {
+        variant: match variant {
+            Variant::DualWrite => "dual-write",
+            _ => "cdc",
+        },
+        sender,
+        receiver,
+        saved: saved.len(),
+        received: received.len(),
+        duplicates_skipped,
+        lost,
+        never_shown,
+        shown_twice,
+        unpublished,
+        log: timeline.log,
+    })
+}
+
+/// The system with the sender's relay (ours), the sender and the receiver (which crashes
+/// after its second inbox commit, before acknowledging it) running and ready.
+async fn start(
+    bins: Bins,
+    variant: Variant,
+    sender: Side,
+    sender_kind: Kind,
+    durable: bool,
+    topology: Topology,
+) -> anyhow::Result<System> {
+    let receiver = sender.other();
+    let system = System::new_on(durable, bins, topology.shards, topology.cluster).await?;
+    let crash_flag = vec!["--crash-after-inbox-commit".to_string(), "2".to_string()];
     if variant == Variant::Cdc {
-        let relay = format!("relay-{sender_name}");
+        let relay = format!("relay-{sender}");
         system.start(&relay, Kind::Relay(sender), &[])?;
         system.wait_relay(&relay, Duration::from_secs(30)).await?;
     }
-    system.start(sender_name, sender_kind, &[])?;
-    system.start(receiver_name, Kind::Service(receiver), &crash_flag)?;
+    system.start(sender.as_str(), sender_kind, &[])?;
+    system.start(receiver.as_str(), Kind::Service(receiver), &crash_flag)?;
     system.wait_service(sender, Duration::from_secs(30)).await?;
     system
         .wait_service(receiver, Duration::from_secs(30))
         .await?;
-    let watcher = Watcher::start(system.service_addr(receiver), CHAT);
+    Ok(system)
+}
 
+/// The write-up's timeline: ten messages `interval` apart; the receiver crashes after
+/// recording msg 2 (restarted as an orchestrator would), is deployed across msgs 4 to 6;
+/// Redis goes down before msg 7, and the sender is redeployed after msg 8 before Redis comes
+/// back.
+async fn play(
+    system: &System,
+    sender: Side,
+    sender_kind: Kind,
+    interval: Duration,
+) -> anyhow::Result<Timeline> {
+    let receiver = sender.other();
+    let (sender_name, receiver_name) = (sender.as_str(), receiver.as_str());
     let mut timeline = Timeline {
         started: Instant::now(),
         log: Vec::new(),
@@ -242,23 +306,26 @@ pub async fn run_once(
             timeline.note(sender_name, format!("a send failed: {e}"));
         }
     }
+    Ok(timeline)
+}
 
-    // Let everything that can arrive arrive: the receiver has every saved message, the
-    // watcher has seen every received one (bounded: the baseline loses some for good).
-    let db = system.db.connect().await?;
-    let saved = messages_of(
-        &db,
-        &format!("SELECT id::text, body FROM {sender_name}.messages WHERE chat_id = $1"),
-    )
-    .await?;
+/// Let everything that can arrive arrive: the receiver has every saved message, the watcher
+/// has seen every received one (bounded: the baseline loses some for good).
+async fn settle(
+    system: &System,
+    db: &tokio_postgres::Client,
+    watcher: &Watcher,
+    receiver: Side,
+    saved: usize,
+) -> anyhow::Result<()> {
     let deadline = tokio::time::Instant::now() + Duration::from_secs(15);
     loop {
-        if !system.is_running(receiver_name) {
-            system.start(receiver_name, Kind::Service(receiver), &[])?;
+        if !system.is_running(receiver.as_str()) {
+            system.start(receiver.as_str(), Kind::Service(receiver), &[])?;
         }
         let received = messages_of(
-            &db,
-            &format!("SELECT message_id::text, body FROM {receiver_name}.inbox WHERE chat_id = $1"),
+            db,
+            &format!("SELECT message_id::text, body FROM {receiver}.inbox WHERE chat_id = $1"),
         )
         .await?;
         let shown: HashSet<String> = watcher
@@ -266,20 +333,23 @@ pub async fn run_once(
             .iter()
             .map(|s| s.message["id"].as_str().unwrap_or_default().to_string())
             .collect();
-        let settled = received.len() == saved.len() && received.keys().all(|id| shown.contains(id));
+        let settled = received.len() == saved && received.keys().all(|id| shown.contains(id));
         if settled || tokio::time::Instant::now() >= deadline {
-            break;
+            return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    let received = messages_of(
-        &db,
-        &format!("SELECT message_id::text, body FROM {receiver_name}.inbox WHERE chat_id = $1"),
-    )
-    .await?;
-    let shown = watcher.stop().await;
+}
+
+/// The messages (bodies, in number order) saved and never received, received and never
+/// shown, and shown more than once.
+fn tally(
+    saved: &HashMap<String, String>,
+    received: &HashMap<String, String>,
+    shown: &[clients::Shown],
+) -> (Vec<String>, Vec<String>, Vec<String>) {
     let mut times_shown: HashMap<String, usize> = HashMap::new();
-    for s in &shown {
+    for s in shown {
         *times_shown
             .entry(s.message["id"].as_str().unwrap_or_default().to_string())
             .or_default() += 1;
@@ -297,14 +367,14 @@ pub async fn run_once(
             .keys()
             .filter(|id| !received.contains_key(*id))
             .collect(),
-        &saved,
+        saved,
     );
     let never_shown = by_number(
         received
             .keys()
             .filter(|id| !times_shown.contains_key(*id))
             .collect(),
-        &received,
+        received,
     );
     let shown_twice = by_number(
         times_shown
@@ -312,30 +382,9 @@ pub async fn run_once(
             .filter(|(_, n)| **n > 1)
             .map(|(id, _)| id)
             .collect(),
-        &received,
+        received,
     );
-    let duplicates_skipped = system
-        .logs(receiver_name)
-        .matches("redelivery of a message already in the inbox")
-        .count();
-    let unpublished = unpublished(&system, variant, sender, &saved, &received).await?;
-    system.shutdown();
-    Ok(Outcome {
-        variant: match variant {
-            Variant::DualWrite => "dual-write",
-            _ => "cdc",
-        },
-        sender,
-        receiver,
-        saved: saved.len(),
-        received: received.len(),
-        duplicates_skipped,
-        lost,
-        never_shown,
-        shown_twice,
-        unpublished,
-        log: timeline.log,
-    })
+    (lost, never_shown, shown_twice)
 }
 
 /// id → body of the chat's rows selected by `sql` (`$1` = chat).

@@ -286,6 +286,42 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
         !args.cluster || args.shards >= 2,
         "--cluster needs --shards 2 or more (a shard's keys share a hash tag; one plain stream has none)"
     );
+    let instances = usize::from(args.instances);
+    let (system, mut relays) = start_system(bins, args, instances).await?;
+    let watchers = watch_every_chat(&system, args, instances);
+    let started = Instant::now();
+    let load = Load::start(&system, args, instances);
+    let deadline = started + Duration::from_secs(args.seconds);
+    let (faults, injected) =
+        inject_until(&system, &mut relays, args, &mut rng, started, deadline).await?;
+    tokio::time::sleep_until(tokio::time::Instant::from_std(deadline)).await;
+    let (sent, send_failures, rollbacks) = load.stop().await?;
+    eprintln!("[soak] faults done; waiting for every message to arrive");
+    let db = system.db.connect().await?;
+    converge(&db, &watchers).await?;
+    let [delivered, order, mut rolled] = check_inboxes(&db, args).await?;
+    let (shown_once, timely, delays) = check_clients(&db, watchers, &injected, &mut rolled).await?;
+    rolled.passed += rollbacks as usize;
+    system.shutdown();
+    Ok(SoakReport {
+        seed,
+        seconds: args.seconds,
+        faults,
+        sent,
+        send_failures,
+        rollbacks,
+        checks: vec![delivered, order, rolled, shown_once, timely],
+        delays,
+    })
+}
+
+/// The system, with a witness slot per side, a relay per side, and every service instance
+/// running and ready.
+async fn start_system(
+    bins: Bins,
+    args: &Args,
+    instances: usize,
+) -> anyhow::Result<(Arc<System>, Relays)> {
     let system = Arc::new(System::new_on(!args.no_fsync, bins, args.shards, args.cluster).await?);
     eprintln!(
         "[soak] process logs in {} (kept after exit with TESTKIT_KEEP_SCRATCH=1)",
@@ -309,7 +345,6 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
         system.wait_relay(&name, Duration::from_secs(30)).await?;
         relays.active.insert(side, name);
     }
-    let instances = usize::from(args.instances);
     for side in SIDES {
         system.start(side.as_str(), Kind::Service(side), &[])?;
     }
@@ -322,9 +357,13 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
             .wait_instance(side, 1, Duration::from_secs(30))
             .await?;
     }
-    // Tabs: on every instance of every chat, each reconnecting through the side's other
-    // instances (and the rolling deploy's extra one) when its own goes, as behind a load
-    // balancer.
+    Ok((system, relays))
+}
+
+/// A tab on every instance of every chat, each reconnecting through the side's other
+/// instances (and the rolling deploy's extra one) when its own goes, as behind a load
+/// balancer.
+fn watch_every_chat(system: &System, args: &Args, instances: usize) -> Vec<(Side, i64, Watcher)> {
     let mut watchers = Vec::new();
     for side in SIDES {
         for chat in 1..=args.chats {
@@ -336,74 +375,128 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
             }
         }
     }
+    watchers
+}
 
-    // Senders and rollbacks until told to stop.
-    let stop = CancellationToken::new();
-    let started = Instant::now();
-    let mut senders = Vec::new();
-    for side in SIDES {
-        let (addrs, stop, rate, chats): (Vec<_>, _, _, _) = (
-            (0..instances)
+/// Senders on both sides at the steady rate, and transactions that roll back, until
+/// stopped.
+struct Load {
+    stop: CancellationToken,
+    senders: Vec<tokio::task::JoinHandle<(Side, usize, usize)>>,
+    rollers: Vec<tokio::task::JoinHandle<()>>,
+    rollbacks: Arc<AtomicU64>,
+}
+
+impl Load {
+    fn start(system: &System, args: &Args, instances: usize) -> Self {
+        let stop = CancellationToken::new();
+        let mut senders = Vec::new();
+        for side in SIDES {
+            let addrs: Vec<_> = (0..instances)
                 .map(|i| system.instance_addr(side, i))
-                .collect(),
-            stop.clone(),
-            args.rate,
-            args.chats,
-        );
-        senders.push(tokio::spawn(async move {
-            let mut pending = Vec::new();
-            let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
-            let mut n = 0i64;
-            while !stop.is_cancelled() {
-                tokio::select! {
-                    _ = stop.cancelled() => break,
-                    _ = tick.tick() => {}
-                }
-                n += 1;
-                let chat = 1 + n % chats;
-                let body = format!("{side}-{n}");
-                let addr = addrs[n as usize % addrs.len()];
-                pending.push(tokio::spawn(async move {
-                    clients::send(addr, chat, &body, Duration::from_secs(90)).await
-                }));
-            }
-            let mut ok = 0;
-            let mut failed = 0;
-            for p in pending {
-                match p.await {
-                    Ok(Ok(_)) => ok += 1,
-                    _ => failed += 1,
-                }
-            }
-            (side, ok, failed)
-        }));
-    }
-    let rollbacks = Arc::new(AtomicU64::new(0));
-    let mut rollers = Vec::new();
-    for side in SIDES {
-        let (url, stop, count, chats) = (
-            system.db.url(side.as_str()),
-            stop.clone(),
-            rollbacks.clone(),
-            args.chats,
-        );
-        rollers.push(tokio::spawn(async move {
-            roll_back_now_and_then(url, side, chats, stop, count).await
-        }));
+                .collect();
+            senders.push(tokio::spawn(send_steadily(
+                side,
+                addrs,
+                args.rate,
+                args.chats,
+                stop.clone(),
+            )));
+        }
+        let rollbacks = Arc::new(AtomicU64::new(0));
+        let mut rollers = Vec::new();
+        for side in SIDES {
+            rollers.push(tokio::spawn(roll_back_now_and_then(
+                system.db.url(side.as_str()),
+                side,
+                args.chats,
+                stop.clone(),
+                rollbacks.clone(),
+            )));
+        }
+        Self {
+            stop,
+            senders,
+            rollers,
+            rollbacks,
+        }
     }
 
-    // Faults.
+    /// Stop, and wait for every send's answer: messages sent per side, sends that failed,
+    /// transactions rolled back.
+    async fn stop(self) -> anyhow::Result<(HashMap<String, usize>, usize, u64)> {
+        self.stop.cancel();
+        let mut sent = HashMap::new();
+        let mut send_failures = 0;
+        for s in self.senders {
+            let (side, ok, failed) = s.await?;
+            sent.insert(side.to_string(), ok);
+            send_failures += failed;
+        }
+        for r in self.rollers {
+            r.await?;
+        }
+        Ok((sent, send_failures, self.rollbacks.load(Ordering::Relaxed)))
+    }
+}
+
+/// Send to `side`'s instances in turn at `rate` a second, spread over the chats, until
+/// `stop`; then how many were answered and how many failed.
+async fn send_steadily(
+    side: Side,
+    addrs: Vec<std::net::SocketAddr>,
+    rate: f64,
+    chats: i64,
+    stop: CancellationToken,
+) -> (Side, usize, usize) {
+    let mut pending = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+    let mut n = 0i64;
+    while !stop.is_cancelled() {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        n += 1;
+        let chat = 1 + n % chats;
+        let body = format!("{side}-{n}");
+        let addr = addrs[n as usize % addrs.len()];
+        pending.push(tokio::spawn(async move {
+            clients::send(addr, chat, &body, Duration::from_secs(90)).await
+        }));
+    }
+    let mut ok = 0;
+    let mut failed = 0;
+    for p in pending {
+        match p.await {
+            Ok(Ok(_)) => ok += 1,
+            _ => failed += 1,
+        }
+    }
+    (side, ok, failed)
+}
+
+/// Faults at random intervals around `--fault-every` until `deadline`: the deck first (every
+/// kind once), then drawn at random. Returns the log lines and when each was in effect.
+async fn inject_until(
+    system: &Arc<System>,
+    relays: &mut Relays,
+    args: &Args,
+    rng: &mut StdRng,
+    started: Instant,
+    deadline: Instant,
+) -> anyhow::Result<(Vec<String>, Vec<Injected>)> {
+    let instances = usize::from(args.instances);
     let mut faults = Vec::new();
     let mut injected = Vec::new();
     let allowed = |f: &Fault| args.only.is_empty() || args.only.contains(&f.kind());
-    let mut deck = Fault::deck(&mut rng, instances);
+    let mut deck = Fault::deck(rng, instances);
     deck.retain(allowed);
     if args.cluster {
         // A master failover first (the deck is drawn from its end): the cluster soak asserts
         // one, and a short run may not reach the whole deck.
         deck.sort_by_key(|f| matches!(f, Fault::KillRedis));
     }
-    let deadline = started + Duration::from_secs(args.seconds);
     loop {
         let pause = args.fault_every.mul_f64(rng.random_range(0.5..1.5));
         if Instant::now() + pause >= deadline {
@@ -413,7 +506,7 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
         let fault = match deck.pop() {
             Some(fault) => fault,
             None => loop {
-                let fault = Fault::pick(&mut rng, instances);
+                let fault = Fault::pick(rng, instances);
                 if allowed(&fault) {
                     break fault;
                 }
@@ -428,7 +521,7 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
             instances,
             freeze: args.freeze_for,
         };
-        let (line, down) = inject(&system, &mut relays, fault, shot).await?;
+        let (line, down) = inject(system, relays, fault, shot).await?;
         injected.push(Injected {
             kind: fault.kind(),
             began,
@@ -439,51 +532,41 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
         eprintln!("  {line}");
         faults.push(line);
     }
-    tokio::time::sleep_until(tokio::time::Instant::from_std(deadline)).await;
-    stop.cancel();
-    let mut sent = HashMap::new();
-    let mut send_failures = 0;
-    for s in senders {
-        let (side, ok, failed) = s.await?;
-        sent.insert(side.to_string(), ok);
-        send_failures += failed;
-    }
-    for r in rollers {
-        r.await?;
-    }
-    eprintln!("[soak] faults done; waiting for every message to arrive");
+    Ok((faults, injected))
+}
 
-    // Converge: every committed message in the other side's inbox, every client caught up.
-    let db = system.db.connect().await?;
+/// Wait (up to two minutes) until every committed message is in the other side's inbox and
+/// every client shows its whole feed.
+async fn converge(
+    db: &tokio_postgres::Client,
+    watchers: &[(Side, i64, Watcher)],
+) -> anyhow::Result<()> {
     let converge = tokio::time::Instant::now() + Duration::from_secs(120);
     loop {
         let mut missing = 0;
         for side in SIDES {
-            missing += missing_in_inbox(&db, side).await?;
+            missing += missing_in_inbox(db, side).await?;
         }
-        let lagging = {
-            let mut lagging = 0;
-            for (side, chat, watcher) in &watchers {
-                let feed = feed_order(&db, *side, *chat).await?;
-                if watcher.shown().len() < feed.len() {
-                    lagging += 1;
-                }
+        let mut lagging = 0;
+        for (side, chat, watcher) in watchers {
+            let feed = feed_order(db, *side, *chat).await?;
+            if watcher.shown().len() < feed.len() {
+                lagging += 1;
             }
-            lagging
-        };
+        }
         if (missing == 0 && lagging == 0) || tokio::time::Instant::now() >= converge {
-            break;
+            return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+}
 
-    // Verify.
+/// What the inboxes hold: every committed message once, in the sender's commit order per
+/// chat, and no rolled-back one.
+async fn check_inboxes(db: &tokio_postgres::Client, args: &Args) -> anyhow::Result<[Check; 3]> {
     let mut delivered = Check::new("every committed message in the other side's inbox, once");
     let mut order = Check::new("per chat, inbox order = sender's commit order");
     let mut rolled = Check::new("rolled-back messages never recorded or shown");
-    let mut shown_once = Check::new(
-        "each SSE client showed its chat's feed (both sides): each message once, in feed order",
-    );
     for side in SIDES {
         let receiver = side.other();
         let committed: Vec<String> = db
@@ -522,30 +605,44 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
         rolled.record(bad == 0, || {
             format!("{bad} rolled-back messages in {receiver}'s inbox")
         });
-        let commit_order = witness_order(&db, side).await?;
+        let commit_order = witness_order(db, side).await?;
         for chat in 1..=args.chats {
             let expected: Vec<String> = commit_order
                 .iter()
                 .filter(|(c, _)| *c == chat)
                 .map(|(_, id)| id.clone())
                 .collect();
-            let actual = inbox_order(&db, receiver, chat).await?;
+            let actual = inbox_order(db, receiver, chat).await?;
             order.record(actual == expected, || {
                 let at = actual.iter().zip(&expected).position(|(a, e)| a != e).unwrap_or(actual.len().min(expected.len()));
                 format!("{receiver} chat {chat}: {} recorded vs {} committed, first difference at #{at}", actual.len(), expected.len())
             });
         }
     }
+    Ok([delivered, order, rolled])
+}
+
+/// What every client showed: its chat's feed, each message once and in order, none rolled
+/// back, each within [`MAX_DELAY`] outside outages (with the delays by fault kind).
+async fn check_clients(
+    db: &tokio_postgres::Client,
+    watchers: Vec<(Side, i64, Watcher)>,
+    injected: &[Injected],
+    rolled: &mut Check,
+) -> anyhow::Result<(Check, Check, Vec<Delays>)> {
+    let mut shown_once = Check::new(
+        "each SSE client showed its chat's feed (both sides): each message once, in feed order",
+    );
     let mut timely = Check::new(
         "every message shown on every tab within 2 s of its commit, outside Postgres and Redis outages",
     );
     let mut delays: HashMap<&'static str, Delays> = HashMap::new();
     for (side, chat, watcher) in watchers {
         let shown = watcher.stop().await;
-        measure_delays(&shown, &injected, &mut timely, &mut delays, || {
+        measure_delays(&shown, injected, &mut timely, &mut delays, || {
             format!("{side} chat {chat}")
         });
-        let feed = feed_order(&db, side, chat).await?;
+        let feed = feed_order(db, side, chat).await?;
         let ids: Vec<String> = shown
             .iter()
             .map(|s| s.message["id"].as_str().unwrap_or_default().to_string())
@@ -573,22 +670,9 @@ pub async fn run_soak(bins: Bins, args: &Args) -> anyhow::Result<SoakReport> {
             )
         });
     }
-    rolled.passed += rollbacks.load(Ordering::Relaxed) as usize;
-    system.shutdown();
-    Ok(SoakReport {
-        seed,
-        seconds: args.seconds,
-        faults,
-        sent,
-        send_failures,
-        rollbacks: rollbacks.load(Ordering::Relaxed),
-        checks: vec![delivered, order, rolled, shown_once, timely],
-        delays: {
-            let mut delays: Vec<Delays> = delays.into_values().collect();
-            delays.sort_by_key(|d| std::cmp::Reverse(d.max_outside_outages_ms));
-            delays
-        },
-    })
+    let mut delays: Vec<Delays> = delays.into_values().collect();
+    delays.sort_by_key(|d| std::cmp::Reverse(d.max_outside_outages_ms));
+    Ok((shown_once, timely, delays))
 }
 
 /// The process name of instance `i` of `side`'s service.
@@ -639,45 +723,9 @@ async fn inject(
     } = shot;
     let down_from = SystemTime::now();
     let line = match fault {
-        Fault::KillService(side, i) => {
-            let name = instance_name(side, i);
-            stop(system, &name, Signal::Kill).await?;
-            system.start(&name, instance_kind(side, i), &[])?;
-            format!("{name}: SIGKILL, restarted")
-        }
-        Fault::DeployService(side, i) => {
-            let name = instance_name(side, i);
-            stop(system, &name, Signal::Term).await?;
-            system.start(&name, instance_kind(side, i), &[])?;
-            format!("{name}: deployed (SIGTERM, started)")
-        }
-        Fault::RollingDeploy => {
-            let t = Instant::now();
-            let mut steps = Vec::new();
-            for side in SIDES {
-                let extra = instance_name(side, instances);
-                for i in 0..instances {
-                    let step = Instant::now();
-                    system.start(&extra, instance_kind(side, instances), &[])?;
-                    system
-                        .wait_instance(side, instances, Duration::from_secs(30))
-                        .await?;
-                    let name = instance_name(side, i);
-                    stop(system, &name, Signal::Term).await?;
-                    system.start(&name, instance_kind(side, i), &[])?;
-                    system
-                        .wait_instance(side, i, Duration::from_secs(30))
-                        .await?;
-                    stop(system, &extra, Signal::Term).await?;
-                    steps.push(format!("{name} {} ms", step.elapsed().as_millis()));
-                }
-            }
-            format!(
-                "rolling deploy of both sides ({}), {} ms",
-                steps.join(", "),
-                t.elapsed().as_millis()
-            )
-        }
+        Fault::KillService(side, i) => restart_service(system, side, i, Signal::Kill).await?,
+        Fault::DeployService(side, i) => restart_service(system, side, i, Signal::Term).await?,
+        Fault::RollingDeploy => rolling_deploy(system, instances).await?,
         Fault::FreezePostgres => {
             system.pg.freeze()?;
             tokio::time::sleep(freeze).await;
@@ -698,61 +746,11 @@ async fn inject(
             handover(system, relays, side, Duration::from_secs(3)).await?
         }
         Fault::KillRedis if system.cluster.is_some() => {
-            let system = system.clone();
-            tokio::task::spawn_blocking(move || {
-                let cluster = system.cluster.as_ref().expect("a cluster");
-                let key = outbox_core::stream::shard_key(
-                    &Side::Consumers.outbox_stream(),
-                    target,
-                    system.shards(),
-                );
-                let node = cluster.master_of(&key)?;
-                let t = Instant::now();
-                cluster.kill_node(node)?;
-                let failover = t.elapsed();
-                std::thread::sleep(outage);
-                cluster.restart_node(node)?;
-                anyhow::Ok(format!(
-                    "redis cluster: master {node} (of {key}) SIGKILLed, replica promoted in {} ms, node back as a replica after {} ms",
-                    failover.as_millis(),
-                    outage.as_millis()
-                ))
-            })
-            .await??
+            fail_over_cluster_master(system, target, outage).await?
         }
-        Fault::WipeRedis if system.cluster.is_some() => {
-            let system = system.clone();
-            tokio::task::spawn_blocking(move || {
-                let cluster = system.cluster.as_ref().expect("a cluster");
-                cluster.stop_all()?;
-                std::thread::sleep(outage);
-                cluster.start_all()?;
-                anyhow::Ok(format!(
-                    "redis cluster: every node stopped, started on its data after {} ms",
-                    outage.as_millis()
-                ))
-            })
-            .await??
-        }
-        Fault::KillRedis => {
-            system.redis.kill()?;
-            tokio::time::sleep(outage).await;
-            system.redis.start_again()?;
-            format!(
-                "redis: SIGKILL, restarted on its AOF after {} ms",
-                outage.as_millis()
-            )
-        }
-        Fault::WipeRedis => {
-            system.redis.kill()?;
-            system.redis.wipe_data()?;
-            tokio::time::sleep(outage).await;
-            system.redis.start_again()?;
-            format!(
-                "redis: SIGKILL, restarted without its data after {} ms",
-                outage.as_millis()
-            )
-        }
+        Fault::WipeRedis if system.cluster.is_some() => restart_cluster(system, outage).await?,
+        Fault::KillRedis => restart_redis(system, outage, false).await?,
+        Fault::WipeRedis => restart_redis(system, outage, true).await?,
         Fault::RestartPostgres => {
             let system = system.clone();
             let took = tokio::task::spawn_blocking(move || {
@@ -769,6 +767,123 @@ async fn inject(
     )
     .then(|| (down_from, SystemTime::now()));
     Ok((line, down))
+}
+
+/// Instance `i` of `side`'s service stopped by `signal` (SIGKILL: a crash, SIGTERM: a
+/// deploy) and started again.
+async fn restart_service(
+    system: &Arc<System>,
+    side: Side,
+    i: usize,
+    signal: Signal,
+) -> anyhow::Result<String> {
+    let name = instance_name(side, i);
+    stop(system, &name, signal).await?;
+    system.start(&name, instance_kind(side, i), &[])?;
+    Ok(match signal {
+        Signal::Kill => format!("{name}: SIGKILL, restarted"),
+        _ => format!("{name}: deployed (SIGTERM, started)"),
+    })
+}
+
+/// Both sides deployed instance by instance: an extra instance started and ready, the old
+/// one stopped and started again, the extra one stopped.
+async fn rolling_deploy(system: &Arc<System>, instances: usize) -> anyhow::Result<String> {
+    let t = Instant::now();
+    let mut steps = Vec::new();
+    for side in SIDES {
+        let extra = instance_name(side, instances);
+        for i in 0..instances {
+            let step = Instant::now();
+            system.start(&extra, instance_kind(side, instances), &[])?;
+            system
+                .wait_instance(side, instances, Duration::from_secs(30))
+                .await?;
+            let name = instance_name(side, i);
+            stop(system, &name, Signal::Term).await?;
+            system.start(&name, instance_kind(side, i), &[])?;
+            system
+                .wait_instance(side, i, Duration::from_secs(30))
+                .await?;
+            stop(system, &extra, Signal::Term).await?;
+            steps.push(format!("{name} {} ms", step.elapsed().as_millis()));
+        }
+    }
+    Ok(format!(
+        "rolling deploy of both sides ({}), {} ms",
+        steps.join(", "),
+        t.elapsed().as_millis()
+    ))
+}
+
+/// The Redis Cluster master of shard `target` SIGKILLed (its replica is promoted) and
+/// started again after `outage`, as a replica.
+async fn fail_over_cluster_master(
+    system: &Arc<System>,
+    target: u32,
+    outage: Duration,
+) -> anyhow::Result<String> {
+    let system = system.clone();
+    tokio::task::spawn_blocking(move || {
+        let cluster = system.cluster.as_ref().expect("a cluster");
+        let key = outbox_core::stream::shard_key(
+            &Side::Consumers.outbox_stream(),
+            target,
+            system.shards(),
+        );
+        let node = cluster.master_of(&key)?;
+        let t = Instant::now();
+        cluster.kill_node(node)?;
+        let failover = t.elapsed();
+        std::thread::sleep(outage);
+        cluster.restart_node(node)?;
+        anyhow::Ok(format!(
+            "redis cluster: master {node} (of {key}) SIGKILLed, replica promoted in {} ms, node back as a replica after {} ms",
+            failover.as_millis(),
+            outage.as_millis()
+        ))
+    })
+    .await?
+}
+
+/// Every Redis Cluster node stopped and started on its data after `outage`.
+async fn restart_cluster(system: &Arc<System>, outage: Duration) -> anyhow::Result<String> {
+    let system = system.clone();
+    tokio::task::spawn_blocking(move || {
+        let cluster = system.cluster.as_ref().expect("a cluster");
+        cluster.stop_all()?;
+        std::thread::sleep(outage);
+        cluster.start_all()?;
+        anyhow::Ok(format!(
+            "redis cluster: every node stopped, started on its data after {} ms",
+            outage.as_millis()
+        ))
+    })
+    .await?
+}
+
+/// Redis SIGKILLed and started again after `outage`, on its AOF or (`wipe`) without its
+/// data.
+async fn restart_redis(
+    system: &Arc<System>,
+    outage: Duration,
+    wipe: bool,
+) -> anyhow::Result<String> {
+    system.redis.kill()?;
+    if wipe {
+        system.redis.wipe_data()?;
+    }
+    tokio::time::sleep(outage).await;
+    system.redis.start_again()?;
+    Ok(format!(
+        "redis: SIGKILL, restarted {} after {} ms",
+        if wipe {
+            "without its data"
+        } else {
+            "on its AOF"
+        },
+        outage.as_millis()
+    ))
 }
 
 /// Send `signal` to process `name` and wait for it to exit, off the runtime's threads (the
