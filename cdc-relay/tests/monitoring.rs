@@ -53,12 +53,39 @@ fn metric_names(text: &str) -> BTreeSet<String> {
     names
 }
 
+/// outbox-consumer's metrics as the chat services register them: each name its
+/// `counter(`, `gauge(` or `name(` calls give, under the services' `chat_` prefix.
+fn consumer_metric_names() -> BTreeSet<String> {
+    let text = std::fs::read_to_string(root().join("outbox-consumer/src/metrics.rs")).unwrap();
+    let mut names = BTreeSet::new();
+    for call in ["counter(", "gauge(", "name("] {
+        for (at, _) in text.match_indices(call) {
+            let rest = text[at + call.len()..].trim_start();
+            if let Some(literal) = rest.strip_prefix('"') {
+                let name = &literal[..literal.find('"').unwrap()];
+                if !name.is_empty() && name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_') {
+                    names.insert(format!("chat_{name}"));
+                }
+            }
+        }
+    }
+    names
+}
+
 #[test]
 fn rules_and_dashboard_use_only_metrics_that_exist() {
-    let defined: BTreeSet<String> = ["cdc-relay/src/metrics.rs", "chat-services/src/metrics.rs"]
-        .iter()
-        .flat_map(|f| metric_names(&std::fs::read_to_string(root().join(f)).unwrap()))
-        .collect();
+    let mut defined: BTreeSet<String> =
+        ["cdc-relay/src/metrics.rs", "chat-services/src/metrics.rs"]
+            .iter()
+            .flat_map(|f| metric_names(&std::fs::read_to_string(root().join(f)).unwrap()))
+            .collect();
+    let consumer = consumer_metric_names();
+    assert!(
+        consumer.contains("chat_dead_lettered_total")
+            && consumer.contains("chat_inbox_write_retries_total"),
+        "{consumer:?}"
+    );
+    defined.extend(consumer);
     assert!(
         defined.contains("cdc_relay_slot_lag_bytes") && defined.contains("chat_delivery_seconds")
     );
