@@ -172,23 +172,8 @@ pub(crate) async fn run_membership<I: Inbox>(
     shutdown: CancellationToken,
 ) {
     let key = keys::inbox_members_key(&m.group);
-    let window = m.ttl.as_millis() as u64;
     let mut conn: Option<RedisConn> = None;
-    let mut last: Option<(Vec<String>, Standing)> = None;
-    // Pings failed in a row: one slow answer under load is not a reason to move shards.
-    let mut failed_pings = 0u32;
-    // Redis's time at the first heartbeat after the pings began to fail: a member that
-    // heartbeat after a database answer since then can consume where this one cannot.
-    let mut failing_since: Option<u64> = None;
-    // An instance that has never reached the database does not join while it cannot: its share
-    // would wait on it.
-    let mut ever_able = false;
-    // Since when another member has been seen reaching the database while this one cannot. It
-    // leaves only once that has lasted a heartbeat period: after an outage of everyone's,
-    // the first to see the database again must not push out the others, whose checks pass
-    // moments later.
-    let mut others_able_since: Option<tokio::time::Instant> = None;
-    let mut next_beat = tokio::time::Instant::now();
+    let mut heart = Heart::new(m.ttl);
     loop {
         if conn.is_none() {
             conn = m.client.connect(Duration::from_secs(2)).await.ok();
@@ -196,111 +181,20 @@ pub(crate) async fn run_membership<I: Inbox>(
         // A heartbeat (with the check that this instance can consume) every third of the
         // TTL; in between only a look at the live members, so a member joining or leaving
         // moves its shards within VIEW_REFRESH, not a heartbeat later.
-        let beat_now = tokio::time::Instant::now() >= next_beat;
+        let beat_now = tokio::time::Instant::now() >= heart.next_beat;
         if beat_now {
-            let ping = m.inbox.ping(m.ttl / 3).await;
-            failed_pings = if ping.is_ok() { 0 } else { failed_pings + 1 };
-            // While the database fails, look again at once (a ping waiting on a frozen server
-            // returns as soon as it answers): the instance is back in the member set, and
-            // takes its shards again, within moments of the database, not a third of the TTL.
-            next_beat = tokio::time::Instant::now()
-                + if failed_pings > 0 {
-                    Duration::ZERO
-                } else {
-                    m.ttl / 3
-                };
-            if failed_pings == 0 {
-                failing_since = None;
-                ever_able = true;
-            }
+            let answered = m.inbox.ping(m.ttl / 3).await.is_ok();
+            heart.checked(answered);
         }
-        // What to say in the set, and why this instance would be out of it.
-        let (mode, out_why) = if !beat_now {
-            ("2", None)
-        } else if m.roles.layout_refused() {
-            (
-                "0",
-                Some("the stream's records refuse this instance's shard count"),
-            )
-        } else if failed_pings == 0 {
-            ("1", None)
-        } else if !ever_able {
-            // Joining while it cannot would give it a share, to wait on it.
-            (
-                "0",
-                Some("the database has not answered since this instance started"),
-            )
-        } else if failed_pings < 3 || failing_since.is_none() {
-            ("4", None)
-        } else if matches!(last, Some((_, Standing::Out(_))))
-            || others_able_since.is_some_and(|t| t.elapsed() >= m.ttl / 3)
-        {
-            // Out until the database answers: rejoining would move its share back, to wait.
-            (
-                "0",
-                Some("the database does not answer, and another instance's does"),
-            )
-        } else {
-            ("4", None)
-        };
+        let (mode, out_why) = heart.say(beat_now, m.roles.layout_refused());
         if let Some(c) = conn.as_mut() {
-            // Bounded well below the connection's response timeout: a frozen node holding
-            // the set must not keep a starting instance from every shard for long.
-            let beat: Result<Vec<String>, _> = tokio::time::timeout(
-                BEAT_WAIT.min(m.ttl / 3),
-                MEMBERS
-                    .key(&key)
-                    .arg(&m.me)
-                    .arg(window)
-                    .arg(mode)
-                    .arg(if failed_pings > 0 {
-                        failing_since.unwrap_or(0)
-                    } else {
-                        0
-                    })
-                    .invoke_async(c),
-            )
-            .await
-            .unwrap_or_else(|_| {
-                Err(redis::RedisError::from((
-                    redis::ErrorKind::Io,
-                    "no answer within the heartbeat's deadline",
-                )))
-            });
-            match beat.map(split_reply) {
-                Ok((now, out, others_able, mut members)) => {
-                    if failed_pings > 0 && failing_since.is_none() && mode != "2" {
-                        failing_since = Some(now);
-                    }
-                    others_able_since = if failed_pings > 0 && others_able {
-                        others_able_since.or_else(|| Some(tokio::time::Instant::now()))
-                    } else {
-                        None
-                    };
-                    members.sort_unstable();
-                    let standing = match (mode, out) {
-                        (_, true) => Standing::Out(out_why.unwrap_or("leaving")),
-                        ("2", false) => last.as_ref().map_or(Standing::Able, |(_, s)| *s),
-                        ("1", false) => Standing::Able,
-                        (_, false) => Standing::Unanswered,
-                    };
-                    let now = (members, standing);
-                    if last.as_ref() != Some(&now) {
-                        let mine = assign(m.shards, &now.0, &m.me);
-                        let wanted: Vec<usize> = (0..mine.len()).filter(|k| mine[*k]).collect();
-                        match standing {
-                            Standing::Able => {
-                                info!(members = ?now.0, shards = ?wanted, "inbox members changed; shards wanted by this instance")
-                            }
-                            Standing::Unanswered => {
-                                warn!(members = ?now.0, shards = ?wanted, "the database does not answer this instance; it keeps its shards while no other instance does better")
-                            }
-                            Standing::Out(why) => {
-                                warn!(members = ?now.0, shards = ?wanted, why, "this instance cannot consume: out of the inbox member set, its shards go to the others")
-                            }
-                        }
-                        assignment.send_replace(Arc::new(mine));
-                        last = Some(now);
+            match heart
+                .beat(c, &key, &m.me, mode, heart.failing_since())
+                .await
+            {
+                Ok(reply) => {
+                    if let Some((members, standing)) = heart.saw(reply, mode, out_why) {
+                        announce(&m, &assignment, &members, standing);
                     }
                 }
                 // Keep the last view: the leases still decide, and a member that cannot
@@ -309,7 +203,7 @@ pub(crate) async fn run_membership<I: Inbox>(
                 // those nobody holds, so shards on the other nodes do not wait for this one.
                 Err(e) => {
                     warn!(error = %e, "inbox membership heartbeat failed; retrying");
-                    if last.is_none() && mode != "0" {
+                    if heart.last.is_none() && mode != "0" {
                         let every = vec![true; m.shards as usize];
                         if **assignment.borrow() != every {
                             warn!("the inbox member set cannot be read: this instance takes any shard whose lease is free until it can");
@@ -325,17 +219,192 @@ pub(crate) async fn run_membership<I: Inbox>(
         }
     }
     if let Some(c) = conn.as_mut() {
-        let left: Result<Vec<String>, _> = MEMBERS
-            .key(&key)
-            .arg(&m.me)
-            .arg(window)
-            .arg("0")
-            .arg(0)
-            .invoke_async(c)
-            .await;
-        if let Err(e) = left {
+        if let Err(e) = heart.beat(c, &key, &m.me, "0", 0).await {
             warn!(error = %e, "could not leave the inbox member set; the others notice within the lease TTL");
         }
+    }
+}
+
+/// A new view of the members: the shards this instance wants now, said and sent.
+fn announce<I>(
+    m: &Membership<I>,
+    assignment: &watch::Sender<Assignment>,
+    members: &[String],
+    standing: Standing,
+) {
+    let mine = assign(m.shards, members, &m.me);
+    let wanted: Vec<usize> = (0..mine.len()).filter(|k| mine[*k]).collect();
+    match standing {
+        Standing::Able => {
+            info!(?members, shards = ?wanted, "inbox members changed; shards wanted by this instance")
+        }
+        Standing::Unanswered => {
+            warn!(?members, shards = ?wanted, "the database does not answer this instance; it keeps its shards while no other instance does better")
+        }
+        Standing::Out(why) => {
+            warn!(?members, shards = ?wanted, why, "this instance cannot consume: out of the inbox member set, its shards go to the others")
+        }
+    }
+    assignment.send_replace(Arc::new(mine));
+}
+
+/// What one instance knows of its own heartbeats: its database checks, and the last view of
+/// the members it acted on.
+struct Heart {
+    ttl: Duration,
+    next_beat: tokio::time::Instant,
+    /// Checks failed in a row: one slow answer under load is not a reason to move shards.
+    failed_checks: u32,
+    /// Redis's time at the first heartbeat after the checks began to fail: a member that
+    /// heartbeat after a database answer since then can consume where this one cannot.
+    failing_since: Option<u64>,
+    /// An instance that has never reached the database does not join while it cannot: its
+    /// share would wait on it.
+    ever_able: bool,
+    /// Since when another member has been seen reaching the database while this one cannot.
+    /// It leaves only once that has lasted a heartbeat period: after an outage of
+    /// everyone's, the first to see the database again must not push out the others, whose
+    /// checks pass moments later.
+    others_able_since: Option<tokio::time::Instant>,
+    /// The members and this instance's standing last acted on.
+    last: Option<(Vec<String>, Standing)>,
+}
+
+impl Heart {
+    fn new(ttl: Duration) -> Self {
+        Self {
+            ttl,
+            next_beat: tokio::time::Instant::now(),
+            failed_checks: 0,
+            failing_since: None,
+            ever_able: false,
+            others_able_since: None,
+            last: None,
+        }
+    }
+
+    /// The database check of this heartbeat `answered` or not.
+    fn checked(&mut self, answered: bool) {
+        self.failed_checks = if answered { 0 } else { self.failed_checks + 1 };
+        // While the database fails, look again at once (a check waiting on a frozen server
+        // returns as soon as it answers): the instance is back in the member set, and takes
+        // its shards again, within moments of the database, not a third of the TTL.
+        self.next_beat = tokio::time::Instant::now()
+            + if answered {
+                self.ttl / 3
+            } else {
+                Duration::ZERO
+            };
+        if answered {
+            self.failing_since = None;
+            self.ever_able = true;
+        }
+    }
+
+    /// What to say in the set (the script's mode), and why this instance would be out of it.
+    fn say(&self, beat_now: bool, layout_refused: bool) -> (&'static str, Option<&'static str>) {
+        if !beat_now {
+            ("2", None)
+        } else if layout_refused {
+            (
+                "0",
+                Some("the stream's records refuse this instance's shard count"),
+            )
+        } else if self.failed_checks == 0 {
+            ("1", None)
+        } else if !self.ever_able {
+            // Joining while it cannot would give it a share, to wait on it.
+            (
+                "0",
+                Some("the database has not answered since this instance started"),
+            )
+        } else if self.failed_checks < 3 || self.failing_since.is_none() {
+            ("4", None)
+        } else if matches!(self.last, Some((_, Standing::Out(_))))
+            || self
+                .others_able_since
+                .is_some_and(|t| t.elapsed() >= self.ttl / 3)
+        {
+            // Out until the database answers: rejoining would move its share back, to wait.
+            (
+                "0",
+                Some("the database does not answer, and another instance's does"),
+            )
+        } else {
+            ("4", None)
+        }
+    }
+
+    /// Since when (Redis's ms) this instance's checks fail, as the script takes it (0: they
+    /// pass).
+    fn failing_since(&self) -> u64 {
+        match self.failed_checks {
+            0 => 0,
+            _ => self.failing_since.unwrap_or(0),
+        }
+    }
+
+    /// Run the members script in `mode`, bounded well below the connection's response
+    /// timeout: a frozen node holding the set must not keep a starting instance from every
+    /// shard for long.
+    async fn beat(
+        &self,
+        conn: &mut RedisConn,
+        key: &str,
+        me: &str,
+        mode: &str,
+        failing_since: u64,
+    ) -> Result<(u64, bool, bool, Vec<String>), redis::RedisError> {
+        let reply: Vec<String> = tokio::time::timeout(
+            BEAT_WAIT.min(self.ttl / 3),
+            MEMBERS
+                .key(key)
+                .arg(me)
+                .arg(self.ttl.as_millis() as u64)
+                .arg(mode)
+                .arg(failing_since)
+                .invoke_async(conn),
+        )
+        .await
+        .unwrap_or_else(|_| {
+            Err(redis::RedisError::from((
+                redis::ErrorKind::Io,
+                "no answer within the heartbeat's deadline",
+            )))
+        })?;
+        Ok(split_reply(reply))
+    }
+
+    /// Take in a heartbeat's reply; the members and this instance's standing if they
+    /// changed since the last view acted on.
+    fn saw(
+        &mut self,
+        (now, out, others_able, mut members): (u64, bool, bool, Vec<String>),
+        mode: &str,
+        out_why: Option<&'static str>,
+    ) -> Option<(Vec<String>, Standing)> {
+        if self.failed_checks > 0 && self.failing_since.is_none() && mode != "2" {
+            self.failing_since = Some(now);
+        }
+        self.others_able_since = if self.failed_checks > 0 && others_able {
+            self.others_able_since
+                .or_else(|| Some(tokio::time::Instant::now()))
+        } else {
+            None
+        };
+        members.sort_unstable();
+        let standing = match (mode, out) {
+            (_, true) => Standing::Out(out_why.unwrap_or("leaving")),
+            ("2", false) => self.last.as_ref().map_or(Standing::Able, |(_, s)| *s),
+            ("1", false) => Standing::Able,
+            (_, false) => Standing::Unanswered,
+        };
+        let view = (members, standing);
+        if self.last.as_ref() == Some(&view) {
+            return None;
+        }
+        self.last = Some(view.clone());
+        Some(view)
     }
 }
 
@@ -399,6 +468,42 @@ mod tests {
         let moved = before.iter().zip(&after).filter(|(a, b)| a != b).count();
         // Its share is 16 of 64; `k mod m` would move 48.
         assert!(moved <= 24, "{moved} of 64 moved");
+    }
+
+    #[test]
+    fn an_instance_leaves_only_after_another_reached_the_database_for_a_heartbeat_period() {
+        let ttl = Duration::from_secs(3);
+        let mut heart = Heart::new(ttl);
+        assert_eq!(
+            heart.say(false, false),
+            ("2", None),
+            "between heartbeats: a look"
+        );
+        assert_eq!(heart.say(true, true).0, "0", "a refused layout leaves");
+        heart.checked(false);
+        assert_eq!(
+            heart.say(true, false),
+            (
+                "0",
+                Some("the database has not answered since this instance started")
+            ),
+            "never able: does not join"
+        );
+        heart.checked(true);
+        assert_eq!(heart.say(true, false), ("1", None));
+        for _ in 0..3 {
+            heart.checked(false);
+        }
+        assert_eq!(heart.say(true, false).0, "4", "no failing time yet: stays");
+        heart.failing_since = Some(1);
+        assert_eq!(heart.say(true, false).0, "4", "nobody else able: stays");
+        heart.others_able_since = Some(tokio::time::Instant::now());
+        assert_eq!(heart.say(true, false).0, "4", "another able only just now");
+        heart.others_able_since = Some(tokio::time::Instant::now() - ttl / 3);
+        assert_eq!(heart.say(true, false).0, "0", "another able a period: out");
+        heart.checked(true);
+        assert_eq!(heart.say(true, false), ("1", None), "back once it answers");
+        assert_eq!(heart.failing_since(), 0);
     }
 
     /// Runs the members script for `me` in `mode`; returns (out, others able, live members).
