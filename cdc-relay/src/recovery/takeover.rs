@@ -307,8 +307,6 @@ async fn start(
     plan: Plan,
     held: &mut Option<RebuildLock>,
 ) -> Result<Started, RelayError> {
-    let cfg = &ctx.config;
-    let pg = &cfg.postgres;
     let State {
         sql,
         mut records,
@@ -318,129 +316,30 @@ async fn start(
         server,
         ..
     } = state;
-    match plan.slot {
-        Some(Decision::SlotMissing) => {
-            return Err(RelayError::SlotMissing {
-                slot: pg.slot.clone(),
-            })
-        }
-        Some(Decision::AwaitPromotion) => {
-            return Err(RelayError::AwaitingPromotion {
-                slot: pg.slot.clone(),
-                synced_copy: false,
-            })
-        }
-        Some(Decision::OlderTimeline) => {
-            return Err(RelayError::OlderTimeline {
-                stream: publisher.stream().to_string(),
-                recorded: all
-                    .iter()
-                    .flatten()
-                    .filter_map(|r| r.timeline)
-                    .max()
-                    .unwrap_or_default(),
-                server: origin.timeline,
-            });
-        }
-        _ => {}
-    }
-    let mut adopted = false;
-    for ((r, decision), record) in records.iter_mut().zip(&plan.decisions).zip(&all) {
-        if *decision == Decision::Adopt {
-            // Adopt: the record's timeline is an ancestor whose switch point is past
-            // everything it acknowledged.
-            let agrees_through = origin
-                .history
-                .agrees_through(record.as_ref().and_then(|rec| rec.timeline));
-            adopted |= r.adopt_timeline(&origin, agrees_through).await?;
-        }
-    }
-    if adopted {
-        info!(stream = %publisher.stream(), timeline = origin.timeline, "the stream continues on the server's new timeline (its switch point is past everything the stream acknowledged)");
-    }
-
-    client.start().await?;
-    let started = within(cfg, client.wait_started()).await;
-    let rebuilt_here = plan.rebuilt.is_some();
-    if let Some(lock) = held.take() {
-        lock.release().await;
-    }
-    if let Err(e) = started? {
-        let holder = slot_info(&sql, &pg.slot)
-            .await
-            .ok()
-            .flatten()
-            .and_then(|s| s.active_pid)
-            .map(|pid| pid as u32);
-        let recover = cfg.on_lost_slot == OnLostSlot::Recover;
-        let e = match replication_error(e, ReplicationPhase::Start, pg, recover, holder) {
-            // On a standby, "cannot use the slot" is its synced copy (17+: "being
-            // synchronized from the primary"), not an invalidated slot.
-            RelayError::SlotLost { .. } if server.in_recovery => RelayError::AwaitingPromotion {
-                slot: pg.slot.clone(),
-                synced_copy: true,
-            },
-            // The slot went between reading it and START: another relay dropped it to make
-            // it anew (it holds the lock now). Not for a human: stand by.
-            // Gone in another relay's drop→create window, or shard 0 cannot say: stand by
-            // (retried), not a missing slot that needs a human.
-            RelayError::SlotMissing { .. }
-                if rebuild_lock(ctx, &mut records).await.ok().flatten() != Some(false) =>
-            {
-                busy(ctx, None)
-            }
-            e => e,
-        };
-        return Err(e);
-    }
+    refuse_to_start(&ctx.config, &plan, &all, &origin, publisher.stream())?;
+    adopt_timelines(&mut records, &plan, &all, &origin, publisher.stream()).await?;
+    start_replication(ctx, &sql, &mut client, &mut records, &server, held).await?;
     drop(sql);
     // Another relay may have begun making the slot anew between our decision and START
     // (it dropped and made the slot we now hold): leave the stream to it.
     // (Not when shard 0 did not answer: no rebuild begins without it.)
-    if !rebuilt_here && all[0].is_some() && rebuild_elsewhere(ctx, &mut records).await? {
+    if plan.rebuilt.is_none() && all[0].is_some() && rebuild_elsewhere(ctx, &mut records).await? {
         return Err(busy(ctx, None));
     }
     // Holding the slot: claim each live shard, so a relay that held it before (paused, cut
     // off) writes nothing more there. (A shard behind is claimed by its catch-up.)
     let mut publisher = publisher.for_session(plan.id_offset);
-    let live: Vec<u32> = plan
-        .decisions
-        .iter()
-        .enumerate()
-        .filter(|(_, d)| matches!(d, Decision::Stream | Decision::Adopt))
-        .map(|(k, _)| k as u32)
-        .collect();
+    let live = shards_where(&plan, |d| matches!(d, Decision::Stream | Decision::Adopt));
     for &k in &live {
         publisher.claim_writer_epoch(k).await?;
     }
     let held_rows = reread_live(&mut records, &all, &live, &plan).await?;
-    let behind: Vec<u32> = plan
-        .decisions
-        .iter()
-        .enumerate()
-        .filter(|(_, d)| matches!(d, Decision::Behind(_)))
-        .map(|(k, _)| k as u32)
-        .collect();
+    let behind = shards_where(&plan, |d| matches!(d, Decision::Behind(_)));
     if plan.rebuilt.is_none() {
-        let mut reasons: Vec<Reason> = plan
-            .decisions
-            .iter()
-            .filter_map(|d| match d {
-                Decision::Behind(r) => Some(*r),
-                _ => None,
-            })
-            .collect();
-        reasons.dedup();
-        for reason in reasons {
-            warn!(reason = reason.as_str(), why = reason.explain(), "shards start behind; they are caught up from the outbox table while the others stream");
-            ctx.metrics
-                .rebuilds_total
-                .with_label_values(&[reason.as_str()])
-                .inc();
-        }
+        count_behind(ctx, &plan);
     }
     info!(
-        slot = %pg.slot,
+        slot = %ctx.config.postgres.slot,
         stream = %publisher.stream(),
         shards = publisher.shard_count(),
         behind = ?behind,
@@ -457,6 +356,142 @@ async fn start(
         behind,
         held: held_rows,
     })
+}
+
+/// The decisions that stop the relay before it streams: the slot is missing, a standby
+/// awaits promotion, or the stream is on a newer timeline than the server.
+fn refuse_to_start(
+    cfg: &RelayConfig,
+    plan: &Plan,
+    all: &[Option<StreamRecord>],
+    origin: &Origin,
+    stream: &str,
+) -> Result<(), RelayError> {
+    let slot = || cfg.postgres.slot.clone();
+    match plan.slot {
+        Some(Decision::SlotMissing) => Err(RelayError::SlotMissing { slot: slot() }),
+        Some(Decision::AwaitPromotion) => Err(RelayError::AwaitingPromotion {
+            slot: slot(),
+            synced_copy: false,
+        }),
+        Some(Decision::OlderTimeline) => Err(RelayError::OlderTimeline {
+            stream: stream.to_string(),
+            recorded: all
+                .iter()
+                .flatten()
+                .filter_map(|r| r.timeline)
+                .max()
+                .unwrap_or_default(),
+            server: origin.timeline,
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Adopt the server's timeline in the records of shards decided `Adopt`: their timeline is
+/// an ancestor whose switch point is past everything they acknowledged.
+async fn adopt_timelines(
+    records: &mut [Records],
+    plan: &Plan,
+    all: &[Option<StreamRecord>],
+    origin: &Origin,
+    stream: &str,
+) -> Result<(), RelayError> {
+    let mut adopted = false;
+    for ((r, decision), record) in records.iter_mut().zip(&plan.decisions).zip(all) {
+        if *decision == Decision::Adopt {
+            let agrees_through = origin
+                .history
+                .agrees_through(record.as_ref().and_then(|rec| rec.timeline));
+            adopted |= r.adopt_timeline(origin, agrees_through).await?;
+        }
+    }
+    if adopted {
+        info!(%stream, timeline = origin.timeline, "the stream continues on the server's new timeline (its switch point is past everything the stream acknowledged)");
+    }
+    Ok(())
+}
+
+/// START_REPLICATION, and wait (bounded) until the server streams; the rebuild lock goes as
+/// soon as it answered. A refusal is classified for the operator: a standby's synced copy
+/// awaits promotion, a slot gone in another relay's drop and create is busy, not missing.
+async fn start_replication(
+    ctx: &Context,
+    sql: &Client,
+    client: &mut ReplicationClient,
+    records: &mut [Records],
+    server: &Server,
+    held: &mut Option<RebuildLock>,
+) -> Result<(), RelayError> {
+    let cfg = &ctx.config;
+    let pg = &cfg.postgres;
+    client.start().await?;
+    let started = within(cfg, client.wait_started()).await;
+    if let Some(lock) = held.take() {
+        lock.release().await;
+    }
+    let Err(e) = started? else {
+        return Ok(());
+    };
+    let holder = slot_info(sql, &pg.slot)
+        .await
+        .ok()
+        .flatten()
+        .and_then(|s| s.active_pid)
+        .map(|pid| pid as u32);
+    let recover = cfg.on_lost_slot == OnLostSlot::Recover;
+    Err(
+        match replication_error(e, ReplicationPhase::Start, pg, recover, holder) {
+            // On a standby, "cannot use the slot" is its synced copy (17+: "being
+            // synchronized from the primary"), not an invalidated slot.
+            RelayError::SlotLost { .. } if server.in_recovery => RelayError::AwaitingPromotion {
+                slot: pg.slot.clone(),
+                synced_copy: true,
+            },
+            // Gone in another relay's drop→create window, or shard 0 cannot say: stand by
+            // (retried), not a missing slot that needs a human.
+            RelayError::SlotMissing { .. }
+                if rebuild_lock(ctx, records).await.ok().flatten() != Some(false) =>
+            {
+                busy(ctx, None)
+            }
+            e => e,
+        },
+    )
+}
+
+/// The shards whose decision `which` takes.
+fn shards_where(plan: &Plan, which: impl Fn(&Decision) -> bool) -> Vec<u32> {
+    plan.decisions
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| which(d))
+        .map(|(k, _)| k as u32)
+        .collect()
+}
+
+/// Say (and count, per reason) why shards start behind.
+fn count_behind(ctx: &Context, plan: &Plan) {
+    let mut reasons: Vec<Reason> = plan
+        .decisions
+        .iter()
+        .filter_map(|d| match d {
+            Decision::Behind(r) => Some(*r),
+            _ => None,
+        })
+        .collect();
+    reasons.dedup();
+    for reason in reasons {
+        warn!(
+            reason = reason.as_str(),
+            why = reason.explain(),
+            "shards start behind; they are caught up from the outbox table while the others stream"
+        );
+        ctx.metrics
+            .rebuilds_total
+            .with_label_values(&[reason.as_str()])
+            .inc();
+    }
 }
 
 /// What the decision rested on, read again after the claims: a relay that wrote (or rebuilt)
