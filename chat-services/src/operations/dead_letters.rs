@@ -115,110 +115,126 @@ pub async fn run(
         .await?;
     let streams = streams(config);
     match command {
-        DeadLetterCommand::List { count } => {
-            let mut listed = 0;
-            for stream in &streams {
-                let letters = range(&mut conn, stream, "-", "+", count - listed).await?;
-                for letter in &letters {
-                    writeln!(out, "{}", letter.summary())?;
-                }
-                listed += letters.len();
-            }
-            Ok(Outcome {
-                done: listed,
-                left: 0,
-            })
-        }
+        DeadLetterCommand::List { count } => list(&mut conn, &streams, count, out).await,
         DeadLetterCommand::Drop(selection) => {
-            let mut outcome = Outcome::default();
-            for (stream, ids) in pick(&mut conn, &streams, &selection).await? {
-                let mut from = None;
-                while let Some(letters) =
-                    next_page(&mut conn, &stream, ids.as_deref(), &mut from).await?
-                {
-                    for letter in &letters {
-                        if remove(&mut conn, &stream, letter, &selection.by, "drop", &[]).await? {
-                            writeln!(
-                                out,
-                                "{}",
-                                json!({"dropped": letter.id, "dead_letter_stream": stream})
-                            )?;
-                            outcome.done += 1;
-                        } else {
-                            writeln!(
-                                out,
-                                "{}",
-                                json!({"not_dropped": letter.id, "dead_letter_stream": stream, "reason": "removed meanwhile by another command"})
-                            )?;
-                        }
-                    }
-                }
-            }
-            Ok(outcome)
+            drop_letters(&mut conn, &streams, &selection, out).await
         }
         DeadLetterCommand::Replay(selection) => {
-            let store = Store::new(&config.postgres, config.side, 2)?;
-            let mut outcome = Outcome::default();
-            let mut replayed = false;
-            for (stream, ids) in pick(&mut conn, &streams, &selection).await? {
-                let mut from = None;
-                while let Some(letters) =
-                    next_page(&mut conn, &stream, ids.as_deref(), &mut from).await?
-                {
-                    for letter in &letters {
-                        let recorded = match letter.message(config.side.other()) {
-                            Ok(message) => record(&store, letter, message).await?,
-                            Err(e) => Err(e.to_string()),
-                        };
-                        match recorded {
-                            Ok((message, pos, new)) => {
-                                let details = [
-                                    ("message_id", message.id.to_string()),
-                                    ("chat_id", message.chat_id.to_string()),
-                                    ("pos", pos.to_string()),
-                                    ("already_in_inbox", (!new).to_string()),
-                                ];
-                                // Recorded either way; if another command removed the letter
-                                // meanwhile, its audit entry is the one that stands.
-                                let removed = remove(
-                                    &mut conn,
-                                    &stream,
-                                    letter,
-                                    &selection.by,
-                                    "replay",
-                                    &details,
-                                )
-                                .await?;
-                                writeln!(
-                                    out,
-                                    "{}",
-                                    json!({"replayed": letter.id, "dead_letter_stream": stream, "message_id": message.id, "chat_id": message.chat_id, "pos": pos, "already_in_inbox": !new, "removed_by_another_command": !removed})
-                                )?;
-                                outcome.done += 1;
-                                replayed = true;
-                            }
-                            Err(reason) => {
-                                writeln!(
-                                    out,
-                                    "{}",
-                                    json!({"not_replayed": letter.id, "dead_letter_stream": stream, "reason": reason})
-                                )?;
-                                outcome.left += 1;
-                            }
-                        }
-                    }
-                }
-            }
-            if replayed {
-                // Streams show the replayed messages now (else within --feed-check-interval).
-                if let Err(e) = crate::live::hints::publish_resync(&config.redis, config.side).await
-                {
-                    tracing::warn!(error = %e, "could not hint the instances; they show the replayed messages within --feed-check-interval");
-                }
-            }
-            Ok(outcome)
+            replay(config, &mut conn, &streams, &selection, out).await
         }
     }
+}
+
+/// `list`: up to `count` dead letters, oldest first, one JSON line each.
+async fn list(
+    conn: &mut RedisConn,
+    streams: &[String],
+    count: usize,
+    out: &mut impl Write,
+) -> Result<Outcome, DeadLetterError> {
+    let mut listed = 0;
+    for stream in streams {
+        let letters = range(conn, stream, "-", "+", count - listed).await?;
+        for letter in &letters {
+            writeln!(out, "{}", letter.summary())?;
+        }
+        listed += letters.len();
+    }
+    Ok(Outcome {
+        done: listed,
+        left: 0,
+    })
+}
+
+/// `drop`: remove the selected dead letters, each with its audit entry.
+async fn drop_letters(
+    conn: &mut RedisConn,
+    streams: &[String],
+    selection: &Selection,
+    out: &mut impl Write,
+) -> Result<Outcome, DeadLetterError> {
+    let mut outcome = Outcome::default();
+    for (stream, ids) in pick(conn, streams, selection).await? {
+        let mut from = None;
+        while let Some(letters) = next_page(conn, &stream, ids.as_deref(), &mut from).await? {
+            for letter in &letters {
+                if remove(conn, &stream, letter, &selection.by, "drop", &[]).await? {
+                    writeln!(
+                        out,
+                        "{}",
+                        json!({"dropped": letter.id, "dead_letter_stream": stream})
+                    )?;
+                    outcome.done += 1;
+                } else {
+                    writeln!(
+                        out,
+                        "{}",
+                        json!({"not_dropped": letter.id, "dead_letter_stream": stream, "reason": "removed meanwhile by another command"})
+                    )?;
+                }
+            }
+        }
+    }
+    Ok(outcome)
+}
+
+/// `replay`: record the selected dead letters in the inbox (in their stream order, each
+/// message once), remove them with their audit entries, and tell the instances to show them.
+async fn replay(
+    config: &ServiceConfig,
+    conn: &mut RedisConn,
+    streams: &[String],
+    selection: &Selection,
+    out: &mut impl Write,
+) -> Result<Outcome, DeadLetterError> {
+    let store = Store::new(&config.postgres, config.side, 2)?;
+    let mut outcome = Outcome::default();
+    for (stream, ids) in pick(conn, streams, selection).await? {
+        let mut from = None;
+        while let Some(letters) = next_page(conn, &stream, ids.as_deref(), &mut from).await? {
+            for letter in &letters {
+                let recorded = match letter.message(config.side.other()) {
+                    Ok(message) => record(&store, letter, message).await?,
+                    Err(e) => Err(e.to_string()),
+                };
+                let (message, pos, new) = match recorded {
+                    Ok(recorded) => recorded,
+                    Err(reason) => {
+                        writeln!(
+                            out,
+                            "{}",
+                            json!({"not_replayed": letter.id, "dead_letter_stream": stream, "reason": reason})
+                        )?;
+                        outcome.left += 1;
+                        continue;
+                    }
+                };
+                let details = [
+                    ("message_id", message.id.to_string()),
+                    ("chat_id", message.chat_id.to_string()),
+                    ("pos", pos.to_string()),
+                    ("already_in_inbox", (!new).to_string()),
+                ];
+                // Recorded either way; if another command removed the letter meanwhile, its
+                // audit entry is the one that stands.
+                let removed =
+                    remove(conn, &stream, letter, &selection.by, "replay", &details).await?;
+                writeln!(
+                    out,
+                    "{}",
+                    json!({"replayed": letter.id, "dead_letter_stream": stream, "message_id": message.id, "chat_id": message.chat_id, "pos": pos, "already_in_inbox": !new, "removed_by_another_command": !removed})
+                )?;
+                outcome.done += 1;
+            }
+        }
+    }
+    if outcome.done > 0 {
+        // Streams show the replayed messages now (else within --feed-check-interval).
+        if let Err(e) = crate::live::hints::publish_resync(&config.redis, config.side).await {
+            tracing::warn!(error = %e, "could not hint the instances; they show the replayed messages within --feed-check-interval");
+        }
+    }
+    Ok(outcome)
 }
 
 /// The side's dead-letter streams: one per shard of the consumed stream, and first the
