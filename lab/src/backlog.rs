@@ -6,6 +6,7 @@
 //! is recorded once, in its chat's order.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -123,35 +124,69 @@ pub async fn run_backlog(bins: Bins, args: &Args) -> anyhow::Result<BacklogRepor
         .map(|&chat| (chat, Watcher::start(receiver, chat)))
         .collect();
     let stop = Arc::new(AtomicBool::new(false));
-    let sender = {
-        let (stop, addr, rate, live) = (
-            stop.clone(),
-            system.service_addr(Side::Consumers),
-            args.rate,
-            live.clone(),
-        );
-        tokio::spawn(async move {
-            let mut pending = Vec::new();
-            let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
-            let mut n = 0usize;
-            while !stop.load(Ordering::SeqCst) {
-                tick.tick().await;
-                let chat = live[n % live.len()];
-                n += 1;
-                pending.push(tokio::spawn(async move {
-                    clients::send(addr, chat, &format!("live {n}"), Duration::from_secs(60)).await
-                }));
-            }
-            for p in pending {
-                let _ = p.await;
-            }
-        })
-    };
+    let sender = tokio::spawn(send_live(
+        system.service_addr(Side::Consumers),
+        args.rate,
+        live.clone(),
+        stop.clone(),
+    ));
 
-    // Until the backlog is in; the backlog's count when the first live message showed.
+    let (catch_up, at_first_live) = wait_caught_up(&admin, &watchers, args, started).await?;
+    stop.store(true, Ordering::SeqCst);
+    sender.await?;
+
+    let (violations, mut delays) = check(&admin, watchers, live, args).await?;
+    delays.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let at = |p: f64| {
+        delays
+            .get(((delays.len().max(1) - 1) as f64 * p).round() as usize)
+            .copied()
+            .unwrap_or_default()
+    };
+    system.shutdown();
+    Ok(BacklogReport {
+        backlog: args.backlog,
+        catch_up_seconds: catch_up.as_secs_f64(),
+        catch_up_per_second: args.backlog as f64 / catch_up.as_secs_f64(),
+        live_shown: delays.len(),
+        backlog_recorded_at_first_live: at_first_live.unwrap_or(args.backlog),
+        live_p50_ms: ms(at(0.5)),
+        live_p99_ms: ms(at(0.99)),
+        live_max_ms: ms(delays.last().copied().unwrap_or_default()),
+        violations,
+    })
+}
+
+/// Live sends to the `live` chats in turn at `rate` a second, until `stop`.
+async fn send_live(addr: SocketAddr, rate: f64, live: Vec<i64>, stop: Arc<AtomicBool>) {
+    let mut pending = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+    let mut n = 0usize;
+    while !stop.load(Ordering::SeqCst) {
+        tick.tick().await;
+        let chat = live[n % live.len()];
+        n += 1;
+        pending.push(tokio::spawn(async move {
+            clients::send(addr, chat, &format!("live {n}"), Duration::from_secs(60)).await
+        }));
+    }
+    for p in pending {
+        let _ = p.await;
+    }
+}
+
+/// Until the backlog is in (30 minutes at most): how long it took from `started`, and the
+/// backlog's count when the first live message showed.
+async fn wait_caught_up(
+    admin: &tokio_postgres::Client,
+    watchers: &[(i64, Watcher)],
+    args: &Args,
+    started: Instant,
+) -> anyhow::Result<(Duration, Option<i64>)> {
     let mut at_first_live = None;
     let deadline = Instant::now() + Duration::from_secs(1800);
-    let catch_up = loop {
+    loop {
         let recorded: i64 = admin
             .query_one(
                 "SELECT count(*) FROM workers.inbox WHERE chat_id <= $1",
@@ -163,7 +198,7 @@ pub async fn run_backlog(bins: Bins, args: &Args) -> anyhow::Result<BacklogRepor
             at_first_live = Some(recorded);
         }
         if recorded >= args.backlog {
-            break started.elapsed();
+            return Ok((started.elapsed(), at_first_live));
         }
         anyhow::ensure!(
             Instant::now() < deadline,
@@ -171,12 +206,18 @@ pub async fn run_backlog(bins: Bins, args: &Args) -> anyhow::Result<BacklogRepor
             args.backlog
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    stop.store(true, Ordering::SeqCst);
-    sender.await?;
+    }
+}
 
-    // Every live message shown, then every chat checked against what was sent.
-    let sent_live = feeds(&admin, "consumers.messages", "id", &live).await?;
+/// Every live message shown (within a minute), then every chat checked against what was
+/// sent: the violations, and the live messages' delays.
+async fn check(
+    admin: &tokio_postgres::Client,
+    watchers: Vec<(i64, Watcher)>,
+    live: Vec<i64>,
+    args: &Args,
+) -> anyhow::Result<(Vec<String>, Vec<Duration>)> {
+    let sent_live = feeds(admin, "consumers.messages", "id", &live).await?;
     let want: usize = sent_live.values().map(Vec::len).sum();
     let shown_by = Instant::now() + Duration::from_secs(60);
     while watchers.iter().map(|(_, w)| w.shown().len()).sum::<usize>() < want
@@ -202,8 +243,8 @@ pub async fn run_backlog(bins: Bins, args: &Args) -> anyhow::Result<BacklogRepor
         delays.extend(shown.iter().filter_map(delay));
     }
     let all: Vec<i64> = (1..=args.backlog_chats).chain(live).collect();
-    let sent = feeds(&admin, "consumers.messages", "id", &all).await?;
-    let recorded = feeds(&admin, "workers.inbox", "message_id", &all).await?;
+    let sent = feeds(admin, "consumers.messages", "id", &all).await?;
+    let recorded = feeds(admin, "workers.inbox", "message_id", &all).await?;
     for chat in &all {
         if sent[chat] != recorded[chat] {
             violations.push(format!(
@@ -213,26 +254,7 @@ pub async fn run_backlog(bins: Bins, args: &Args) -> anyhow::Result<BacklogRepor
             ));
         }
     }
-    delays.sort();
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    let at = |p: f64| {
-        delays
-            .get(((delays.len().max(1) - 1) as f64 * p).round() as usize)
-            .copied()
-            .unwrap_or_default()
-    };
-    system.shutdown();
-    Ok(BacklogReport {
-        backlog: args.backlog,
-        catch_up_seconds: catch_up.as_secs_f64(),
-        catch_up_per_second: args.backlog as f64 / catch_up.as_secs_f64(),
-        live_shown: delays.len(),
-        backlog_recorded_at_first_live: at_first_live.unwrap_or(args.backlog),
-        live_p50_ms: ms(at(0.5)),
-        live_p99_ms: ms(at(0.99)),
-        live_max_ms: ms(delays.last().copied().unwrap_or_default()),
-        violations,
-    })
+    Ok((violations, delays))
 }
 
 /// `count` messages over chats `1..=chats`, numbered from `from`, each with its outbox

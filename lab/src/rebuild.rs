@@ -115,23 +115,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let (relay, admin) = run_relay(case);
         let relay = relay?;
         let admin: std::net::SocketAddr = admin.parse()?;
-        // Done when the relay streams and no shard is behind any more: it caught the stream
-        // up from the outbox table.
-        let metrics = loop {
-            if !relay.is_running() {
-                bail!("relay exited: {}", relay.log());
-            }
-            if started.elapsed() > Duration::from_secs(1800) {
-                bail!("rebuild not done within 30 minutes");
-            }
-            if let Ok((200, _)) = testkit::http::get(admin, "/readyz").await {
-                let metrics = testkit::http::get(admin, "/metrics").await?.1;
-                if caught_up(&metrics) {
-                    break metrics;
-                }
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        };
+        let metrics = wait_rebuilt(&relay, admin, started).await?;
         let seconds = started.elapsed().as_secs_f64();
         let peak = peak_rss_mib(relay.pid());
         let republished =
@@ -151,21 +135,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         });
     }
 
-    println!();
-    println!(
-        "Rebuild of a stream from {} retained outbox rows (fsync on, Redis appendfsync always)",
-        args.rows
-    );
-    println!(
-        "{:<24} {:>12} {:>10} {:>12} {:>14}",
-        "case", "republished", "seconds", "rows/s", "relay peak MiB"
-    );
-    for c in &cases {
-        println!(
-            "{:<24} {:>12} {:>10.1} {:>12.0} {:>14.0}",
-            c.case, c.republished, c.seconds, c.rows_per_second, c.relay_peak_rss_mib
-        );
-    }
+    print_cases(args.rows, &cases);
     let result = Result {
         command: std::env::args().collect::<Vec<_>>().join(" "),
         machine: report::machine(),
@@ -174,6 +144,49 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     let path = report::write_json("rebuild", &result)?;
     println!("\nwritten to {}", path.display());
     Ok(())
+}
+
+/// The relay's metrics once it streams and no shard is behind any more (it caught the
+/// stream up from the outbox table); an error if it exits or takes 30 minutes.
+async fn wait_rebuilt(
+    relay: &ChildProcess,
+    admin: std::net::SocketAddr,
+    started: Instant,
+) -> anyhow::Result<String> {
+    loop {
+        if !relay.is_running() {
+            bail!("relay exited: {}", relay.log());
+        }
+        if started.elapsed() > Duration::from_secs(1800) {
+            bail!("rebuild not done within 30 minutes");
+        }
+        if let Ok((200, _)) = testkit::http::get(admin, "/readyz").await {
+            let metrics = testkit::http::get(admin, "/metrics").await?.1;
+            if caught_up(&metrics) {
+                return Ok(metrics);
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The cases as a table.
+fn print_cases(rows: u32, cases: &[Case]) {
+    println!();
+    println!(
+        "Rebuild of a stream from {} retained outbox rows (fsync on, Redis appendfsync always)",
+        rows
+    );
+    println!(
+        "{:<24} {:>12} {:>10} {:>12} {:>14}",
+        "case", "republished", "seconds", "rows/s", "relay peak MiB"
+    );
+    for c in cases {
+        println!(
+            "{:<24} {:>12} {:>10.1} {:>12.0} {:>14.0}",
+            c.case, c.republished, c.seconds, c.rows_per_second, c.relay_peak_rss_mib
+        );
+    }
 }
 
 /// The process's peak resident set (VmHWM), in MiB.

@@ -9,6 +9,7 @@
 //! put back as it was.
 
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
@@ -16,6 +17,7 @@ use std::time::{Duration, Instant, SystemTime};
 use clap::Args as ClapArgs;
 use outbox_core::stream::{keys, shard_key, shard_of};
 use serde::Serialize;
+use testkit::TestDb;
 
 use crate::clients::{self, Watcher};
 use crate::report;
@@ -114,60 +116,113 @@ pub async fn run_stuck(bins: Bins, args: &Args) -> anyhow::Result<StuckReport> {
     let watchers: Vec<(i64, Watcher)> = (1..=args.chats)
         .map(|chat| (chat, Watcher::start(receiver, chat)))
         .collect();
-
     // Steady traffic and WAL from elsewhere.
     let stop = Arc::new(AtomicBool::new(false));
-    let sender = {
-        let (stop, addr, rate, chats) = (
-            stop.clone(),
-            system.service_addr(Side::Consumers),
-            args.rate,
-            args.chats,
-        );
-        tokio::spawn(async move {
-            let mut pending = Vec::new();
-            let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
-            let mut n = 0i64;
-            while !stop.load(Ordering::SeqCst) {
-                tick.tick().await;
-                n += 1;
-                let chat = 1 + n % chats;
-                pending.push(tokio::spawn(async move {
-                    clients::send(addr, chat, &format!("m{n}"), Duration::from_secs(60)).await
-                }));
-            }
-            let mut sent = 0;
-            for p in pending {
-                if matches!(p.await, Ok(Ok(_))) {
-                    sent += 1;
-                }
-            }
-            sent
-        })
-    };
-    let noise = {
-        let (stop, db, mb) = (stop.clone(), system.db.clone(), args.noise_mb);
-        tokio::spawn(async move {
-            let admin = db.connect().await?;
-            admin
-                .batch_execute("CREATE TABLE IF NOT EXISTS public.noise (pad text)")
-                .await?;
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
-            while !stop.load(Ordering::SeqCst) {
-                tick.tick().await;
-                admin
-                    .execute(
-                        "INSERT INTO public.noise SELECT repeat('x', 1000) FROM generate_series(1, $1::int)",
-                        &[&((mb * 1000) as i32)],
-                    )
-                    .await?;
-            }
-            anyhow::Ok(())
-        })
-    };
+    let sender = tokio::spawn(send_steadily(
+        system.service_addr(Side::Consumers),
+        args.rate,
+        args.chats,
+        stop.clone(),
+    ));
+    let noise = tokio::spawn(write_noise(system.db.clone(), args.noise_mb, stop.clone()));
     tokio::time::sleep(Duration::from_secs(5)).await;
+    let fault = refuse_writes(&system, args).await?;
+    // Traffic goes on a while, then everything sent must be shown.
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    stop.store(true, Ordering::SeqCst);
+    let sent = sender.await?;
+    noise.await??;
+    let admin = system.db.connect().await?;
+    let expected = feeds(&admin, args.chats).await?;
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        let shown: usize = watchers.iter().map(|(_, w)| w.shown().len()).sum();
+        let want: usize = expected.values().map(Vec::len).sum();
+        if shown >= want || Instant::now() > deadline {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let (violations, mut healthy) =
+        check_shown(watchers, &expected, system.shards(), fault.shard).await;
+    healthy.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
+    let at = |p: f64| {
+        healthy
+            .get(((healthy.len().max(1) - 1) as f64 * p).round() as usize)
+            .copied()
+            .unwrap_or_default()
+    };
+    system.shutdown();
+    Ok(StuckReport {
+        fault_seconds: fault.seconds,
+        sent,
+        stuck_shard: fault.shard,
+        healthy_shown: healthy.len(),
+        healthy_p50_ms: ms(at(0.5)),
+        healthy_p99_ms: ms(at(0.99)),
+        healthy_max_ms: ms(healthy.last().copied().unwrap_or_default()),
+        slot_lag_max_bytes: fault.lag_max,
+        slot_retained_max_bytes: fault.retained_max,
+        wal_written_bytes: fault.wal_written,
+        violations,
+    })
+}
 
-    // The fault: the shard of chat 1 refuses every write.
+/// Send to `addr` at `rate` a second, spread over the chats, until `stop`; how many were
+/// answered.
+async fn send_steadily(addr: SocketAddr, rate: f64, chats: i64, stop: Arc<AtomicBool>) -> usize {
+    let mut pending = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
+    let mut n = 0i64;
+    while !stop.load(Ordering::SeqCst) {
+        tick.tick().await;
+        n += 1;
+        let chat = 1 + n % chats;
+        pending.push(tokio::spawn(async move {
+            clients::send(addr, chat, &format!("m{n}"), Duration::from_secs(60)).await
+        }));
+    }
+    let mut sent = 0;
+    for p in pending {
+        if matches!(p.await, Ok(Ok(_))) {
+            sent += 1;
+        }
+    }
+    sent
+}
+
+/// `mb` MB of WAL a second from a table nobody publishes, until `stop`.
+async fn write_noise(db: TestDb, mb: usize, stop: Arc<AtomicBool>) -> anyhow::Result<()> {
+    let admin = db.connect().await?;
+    admin
+        .batch_execute("CREATE TABLE IF NOT EXISTS public.noise (pad text)")
+        .await?;
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    while !stop.load(Ordering::SeqCst) {
+        tick.tick().await;
+        admin
+            .execute(
+                "INSERT INTO public.noise SELECT repeat('x', 1000) FROM generate_series(1, $1::int)",
+                &[&((mb * 1000) as i32)],
+            )
+            .await?;
+    }
+    Ok(())
+}
+
+/// What the fault did to the slot.
+struct Fault {
+    shard: u32,
+    seconds: f64,
+    lag_max: i64,
+    retained_max: i64,
+    wal_written: i64,
+}
+
+/// The fault: the shard of chat 1 refuses every write (its record made a string) for
+/// `--fault`, while the slot's lag and retained WAL are sampled; then the record is back.
+async fn refuse_writes(system: &System, args: &Args) -> anyhow::Result<Fault> {
     let shards = system.shards();
     let stuck = shard_of(Some(b"1"), shards);
     let record = keys::origin_key(&shard_key(&Side::Consumers.outbox_stream(), stuck, shards));
@@ -203,24 +258,23 @@ pub async fn run_stuck(bins: Bins, args: &Args) -> anyhow::Result<StuckReport> {
         .arg("REPLACE")
         .query_async(&mut redis)
         .await?;
-    let fault_seconds = began.elapsed().as_secs_f64();
+    Ok(Fault {
+        shard: stuck,
+        seconds: began.elapsed().as_secs_f64(),
+        lag_max,
+        retained_max,
+        wal_written: wal_end - wal_start,
+    })
+}
 
-    // Traffic goes on a while, then everything sent must be shown.
-    tokio::time::sleep(Duration::from_secs(10)).await;
-    stop.store(true, Ordering::SeqCst);
-    let sent = sender.await?;
-    noise.await??;
-    let expected = feeds(&admin, args.chats).await?;
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let shown: usize = watchers.iter().map(|(_, w)| w.shown().len()).sum();
-        let want: usize = expected.values().map(Vec::len).sum();
-        if shown >= want || Instant::now() > deadline {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-
+/// Each chat's tab against its feed (every message once, in order), and the delays of the
+/// chats outside the stuck shard.
+async fn check_shown(
+    watchers: Vec<(i64, Watcher)>,
+    expected: &HashMap<i64, Vec<String>>,
+    shards: u32,
+    stuck: u32,
+) -> (Vec<String>, Vec<Duration>) {
     let mut violations = Vec::new();
     let mut healthy: Vec<Duration> = Vec::new();
     for (chat, watcher) in watchers {
@@ -241,28 +295,7 @@ pub async fn run_stuck(bins: Bins, args: &Args) -> anyhow::Result<StuckReport> {
             healthy.extend(shown.iter().filter_map(delay));
         }
     }
-    healthy.sort();
-    let ms = |d: Duration| d.as_secs_f64() * 1000.0;
-    let at = |p: f64| {
-        healthy
-            .get(((healthy.len().max(1) - 1) as f64 * p).round() as usize)
-            .copied()
-            .unwrap_or_default()
-    };
-    system.shutdown();
-    Ok(StuckReport {
-        fault_seconds,
-        sent,
-        stuck_shard: stuck,
-        healthy_shown: healthy.len(),
-        healthy_p50_ms: ms(at(0.5)),
-        healthy_p99_ms: ms(at(0.99)),
-        healthy_max_ms: ms(healthy.last().copied().unwrap_or_default()),
-        slot_lag_max_bytes: lag_max,
-        slot_retained_max_bytes: retained_max,
-        wal_written_bytes: wal_end - wal_start,
-        violations,
-    })
+    (violations, healthy)
 }
 
 /// The WAL position, and the slot's lag and retained WAL behind it.

@@ -198,12 +198,67 @@ async fn measure_shape(
     shape: &Shape,
     args: &Args,
 ) -> anyhow::Result<ShapeResult> {
-    let (txns, rows, rounds) = (shape.txns, shape.rows, args.rounds);
     let db = pg.create_database().await?;
     let admin = db.connect().await?;
-    let mut relay_slots = Vec::new();
-    let mut recv_slots = Vec::new();
-    for _ in 0..rounds {
+    let slots = make_slots(&db, &admin, redis, relay_bin, args).await?;
+    let fill = fill(&admin, shape).await?;
+    let events = fill.events;
+    let drains = drain_slots(pg, &db, redis, relay_bin, args, &slots, &fill).await?;
+    let notify_seconds = if args.skip_notify {
+        Vec::new()
+    } else {
+        drain_notify(&db, &admin, redis, args.rounds, events).await?
+    };
+    let best = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+    // Rounds >= 1 (clap), so every vector here has at least one value.
+    let relay_rate = events as f64 / best(&drains.relay_seconds);
+    let recv_rate = events as f64 / best(&drains.recv_seconds);
+    let cpu_bound = cpu_bound_percent(
+        report::cpus(),
+        events,
+        &drains.relay_seconds,
+        &drains.relay_cpu,
+        recv_rate,
+    );
+    Ok(ShapeResult {
+        shape: shape.name.to_string(),
+        transactions: shape.txns,
+        events,
+        wal_bytes: fill.wal_bytes,
+        relay_seconds: drains.relay_seconds,
+        pg_recvlogical_seconds: drains.recv_seconds,
+        notify_events_per_second: (!notify_seconds.is_empty())
+            .then(|| events as f64 / best(&notify_seconds)),
+        notify_seconds,
+        relay_events_per_second: relay_rate,
+        pg_recvlogical_events_per_second: recv_rate,
+        relay_percent_of_ceiling: 100.0 * relay_rate / recv_rate,
+        relay_cpu: drains.relay_cpu,
+        cpu_bound_percent_of_ceiling: cpu_bound,
+    })
+}
+
+/// Each round's slots: one for pg_recvlogical, and one the relay's `setup` makes with its
+/// stream.
+struct Slots {
+    recv: Vec<String>,
+    relay: Vec<String>,
+    streams: Vec<String>,
+}
+
+async fn make_slots(
+    db: &TestDb,
+    admin: &tokio_postgres::Client,
+    redis: &RedisServer,
+    relay_bin: &std::path::Path,
+    args: &Args,
+) -> anyhow::Result<Slots> {
+    let mut slots = Slots {
+        recv: Vec::new(),
+        relay: Vec::new(),
+        streams: Vec::new(),
+    };
+    for _ in 0..args.rounds {
         let slot = unique_name("lab");
         admin
             .query_one(
@@ -211,14 +266,13 @@ async fn measure_shape(
                 &[&slot],
             )
             .await?;
-        recv_slots.push(slot);
-        relay_slots.push(unique_name("lab"));
+        slots.recv.push(slot);
+        slots.relay.push(unique_name("lab"));
     }
     // `setup` creates each relay round's slot before the fill, with the outbox still empty,
     // so it records that the stream starts at the slot's position: the relay streams the
     // fill rather than rebuilding it from the table.
-    let mut streams = Vec::new();
-    for slot in &relay_slots {
+    for slot in &slots.relay {
         let stream = format!("lab:{}", unique_name("stream"));
         let out = Command::new(relay_bin)
             .args([
@@ -242,9 +296,22 @@ async fn measure_shape(
             "setup: {}",
             String::from_utf8_lossy(&out.stderr)
         );
-        streams.push(stream);
+        slots.streams.push(stream);
     }
-    // The NOTIFY relay's column and index, made before the fill so its drain times only itself.
+    Ok(slots)
+}
+
+/// What the fill wrote.
+struct Fill {
+    events: u64,
+    end_lsn: String,
+    wal_bytes: i64,
+}
+
+/// Write the shape's transactions into the outbox (one procedure, a commit per
+/// transaction), with the NOTIFY relay's column and index made first so its drain times
+/// only itself.
+async fn fill(admin: &tokio_postgres::Client, shape: &Shape) -> anyhow::Result<Fill> {
     admin
         .batch_execute(&crate::baseline::SENT_AT_DDL.replace("{s}", "consumers"))
         .await?;
@@ -270,7 +337,10 @@ async fn measure_shape(
         .get(0);
     let filled = Instant::now();
     admin
-        .execute("CALL lab_fill($1, $2)", &[&(txns as i32), &(rows as i32)])
+        .execute(
+            "CALL lab_fill($1, $2)",
+            &[&(shape.txns as i32), &(shape.rows as i32)],
+        )
         .await?;
     let end_lsn: String = admin
         .query_one("SELECT pg_current_wal_lsn()::text", &[])
@@ -283,33 +353,58 @@ async fn measure_shape(
         )
         .await?
         .get(0);
-    let events = u64::from(txns) * u64::from(rows);
+    let events = u64::from(shape.txns) * u64::from(shape.rows);
     eprintln!(
         "[throughput] filled {events} events ({} MB of WAL) in {:.1?}",
         wal_bytes >> 20,
         filled.elapsed()
     );
+    Ok(Fill {
+        events,
+        end_lsn,
+        wal_bytes,
+    })
+}
 
-    let mut relay_seconds = Vec::new();
-    let mut relay_cpu = Vec::new();
-    let mut recv_seconds = Vec::new();
-    for round in 0..rounds as usize {
-        let t = drain_with_pg_recvlogical(pg, &db, &recv_slots[round], &end_lsn)?;
+/// Each round's drains of the slots: pg_recvlogical's, then the relay's (with its CPU).
+struct Drains {
+    relay_seconds: Vec<f64>,
+    relay_cpu: Vec<DrainCpu>,
+    recv_seconds: Vec<f64>,
+}
+
+async fn drain_slots(
+    pg: &PgServer,
+    db: &TestDb,
+    redis: &RedisServer,
+    relay_bin: &std::path::Path,
+    args: &Args,
+    slots: &Slots,
+    fill: &Fill,
+) -> anyhow::Result<Drains> {
+    let events = fill.events;
+    let mut drains = Drains {
+        relay_seconds: Vec::new(),
+        relay_cpu: Vec::new(),
+        recv_seconds: Vec::new(),
+    };
+    for round in 0..args.rounds as usize {
+        let t = drain_with_pg_recvlogical(pg, db, &slots.recv[round], &fill.end_lsn)?;
         eprintln!(
             "[throughput] pg_recvlogical round {}: {:.2} s ({:.0} events/s)",
             round + 1,
             t,
             events as f64 / t
         );
-        recv_seconds.push(t);
-        let stream = streams[round].clone();
+        drains.recv_seconds.push(t);
+        let stream = slots.streams[round].clone();
         let (t, cpu) = drain_with_relay(
             relay_bin,
             &args.relay_args,
-            &db,
+            db,
             redis,
             RelayTarget {
-                slot: &relay_slots[round],
+                slot: &slots.relay[round],
                 stream: &stream,
                 shards: args.knee.shards,
             },
@@ -322,60 +417,42 @@ async fn measure_shape(
             t,
             events as f64 / t
         );
-        relay_seconds.push(t);
-        relay_cpu.push(cpu);
+        drains.relay_seconds.push(t);
+        drains.relay_cpu.push(cpu);
         let mut conn = redis.connect().await?;
         let _: () = redis::cmd("DEL")
             .arg(&stream)
             .query_async(&mut conn)
             .await?;
     }
-    // The NOTIFY relay marks rows sent, which writes WAL: it runs after the slots' drains,
-    // and each of its rounds starts from every row unsent again.
-    let mut notify_seconds = Vec::new();
-    if !args.skip_notify {
-        for round in 0..rounds as usize {
-            admin
-                .batch_execute("UPDATE consumers.outbox SET sent_at = NULL")
-                .await?;
-            admin.batch_execute("VACUUM consumers.outbox").await?;
-            let t = drain_with_notify_relay(&db, redis, events).await?;
-            eprintln!(
-                "[throughput] notify relay round {}: {:.2} s ({:.0} events/s)",
-                round + 1,
-                t,
-                events as f64 / t
-            );
-            notify_seconds.push(t);
-        }
+    Ok(drains)
+}
+
+/// The NOTIFY relay's drains. It marks rows sent, which writes WAL: it runs after the
+/// slots' drains, and each of its rounds starts from every row unsent again.
+async fn drain_notify(
+    db: &TestDb,
+    admin: &tokio_postgres::Client,
+    redis: &RedisServer,
+    rounds: u32,
+    events: u64,
+) -> anyhow::Result<Vec<f64>> {
+    let mut seconds = Vec::new();
+    for round in 0..rounds as usize {
+        admin
+            .batch_execute("UPDATE consumers.outbox SET sent_at = NULL")
+            .await?;
+        admin.batch_execute("VACUUM consumers.outbox").await?;
+        let t = drain_with_notify_relay(db, redis, events).await?;
+        eprintln!(
+            "[throughput] notify relay round {}: {:.2} s ({:.0} events/s)",
+            round + 1,
+            t,
+            events as f64 / t
+        );
+        seconds.push(t);
     }
-    let best = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
-    // Rounds >= 1 (clap), so every vector here has at least one value.
-    let relay_rate = events as f64 / best(&relay_seconds);
-    let recv_rate = events as f64 / best(&recv_seconds);
-    let cpu_bound = cpu_bound_percent(
-        report::cpus(),
-        events,
-        &relay_seconds,
-        &relay_cpu,
-        recv_rate,
-    );
-    Ok(ShapeResult {
-        shape: shape.name.to_string(),
-        transactions: txns,
-        events,
-        wal_bytes,
-        relay_seconds,
-        pg_recvlogical_seconds: recv_seconds,
-        notify_events_per_second: (!notify_seconds.is_empty())
-            .then(|| events as f64 / best(&notify_seconds)),
-        notify_seconds,
-        relay_events_per_second: relay_rate,
-        pg_recvlogical_events_per_second: recv_rate,
-        relay_percent_of_ceiling: 100.0 * relay_rate / recv_rate,
-        relay_cpu,
-        cpu_bound_percent_of_ceiling: cpu_bound,
-    })
+    Ok(seconds)
 }
 
 /// Seconds for the NOTIFY relay (baseline) to move every unsent outbox row into a stream.
