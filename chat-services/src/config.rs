@@ -395,6 +395,9 @@ pub struct ServiceConfig {
     pub outbox_retention: Duration,
     pub outbox_retention_interval: Duration,
     pub message_retention: Option<Duration>,
+    /// How requests are identified, as validated. The service serves with what validation
+    /// loaded for it (`verifier`, `certificate`): a config is made by `Cli::validate`, not
+    /// edited after.
     pub auth: AuthMode,
     pub cookie_secure: bool,
     pub crash_after_inbox_commit: Option<u64>,

@@ -219,7 +219,17 @@ pub(crate) async fn run_membership<I: Inbox>(
         }
     }
     if let Some(c) = conn.as_mut() {
-        if let Err(e) = heart.beat(c, &key, &m.me, "0", 0).await {
+        // Not bounded by the heartbeat's deadline: leaving is the last thing this instance
+        // does, and the connection's own response timeout bounds it.
+        let left: Result<Vec<String>, _> = MEMBERS
+            .key(&key)
+            .arg(&m.me)
+            .arg(m.ttl.as_millis() as u64)
+            .arg("0")
+            .arg(0)
+            .invoke_async(c)
+            .await;
+        if let Err(e) = left {
             warn!(error = %e, "could not leave the inbox member set; the others notice within the lease TTL");
         }
     }
