@@ -12,9 +12,7 @@ impl Store {
         limit: i64,
         before: Option<Uuid>,
     ) -> Result<Vec<HistoryItem>, StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
-            let s = self.side.schema();
-            let client = self.pool.get().await?;
+        on_connection!(self, |client, s| {
             let before_pos: Option<i64> = match before {
                 None => None,
                 Some(id) => {
@@ -52,7 +50,6 @@ impl Store {
             items.reverse();
             Ok(items)
         })
-        .await
     }
 
     /// A feed row `(id, body, created_at, sent, pos, sender)` as a history item.
@@ -78,9 +75,7 @@ impl Store {
         after: i64,
         limit: i64,
     ) -> Result<Vec<HistoryItem>, StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
-            let s = self.side.schema();
-            let client = self.pool.get().await?;
+        on_connection!(self, |client, s| {
             let statement = client
                 .prepare_cached(&format!(
                     "SELECT * FROM (
@@ -99,15 +94,12 @@ impl Store {
                 .await?;
             Ok(rows.iter().map(|r| self.item(chat_id, r)).collect())
         })
-        .await
     }
 
     /// The newest position of each chat's feed (chats with no message are absent). Every
     /// position up to it is final: readers that reach it missed nothing.
     pub(crate) async fn tips(&self, chats: &[i64]) -> Result<Vec<(i64, i64)>, StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
-            let s = self.side.schema();
-            let client = self.pool.get().await?;
+        on_connection!(self, |client, s| {
             let statement = client
                 .prepare_cached(&format!(
                     "SELECT chat_id, last_pos FROM {s}.chats WHERE chat_id = ANY($1)"
@@ -116,7 +108,6 @@ impl Store {
             let rows = client.query(&statement, &[&chats]).await?;
             Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
         })
-        .await
     }
 
     /// The feed position a cursor of the previous event-id scheme (a side-wide inbox `seq`,
@@ -130,9 +121,7 @@ impl Store {
         chat_id: i64,
         seq: i64,
     ) -> Result<i64, StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
-            let s = self.side.schema();
-            let client = self.pool.get().await?;
+        on_connection!(self, |client, s| {
             let row = client
                 .query_one(
                     &format!(
@@ -147,6 +136,5 @@ impl Store {
                 .await?;
             Ok(row.get(0))
         })
-        .await
     }
 }

@@ -27,9 +27,7 @@ impl Store {
     /// invalidates.
     #[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
     pub async fn claim_inbox_writer(&self, holder: &str, shard: u32) -> Result<i64, StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
-            let s = self.side.schema();
-            let client = self.pool.get().await?;
+        on_connection!(self, |client, s| {
             let row = client
                 .query_one(
                     &format!(
@@ -42,39 +40,35 @@ impl Store {
                 .await?;
             Ok(row.get(0))
         })
-        .await
     }
 
     /// The current epoch of `shard`'s inbox writer (for a write beside the writer: an
     /// operator's replay); 0 before any writer claimed the shard.
     pub(crate) async fn inbox_writer_epoch(&self, shard: u32) -> Result<i64, StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
-        let s = self.side.schema();
-        let client = self.pool.get().await?;
-        let row = client
-            .query_opt(
-                &format!(
-                    "WITH new AS (INSERT INTO {s}.inbox_writer (shard, holder, epoch) VALUES ($1, '', 0)
-                                  ON CONFLICT (shard) DO NOTHING RETURNING epoch)
-                     SELECT epoch FROM new UNION ALL SELECT epoch FROM {s}.inbox_writer WHERE shard = $1"
-                ),
-                &[&(shard as i32)],
-            )
-            .await?;
-        match row {
-            Some(row) => Ok(row.get(0)),
-            // A first claim committed between the insert's conflict and the select's
-            // snapshot: the row is there now.
-            None => Ok(client
-                .query_one(
-                    &format!("SELECT epoch FROM {s}.inbox_writer WHERE shard = $1"),
+        on_connection!(self, |client, s| {
+            let row = client
+                .query_opt(
+                    &format!(
+                        "WITH new AS (INSERT INTO {s}.inbox_writer (shard, holder, epoch) VALUES ($1, '', 0)
+                                      ON CONFLICT (shard) DO NOTHING RETURNING epoch)
+                         SELECT epoch FROM new UNION ALL SELECT epoch FROM {s}.inbox_writer WHERE shard = $1"
+                    ),
                     &[&(shard as i32)],
                 )
-                .await?
-                .get(0)),
-        }
+                .await?;
+            match row {
+                Some(row) => Ok(row.get(0)),
+                // A first claim committed between the insert's conflict and the select's
+                // snapshot: the row is there now.
+                None => Ok(client
+                    .query_one(
+                        &format!("SELECT epoch FROM {s}.inbox_writer WHERE shard = $1"),
+                        &[&(shard as i32)],
+                    )
+                    .await?
+                    .get(0)),
+            }
         })
-        .await
     }
 
     /// Record received messages in one transaction, each once (by message id), in the
@@ -177,9 +171,7 @@ impl Store {
 
     /// Which of these message ids the inbox holds already.
     pub(crate) async fn inbox_holds(&self, ids: &[Uuid]) -> Result<Vec<Uuid>, StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
-            let s = self.side.schema();
-            let client = self.pool.get().await?;
+        on_connection!(self, |client, s| {
             let statement = client
                 .prepare_cached(&format!(
                     "SELECT message_id FROM {s}.inbox WHERE message_id = ANY($1)"
@@ -188,6 +180,5 @@ impl Store {
             let rows = client.query(&statement, &[&ids]).await?;
             Ok(rows.iter().map(|r| r.get(0)).collect())
         })
-        .await
     }
 }

@@ -6,17 +6,17 @@ use super::*;
 impl Store {
     /// Whether `user` is a member of chat `chat_id` on this side.
     pub(crate) async fn is_member(&self, chat_id: i64, user: &str) -> Result<bool, StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
-            let s = self.side.schema();
-            let client = self.pool.get().await?;
+        on_connection!(self, |client, s| {
             let statement = client
                 .prepare_cached(&format!(
                     "SELECT EXISTS (SELECT 1 FROM {s}.chat_members WHERE chat_id = $1 AND user_id = $2)"
                 ))
                 .await?;
-            Ok(client.query_one(&statement, &[&chat_id, &user]).await?.get(0))
+            Ok(client
+                .query_one(&statement, &[&chat_id, &user])
+                .await?
+                .get(0))
         })
-        .await
     }
 
     /// Make `user` a member of chat `chat_id`; `false` if they were one already.
@@ -26,9 +26,7 @@ impl Store {
         user: &str,
         by: &str,
     ) -> Result<bool, StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
-            let s = self.side.schema();
-            let client = self.pool.get().await?;
+        on_connection!(self, |client, s| {
             let added = client
                 .execute(
                     &format!(
@@ -40,14 +38,11 @@ impl Store {
                 .await?;
             Ok(added == 1)
         })
-        .await
     }
 
     /// End `user`'s membership of chat `chat_id`; `false` if they were no member.
     pub(crate) async fn remove_member(&self, chat_id: i64, user: &str) -> Result<bool, StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
-            let s = self.side.schema();
-            let client = self.pool.get().await?;
+        on_connection!(self, |client, s| {
             let removed = client
                 .execute(
                     &format!("DELETE FROM {s}.chat_members WHERE chat_id = $1 AND user_id = $2"),
@@ -56,14 +51,11 @@ impl Store {
                 .await?;
             Ok(removed == 1)
         })
-        .await
     }
 
     /// The members of chat `chat_id`, by user id.
     pub(crate) async fn members(&self, chat_id: i64) -> Result<Vec<String>, StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
-            let s = self.side.schema();
-            let client = self.pool.get().await?;
+        on_connection!(self, |client, s| {
             let rows = client
                 .query(
                     &format!(
@@ -74,7 +66,6 @@ impl Store {
                 .await?;
             Ok(rows.iter().map(|r| r.get(0)).collect())
         })
-        .await
     }
 
     /// Which of these `(chat, user)` pairs are memberships, in one query whatever their
@@ -83,9 +74,7 @@ impl Store {
         &self,
         pairs: &[(i64, String)],
     ) -> Result<std::collections::HashSet<(i64, String)>, StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
-            let s = self.side.schema();
-            let client = self.pool.get().await?;
+        on_connection!(self, |client, s| {
             let chats: Vec<i64> = pairs.iter().map(|(c, _)| *c).collect();
             let users: Vec<&str> = pairs.iter().map(|(_, u)| u.as_str()).collect();
             let statement = client
@@ -98,6 +87,5 @@ impl Store {
             let rows = client.query(&statement, &[&chats, &users]).await?;
             Ok(rows.iter().map(|r| (r.get(0), r.get(1))).collect())
         })
-        .await
     }
 }

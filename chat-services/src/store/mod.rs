@@ -18,6 +18,23 @@ use uuid::Uuid;
 use crate::model::{HistoryItem, Message, MESSAGE_CREATED};
 use crate::side::Side;
 
+/// `on_connection!(self, |client, s| { ... })`: run the block on a pooled connection
+/// (`client`) with this side's schema name (`s`), as one operation bounded by
+/// [`STATEMENT_DEADLINE`] (see [`Store::bounded`]): the prelude of every statement but a
+/// send's, written once. (A macro: an async closure borrowing the connection cannot yet
+/// promise the `Send` future hyper's tasks need.)
+macro_rules! on_connection {
+    ($store:expr, |$client:ident, $schema:ident| $body:block) => {
+        $store
+            .bounded($crate::store::STATEMENT_DEADLINE, async {
+                let $schema = $store.side.schema();
+                let $client = $store.pool.get().await?;
+                $body
+            })
+            .await
+    };
+}
+
 mod feed;
 mod inbox;
 mod members;

@@ -34,9 +34,7 @@ impl Store {
             .unwrap_or(std::time::UNIX_EPOCH);
         let bound = least_uuid_v7_of(cutoff);
         let cutoff = OffsetDateTime::from(cutoff);
-        self.bounded(STATEMENT_DEADLINE, async {
-            let s = self.side.schema();
-            let client = self.pool.get().await?;
+        on_connection!(self, |client, s| {
             let deleted = if sent {
                 let statement = client
                     .prepare_cached(&format!(
@@ -65,7 +63,6 @@ impl Store {
             };
             Ok(deleted)
         })
-        .await
     }
 
     /// Delete up to `batch` outbox rows older than `older_than`; returns how many. Deletes
@@ -76,9 +73,7 @@ impl Store {
         older_than: Duration,
         batch: i64,
     ) -> Result<u64, StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
-            let s = self.side.schema();
-            let client = self.pool.get().await?;
+        on_connection!(self, |client, s| {
             let statement = client
                 .prepare_cached(&format!(
                     "DELETE FROM {s}.outbox WHERE id IN (
@@ -91,6 +86,5 @@ impl Store {
                 .execute(&statement, &[&older_than.as_secs_f64(), &batch])
                 .await?)
         })
-        .await
     }
 }
