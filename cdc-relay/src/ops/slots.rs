@@ -192,27 +192,38 @@ pub async fn check(args: &CheckArgs) -> (CheckStatus, String) {
             Err(why) => (None, Some(why)),
         },
     };
-    let (status, line) = evaluate(args, &slot, inactive_for);
-    let Some(why) = untracked else {
-        return (status, line);
-    };
-    // An inactive slot whose inactivity cannot be timed is not OK: say why, and what to change
-    // (a read-only root filesystem in a pod, typically).
-    // CRITICAL for another reason stays CRITICAL: it is already the page.
-    let status = if status == CheckStatus::Critical {
-        status
-    } else {
-        CheckStatus::Unknown
-    };
-    let (head, perf) = line.split_once(" | ").unwrap_or((&line, ""));
-    let detail = head.split_once(" - ").map_or(head, |(_, d)| d);
-    (
-        status,
+    let mut verdict = evaluate(args, &slot, inactive_for);
+    if let Some(why) = untracked {
+        // An inactive slot whose inactivity cannot be timed is not OK: say why, and what to
+        // change (a read-only root filesystem in a pod, typically). CRITICAL for another
+        // reason stays CRITICAL: it is already the page.
+        if verdict.status != CheckStatus::Critical {
+            verdict.status = CheckStatus::Unknown;
+        }
+        verdict.detail.push_str(&format!(
+            "; inactive for an unknown time: {why} (point --state-dir / CDC_CHECK_STATE_DIR at a writable directory)"
+        ));
+    }
+    (verdict.status, verdict.line())
+}
+
+/// A judged slot reading: its status, what the line says, and the performance data.
+pub(crate) struct Verdict {
+    pub(crate) status: CheckStatus,
+    pub(crate) detail: String,
+    perf: String,
+}
+
+impl Verdict {
+    /// The check's one line, as monitoring plugins print it.
+    pub(crate) fn line(&self) -> String {
         format!(
-            "CDC-RELAY {} - {detail}; inactive for an unknown time: {why} (point --state-dir / CDC_CHECK_STATE_DIR at a writable directory) | {perf}",
-            status.label()
-        ),
-    )
+            "CDC-RELAY {} - {} | {}",
+            self.status.label(),
+            self.detail,
+            self.perf
+        )
+    }
 }
 
 /// Judge a slot reading; `inactive_for` is how long it has been seen inactive.
@@ -220,7 +231,7 @@ pub(crate) fn evaluate(
     args: &CheckArgs,
     slot: &SlotHealth,
     inactive_for: Option<Duration>,
-) -> (CheckStatus, String) {
+) -> Verdict {
     let warn_lag = args.warn_lag_bytes.unwrap_or(args.max_lag_bytes / 2);
     let warn_inactive = args
         .warn_inactive_seconds
@@ -319,10 +330,11 @@ pub(crate) fn evaluate(
         args.max_lag_bytes,
         slot.retained_bytes.unwrap_or(0)
     );
-    (
+    Verdict {
         status,
-        format!("CDC-RELAY {} - {detail} | {perf}", status.label()),
-    )
+        detail,
+        perf,
+    }
 }
 
 /// Remember since when the slot is inactive in `state_dir`; `None` while active. An error
