@@ -233,21 +233,13 @@ pub struct AuthArgs {
     pub cookie_secure: bool,
 }
 
-/// How requests are identified, validated.
-#[derive(Debug, Clone)]
-pub enum AuthMode {
-    /// `--allow-anonymous`.
-    Anonymous,
-    Tokens(crate::access::auth::TokenConfig),
-}
-
 impl AuthArgs {
-    /// The mode, and with tokens the verifier (its key set read now, so a missing or
-    /// malformed one refuses the start with its reason).
+    /// The token verifier, its key set read now (so a missing or malformed one refuses the
+    /// start with its reason); `None` with `--allow-anonymous`.
     fn validate(
         &self,
         cookie_secure: bool,
-    ) -> Result<(AuthMode, Option<crate::access::auth::Verifier>), ConfigError> {
+    ) -> Result<Option<crate::access::auth::Verifier>, ConfigError> {
         let refuse = |message: String| Err(ConfigError(message));
         let jwks = match (&self.jwks_file, &self.jwks_url) {
             (Some(file), _) => crate::access::auth::KeySource::File(file.clone()),
@@ -275,7 +267,7 @@ impl AuthArgs {
             }
             (None, None) => {
                 if self.allow_anonymous {
-                    return Ok((AuthMode::Anonymous, None));
+                    return Ok(None);
                 }
                 return refuse("no authentication configured: set --jwks-file (CHAT_JWKS_FILE) or --jwks-url (CHAT_JWKS_URL) to the identity provider's keys, with --jwt-issuer and --jwt-audience, or --allow-anonymous (CHAT_ALLOW_ANONYMOUS=true) for a trusted test setup where anyone may read and post".into());
             }
@@ -315,8 +307,7 @@ impl AuthArgs {
             leeway: self.jwt_leeway,
             admin_scope: self.admin_scope.clone(),
         };
-        let verifier = crate::access::auth::Verifier::load(config.clone())?;
-        Ok((AuthMode::Tokens(config), Some(verifier)))
+        crate::access::auth::Verifier::load(config).map(Some)
     }
 }
 
@@ -367,7 +358,8 @@ pub struct ServiceConfig {
     /// TLS on --listen: the certificate chain and key, loaded once at start (and watched for
     /// renewal while serving).
     pub(crate) certificate: Option<std::sync::Arc<crate::http::tls::Certificate>>,
-    /// The token verifier, its key set read (with `AuthMode::Tokens`).
+    /// The token verifier, its key set read; `None`: anonymous (`--allow-anonymous`, or an
+    /// operator's command, which serves nobody).
     pub(crate) verifier: Option<std::sync::Arc<crate::access::auth::Verifier>>,
     pub admin_addr: Option<SocketAddr>,
     pub consumer_name: String,
@@ -395,10 +387,6 @@ pub struct ServiceConfig {
     pub outbox_retention: Duration,
     pub outbox_retention_interval: Duration,
     pub message_retention: Option<Duration>,
-    /// How requests are identified, as validated. The service serves with what validation
-    /// loaded for it (`verifier`, `certificate`): a config is made by `Cli::validate`, not
-    /// edited after.
-    pub auth: AuthMode,
     pub cookie_secure: bool,
     pub crash_after_inbox_commit: Option<u64>,
     pub crash_on_body: Option<String>,
@@ -499,12 +487,11 @@ impl Cli {
         };
         // Served over TLS, the session cookie is for HTTPS only.
         let cookie_secure = self.auth.cookie_secure || certificate.is_some();
-        let (auth, verifier) = match self.command {
-            Some(_) => (AuthMode::Anonymous, None),
+        let verifier = match self.command {
+            Some(_) => None,
             None => self.auth.validate(cookie_secure)?,
         };
         Ok(ServiceConfig {
-            auth,
             certificate,
             verifier: verifier.map(std::sync::Arc::new),
             cookie_secure,

@@ -35,7 +35,7 @@ mod store;
 
 pub use access::auth::{KeySource, TokenConfig, TokenVerifier};
 pub use access::token;
-pub use config::{AuthArgs, AuthMode, Cli, Command, DeadLetterCommand, MigrateCli, ServiceConfig};
+pub use config::{AuthArgs, Cli, Command, DeadLetterCommand, MigrateCli, ServiceConfig};
 pub use model::{parse_chat_id, parse_send_request, Message, MESSAGE_CREATED};
 pub use operations::dead_letters::{run as dead_letters, Outcome as DeadLetterOutcome};
 pub use outbox_consumer::{ConsumerRole, ConsumerStatus};
