@@ -20,6 +20,13 @@ impl Backoff {
         }
     }
 
+    /// Reaching a server again: from `first` up to one second, so a server that comes back
+    /// after a long outage is noticed within a second of it (an attempt costs one
+    /// connection), not after a pause that grew through the outage.
+    pub fn reconnecting(first: Duration) -> Self {
+        Self::new(first, Duration::from_secs(1))
+    }
+
     /// The next pause: uniformly in [d/2, d] for the current step d, then double d.
     pub fn next_delay(&mut self) -> Duration {
         let d = self.current;

@@ -40,13 +40,6 @@ fn instance_id() -> &'static str {
     ID.get_or_init(|| uuid::Uuid::new_v4().simple().to_string())
 }
 
-/// The backoff between attempts to reach Redis again: from `first` up to one second, so a
-/// server that comes back after a long outage is noticed within a second of it (an
-/// attempt costs one connection), not after a pause that grew through the outage.
-fn retry_backoff(first: Duration) -> Backoff {
-    Backoff::new(first, Duration::from_secs(1))
-}
-
 /// The side's hint channel. Named after the feed (ids `p<pos>`): instances of the previous
 /// version, which sent side-wide inbox positions, use [`legacy_channel`], so neither
 /// misreads the other's positions.
@@ -241,7 +234,7 @@ pub(crate) struct Publisher {
 
 impl Publisher {
     pub(crate) async fn run(mut self, shutdown: CancellationToken) {
-        let mut backoff = retry_backoff(Duration::from_millis(100));
+        let mut backoff = Backoff::reconnecting(Duration::from_millis(100));
         let mut conn: Option<RedisConn> = None;
         // When instances of the previous version are owed a resync (see LEGACY_EVERY).
         let mut legacy_due: Option<Instant> = None;
@@ -321,7 +314,7 @@ pub(crate) async fn follow(
     hub: Arc<Hub>,
     shutdown: CancellationToken,
 ) {
-    let mut backoff = retry_backoff(Duration::from_millis(200));
+    let mut backoff = Backoff::reconnecting(Duration::from_millis(200));
     loop {
         let session = async {
             match &client {

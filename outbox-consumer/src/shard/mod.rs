@@ -53,13 +53,6 @@ const READ_BLOCK: Duration = Duration::from_secs(1);
 /// soon after the previous holder released it.
 const WANTED_LEASE_POLL: Duration = Duration::from_millis(200);
 
-/// The backoff between attempts to reach Redis or the database again: from `first` up to
-/// one second, so a server that comes back after a long outage is noticed within a second
-/// of it, not after a pause that grew through the outage.
-fn retry_backoff(first: Duration) -> Backoff {
-    Backoff::new(first, Duration::from_secs(1))
-}
-
 #[derive(Debug, thiserror::Error)]
 enum ConsumeError {
     #[error("redis: {0}")]
@@ -165,7 +158,7 @@ impl<I: Inbox> ShardConsumer<I> {
             &self.config.consumer,
             self.config.lease_ttl,
         );
-        let mut backoff = retry_backoff(Duration::from_millis(100));
+        let mut backoff = Backoff::reconnecting(Duration::from_millis(100));
         loop {
             if shutdown.is_cancelled() {
                 break;
@@ -719,7 +712,7 @@ impl<I: Inbox> Active<'_, I> {
         part: &[(Entry, I::Item)],
         shutdown: &CancellationToken,
     ) -> Result<Written<I::Recorded>, ConsumeError> {
-        let mut backoff = retry_backoff(Duration::from_millis(100));
+        let mut backoff = Backoff::reconnecting(Duration::from_millis(100));
         loop {
             let e = match self.inbox().record(part, self.fence).await {
                 Ok(recorded) => return Ok(Written::Done(recorded)),
