@@ -221,18 +221,29 @@ pub(crate) async fn run_membership<I: Inbox>(
     if let Some(c) = conn.as_mut() {
         // Not bounded by the heartbeat's deadline: leaving is the last thing this instance
         // does, and the connection's own response timeout bounds it.
-        let left: Result<Vec<String>, _> = MEMBERS
-            .key(&key)
-            .arg(&m.me)
-            .arg(m.ttl.as_millis() as u64)
-            .arg("0")
-            .arg(0)
-            .invoke_async(c)
-            .await;
-        if let Err(e) = left {
+        if let Err(e) = members(c, &key, &m.me, m.ttl, "0", 0).await {
             warn!(error = %e, "could not leave the inbox member set; the others notice within the lease TTL");
         }
     }
+}
+
+/// One call of the members script (see [`MEMBERS`]): the liveness window is the lease TTL.
+async fn members(
+    conn: &mut RedisConn,
+    key: &str,
+    me: &str,
+    ttl: Duration,
+    mode: &str,
+    failing_since: u64,
+) -> redis::RedisResult<Vec<String>> {
+    MEMBERS
+        .key(key)
+        .arg(me)
+        .arg(ttl.as_millis() as u64)
+        .arg(mode)
+        .arg(failing_since)
+        .invoke_async(conn)
+        .await
 }
 
 /// A new view of the members: the shards this instance wants now, said and sent.
@@ -367,13 +378,7 @@ impl Heart {
     ) -> Result<(u64, bool, bool, Vec<String>), redis::RedisError> {
         let reply: Vec<String> = tokio::time::timeout(
             BEAT_WAIT.min(self.ttl / 3),
-            MEMBERS
-                .key(key)
-                .arg(me)
-                .arg(self.ttl.as_millis() as u64)
-                .arg(mode)
-                .arg(failing_since)
-                .invoke_async(conn),
+            members(conn, key, me, self.ttl, mode, failing_since),
         )
         .await
         .unwrap_or_else(|_| {
