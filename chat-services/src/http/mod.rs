@@ -182,10 +182,13 @@ where
 /// learn where it came from.
 async fn route(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     let started = std::time::Instant::now();
-    let label = Route::label(Route::of(req.uri().path()).map(|m| m.route));
+    // The path is matched once: its route is the label and what is dispatched.
+    let path = req.uri().path().to_string();
+    let matched = Route::of(&path);
+    let label = Route::label(matched.map(|m| m.route));
     let method = req.method().clone();
     let metrics = app.metrics.clone();
-    let mut resp = dispatch(app, req).await;
+    let mut resp = dispatch(app, req, &path, matched).await;
     metrics
         .http_request_duration_seconds
         .with_label_values(&[label, method_label(&method), resp.status().as_str()])
@@ -215,10 +218,14 @@ fn method_label(method: &Method) -> &'static str {
     }
 }
 
-async fn dispatch(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
-    let path = req.uri().path().to_string();
+async fn dispatch(
+    app: Arc<App>,
+    req: Request<Incoming>,
+    path: &str,
+    matched: Option<Matched<'_>>,
+) -> Response<Body> {
     let method = req.method().clone();
-    let Some(Matched { route, id, user }) = Route::of(&path) else {
+    let Some(Matched { route, id, user }) = matched else {
         return reply::error(StatusCode::NOT_FOUND, format!("no route {path}"));
     };
     match (route, &method) {
@@ -241,6 +248,6 @@ async fn dispatch(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
         (Route::Members, &Method::GET) => members::members(&app, id, &req).await,
         (Route::Member, &Method::PUT) => members::set_member(&app, id, user, true, &req).await,
         (Route::Member, &Method::DELETE) => members::set_member(&app, id, user, false, &req).await,
-        (route, _) => reply::method_not_allowed(&method, &path, route.allowed()),
+        (route, _) => reply::method_not_allowed(&method, path, route.allowed()),
     }
 }
