@@ -23,11 +23,12 @@ fn start(name: &str, postgres: &str, redis: &RedisServer) -> ChildProcess {
 }
 
 /// Publish entry `n` as the relay would (explicit id, the contract's fields), again and
-/// again until Redis has it: after a restart an XADD of an id it holds is refused, which
-/// means it is in.
+/// again until Redis has it (30 s at most): after a restart an XADD of an id it holds is
+/// refused, which means it is in.
 async fn publish(redis: &RedisServer, n: i64) {
     let shard = shard_of(Some(format!("customer-{}", n % 7).as_bytes()), SHARDS);
     let key = shard_key(STREAM, shard, SHARDS);
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
     loop {
         let added: anyhow::Result<String> = async {
             let mut conn = redis.connect().await?;
@@ -44,7 +45,13 @@ async fn publish(redis: &RedisServer, n: i64) {
         match added {
             Ok(_) => return,
             Err(e) if e.to_string().contains("equal or smaller") => return,
-            Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+            Err(e) => {
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "entry {n} not published within 30 s: {e}"
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
         }
     }
 }
