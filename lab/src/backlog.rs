@@ -6,13 +6,12 @@
 //! is recorded once, in its chat's order.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
 use clap::Args as ClapArgs;
 use serde::Serialize;
+use tokio_util::sync::CancellationToken;
 
 use crate::clients::{self, Watcher};
 use crate::report;
@@ -123,16 +122,23 @@ pub async fn run_backlog(bins: Bins, args: &Args) -> anyhow::Result<BacklogRepor
         .iter()
         .map(|&chat| (chat, Watcher::start(receiver, chat)))
         .collect();
-    let stop = Arc::new(AtomicBool::new(false));
-    let sender = tokio::spawn(send_live(
-        system.service_addr(Side::Consumers),
-        args.rate,
-        live.clone(),
+    let stop = CancellationToken::new();
+    let sender = tokio::spawn(clients::send_steadily(
+        clients::Traffic {
+            addrs: vec![system.service_addr(Side::Consumers)],
+            rate: args.rate,
+            chat: {
+                let live = live.clone();
+                move |n| live[(n - 1) as usize % live.len()]
+            },
+            body: |n| format!("live {n}"),
+            give_up: Duration::from_secs(60),
+        },
         stop.clone(),
     ));
 
     let (catch_up, at_first_live) = wait_caught_up(&admin, &watchers, args, started).await?;
-    stop.store(true, Ordering::SeqCst);
+    stop.cancel();
     sender.await?;
 
     let (violations, mut delays) = check(&admin, watchers, live, args).await?;
@@ -156,24 +162,6 @@ pub async fn run_backlog(bins: Bins, args: &Args) -> anyhow::Result<BacklogRepor
         live_max_ms: ms(delays.last().copied().unwrap_or_default()),
         violations,
     })
-}
-
-/// Live sends to the `live` chats in turn at `rate` a second, until `stop`.
-async fn send_live(addr: SocketAddr, rate: f64, live: Vec<i64>, stop: Arc<AtomicBool>) {
-    let mut pending = Vec::new();
-    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
-    let mut n = 0usize;
-    while !stop.load(Ordering::SeqCst) {
-        tick.tick().await;
-        let chat = live[n % live.len()];
-        n += 1;
-        pending.push(tokio::spawn(async move {
-            clients::send(addr, chat, &format!("live {n}"), Duration::from_secs(60)).await
-        }));
-    }
-    for p in pending {
-        let _ = p.await;
-    }
 }
 
 /// Until the backlog is in (30 minutes at most): how long it took from `started`, and the

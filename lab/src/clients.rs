@@ -11,6 +11,51 @@ use testkit::http::SseClient;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+/// What a steady sender sends: its n-th message (from 1) goes to chat `chat(n)` with body
+/// `body(n)`, through `addrs[n % addrs.len()]`, each retried for `give_up`.
+pub struct Traffic<C, B> {
+    pub addrs: Vec<SocketAddr>,
+    /// Messages a second.
+    pub rate: f64,
+    pub chat: C,
+    pub body: B,
+    pub give_up: Duration,
+}
+
+/// Send `traffic` at its steady rate until `stop`, then wait for every answer: how many
+/// were answered, and how many failed.
+pub async fn send_steadily<C, B>(traffic: Traffic<C, B>, stop: CancellationToken) -> (usize, usize)
+where
+    C: Fn(i64) -> i64,
+    B: Fn(i64) -> String,
+{
+    let mut pending = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / traffic.rate));
+    let mut n = 0i64;
+    while !stop.is_cancelled() {
+        tokio::select! {
+            _ = stop.cancelled() => break,
+            _ = tick.tick() => {}
+        }
+        n += 1;
+        let (chat, body) = ((traffic.chat)(n), (traffic.body)(n));
+        let addr = traffic.addrs[n as usize % traffic.addrs.len()];
+        let give_up = traffic.give_up;
+        pending.push(tokio::spawn(async move {
+            send(addr, chat, &body, give_up).await
+        }));
+    }
+    let mut ok = 0;
+    let mut failed = 0;
+    for p in pending {
+        match p.await {
+            Ok(Ok(_)) => ok += 1,
+            _ => failed += 1,
+        }
+    }
+    (ok, failed)
+}
+
 /// Send one message, retrying connection failures and 503s until `give_up` has passed.
 /// Returns the message as answered, or the last error.
 pub async fn send(

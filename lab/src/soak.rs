@@ -395,13 +395,19 @@ impl Load {
             let addrs: Vec<_> = (0..instances)
                 .map(|i| system.instance_addr(side, i))
                 .collect();
-            senders.push(tokio::spawn(send_steadily(
-                side,
+            let chats = args.chats;
+            let traffic = clients::Traffic {
                 addrs,
-                args.rate,
-                args.chats,
-                stop.clone(),
-            )));
+                rate: args.rate,
+                chat: move |n| 1 + n % chats,
+                body: move |n| format!("{side}-{n}"),
+                give_up: Duration::from_secs(90),
+            };
+            let stop = stop.clone();
+            senders.push(tokio::spawn(async move {
+                let (ok, failed) = clients::send_steadily(traffic, stop).await;
+                (side, ok, failed)
+            }));
         }
         let rollbacks = Arc::new(AtomicU64::new(0));
         let mut rollers = Vec::new();
@@ -438,42 +444,6 @@ impl Load {
         }
         Ok((sent, send_failures, self.rollbacks.load(Ordering::Relaxed)))
     }
-}
-
-/// Send to `side`'s instances in turn at `rate` a second, spread over the chats, until
-/// `stop`; then how many were answered and how many failed.
-async fn send_steadily(
-    side: Side,
-    addrs: Vec<std::net::SocketAddr>,
-    rate: f64,
-    chats: i64,
-    stop: CancellationToken,
-) -> (Side, usize, usize) {
-    let mut pending = Vec::new();
-    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
-    let mut n = 0i64;
-    while !stop.is_cancelled() {
-        tokio::select! {
-            _ = stop.cancelled() => break,
-            _ = tick.tick() => {}
-        }
-        n += 1;
-        let chat = 1 + n % chats;
-        let body = format!("{side}-{n}");
-        let addr = addrs[n as usize % addrs.len()];
-        pending.push(tokio::spawn(async move {
-            clients::send(addr, chat, &body, Duration::from_secs(90)).await
-        }));
-    }
-    let mut ok = 0;
-    let mut failed = 0;
-    for p in pending {
-        match p.await {
-            Ok(Ok(_)) => ok += 1,
-            _ => failed += 1,
-        }
-    }
-    (side, ok, failed)
 }
 
 /// Faults at random intervals around `--fault-every` until `deadline`: the deck first (every

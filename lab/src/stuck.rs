@@ -9,8 +9,6 @@
 //! put back as it was.
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
@@ -18,6 +16,7 @@ use clap::Args as ClapArgs;
 use outbox_core::stream::{keys, shard_key, shard_of};
 use serde::Serialize;
 use testkit::TestDb;
+use tokio_util::sync::CancellationToken;
 
 use crate::clients::{self, Watcher};
 use crate::report;
@@ -117,11 +116,16 @@ pub async fn run_stuck(bins: Bins, args: &Args) -> anyhow::Result<StuckReport> {
         .map(|chat| (chat, Watcher::start(receiver, chat)))
         .collect();
     // Steady traffic and WAL from elsewhere.
-    let stop = Arc::new(AtomicBool::new(false));
-    let sender = tokio::spawn(send_steadily(
-        system.service_addr(Side::Consumers),
-        args.rate,
-        args.chats,
+    let stop = CancellationToken::new();
+    let chats = args.chats;
+    let sender = tokio::spawn(clients::send_steadily(
+        clients::Traffic {
+            addrs: vec![system.service_addr(Side::Consumers)],
+            rate: args.rate,
+            chat: move |n| 1 + n % chats,
+            body: |n| format!("m{n}"),
+            give_up: Duration::from_secs(60),
+        },
         stop.clone(),
     ));
     let noise = tokio::spawn(write_noise(system.db.clone(), args.noise_mb, stop.clone()));
@@ -129,8 +133,8 @@ pub async fn run_stuck(bins: Bins, args: &Args) -> anyhow::Result<StuckReport> {
     let fault = refuse_writes(&system, args).await?;
     // Traffic goes on a while, then everything sent must be shown.
     tokio::time::sleep(Duration::from_secs(10)).await;
-    stop.store(true, Ordering::SeqCst);
-    let sent = sender.await?;
+    stop.cancel();
+    let (sent, _) = sender.await?;
     noise.await??;
     let admin = system.db.connect().await?;
     let expected = feeds(&admin, args.chats).await?;
@@ -169,37 +173,14 @@ pub async fn run_stuck(bins: Bins, args: &Args) -> anyhow::Result<StuckReport> {
     })
 }
 
-/// Send to `addr` at `rate` a second, spread over the chats, until `stop`; how many were
-/// answered.
-async fn send_steadily(addr: SocketAddr, rate: f64, chats: i64, stop: Arc<AtomicBool>) -> usize {
-    let mut pending = Vec::new();
-    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / rate));
-    let mut n = 0i64;
-    while !stop.load(Ordering::SeqCst) {
-        tick.tick().await;
-        n += 1;
-        let chat = 1 + n % chats;
-        pending.push(tokio::spawn(async move {
-            clients::send(addr, chat, &format!("m{n}"), Duration::from_secs(60)).await
-        }));
-    }
-    let mut sent = 0;
-    for p in pending {
-        if matches!(p.await, Ok(Ok(_))) {
-            sent += 1;
-        }
-    }
-    sent
-}
-
 /// `mb` MB of WAL a second from a table nobody publishes, until `stop`.
-async fn write_noise(db: TestDb, mb: usize, stop: Arc<AtomicBool>) -> anyhow::Result<()> {
+async fn write_noise(db: TestDb, mb: usize, stop: CancellationToken) -> anyhow::Result<()> {
     let admin = db.connect().await?;
     admin
         .batch_execute("CREATE TABLE IF NOT EXISTS public.noise (pad text)")
         .await?;
     let mut tick = tokio::time::interval(Duration::from_secs(1));
-    while !stop.load(Ordering::SeqCst) {
+    while !stop.is_cancelled() {
         tick.tick().await;
         admin
             .execute(
