@@ -70,7 +70,7 @@ fi
 
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 # kubernetes-validate carries the Kubernetes JSON schemas: the manifests' test validates
-# against them with no network (chat-services/tests/deployment.rs).
+# against them with no network (repo-checks/tests/deployment.rs).
 kv="$repo/.cache/kubernetes-validate"
 if [ ! -e "$kv/.complete-1.37.0" ]; then
   echo "install-deps: installing kubernetes-validate 1.37.0 into $kv" >&2

@@ -10,8 +10,7 @@ use testkit::{wait_until, ChildProcess, Signal};
 
 /// The command after the `run-command` marker in README.md.
 fn readme_run_command() -> String {
-    let readme =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../README.md")).unwrap();
+    let readme = repo_checks::read("README.md");
     let mut lines = readme
         .lines()
         .skip_while(|l| !l.contains("<!-- run-command -->"));
@@ -45,17 +44,12 @@ async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
     let mut cmd = Command::new("bash");
     cmd.arg("-c")
         .arg(readme_run_command())
-        .current_dir(concat!(env!("CARGO_MANIFEST_DIR"), "/.."))
+        .current_dir(repo_checks::repo())
         .env("CHAT_LOCAL_DIR", &state)
         .env("CHAT_LOCAL_PROFILE", "debug")
-        // The binaries of this test build: building here would replace them for the tests
-        // running beside this one (a plain build lacks the failpoints they use).
-        .env(
-            "CHAT_LOCAL_BIN",
-            std::path::Path::new(env!("CARGO_BIN_EXE_chat-service"))
-                .parent()
-                .unwrap(),
-        )
+        // The binaries as built for the checks: the run command building its own would
+        // replace them for the tests running beside this one.
+        .env("CHAT_LOCAL_BIN", repo_checks::binaries())
         .env("CONSUMERS_PORT", ports[0].to_string())
         .env("WORKERS_PORT", ports[1].to_string())
         .env("CONSUMERS_RELAY_ADMIN", ports[2].to_string())
@@ -64,14 +58,6 @@ async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
         .env("REDIS_PORT", ports[5].to_string())
         .env("CONSUMERS_ADMIN", ports[6].to_string())
         .env("WORKERS_ADMIN", ports[7].to_string());
-    let bin_dir = std::path::Path::new(env!("CARGO_BIN_EXE_chat-service"))
-        .parent()
-        .unwrap();
-    assert!(
-        bin_dir.join("cdc-relay").exists(),
-        "{} has no cdc-relay: run the tests with `cargo test --workspace`",
-        bin_dir.display()
-    );
     let stack = ChildProcess::spawn("local-stack", cmd, &state.join("run.log")).unwrap();
     wait_until(Duration::from_secs(600), "the chat page URLs", || async {
         let out = stack.log();

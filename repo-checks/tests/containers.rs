@@ -19,9 +19,7 @@ use std::time::{Duration, Instant};
 
 use testkit::{wait_until, ChildProcess, Signal};
 
-fn repo() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..")
-}
+use repo_checks::repo;
 
 /// Runs `cmd`; its output, or a panic naming it with what it printed.
 fn run(cmd: &mut Command) -> Output {
@@ -260,28 +258,19 @@ fn healthcheck_pump(podman: &Podman, project: &str, stop: Arc<AtomicBool>) {
 }
 
 /// Copies the binaries into `ctx/.prebuilt/`, stripped (the images need no debug info).
-/// They are the ones this test build made: `cargo test --workspace` builds the relay's too.
+/// They are the workspace's binaries as built for the checks ([`repo_checks::binaries`]).
 fn stage_binaries(ctx: &Path) {
-    let bin_dir = Path::new(env!("CARGO_BIN_EXE_chat-service"))
-        .parent()
-        .unwrap();
     let out = ctx.join(".prebuilt");
     std::fs::create_dir_all(&out).unwrap();
     for binary in ["cdc-relay", "chat-service", "migrate", "healthcheck"] {
         let to = out.join(binary);
-        let from = bin_dir.join(binary);
-        assert!(
-            from.exists(),
-            "{} is missing: run the tests with `cargo test --workspace`",
-            from.display()
-        );
-        std::fs::copy(&from, &to).unwrap();
+        std::fs::copy(repo_checks::binary(binary), &to).unwrap();
         run(Command::new("strip").arg(&to));
     }
 }
 
 fn mint(secrets: &Path, args: &[&str]) -> String {
-    stdout(&run(Command::new(env!("CARGO_BIN_EXE_chat-token"))
+    stdout(&run(Command::new(repo_checks::binary("chat-token"))
         .arg("--key")
         .arg(secrets.join("idp/key.pem"))
         .args([
