@@ -209,7 +209,6 @@ impl<'a> Stack<'a> {
         db.query_one(sql, &[]).await.unwrap().get(0)
     }
 
-
     pub(crate) async fn stop(mut self) {
         for (_, token, task) in self.relays.drain(..) {
             token.cancel();
