@@ -14,13 +14,14 @@
 //! - `access`: who is asking (`auth`, `token`), what one user may take (`quota`), streams
 //!   held to membership (`streams`);
 //! - `operations`: the dead-letter command and retention;
-//! - `service`: the runtime; `config` (flags → validated settings), `metrics`, `model`,
-//!   `side`.
+//! - `service`: the runtime; `cli` (flags, one group per part) → `config` (each part's
+//!   validated settings), `metrics`, `model`, `side`.
 //!
 //! Connecting, the stream's format and key names, the lease and the admin endpoints are
 //! `outbox_core`'s; the services do not depend on the relay.
 
 mod access;
+mod cli;
 mod config;
 mod http;
 mod inbox;
@@ -35,7 +36,13 @@ mod store;
 
 pub use access::auth::{KeySource, TokenConfig, TokenVerifier};
 pub use access::token;
-pub use config::{AuthArgs, Cli, Command, DeadLetterCommand, MigrateCli, ServiceConfig};
+#[cfg(feature = "failpoints")]
+pub use cli::FailpointArgs;
+pub use cli::{
+    AuthArgs, Cli, Command, ConnectionArgs, DeadLetterCommand, HttpArgs, InboxArgs, LiveArgs,
+    MigrateCli, RetentionArgs,
+};
+pub use config::{HttpSettings, LiveSettings, ServiceConfig};
 pub use model::{parse_chat_id, parse_send_request, Message, MESSAGE_CREATED};
 pub use operations::dead_letters::{run as dead_letters, Outcome as DeadLetterOutcome};
 pub use outbox_consumer::{ConsumerRole, ConsumerStatus};

@@ -82,8 +82,8 @@ impl Service {
             metrics,
             consumer: status_rx,
             shutdown,
-            sse_heartbeat: config.sse_heartbeat,
-            trust_traceparent: config.trust_traceparent,
+            sse_heartbeat: config.live.sse_heartbeat,
+            trust_traceparent: config.http.trust_traceparent,
             limits: config.http_limits(),
             auth: match &config.verifier {
                 None => {
@@ -94,8 +94,9 @@ impl Service {
             },
             cookie_secure: config.cookie_secure,
             streams: Arc::default(),
-            slow_history: config.slow_history,
+            slow_history: config.failpoints.slow_history,
             refuse_sends: config
+                .failpoints
                 .refuse_sends
                 .map(|(chat, n)| (chat, std::sync::atomic::AtomicU64::new(n))),
         });
@@ -130,7 +131,7 @@ impl Service {
     pub async fn run(self) {
         let shutdown = self.app.shutdown.clone();
         let cfg = &self.config;
-        info!(side = %cfg.side, addr = %self.local_addr(), consumer = %cfg.consumer_name, "chat service listening");
+        info!(side = %cfg.side, addr = %self.local_addr(), consumer = %cfg.inbox.consumer, "chat service listening");
         let consumer = start_consumer(cfg, &self.app, self.status_tx, &shutdown);
         let background = Background::start(cfg, &self.app, self.publisher, &shutdown);
         let admin = self.admin.map(|listener| {
@@ -183,13 +184,10 @@ fn start_consumer(
         app.store.clone(),
         app.announcer.clone(),
         app.metrics.clone(),
-        inbox::Failpoints {
-            crash_after_inbox_commit: cfg.crash_after_inbox_commit,
-            crash_on_body: cfg.crash_on_body.clone(),
-        },
+        cfg.failpoints.inbox.clone(),
     );
     outbox_consumer::Consumer::start(
-        cfg.consumer(),
+        cfg.inbox.clone(),
         Arc::new(inbox),
         app.metrics.consumer.clone(),
         status_tx,
@@ -225,17 +223,13 @@ impl Background {
             tips: tokio::spawn(tips::watch_tips(
                 app.store.clone(),
                 app.hub.clone(),
-                cfg.feed_check_interval,
+                cfg.live.feed_check_interval,
                 shutdown.clone(),
             )),
             retention: tokio::spawn(retention::run(
                 app.store.clone(),
                 app.metrics.clone(),
-                retention::Retention {
-                    outbox: cfg.outbox_retention,
-                    messages: cfg.message_retention,
-                    every: cfg.outbox_retention_interval,
-                },
+                cfg.retention.clone(),
                 shutdown.clone(),
             )),
             streams: tokio::spawn(app.streams.clone().run(

@@ -17,7 +17,8 @@ use outbox_core::stream::entry::{self, dead_letter};
 use outbox_core::stream::{keys, shard_keys, shard_of_key};
 use serde_json::json;
 
-use crate::config::{DeadLetterCommand, Selection, ServiceConfig};
+use crate::cli::{DeadLetterCommand, Selection};
+use crate::config::ServiceConfig;
 use crate::model::{self, Message, PoisonError};
 use crate::store::{Received, Store, StoreError};
 
@@ -241,9 +242,9 @@ async fn replay(
 /// plain one when sharded on a single Redis (consumers from before shards existed wrote
 /// there; none ever ran on a cluster, where its audit key would sit in another slot).
 fn streams(config: &ServiceConfig) -> Vec<String> {
-    let base = &config.dead_letter_stream;
-    let mut streams = shard_keys(base, config.stream_shards);
-    if config.stream_shards > 1 && !config.redis.is_cluster() {
+    let base = &config.inbox.dead_letter_stream;
+    let mut streams = shard_keys(base, config.inbox.shards);
+    if config.inbox.shards > 1 && !config.redis.is_cluster() {
         streams.insert(0, base.clone());
     }
     streams

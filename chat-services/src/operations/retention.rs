@@ -7,6 +7,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::config::Retention;
+
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -15,13 +17,6 @@ use crate::store::Store;
 
 /// Rows deleted per statement: short transactions, no long locks on the outbox.
 const BATCH: i64 = 1000;
-
-/// How long rows are kept.
-pub(crate) struct Retention {
-    pub outbox: Duration,
-    pub messages: Option<Duration>,
-    pub every: Duration,
-}
 
 pub(crate) async fn run(
     store: Store,

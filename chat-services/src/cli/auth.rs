@@ -1,0 +1,130 @@
+//! Who may use the API: the identity provider's keys and the claims every token must carry,
+//! validated into the token verifier (its key set read at start).
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use outbox_core::ConfigError;
+
+/// Who may use the API: bearer tokens of the team's identity provider (JWTs), verified
+/// here against its published keys. One of `--jwks-file`, `--jwks-url` or
+/// `--allow-anonymous` is needed.
+#[allow(rustdoc::bare_urls)] // --help text: a URL is an example, not a link.
+#[derive(Debug, Clone, clap::Args)]
+pub struct AuthArgs {
+    /// The identity provider's keys (a JWKS document, JSON) that bearer tokens are verified
+    /// with; read again when a token names a key it does not hold (a rotation).
+    #[arg(long, env = "CHAT_JWKS_FILE", conflicts_with = "jwks_url")]
+    pub jwks_file: Option<PathBuf>,
+    /// The identity provider's `jwks_uri` (https://): fetched at start, every
+    /// --jwks-refresh, and when a token names a key the set does not hold (at most every
+    /// 10 s). Instead of --jwks-file.
+    #[arg(long, env = "CHAT_JWKS_URL")]
+    pub jwks_url: Option<String>,
+    /// The CA that signed the identity provider's certificate (PEM), for --jwks-url
+    /// (default: the well-known public roots).
+    #[arg(long, env = "CHAT_JWKS_CA_FILE")]
+    pub jwks_ca_file: Option<PathBuf>,
+    /// How often --jwks-url is fetched again.
+    #[arg(long, env = "CHAT_JWKS_REFRESH", value_parser = humantime::parse_duration, default_value = "5m")]
+    pub jwks_refresh: Duration,
+    /// The issuer (`iss`) every token must name, e.g. https://id.example.com/.
+    #[arg(long, env = "CHAT_JWT_ISSUER")]
+    pub jwt_issuer: Option<String>,
+    /// The audience (`aud`) a token must name; comma-separated for several.
+    #[arg(long, env = "CHAT_JWT_AUDIENCE", value_delimiter = ',')]
+    pub jwt_audience: Vec<String>,
+    /// Clock skew allowed when checking a token's `exp` and `nbf`.
+    #[arg(long, env = "CHAT_JWT_LEEWAY", value_parser = humantime::parse_duration, default_value = "30s")]
+    pub jwt_leeway: Duration,
+    /// The scope (`scope` or `scp` claim) a token needs to manage chat members.
+    #[arg(long, env = "CHAT_ADMIN_SCOPE", default_value = "chat:admin")]
+    pub admin_scope: String,
+    /// Run without authentication: nobody is identified, every chat is open to anyone who
+    /// reaches --listen, messages carry no sender. For a trusted test setup only; logged as
+    /// a warning at every start.
+    #[arg(long, env = "CHAT_ALLOW_ANONYMOUS", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
+    pub allow_anonymous: bool,
+    /// Mark the session cookie `Secure` (sent over HTTPS only, named `__Host-chat_session`).
+    /// Set it wherever clients reach the service through TLS (implied by --tls-cert-file).
+    #[arg(long, env = "CHAT_COOKIE_SECURE", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
+    pub cookie_secure: bool,
+}
+
+impl AuthArgs {
+    /// The token verifier, its key set read now (so a missing or malformed one refuses the
+    /// start with its reason); `None` with `--allow-anonymous`.
+    pub(crate) fn validate(
+        &self,
+        cookie_secure: bool,
+    ) -> Result<Option<crate::access::auth::Verifier>, ConfigError> {
+        let refuse = |message: String| Err(ConfigError(message));
+        let jwks = match (&self.jwks_file, &self.jwks_url) {
+            (Some(file), _) => crate::access::auth::KeySource::File(file.clone()),
+            (None, Some(url)) => {
+                let uri = url.parse::<hyper::Uri>().ok();
+                let authority = uri.as_ref().and_then(|u| u.authority()).map(|a| a.as_str());
+                if !url.starts_with("https://")
+                    || authority.is_none_or(|a| a.contains('@') || a.starts_with('['))
+                {
+                    return refuse(format!(
+                        "--jwks-url '{url}' must be an https:// URL of a host name or IPv4 address, without credentials (the provider's jwks_uri)"
+                    ));
+                }
+                if self.jwks_refresh < Duration::from_secs(10) {
+                    return refuse("--jwks-refresh must be at least 10s".into());
+                }
+                if let Some(ca) = &self.jwks_ca_file {
+                    outbox_core::connect::root_store(Some(ca))?;
+                }
+                crate::access::auth::KeySource::Url {
+                    url: url.clone(),
+                    ca_file: self.jwks_ca_file.clone(),
+                    refresh: self.jwks_refresh,
+                }
+            }
+            (None, None) => {
+                if self.allow_anonymous {
+                    return Ok(None);
+                }
+                return refuse("no authentication configured: set --jwks-file (CHAT_JWKS_FILE) or --jwks-url (CHAT_JWKS_URL) to the identity provider's keys, with --jwt-issuer and --jwt-audience, or --allow-anonymous (CHAT_ALLOW_ANONYMOUS=true) for a trusted test setup where anyone may read and post".into());
+            }
+        };
+        if self.allow_anonymous {
+            return refuse(
+                "--allow-anonymous and --jwks-file/--jwks-url exclude each other: choose one"
+                    .into(),
+            );
+        }
+        let Some(issuer) = self.jwt_issuer.clone().filter(|i| !i.is_empty()) else {
+            return refuse("--jwks-file needs --jwt-issuer (CHAT_JWT_ISSUER): the `iss` the provider's tokens carry".into());
+        };
+        let audiences: Vec<String> = self
+            .jwt_audience
+            .iter()
+            .map(|a| a.trim().to_string())
+            .filter(|a| !a.is_empty())
+            .collect();
+        if audiences.is_empty() {
+            return refuse("--jwks-file needs --jwt-audience (CHAT_JWT_AUDIENCE): the `aud` tokens meant for this service carry".into());
+        }
+        if self.jwt_leeway > Duration::from_secs(300) {
+            return refuse(format!(
+                "--jwt-leeway {:?} is over 5m: a clock that far off needs fixing, not tolerating",
+                self.jwt_leeway
+            ));
+        }
+        if self.admin_scope.is_empty() || self.admin_scope.contains(' ') {
+            return refuse("--admin-scope must be one scope, without spaces".into());
+        }
+        let config = crate::access::auth::TokenConfig {
+            jwks,
+            cookie_secure,
+            issuer,
+            audiences,
+            leeway: self.jwt_leeway,
+            admin_scope: self.admin_scope.clone(),
+        };
+        crate::access::auth::Verifier::load(config).map(Some)
+    }
+}

@@ -1,0 +1,46 @@
+//! `migrate`'s command line (the binary is src/bin/migrate.rs), here so the repository's
+//! checks can read the flags it accepts.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use clap::Parser;
+use outbox_core::connect::DatabaseSecrets;
+
+/// Apply the SQL migrations (schemas, tables, roles, grants, publications) in order; applied
+/// ones are skipped, so running it twice is harmless.
+#[derive(Debug, Clone, Parser)]
+#[command(name = "migrate", version)]
+pub struct MigrateCli {
+    /// Postgres URL of a superuser (or a CREATEROLE owner of the database); with --wait, of any role of the system.
+    #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
+    pub database_url: String,
+    #[command(flatten)]
+    pub secrets: DatabaseSecrets,
+    /// Set a role's password from a file, `ROLE=FILE` (repeatable), e.g.
+    /// consumers=/run/secrets/consumers-password. It is sent as a SCRAM-SHA-256 verifier computed here, never the password itself.
+    #[arg(long = "role-password", value_parser = parse_role_password)]
+    pub role_passwords: Vec<(String, PathBuf)>,
+    /// Apply nothing: wait until the database has every migration this release carries, then exit 0 (1 after --wait-timeout). Any role of the system may run it with its own credentials: the init container that holds a pod back until the migration Job ran.
+    #[arg(long, env = "MIGRATE_WAIT", conflicts_with = "role_passwords")]
+    pub wait: bool,
+    /// How long --wait waits.
+    #[arg(long, env = "MIGRATE_WAIT_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10m")]
+    pub wait_timeout: Duration,
+}
+
+/// The roles `--role-password` may set.
+const PASSWORD_ROLES: [&str; 4] = ["consumers", "workers", "consumers_relay", "workers_relay"];
+
+fn parse_role_password(s: &str) -> Result<(String, PathBuf), String> {
+    let (role, file) = s
+        .split_once('=')
+        .ok_or_else(|| format!("'{s}' is not ROLE=FILE"))?;
+    if !PASSWORD_ROLES.contains(&role) {
+        return Err(format!(
+            "role '{role}' is not one of {}",
+            PASSWORD_ROLES.join(", ")
+        ));
+    }
+    Ok((role.to_string(), PathBuf::from(file)))
+}
