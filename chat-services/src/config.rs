@@ -55,6 +55,12 @@ impl std::fmt::Debug for ServiceConfig {
 pub struct HttpSettings {
     /// Open connections at most.
     pub max_connections: usize,
+    /// Open connections one client address may hold, and the addresses exempt (proxies).
+    pub max_connections_per_address: usize,
+    pub trusted_proxies: Vec<ipnet::IpNet>,
+    /// Failed verifications one address may make at once, and per second after.
+    pub failed_auth_burst: u32,
+    pub failed_auth_rate: f64,
     /// Each user's sends per second, and the bucket they may spend at once.
     pub send_rate: f64,
     pub send_burst: u32,
@@ -107,7 +113,15 @@ impl ServiceConfig {
         let (http, live) = (&self.http, &self.live);
         crate::http::Limits {
             connections: Arc::new(Semaphore::new(http.max_connections)),
+            addresses: Arc::new(crate::http::connections::AddressSlots::new(
+                http.max_connections_per_address,
+                http.trusted_proxies.iter().copied(),
+            )),
             event_streams: Arc::new(Semaphore::new(live.max_event_streams)),
+            failed_auth: crate::access::quota::Buckets::new(
+                http.failed_auth_rate,
+                f64::from(http.failed_auth_burst),
+            ),
             feed_reads: Semaphore::new((self.db_pool_size / 2).max(1)),
             sse_client_buffer: live.sse_client_buffer,
             sse_buffer_total: live.sse_buffer_total,

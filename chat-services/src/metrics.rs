@@ -23,9 +23,11 @@ pub(crate) struct Metrics {
     pub outbox_deleted_total: IntCounter,
     pub accept_errors_total: IntCounter,
     pub connections_refused_total: IntCounter,
+    pub connections_over_address_share_total: IntCounter,
     pub event_streams_refused_total: IntCounter,
     pub live_chats: IntGauge,
     pub sse_queued_bytes: IntGauge,
+    pub client_addresses: IntGauge,
     pub requests_refused_total: IntCounterVec,
     pub event_streams_revoked_total: IntCounter,
     pub membership_checks_failed_total: IntCounter,
@@ -103,7 +105,7 @@ impl Metrics {
         );
         let requests_refused_total = counters(
             "chat_requests_refused_total",
-            "Requests refused for who sent them, by reason: no_credentials, invalid_token, not_member (answered as a missing chat), not_admin",
+            "Requests refused for who sent them, by reason: no_credentials, invalid_token, not_member (answered as a missing chat), not_admin, auth_failures (an address whose credentials kept failing)",
             &["reason"],
         );
         let messages_deleted_total = counters(
@@ -134,6 +136,10 @@ impl Metrics {
                 "chat_connections_refused_total",
                 "Connections answered 503 and closed because --max-connections were open",
             ),
+            connections_over_address_share_total: counter(
+                "chat_connections_over_address_share_total",
+                "Connections answered 429 and closed because their client address held --max-connections-per-address",
+            ),
             event_streams_refused_total: counter(
                 "chat_event_streams_refused_total",
                 "Event streams refused with 503 because --max-event-streams were open",
@@ -141,6 +147,10 @@ impl Metrics {
             live_chats: gauge(
                 "chat_live_chats",
                 "Chats with at least one open event stream on this instance",
+            ),
+            client_addresses: gauge(
+                "chat_client_addresses",
+                "Client addresses (an IPv6 client: its /64) holding a connection now",
             ),
             sse_queued_bytes: gauge(
                 "chat_sse_queued_bytes",

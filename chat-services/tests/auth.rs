@@ -50,7 +50,10 @@ fn assert_401(reply: &Reply, says: &str) {
 async fn a_request_without_a_valid_token_is_refused_on_post_history_and_events() {
     let stack = Stack::start(shared_postgres()).await;
     let idp = Idp::new();
-    let flags = idp.flags();
+    // Every bad token here comes from one address: past the default burst they would be
+    // refused unverified (strangers.rs), and this test is about the reasons given.
+    let mut flags = idp.flags();
+    flags.extend(["--failed-auth-burst".into(), "1000".into()]);
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let svc = stack.service(Side::Consumers, &flags).await;
     let a = svc.addr;

@@ -74,7 +74,19 @@ async fn open_and_close_20_000_chats(service: &ServiceProcess, first: i64) {
 async fn twenty_thousand_chats_opened_and_closed_leave_nothing_behind() {
     let stack = Stack::start(shared_postgres()).await;
     let workers = stack
-        .service_process(Side::Workers, "workers", &["--sse-heartbeat", "1s"])
+        .service_process(
+            Side::Workers,
+            "workers",
+            &[
+                "--sse-heartbeat",
+                "1s",
+                // Up to ~1,200 streams at once, all from this test's one address.
+                "--max-connections-per-address",
+                "2000",
+                "--memory-budget",
+                "1GiB",
+            ],
+        )
         .await;
     let pid = workers.child.pid();
     let start = crate::support::rss_mib(pid);
@@ -272,6 +284,9 @@ async fn clients_gone_with_a_full_queue_leave_no_queued_bytes_counted() {
                 "268435456",
                 "--sse-buffer-total",
                 "268435456",
+                // The buffers above need a budget of their own.
+                "--memory-budget",
+                "512MiB",
                 "--write-timeout",
                 "60s",
                 "--sse-heartbeat",

@@ -30,5 +30,6 @@ mod shards;
 mod shown;
 mod slow_database;
 mod stages;
+mod strangers;
 mod trace_context;
 mod user_limits;

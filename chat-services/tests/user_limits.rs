@@ -259,6 +259,9 @@ async fn a_stream_whose_client_stopped_reading_is_cut_at_the_write_deadline() {
                 "268435456",
                 "--sse-buffer-total",
                 "268435456",
+                // The buffers above need a budget of their own.
+                "--memory-budget",
+                "512MiB",
                 "--sse-heartbeat",
                 "120s",
             ],

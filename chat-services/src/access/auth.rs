@@ -55,6 +55,9 @@ impl Identity {
     }
 }
 
+/// Bytes a token may have; a longer one is refused before it is decoded.
+const MAX_TOKEN_BYTES: usize = 8 * 1024;
+
 /// Why a request has no identity (answered 401 with the reason).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub(crate) enum AuthError {
@@ -322,6 +325,13 @@ impl Verifier {
 
     /// The identity a token stands for.
     pub(crate) fn verify(&self, token: &str) -> Result<Identity, AuthError> {
+        // Nothing longer is decoded: a provider's access token is 1–4 KB.
+        if token.len() > MAX_TOKEN_BYTES {
+            return Err(AuthError::Invalid(format!(
+                "it is {} bytes, over {MAX_TOKEN_BYTES}",
+                token.len()
+            )));
+        }
         let header =
             jsonwebtoken::decode_header(token).map_err(|e| AuthError::Invalid(reason(e.kind())))?;
         let kid = header.kid.as_deref();

@@ -4,27 +4,33 @@
 //! instances they reach.
 
 use std::collections::HashMap;
+use std::hash::Hash;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-/// Buckets kept before full ones (users idle long enough to have refilled) are dropped.
+/// Buckets kept before full ones (keys idle long enough to have refilled) are dropped.
 const SWEEP_ABOVE: usize = 10_000;
 
 pub(crate) struct Quotas {
-    /// Sends per second a user may keep up (`--send-rate`).
-    rate: f64,
-    /// Sends a user may make at once after being idle (`--send-burst`).
-    burst: f64,
+    /// Each user's sends (`--send-rate`, `--send-burst`).
+    sends: Buckets<String>,
     max_streams: usize,
-    sends: Mutex<Sends>,
     streams: Mutex<HashMap<String, usize>>,
 }
 
-#[derive(Default)]
-struct Sends {
-    buckets: HashMap<String, Bucket>,
+/// Token buckets, one per key: a key may take `burst` at once after being idle and `rate`
+/// per second after that. Full buckets (keys idle long enough) are dropped once there are
+/// many, so the map holds the keys that are active.
+pub(crate) struct Buckets<K> {
+    rate: f64,
+    burst: f64,
+    state: Mutex<BucketMap<K>>,
+}
+
+struct BucketMap<K> {
+    buckets: HashMap<K, Bucket>,
     /// When full buckets were last dropped: at most once a second, so a map of many busy
-    /// users is not scanned on every send.
+    /// keys is not scanned on every take.
     swept: Option<Instant>,
 }
 
@@ -37,6 +43,83 @@ struct Bucket {
 impl Bucket {
     fn refilled(self, now: Instant, rate: f64, burst: f64) -> f64 {
         (self.tokens + now.duration_since(self.at).as_secs_f64() * rate).min(burst)
+    }
+}
+
+impl<K: Hash + Eq + Clone> Buckets<K> {
+    pub(crate) fn new(rate: f64, burst: f64) -> Self {
+        Self {
+            rate,
+            burst,
+            state: Mutex::new(BucketMap {
+                buckets: HashMap::new(),
+                swept: None,
+            }),
+        }
+    }
+
+    pub(crate) fn rate(&self) -> f64 {
+        self.rate
+    }
+
+    pub(crate) fn burst(&self) -> f64 {
+        self.burst
+    }
+
+    /// Take one from `key`'s bucket, or say how long until there is one.
+    pub(crate) fn take(&self, key: &K) -> Result<(), Duration> {
+        self.at(Instant::now(), key, true)
+    }
+
+    /// Whether `key` could take one now (nothing is taken), or how long until it could.
+    pub(crate) fn check(&self, key: &K) -> Result<(), Duration> {
+        self.at(Instant::now(), key, false)
+    }
+
+    /// Check or take at `now`.
+    fn at(&self, now: Instant, key: &K, take: bool) -> Result<(), Duration> {
+        let mut state = self.state.lock().expect("not poisoned");
+        let due = state
+            .swept
+            .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(1));
+        if state.buckets.len() > SWEEP_ABOVE && due {
+            let (rate, burst) = (self.rate, self.burst);
+            state
+                .buckets
+                .retain(|_, b| b.refilled(now, rate, burst) < burst);
+            state.swept = Some(now);
+        }
+        let tokens = state
+            .buckets
+            .get(key)
+            .map_or(self.burst, |b| b.refilled(now, self.rate, self.burst));
+        if tokens < 1.0 {
+            return Err(Duration::from_secs_f64((1.0 - tokens) / self.rate));
+        }
+        if take {
+            state.buckets.insert(
+                key.clone(),
+                Bucket {
+                    tokens: tokens - 1.0,
+                    at: now,
+                },
+            );
+        }
+        Ok(())
+    }
+
+    /// Give back one taken by [`Buckets::take`] that cost nothing.
+    pub(crate) fn give_back(&self, key: &K) {
+        let mut state = self.state.lock().expect("not poisoned");
+        if let Some(bucket) = state.buckets.get_mut(key) {
+            bucket.tokens = (bucket.tokens + 1.0).min(self.burst);
+        }
+    }
+
+    /// Keys with a bucket now.
+    #[cfg(test)]
+    fn len(&self) -> usize {
+        self.state.lock().expect("not poisoned").buckets.len()
     }
 }
 
@@ -61,20 +144,18 @@ impl Drop for StreamSlot {
 impl Quotas {
     pub(crate) fn new(rate: f64, burst: u32, max_streams: usize) -> Self {
         Self {
-            rate,
-            burst: f64::from(burst),
+            sends: Buckets::new(rate, f64::from(burst)),
             max_streams,
-            sends: Mutex::default(),
             streams: Mutex::default(),
         }
     }
 
     pub(crate) fn rate(&self) -> f64 {
-        self.rate
+        self.sends.rate()
     }
 
     pub(crate) fn burst(&self) -> f64 {
-        self.burst
+        self.sends.burst()
     }
 
     pub(crate) fn max_streams(&self) -> usize {
@@ -83,40 +164,12 @@ impl Quotas {
 
     /// Take one send from `user`'s bucket, or say how long until there is one.
     pub(crate) fn take_send(&self, user: &str) -> Result<(), Duration> {
-        let now = Instant::now();
-        let mut sends = self.sends.lock().expect("not poisoned");
-        let due = sends
-            .swept
-            .is_none_or(|at| now.duration_since(at) >= Duration::from_secs(1));
-        if sends.buckets.len() > SWEEP_ABOVE && due {
-            let (rate, burst) = (self.rate, self.burst);
-            sends
-                .buckets
-                .retain(|_, b| b.refilled(now, rate, burst) < burst);
-            sends.swept = Some(now);
-        }
-        let bucket = sends.buckets.entry(user.to_string()).or_insert(Bucket {
-            tokens: self.burst,
-            at: now,
-        });
-        let tokens = bucket.refilled(now, self.rate, self.burst);
-        if tokens >= 1.0 {
-            *bucket = Bucket {
-                tokens: tokens - 1.0,
-                at: now,
-            };
-            Ok(())
-        } else {
-            Err(Duration::from_secs_f64((1.0 - tokens) / self.rate))
-        }
+        self.sends.take(&user.to_string())
     }
 
     /// Give back a send taken by [`Quotas::take_send`] that wrote nothing.
     pub(crate) fn give_back(&self, user: &str) {
-        let mut sends = self.sends.lock().expect("not poisoned");
-        if let Some(bucket) = sends.buckets.get_mut(user) {
-            bucket.tokens = (bucket.tokens + 1.0).min(self.burst);
-        }
+        self.sends.give_back(&user.to_string())
     }
 
     /// A place for one more of `user`'s event streams, unless they hold the most already.
@@ -154,6 +207,23 @@ mod tests {
         // A send given back (it wrote nothing) may be made again.
         quotas.give_back("a");
         assert!(quotas.take_send("a").is_ok());
+    }
+
+    #[test]
+    fn checking_takes_nothing_and_idle_keys_are_dropped_when_many() {
+        let buckets: Buckets<u32> = Buckets::new(1.0, 2.0);
+        assert!(buckets.check(&1).is_ok());
+        assert_eq!(buckets.len(), 0, "a check leaves no bucket");
+        buckets.take(&1).unwrap();
+        buckets.take(&1).unwrap();
+        assert!(buckets.check(&1).is_err(), "empty until it refills");
+        for key in 2..=(SWEEP_ABOVE as u32 + 2) {
+            buckets.take(&key).unwrap();
+        }
+        // 5 s later all have refilled: the next take sweeps the full ones.
+        let later = Instant::now() + Duration::from_secs(5);
+        buckets.at(later, &u32::MAX, true).unwrap();
+        assert_eq!(buckets.len(), 1, "only the key just taken stays");
     }
 
     #[test]

@@ -2,14 +2,17 @@
 //! listener, and what it holds every client to (connections, each user's send rate, the
 //! deadlines of a request).
 
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
+
+use ipnet::IpNet;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::ConfigError;
 
-use crate::config::HttpSettings;
+use crate::config::{HttpSettings, LiveSettings};
+use crate::http::connections::CONNECTION_COST;
 
 /// The HTTP listeners and their limits.
 #[derive(Debug, Clone, clap::Args)]
@@ -29,8 +32,34 @@ pub struct HttpArgs {
     #[arg(long, env = "CHAT_ADMIN_ADDR", default_value = "127.0.0.1:9090")]
     pub admin_addr: String,
     /// Open HTTP connections at most; beyond it a new connection gets 503 and is closed.
-    #[arg(long, env = "CHAT_MAX_CONNECTIONS", default_value_t = 10_000)]
-    pub max_connections: usize,
+    /// Default: as many as --memory-budget holds beside --sse-buffer-total, at ~112 KiB
+    /// each at worst (1,170 with the defaults); more than that is refused at start.
+    #[arg(long, env = "CHAT_MAX_CONNECTIONS")]
+    pub max_connections: Option<usize>,
+    /// Open connections one client address may hold (an IPv6 client: its /64); past it 429
+    /// and the connection is closed, so one address cannot keep others out. Behind a proxy
+    /// or load balancer that connects from its own address, name it with --trusted-proxy
+    /// and enforce the share there (docs/deployment.md, "Internet exposure").
+    #[arg(long, env = "CHAT_MAX_CONNECTIONS_PER_ADDRESS", default_value_t = 256)]
+    pub max_connections_per_address: usize,
+    /// Addresses or networks exempt from --max-connections-per-address and from the limit
+    /// on failed sign-ins per address (comma-separated, e.g. 10.0.0.0/8): the proxies or
+    /// ingress that connect on behalf of many clients, and must hold each to its share.
+    #[arg(long = "trusted-proxy", env = "CHAT_TRUSTED_PROXIES", value_delimiter = ',', value_parser = parse_network)]
+    pub trusted_proxies: Vec<IpNet>,
+    /// Requests with credentials that fail verification one client address may make at
+    /// once; past it they are answered 429 before their token is verified (a stranger cannot
+    /// buy signature checks at line rate). Refilled at --failed-auth-rate.
+    #[arg(long, env = "CHAT_FAILED_AUTH_BURST", default_value_t = 20)]
+    pub failed_auth_burst: u32,
+    /// Failed verifications per second an address may keep up after its burst.
+    #[arg(long, env = "CHAT_FAILED_AUTH_RATE", default_value_t = 1.0)]
+    pub failed_auth_rate: f64,
+    /// Memory the instance may spend on its clients (connections, and event-stream
+    /// buffers, --sse-buffer-total), e.g. 192MiB: three quarters of the container's limit
+    /// leaves room for the rest. --max-connections is derived from it, or checked against it.
+    #[arg(long, env = "CHAT_MEMORY_BUDGET", value_parser = parse_bytes, default_value = "192MiB")]
+    pub memory_budget: u64,
     /// Sends per second one user may keep up on this instance (a token bucket); past it
     /// 429 with Retry-After. Not applied with --allow-anonymous (there is no user).
     #[arg(long, env = "CHAT_SEND_RATE", default_value_t = 5.0)]
@@ -93,11 +122,20 @@ impl HttpArgs {
         })
     }
 
-    /// The limits, or what to change.
-    pub(crate) fn validate(&self) -> Result<HttpSettings, ConfigError> {
+    /// The limits, or what to change. `live` says what event streams may buffer, which
+    /// comes out of the same memory budget.
+    pub(crate) fn validate(&self, live: &LiveSettings) -> Result<HttpSettings, ConfigError> {
         let refuse = |message: &str| Err(ConfigError::new(message));
-        if self.max_connections == 0 {
-            return refuse("--max-connections must be at least 1");
+        let max_connections = self.max_connections(live)?;
+        if self.max_connections_per_address == 0 {
+            return refuse("--max-connections-per-address must be at least 1");
+        }
+        if !(self.failed_auth_rate.is_finite() && self.failed_auth_rate > 0.0)
+            || self.failed_auth_burst == 0
+        {
+            return refuse(
+                "--failed-auth-rate must be a number above 0 and --failed-auth-burst at least 1",
+            );
         }
         if !(self.send_rate.is_finite() && self.send_rate > 0.0) || self.send_burst == 0 {
             return refuse("--send-rate must be a number above 0 and --send-burst at least 1");
@@ -109,7 +147,11 @@ impl HttpArgs {
             return refuse("--header-read-timeout must be greater than zero");
         }
         Ok(HttpSettings {
-            max_connections: self.max_connections,
+            max_connections,
+            max_connections_per_address: self.max_connections_per_address,
+            trusted_proxies: self.trusted_proxies.clone(),
+            failed_auth_burst: self.failed_auth_burst,
+            failed_auth_rate: self.failed_auth_rate,
             send_rate: self.send_rate,
             send_burst: self.send_burst,
             body_read_timeout: self.body_read_timeout,
@@ -117,5 +159,97 @@ impl HttpArgs {
             header_read_timeout: self.header_read_timeout,
             trust_traceparent: self.trust_traceparent,
         })
+    }
+
+    /// --max-connections, derived from the memory budget or checked against it.
+    fn max_connections(&self, live: &LiveSettings) -> Result<usize, ConfigError> {
+        let budget = self.memory_budget;
+        let buffers = live.sse_buffer_total as u64;
+        let fits = budget.saturating_sub(buffers) / CONNECTION_COST;
+        let mib = |bytes: u64| bytes as f64 / (1024.0 * 1024.0);
+        if fits < 64 {
+            return Err(ConfigError(format!(
+                "--memory-budget {:.0} MiB leaves room for {fits} connections beside --sse-buffer-total {:.0} MiB: raise it to {:.0} MiB at least, or lower --sse-buffer-total",
+                mib(budget),
+                mib(buffers),
+                mib(buffers + 64 * CONNECTION_COST).ceil(),
+            )));
+        }
+        match self.max_connections {
+            None => Ok(fits as usize),
+            Some(0) => Err(ConfigError::new("--max-connections must be at least 1")),
+            Some(n) if n as u64 > fits => Err(ConfigError(format!(
+                "--max-connections {n} does not fit --memory-budget {:.0} MiB: at ~{} KiB each beside --sse-buffer-total {:.0} MiB it holds {fits}; lower --max-connections or raise --memory-budget to {:.0} MiB",
+                mib(budget),
+                CONNECTION_COST / 1024,
+                mib(buffers),
+                mib(buffers + n as u64 * CONNECTION_COST).ceil(),
+            ))),
+            Some(n) => Ok(n),
+        }
+    }
+}
+
+/// A network (`10.0.0.0/8`) or one address (as its /32 or /128).
+fn parse_network(s: &str) -> Result<IpNet, String> {
+    let s = s.trim();
+    s.parse::<IpNet>()
+        .or_else(|_| s.parse::<IpAddr>().map(IpNet::from))
+        .map_err(|_| format!("'{s}' is not an IP address or network (e.g. 10.0.0.0/8)"))
+}
+
+/// A size in bytes: a number with an optional unit, B, KiB, MiB or GiB (e.g. `192MiB`).
+fn parse_bytes(s: &str) -> Result<u64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (number, unit) = s.split_at(split);
+    let number: u64 = number
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size (e.g. 192MiB)"))?;
+    let scale: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" => 1 << 10,
+        "MiB" => 1 << 20,
+        "GiB" => 1 << 30,
+        other => {
+            return Err(format!(
+                "'{other}' is not a unit of size: B, KiB, MiB or GiB"
+            ))
+        }
+    };
+    number
+        .checked_mul(scale)
+        .ok_or_else(|| format!("'{s}' is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{parse_bytes, parse_network};
+
+    #[test]
+    fn proxies_are_addresses_or_networks() {
+        assert_eq!(
+            parse_network("10.0.0.0/8").unwrap().to_string(),
+            "10.0.0.0/8"
+        );
+        assert_eq!(
+            parse_network("10.1.2.3").unwrap().to_string(),
+            "10.1.2.3/32"
+        );
+        assert_eq!(parse_network("fd00::1").unwrap().to_string(), "fd00::1/128");
+        assert!(parse_network("proxy.local").is_err());
+    }
+
+    #[test]
+    fn sizes_parse_with_binary_units_and_refuse_others() {
+        assert_eq!(parse_bytes("192MiB"), Ok(192 << 20));
+        assert_eq!(parse_bytes("1GiB"), Ok(1 << 30));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        assert_eq!(parse_bytes("64 KiB"), Ok(64 << 10));
+        assert!(parse_bytes("1TB").unwrap_err().contains("unit"));
+        assert!(parse_bytes("MiB").unwrap_err().contains("not a size"));
+        assert!(parse_bytes("99999999999999GiB")
+            .unwrap_err()
+            .contains("too large"));
     }
 }

@@ -107,6 +107,7 @@ impl Cli {
     pub fn validate(&self) -> Result<ServiceConfig, ConfigError> {
         let (postgres, redis) = self.connection.validate()?;
         let (listen, admin_addr) = self.http.addresses()?;
+        let live = self.live.validate()?;
         let inbox = self
             .inbox
             .validate(self.side, &redis, self.connection.redis_cluster)?;
@@ -129,8 +130,8 @@ impl Cli {
             certificate,
             verifier: verifier.map(std::sync::Arc::new),
             cookie_secure,
-            http: self.http.validate()?,
-            live: self.live.validate()?,
+            http: self.http.validate(&live)?,
+            live,
             inbox,
             retention: self.retention.validate()?,
             #[cfg(feature = "failpoints")]
@@ -180,7 +181,9 @@ mod tests {
         assert_eq!(config.inbox.consumer, "workers-1");
         assert_eq!(config.inbox.dead_letter_stream, "deadletter:workers");
         assert!(config.inbox.check_layout);
-        assert_eq!(config.http.max_connections, 10_000);
+        // As many connections as the memory budget holds beside the event-stream buffers.
+        assert_eq!(config.http.max_connections, (128 << 20) / (112 << 10));
+        assert_eq!(config.http.max_connections_per_address, 256);
         assert_eq!(config.live.max_event_streams, 5_000);
         assert_eq!(config.live.sse_heartbeat, std::time::Duration::from_secs(2));
         assert_eq!(config.retention.messages, None);
@@ -201,6 +204,12 @@ mod tests {
             (&["--listen", "nowhere"], "--listen"),
             (&["--admin-addr", "x"], "--admin-addr"),
             (&["--max-connections", "0"], "--max-connections"),
+            (&["--max-connections", "5000"], "--memory-budget"),
+            (&["--memory-budget", "70MiB"], "--memory-budget"),
+            (
+                &["--max-connections-per-address", "0"],
+                "--max-connections-per-address",
+            ),
             (&["--send-rate", "NaN"], "--send-rate"),
             (&["--send-burst", "0"], "--send-burst"),
             (&["--write-timeout", "0s"], "--write-timeout"),

@@ -2,6 +2,7 @@
 //! handlers see. JSON everywhere; every error is `{"error": "..."}` naming the problem.
 
 mod admin;
+pub(crate) mod connections;
 mod events;
 mod members;
 mod messages;
@@ -19,7 +20,7 @@ use std::convert::Infallible;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::sync::Semaphore;
 
 use hyper::body::Incoming;
@@ -70,6 +71,11 @@ pub(crate) struct App {
 /// not the process.
 pub(crate) struct Limits {
     pub connections: Arc<Semaphore>,
+    /// Each client address's share of `connections`.
+    pub addresses: Arc<connections::AddressSlots>,
+    /// Each client address's failed verifications (`--failed-auth-burst`, `--failed-auth-rate`):
+    /// past them, its credentials are refused unverified.
+    pub failed_auth: crate::access::quota::Buckets<std::net::IpAddr>,
     pub event_streams: Arc<Semaphore>,
     /// Event streams reading the database at once (half the pool).
     pub feed_reads: Semaphore,
@@ -89,6 +95,34 @@ pub(crate) struct Limits {
 /// Written to a connection past `--max-connections` before closing it.
 const OVER_CAPACITY: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\nretry-after: 1\r\nconnection: close\r\ncontent-length: 68\r\n\r\n{\"error\":\"too many connections to this instance; retry in a moment\"}";
 
+/// How long a TLS handshake may take (a real client needs one or two round trips).
+const TLS_HANDSHAKE_LIMIT: Duration = Duration::from_secs(10);
+
+/// Connections being told they are refused at once, at most: past it one is closed without
+/// an answer, so a flood of refused connections costs no more than this many small tasks.
+static REFUSING: Semaphore = Semaphore::const_new(1024);
+
+/// Write `answer` to a connection the server will not serve, then close it. The request the
+/// client already sent is read and dropped first: closing with it unread would reset the
+/// connection, and the client would see the reset instead of the answer. All within 1 s.
+fn answer_and_close(stream: tokio::net::TcpStream, answer: &'static [u8]) {
+    let Ok(permit) = REFUSING.try_acquire() else {
+        return; // dropped: closed without an answer
+    };
+    tokio::spawn(async move {
+        let _permit = permit;
+        let mut stream = stream;
+        let _ = tokio::time::timeout(Duration::from_secs(1), async {
+            stream.write_all(answer).await?;
+            stream.shutdown().await?;
+            let mut sink = [0u8; 512];
+            while stream.read(&mut sink).await? > 0 {}
+            Ok::<_, std::io::Error>(())
+        })
+        .await;
+    });
+}
+
 /// Serve the API, the page and event streams until `shutdown`, then let in-flight requests
 /// finish (bounded). Probes and metrics are on the admin listener ([`ServiceProbe`]).
 pub(crate) async fn serve(
@@ -104,18 +138,23 @@ pub(crate) async fn serve(
         .await
     {
         let _ = stream.set_nodelay(true);
+        // An address's share is taken before a place of the instance's: one address cannot
+        // hold more of them than its share.
+        let peer = stream.peer_addr().map(|a| a.ip()).ok();
+        let Some(address) = peer.and_then(|ip| app.limits.addresses.take(ip)) else {
+            app.metrics.connections_over_address_share_total.inc();
+            if tls.is_none() {
+                answer_and_close(stream, connections::OVER_SHARE);
+            }
+            continue;
+        };
         let Ok(permit) = app.limits.connections.clone().try_acquire_owned() else {
             app.metrics.connections_refused_total.inc();
             // A TLS client would read a plaintext answer as a protocol error: it is closed.
             if tls.is_some() {
                 continue;
             }
-            tokio::spawn(async move {
-                let mut stream = stream;
-                let _ =
-                    tokio::time::timeout(Duration::from_secs(1), stream.write_all(OVER_CAPACITY))
-                        .await;
-            });
+            answer_and_close(stream, OVER_CAPACITY);
             continue;
         };
         // A peer that vanished (a phone that changed networks) holds its stream, its
@@ -137,20 +176,24 @@ pub(crate) async fn serve(
         stream.set_write_timeout(Some(app.limits.write_timeout));
         let stream = Box::pin(stream);
         let (app, watcher, tls) = (app.clone(), graceful.watcher(), tls.clone());
+        let client = peer.and_then(|ip| app.limits.addresses.client(ip));
         tokio::spawn(async move {
             match tls {
-                None => serve_connection(stream, app, watcher).await,
+                None => serve_connection(stream, app, client, watcher).await,
                 Some(tls) => {
-                    // The handshake has the time the headers have.
+                    // A stranger's handshake holds a place: it gets the header deadline at
+                    // most, and never more than TLS_HANDSHAKE_LIMIT.
                     let handshake = tls.accept(stream);
-                    match tokio::time::timeout(app.limits.header_read_timeout, handshake).await {
-                        Ok(Ok(stream)) => serve_connection(stream, app, watcher).await,
+                    let deadline = app.limits.header_read_timeout.min(TLS_HANDSHAKE_LIMIT);
+                    match tokio::time::timeout(deadline, handshake).await {
+                        Ok(Ok(stream)) => serve_connection(stream, app, client, watcher).await,
                         Ok(Err(e)) => debug!(error = %e, "TLS handshake failed"),
                         Err(_) => debug!("TLS handshake timed out"),
                     }
                 }
             }
             drop(permit);
+            drop(address);
         });
     }
     tokio::select! {
@@ -160,18 +203,25 @@ pub(crate) async fn serve(
 }
 
 /// HTTP/1.1 on one connection, plain or TLS, until it ends or the server shuts down.
-async fn serve_connection<IO>(io: IO, app: Arc<App>, watcher: hyper_util::server::graceful::Watcher)
-where
+/// `client` is the address its failures are counted under (`None`: a trusted proxy).
+async fn serve_connection<IO>(
+    io: IO,
+    app: Arc<App>,
+    client: Option<std::net::IpAddr>,
+    watcher: hyper_util::server::graceful::Watcher,
+) where
     IO: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
     let header_read_timeout = app.limits.header_read_timeout;
     let service = hyper::service::service_fn(move |req| {
         let app = app.clone();
-        async move { Ok::<_, Infallible>(route(app, req).await) }
+        async move { Ok::<_, Infallible>(route(app, req, client).await) }
     });
     let conn = hyper::server::conn::http1::Builder::new()
         .timer(TokioTimer::new())
         .header_read_timeout(header_read_timeout)
+        // A head that never ends is cut here (431), not at hyper's ~400 KB default.
+        .max_buf_size(connections::HEAD_LIMIT)
         .serve_connection(TokioIo::new(io), service);
     if let Err(e) = watcher.watch(conn).await {
         debug!(error = %e, "connection ended with an error");
@@ -180,7 +230,11 @@ where
 
 /// Every answer says its content type is the one to use and that no other site's page may
 /// learn where it came from.
-async fn route(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
+async fn route(
+    app: Arc<App>,
+    req: Request<Incoming>,
+    client: Option<std::net::IpAddr>,
+) -> Response<Body> {
     let started = std::time::Instant::now();
     // The path is matched once: its route is the label and what is dispatched.
     let path = req.uri().path().to_string();
@@ -188,7 +242,24 @@ async fn route(app: Arc<App>, req: Request<Incoming>) -> Response<Body> {
     let label = Route::label(matched.map(|m| m.route));
     let method = req.method().clone();
     let metrics = app.metrics.clone();
-    let mut resp = dispatch(app, req, &path, matched).await;
+    // An address whose credentials keep failing has its next ones refused unverified.
+    let judged = client.filter(|_| request::carries_credentials(req.headers()));
+    let refused = judged.and_then(|ip| app.limits.failed_auth.check(&ip).err());
+    let mut resp = match refused {
+        Some(wait) => request::too_many(
+            &app,
+            "auth_failures",
+            wait,
+            "too many requests with bad credentials from your address; retry later".into(),
+        ),
+        None => {
+            let resp = dispatch(app.clone(), req, &path, matched).await;
+            if let Some(ip) = judged.filter(|_| request::InvalidCredentials::marks(&resp)) {
+                let _ = app.limits.failed_auth.take(&ip);
+            }
+            resp
+        }
+    };
     metrics
         .http_request_duration_seconds
         .with_label_values(&[label, method_label(&method), resp.status().as_str()])

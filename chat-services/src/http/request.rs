@@ -56,6 +56,23 @@ pub(super) fn store_error(e: StoreError) -> Response<Body> {
     }
 }
 
+/// Marks an answer to credentials that failed verification (a token forged, expired or for
+/// another service): the client address is charged for it.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct InvalidCredentials;
+
+impl InvalidCredentials {
+    pub(super) fn marks(resp: &Response<Body>) -> bool {
+        resp.extensions().get::<Self>().is_some()
+    }
+}
+
+/// Whether a request carries credentials to verify (a bearer token or a cookie).
+pub(super) fn carries_credentials(headers: &HeaderMap) -> bool {
+    headers.contains_key(hyper::header::AUTHORIZATION)
+        || headers.contains_key(hyper::header::COOKIE)
+}
+
 /// 401 naming why, with the challenge RFC 6750 asks for.
 pub(super) fn unauthorized(app: &App, e: AuthError) -> Response<Body> {
     let (reason, challenge) = match e {
@@ -71,9 +88,13 @@ pub(super) fn unauthorized(app: &App, e: AuthError) -> Response<Body> {
         .requests_refused_total
         .with_label_values(&[reason])
         .inc();
+    let invalid = matches!(e, AuthError::Invalid(_));
     let mut resp = reply::error(StatusCode::UNAUTHORIZED, e);
     resp.headers_mut()
         .insert(WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
+    if invalid {
+        resp.extensions_mut().insert(InvalidCredentials);
+    }
     resp
 }
 
