@@ -121,7 +121,7 @@ fn every_alert_has_a_runbook_section() {
         .lines()
         .filter_map(|l| l.trim().strip_prefix("- alert: "))
         .collect();
-    assert_eq!(alerts.len(), 24);
+    assert_eq!(alerts.len(), 25);
     for alert in alerts {
         assert!(
             docs.contains(&format!("### {alert}\n")),

@@ -28,6 +28,7 @@ pub(crate) struct Metrics {
     pub live_chats: IntGauge,
     pub sse_queued_bytes: IntGauge,
     pub client_addresses: IntGauge,
+    pub jwks_keys: IntGauge,
     pub requests_refused_total: IntCounterVec,
     pub event_streams_revoked_total: IntCounter,
     pub membership_checks_failed_total: IntCounter,
@@ -147,6 +148,10 @@ impl Metrics {
             live_chats: gauge(
                 "chat_live_chats",
                 "Chats with at least one open event stream on this instance",
+            ),
+            jwks_keys: gauge(
+                "chat_jwks_keys",
+                "Usable signing keys in the identity provider's key set now; 0 refuses every token",
             ),
             client_addresses: gauge(
                 "chat_client_addresses",

@@ -142,11 +142,14 @@ impl Service {
                 shutdown.clone(),
             ))
         });
-        if let Some(verifier) = self.app.auth.remote() {
-            tokio::spawn(verifier.fetch(
+        // The key set is kept current (fetched, or its file watched) whether or not
+        // requests arrive: a withdrawn key ends the streams it signed.
+        if let Some(verifier) = self.app.auth.verifier() {
+            tokio::spawn(verifier.clone().fetch(
                 self.app.metrics.jwks_fetch_failures_total.clone(),
                 shutdown.clone(),
             ));
+            tokio::spawn(verifier.watch_file(shutdown.clone()));
         }
         let tls = self.tls.map(|certificate| {
             tokio::spawn(certificate.clone().watch(shutdown.clone()));

@@ -25,6 +25,7 @@ mod migrations;
 mod plans;
 mod public_tls;
 mod retention;
+mod revocation;
 mod send_outcome;
 mod shards;
 mod shown;

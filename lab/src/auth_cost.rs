@@ -53,6 +53,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             audiences: vec![AUDIENCE.into()],
             leeway: Duration::from_secs(30),
             admin_scope: "chat:admin".into(),
+            max_lifetime: Duration::from_secs(24 * 3600),
         })
         .map_err(|e| anyhow::anyhow!("{e}"))?;
         let tokens: Vec<String> = (0..args.tokens)

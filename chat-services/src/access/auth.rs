@@ -17,7 +17,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use hyper::header::{HeaderMap, AUTHORIZATION, COOKIE};
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, JwkSet, KeyAlgorithm, PublicKeyUse};
 use jsonwebtoken::{errors::ErrorKind, Algorithm, DecodingKey, Validation};
-use tracing::{info, warn};
+use tracing::{error, info, warn};
 
 use crate::model::check_user_id;
 use outbox_core::ConfigError;
@@ -55,6 +55,9 @@ impl Identity {
     }
 }
 
+/// Tokens remembered as verified at most; past it the memory is emptied and refilled.
+const VERIFIED_KEPT: usize = 4096;
+
 /// Bytes a token may have; a longer one is refused before it is decoded.
 const MAX_TOKEN_BYTES: usize = 8 * 1024;
 
@@ -90,6 +93,9 @@ pub struct TokenConfig {
     pub audiences: Vec<String>,
     pub leeway: Duration,
     pub admin_scope: String,
+    /// The longest a token may be valid from its issue (`exp - iat`; without `iat`, from
+    /// now): a key stolen and withdrawn later cannot have signed a token good for years.
+    pub max_lifetime: Duration,
 }
 
 /// Where the provider's keys are.
@@ -115,6 +121,18 @@ pub(crate) struct Verifier {
     file: Mutex<FileState>,
     /// With a URL: wakes the fetcher for a key the set does not hold.
     wanted: tokio::sync::Notify,
+    /// Bumped whenever the key set is replaced: open event streams verify their token again.
+    changed: tokio::sync::watch::Sender<u64>,
+    /// Tokens verified lately, by their SHA-256: one comes again (every request of a page)
+    /// without a signature check, and is not held back by its address's failures, until it
+    /// expires or the key set changes.
+    verified: Mutex<Verified>,
+}
+
+/// Each entry with the key-set generation it was verified under.
+#[derive(Default)]
+struct Verified {
+    by_digest: HashMap<[u8; 32], (u64, Identity)>,
 }
 
 struct FileState {
@@ -130,6 +148,9 @@ struct Keys {
     by_kid: HashMap<String, Key>,
     /// Keys without a `kid`: used only when the set holds exactly one key.
     unnamed: Vec<Key>,
+    /// Read from a document (false only before a `--jwks-url` was first fetched): an empty
+    /// published set refuses every token; an unpublished one answers "not fetched yet".
+    published: bool,
 }
 
 struct Key {
@@ -165,14 +186,17 @@ fn key_algorithm(alg: Option<KeyAlgorithm>, params: &AlgorithmParameters) -> Opt
 }
 
 impl Keys {
-    /// The signing keys of a JWKS document. Keys of other uses or algorithms are skipped
-    /// (named in a warning); none usable is an error.
+    /// The signing keys of a JWKS document. Keys of other uses or algorithms, and keys
+    /// that do not load, are skipped (named in a warning): the rest replace the set, so a
+    /// key withdrawn beside a broken one is still withdrawn. None usable is an empty set
+    /// (every token refused); only a document that does not parse is an error.
     fn parse(path: &Path, text: &str) -> Result<Self, String> {
         let set: JwkSet = serde_json::from_str(text)
             .map_err(|e| format!("{} is not a JWKS document: {e}", path.display()))?;
         let mut keys = Keys {
             by_kid: HashMap::new(),
             unnamed: Vec::new(),
+            published: true,
         };
         for jwk in &set.keys {
             let kid = jwk.common.key_id.clone();
@@ -185,8 +209,13 @@ impl Keys {
                 warn!(kid = name, file = %path.display(), "JWKS key skipped: only RS256, ES256 (P-256) and EdDSA (Ed25519) keys are used");
                 continue;
             };
-            let key = DecodingKey::from_jwk(jwk)
-                .map_err(|e| format!("{}: key {name}: {e}", path.display()))?;
+            let key = match DecodingKey::from_jwk(jwk) {
+                Ok(key) => key,
+                Err(e) => {
+                    warn!(kid = name, file = %path.display(), error = %e, "JWKS key skipped: it does not load");
+                    continue;
+                }
+            };
             match kid {
                 Some(kid) => {
                     keys.by_kid.insert(kid, Key { key, alg });
@@ -197,23 +226,25 @@ impl Keys {
         if !keys.unnamed.is_empty() && keys.by_kid.len() + keys.unnamed.len() > 1 {
             warn!(file = %path.display(), unnamed = keys.unnamed.len(), "JWKS keys without a kid are not used: the set holds more than one key, so a token cannot say which");
         }
-        if keys.by_kid.is_empty() && keys.unnamed.is_empty() {
-            return Err(format!(
-                "{} holds no usable signing key (RS256, ES256 or EdDSA)",
-                path.display()
-            ));
+        if keys.is_empty() {
+            error!(file = %path.display(), "the key set holds no usable signing key (RS256, ES256 or EdDSA): every token is refused");
         }
         Ok(keys)
+    }
+
+    fn count(&self) -> usize {
+        self.by_kid.len() + self.unnamed.len()
     }
 
     fn is_empty(&self) -> bool {
         self.by_kid.is_empty() && self.unnamed.is_empty()
     }
 
-    fn empty() -> Self {
+    fn unpublished() -> Self {
         Keys {
             by_kid: HashMap::new(),
             unnamed: Vec::new(),
+            published: false,
         }
     }
 
@@ -237,6 +268,8 @@ struct Claims {
     sub: Option<String>,
     #[serde(default)]
     exp: Option<u64>,
+    #[serde(default)]
+    iat: Option<u64>,
     /// OAuth 2 scopes, space-separated (`scope`), or a list (`scp`, as some providers send).
     #[serde(default)]
     scope: Option<String>,
@@ -284,11 +317,19 @@ impl Verifier {
         let (keys, modified) = match &config.jwks {
             KeySource::File(path) => {
                 let modified = crate::stamp::Stamp::of(path);
-                let keys = read_keys(path).map_err(|e| {
-                    ConfigError(format!(
-                        "--jwks-file: {e}; point it at the identity provider's JWKS document"
-                    ))
-                })?;
+                let keys = read_keys(path)
+                    .and_then(|keys| match keys.is_empty() {
+                        true => Err(format!(
+                            "{} holds no usable signing key (RS256, ES256 or EdDSA)",
+                            path.display()
+                        )),
+                        false => Ok(keys),
+                    })
+                    .map_err(|e| {
+                        ConfigError(format!(
+                            "--jwks-file: {e}; point it at the identity provider's JWKS document"
+                        ))
+                    })?;
                 info!(
                     file = %path.display(),
                     keys = keys.by_kid.len() + keys.unnamed.len(),
@@ -299,7 +340,7 @@ impl Verifier {
             }
             KeySource::Url { url, .. } => {
                 info!(%url, issuer = %config.issuer, "verifying bearer tokens; fetching the key set");
-                (Keys::empty(), None)
+                (Keys::unpublished(), None)
             }
         };
         let now = Instant::now();
@@ -312,6 +353,8 @@ impl Verifier {
             config,
             keys: RwLock::new(Arc::new(keys)),
             wanted: tokio::sync::Notify::new(),
+            changed: tokio::sync::watch::Sender::new(0),
+            verified: Mutex::default(),
         })
     }
 
@@ -332,9 +375,6 @@ impl Verifier {
                 token.len()
             )));
         }
-        let header =
-            jsonwebtoken::decode_header(token).map_err(|e| AuthError::Invalid(reason(e.kind())))?;
-        let kid = header.kid.as_deref();
         let file = match &self.config.jwks {
             KeySource::File(path) => Some(path.as_path()),
             KeySource::Url { .. } => None,
@@ -342,8 +382,70 @@ impl Verifier {
         if let Some(path) = file {
             self.reread_if_changed(path);
         }
+        // Read before the keys are: a set replaced while this token is checked makes its
+        // result one not to remember (it may have been checked with the old keys).
+        let generation = *self.changed.borrow();
+        if let Some(who) = self.remembered(token) {
+            return Ok(who);
+        }
+        let who = self.verify_signed(token, file)?;
+        self.remember(token, &who, generation);
+        Ok(who)
+    }
+
+    /// SHA-256 of a token: what the memory of verified tokens keeps.
+    fn digest(token: &str) -> [u8; 32] {
+        use sha2::Digest;
+        sha2::Sha256::digest(token.as_bytes()).into()
+    }
+
+    /// The identity of `token` if it was verified under the current key set and has not
+    /// expired.
+    fn remembered(&self, token: &str) -> Option<Identity> {
+        let generation = *self.changed.borrow();
+        self.lately(token)
+            .filter(|(verified_under, _)| *verified_under == generation)
+            .map(|(_, who)| who)
+    }
+
+    /// Whether `token` verified lately, under this key set or an earlier one, and has not
+    /// expired: its holder was identified before (it is verified again all the same).
+    pub(crate) fn verified_lately(&self, token: &str) -> bool {
+        self.lately(token).is_some()
+    }
+
+    fn lately(&self, token: &str) -> Option<(u64, Identity)> {
+        if token.len() > MAX_TOKEN_BYTES {
+            return None;
+        }
+        let verified = self.verified.lock().expect("not poisoned");
+        verified
+            .by_digest
+            .get(&Self::digest(token))
+            .filter(|(_, who)| !who.remaining().is_zero())
+            .cloned()
+    }
+
+    fn remember(&self, token: &str, who: &Identity, generation: u64) {
+        let mut verified = self.verified.lock().expect("not poisoned");
+        if *self.changed.borrow() != generation {
+            return;
+        }
+        if verified.by_digest.len() >= VERIFIED_KEPT {
+            verified.by_digest.clear();
+        }
+        verified
+            .by_digest
+            .insert(Self::digest(token), (generation, who.clone()));
+    }
+
+    /// The full check: the token's key, signature, claims and lifetime.
+    fn verify_signed(&self, token: &str, file: Option<&Path>) -> Result<Identity, AuthError> {
+        let header =
+            jsonwebtoken::decode_header(token).map_err(|e| AuthError::Invalid(reason(e.kind())))?;
+        let kid = header.kid.as_deref();
         let keys = self.keys.read().expect("not poisoned").clone();
-        if file.is_none() && keys.is_empty() {
+        if !keys.published {
             self.wanted.notify_one();
             return Err(AuthError::NoKeys);
         }
@@ -378,6 +480,7 @@ impl Verifier {
             ));
         };
         check_user_id(&user).map_err(|e| AuthError::Invalid(format!("sub: {e}")))?;
+        self.check_lifetime(claims.iat, exp)?;
         Ok(Identity {
             admin: claims.has_scope(&self.config.admin_scope),
             user,
@@ -426,8 +529,8 @@ impl Verifier {
         match read_keys(path) {
             Ok(keys) => {
                 let keys = Arc::new(keys);
-                info!(file = %path.display(), keys = keys.by_kid.len() + keys.unnamed.len(), "key set read again");
-                *self.keys.write().expect("not poisoned") = keys.clone();
+                info!(file = %path.display(), keys = keys.count(), "key set read again");
+                self.replace_keys(keys.clone());
                 Some(keys)
             }
             Err(e) => {
@@ -436,6 +539,65 @@ impl Verifier {
                 self.file.lock().expect("not poisoned").modified = None;
                 warn!(error = %e, "key set could not be read again; keeping the previous keys");
                 None
+            }
+        }
+    }
+}
+
+impl Verifier {
+    /// Replace the key set, and tell open event streams to verify their token again.
+    fn replace_keys(&self, keys: Arc<Keys>) {
+        *self.keys.write().expect("not poisoned") = keys;
+        self.changed.send_modify(|generation| *generation += 1);
+    }
+
+    /// Changes of the key set (a generation number).
+    pub(crate) fn changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.changed.subscribe()
+    }
+
+    /// Usable keys in the set now.
+    pub(crate) fn key_count(&self) -> usize {
+        self.keys.read().expect("not poisoned").count()
+    }
+
+    /// A token valid for longer than `--jwt-max-lifetime` from its issue, or issued in the
+    /// future, is refused.
+    fn check_lifetime(&self, iat: Option<u64>, exp: u64) -> Result<(), AuthError> {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or_default()
+            .as_secs();
+        let leeway = self.config.leeway.as_secs();
+        if iat.is_some_and(|iat| iat > now.saturating_add(leeway)) {
+            return Err(AuthError::Invalid(
+                "it was issued in the future (iat)".into(),
+            ));
+        }
+        let from = iat.unwrap_or(now);
+        let lifetime = Duration::from_secs(exp.saturating_sub(from));
+        if lifetime > self.config.max_lifetime {
+            return Err(AuthError::Invalid(format!(
+                "it is valid for {} from {}, over the {} allowed (--jwt-max-lifetime)",
+                humantime::format_duration(lifetime),
+                if iat.is_some() { "its issue" } else { "now" },
+                humantime::format_duration(self.config.max_lifetime),
+            )));
+        }
+        Ok(())
+    }
+
+    /// With a key file: look at it every second and read it again when it changed, so a
+    /// key withdrawn ends the streams it signed even while no request arrives. (With a URL,
+    /// [`Verifier::fetch`] keeps the set.)
+    pub(crate) async fn watch_file(self: Arc<Self>, shutdown: tokio_util::sync::CancellationToken) {
+        let KeySource::File(path) = self.config.jwks.clone() else {
+            return;
+        };
+        loop {
+            tokio::select! {
+                _ = shutdown.cancelled() => return,
+                _ = tokio::time::sleep(RELOAD_AT_MOST_EVERY) => self.reread_if_changed(&path),
             }
         }
     }
@@ -483,8 +645,8 @@ impl Verifier {
                 .and_then(|text| Keys::parse(Path::new(&url), &text))
             {
                 Ok(keys) => {
-                    info!(%url, keys = keys.by_kid.len() + keys.unnamed.len(), "key set fetched");
-                    *self.keys.write().expect("not poisoned") = Arc::new(keys);
+                    info!(%url, keys = keys.count(), "key set fetched");
+                    self.replace_keys(Arc::new(keys));
                     backoff.reset();
                     refresh
                 }
@@ -639,11 +801,32 @@ impl Auth {
         Ok(Some((verifier.verify(token)?, token)))
     }
 
-    /// The verifier whose key set is fetched from a URL, if it is.
-    pub(crate) fn remote(&self) -> Option<Arc<Verifier>> {
+    /// The verifier, unless anonymous.
+    pub(crate) fn verifier(&self) -> Option<Arc<Verifier>> {
         match self {
-            Auth::Tokens(v) if matches!(v.config.jwks, KeySource::Url { .. }) => Some(v.clone()),
-            _ => None,
+            Auth::Tokens(v) => Some(v.clone()),
+            Auth::Anonymous => None,
+        }
+    }
+
+    /// Whether these headers carry a credential verified lately (its holder was identified
+    /// before: not a stranger's guess), under these keys or earlier ones.
+    pub(crate) fn recognizes(&self, headers: &HeaderMap) -> bool {
+        match (self, self.credential(headers)) {
+            (Auth::Tokens(verifier), Some(token)) => verifier.verified_lately(token),
+            _ => false,
+        }
+    }
+
+    /// The credential `identify` reads from these headers: the bearer token, else the
+    /// session cookie.
+    pub(crate) fn credential<'h>(&self, headers: &'h HeaderMap) -> Option<&'h str> {
+        let Auth::Tokens(verifier) = self else {
+            return None;
+        };
+        match bearer(headers) {
+            Ok(Some(token)) => Some(token),
+            _ => session_cookie(headers, verifier.cookie_name()),
         }
     }
 
@@ -651,7 +834,7 @@ impl Auth {
     pub(crate) fn has_keys(&self) -> bool {
         match self {
             Auth::Anonymous => true,
-            Auth::Tokens(v) => !v.keys.read().expect("not poisoned").is_empty(),
+            Auth::Tokens(v) => v.keys.read().expect("not poisoned").published,
         }
     }
 
@@ -756,7 +939,19 @@ mod tests {
         assert!(keys.find(Some("hmac")).is_none());
         // One key: a token without kid may use it.
         assert!(keys.find(None).is_some());
+        // No usable key: an empty published set (every token refused), not the old keys.
         let none = r#"{"keys":[{"kty":"oct","k":"c2VjcmV0"}]}"#;
-        assert!(Keys::parse(Path::new("jwks.json"), none).is_err());
+        let none = Keys::parse(Path::new("jwks.json"), none).unwrap();
+        assert!(none.is_empty() && none.published);
+        // A key that does not load is skipped; the others still form the set.
+        let partly = r#"{"keys":[
+            {"kty":"OKP","crv":"Ed25519","x":"11qYAYKxCrfVS_7TyWQHOg7hcvPapiMlrwIaaPcHURo","kid":"ed"},
+            {"kty":"OKP","crv":"Ed25519","x":"@@ not base64 @@","kid":"broken"}
+        ]}"#;
+        let partly = Keys::parse(Path::new("jwks.json"), partly).unwrap();
+        assert_eq!(partly.count(), 1);
+        assert!(partly.find(Some("ed")).is_some());
+        // Only a document that does not parse is an error (the previous keys are kept).
+        assert!(Keys::parse(Path::new("jwks.json"), "{\"keys\": [").is_err());
     }
 }

@@ -37,6 +37,11 @@ pub struct AuthArgs {
     /// Clock skew allowed when checking a token's `exp` and `nbf`.
     #[arg(long, env = "CHAT_JWT_LEEWAY", value_parser = humantime::parse_duration, default_value = "30s")]
     pub jwt_leeway: Duration,
+    /// The longest a token may be valid from its issue (`exp` minus `iat`; without `iat`,
+    /// from now); a longer one is refused. Bounds what a signing key stolen and withdrawn
+    /// later can still sign for. The page signs in again when its token expires.
+    #[arg(long, env = "CHAT_JWT_MAX_LIFETIME", value_parser = humantime::parse_duration, default_value = "24h")]
+    pub jwt_max_lifetime: Duration,
     /// The scope (`scope` or `scp` claim) a token needs to manage chat members.
     #[arg(long, env = "CHAT_ADMIN_SCOPE", default_value = "chat:admin")]
     pub admin_scope: String,
@@ -114,6 +119,9 @@ impl AuthArgs {
                 self.jwt_leeway
             ));
         }
+        if self.jwt_max_lifetime < Duration::from_secs(60) {
+            return refuse("--jwt-max-lifetime must be at least 1m".into());
+        }
         if self.admin_scope.is_empty() || self.admin_scope.contains(' ') {
             return refuse("--admin-scope must be one scope, without spaces".into());
         }
@@ -124,6 +132,7 @@ impl AuthArgs {
             audiences,
             leeway: self.jwt_leeway,
             admin_scope: self.admin_scope.clone(),
+            max_lifetime: self.jwt_max_lifetime,
         };
         crate::access::auth::Verifier::load(config).map(Some)
     }

@@ -44,6 +44,9 @@ impl Probe for ServiceProbe {
     fn metrics(&self) -> String {
         let app = &self.0;
         app.metrics.live_chats.set(app.hub.chats() as i64);
+        if let Some(verifier) = app.auth.verifier() {
+            app.metrics.jwks_keys.set(verifier.key_count() as i64);
+        }
         app.metrics
             .client_addresses
             .set(app.limits.addresses.addresses() as i64);

@@ -38,9 +38,19 @@ pub(super) async fn events(
                 ),
                 );
             };
+            let (Some(verifier), Some(token)) =
+                (app.auth.verifier(), app.auth.credential(req.headers()))
+            else {
+                unreachable!("an identified caller came with a credential")
+            };
             Some(sse::Entitlement {
                 watch: app.streams.watch(chat_id, &who.user),
                 expires_in: who.remaining(),
+                recheck: sse::Recheck {
+                    changes: verifier.changes(),
+                    verifier,
+                    token: token.to_string(),
+                },
                 _slot: slot,
             })
         }

@@ -242,8 +242,12 @@ async fn route(
     let label = Route::label(matched.map(|m| m.route));
     let method = req.method().clone();
     let metrics = app.metrics.clone();
-    // An address whose credentials keep failing has its next ones refused unverified.
-    let judged = client.filter(|_| request::carries_credentials(req.headers()));
+    // An address whose credentials keep failing has its next ones refused unverified; a
+    // credential verified lately is not a guess, and passes (a user behind the same address
+    // as an attacker keeps working).
+    let judged = client.filter(|_| {
+        request::carries_credentials(req.headers()) && !app.auth.recognizes(req.headers())
+    });
     let refused = judged.and_then(|ip| app.limits.failed_auth.check(&ip).err());
     let mut resp = match refused {
         Some(wait) => request::too_many(

@@ -61,13 +61,35 @@ const REPLAY_PAGE: i64 = 500;
 /// Frames queued for one client before its stream waits (and its live feed may lag).
 const CLIENT_QUEUE: usize = 64;
 
-/// What ends a user's stream besides the client: leaving the chat, or the token expiring
-/// (the page then signs in again and resumes with `Last-Event-ID`).
+/// What ends a user's stream besides the client: leaving the chat, the token expiring, or
+/// its key withdrawn (the page then signs in again and resumes with `Last-Event-ID`).
 pub(crate) struct Entitlement {
     pub watch: crate::access::streams::Watch,
     pub expires_in: std::time::Duration,
+    /// The credential the stream was opened with, verified again whenever the key set
+    /// changes: a key withdrawn ends the streams it signed.
+    pub recheck: Recheck,
     /// The user's place among their open streams, held as long as the stream.
     pub _slot: crate::access::quota::StreamSlot,
+}
+
+/// A stream's credential and the verifier's key-set changes.
+pub(crate) struct Recheck {
+    pub verifier: Arc<crate::access::auth::Verifier>,
+    pub token: String,
+    pub changes: tokio::sync::watch::Receiver<u64>,
+}
+
+impl Recheck {
+    /// Returns once the key set changed and the token no longer verifies; never otherwise.
+    async fn until_refused(mut self) {
+        while self.changes.changed().await.is_ok() {
+            if self.verifier.verify(&self.token).is_err() {
+                return;
+            }
+        }
+        std::future::pending::<()>().await
+    }
 }
 
 /// A cursor past the feed's tip names positions the database does not have (it was
@@ -130,6 +152,10 @@ pub(crate) fn respond(
                 _ = tokio::time::sleep(entitlement.expires_in) => {
                     app.metrics.event_streams_revoked_total.inc();
                     Err(StreamEnd::Expired)
+                },
+                _ = entitlement.recheck.until_refused() => {
+                    app.metrics.event_streams_revoked_total.inc();
+                    Err(StreamEnd::KeyWithdrawn)
                 }
             },
         };
@@ -199,6 +225,8 @@ enum StreamEnd {
     Revoked,
     #[error("the user's token expired")]
     Expired,
+    #[error("the user's token no longer verifies against the key set (its key withdrawn)")]
+    KeyWithdrawn,
 }
 
 async fn stream_events(
