@@ -416,7 +416,11 @@ async fn postgres_down_answers_503_with_retry_after_and_writes_nothing() {
     let stack = Stack::start(&pg).await;
     let svc = stack.service(Side::Consumers, &[]).await;
     send(svc.addr, 7, "before").await;
-    pg.stop_fast().unwrap();
+    // A fast shutdown waits for each walsender's client (the in-process relays) to confirm
+    // the end of the WAL: the wait must not hold this worker thread, or a relay task queued
+    // on it (tokio's LIFO slot is never stolen) cannot confirm, and the shutdown waits out
+    // its 120 s (seen in CI).
+    tokio::task::block_in_place(|| pg.stop_fast()).unwrap();
     let reply = post_json(
         svc.addr,
         "/chats/7/messages",
