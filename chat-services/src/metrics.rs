@@ -38,6 +38,13 @@ pub(crate) struct Metrics {
 
 impl Metrics {
     /// Metrics labelled with the service's side.
+    /// Without identities (`--allow-anonymous`) there is no key set: its gauge is not
+    /// exported, so its alert (no usable key) cannot fire on such an instance.
+    pub(crate) fn anonymous(self) -> Self {
+        let _ = self.registry.unregister(Box::new(self.jwks_keys.clone()));
+        self
+    }
+
     pub(crate) fn new(side: crate::side::Side) -> Self {
         let labels = [("side".to_string(), side.as_str().to_string())]
             .into_iter()

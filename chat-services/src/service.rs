@@ -67,7 +67,11 @@ impl Service {
         };
         let (status_tx, status_rx) = watch::channel(ConsumerStatus::default());
         let hub = live::hub::Hub::new();
-        let metrics = Arc::new(metrics::Metrics::new(config.side));
+        let metrics = match config.verifier {
+            Some(_) => metrics::Metrics::new(config.side),
+            None => metrics::Metrics::new(config.side).anonymous(),
+        };
+        let metrics = Arc::new(metrics);
         let (announcer, publisher) = hints::Announcer::new(
             hub.clone(),
             config.redis.clone(),

@@ -56,6 +56,7 @@ async fn a_stream_opened_with_a_key_later_withdrawn_ends_within_seconds() {
     })
     .await;
     let new = stream(svc.addr, &token).await;
+    assert!(!old.is_closed(), "a rotation alone ends no stream");
 
     // WHEN the first key is withdrawn (a compromise), and no request comes in
     idp.withdraw_oldest();
@@ -132,10 +133,10 @@ async fn a_key_set_with_no_usable_key_refuses_everyone_and_says_so() {
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let svc = stack.service(Side::Consumers, &flags).await;
     add_member(svc.addr, &idp, 7, "alice").await;
+    assert_eq!(metric(svc.admin, "chat_jwks_keys").await, Some(1.0));
     let old = idp.token("alice");
     idp.rotate();
     let new = idp.token("alice");
-    assert_eq!(metric(svc.admin, "chat_jwks_keys").await, Some(1.0));
     wait_until(Duration::from_secs(5), "both keys published", || async {
         match metric(svc.admin, "chat_jwks_keys").await {
             Some(2.0) => Ok(()),

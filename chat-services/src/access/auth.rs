@@ -68,8 +68,13 @@ pub(crate) enum AuthError {
     Missing,
     #[error("the Authorization header must be 'Bearer <token>'")]
     NotBearer,
+    /// Refused before any signature was checked (malformed, too long, an unknown key).
     #[error("invalid token: {0}")]
     Invalid(String),
+    /// Checked against its key and refused (a bad signature, expired, wrong audience, too
+    /// long-lived): the check cost a signature verification, charged to the sender.
+    #[error("invalid token: {0}")]
+    Refused(String),
     /// With `--jwks-url`, before the provider's keys were first fetched: nothing about
     /// the token is known yet (503, retried).
     #[error("the identity provider's keys are not fetched yet; retry shortly")]
@@ -123,6 +128,9 @@ pub(crate) struct Verifier {
     wanted: tokio::sync::Notify,
     /// Bumped whenever the key set is replaced: open event streams verify their token again.
     changed: tokio::sync::watch::Sender<u64>,
+    /// Held across reading the key set again and installing it: two reloads at once (a
+    /// token's unknown key, the file watcher) cannot install an older read over a newer.
+    reload: Mutex<()>,
     /// Tokens verified lately, by their SHA-256: one comes again (every request of a page)
     /// without a signature check, and is not held back by its address's failures, until it
     /// expires or the key set changes.
@@ -151,6 +159,8 @@ struct Keys {
     /// Read from a document (false only before a `--jwks-url` was first fetched): an empty
     /// published set refuses every token; an unpublished one answers "not fetched yet".
     published: bool,
+    /// SHA-256 of the usable keys as published (sorted): equal sets, equal fingerprints.
+    fingerprint: [u8; 32],
 }
 
 struct Key {
@@ -197,7 +207,9 @@ impl Keys {
             by_kid: HashMap::new(),
             unnamed: Vec::new(),
             published: true,
+            fingerprint: [0; 32],
         };
+        let mut used: Vec<String> = Vec::new();
         for jwk in &set.keys {
             let kid = jwk.common.key_id.clone();
             let name = kid.as_deref().unwrap_or("(no kid)");
@@ -216,6 +228,7 @@ impl Keys {
                     continue;
                 }
             };
+            used.push(serde_json::to_string(jwk).unwrap_or_default());
             match kid {
                 Some(kid) => {
                     keys.by_kid.insert(kid, Key { key, alg });
@@ -226,6 +239,11 @@ impl Keys {
         if !keys.unnamed.is_empty() && keys.by_kid.len() + keys.unnamed.len() > 1 {
             warn!(file = %path.display(), unnamed = keys.unnamed.len(), "JWKS keys without a kid are not used: the set holds more than one key, so a token cannot say which");
         }
+        used.sort();
+        keys.fingerprint = {
+            use sha2::Digest;
+            sha2::Sha256::digest(used.join("\n").as_bytes()).into()
+        };
         if keys.is_empty() {
             error!(file = %path.display(), "the key set holds no usable signing key (RS256, ES256 or EdDSA): every token is refused");
         }
@@ -245,6 +263,7 @@ impl Keys {
             by_kid: HashMap::new(),
             unnamed: Vec::new(),
             published: false,
+            fingerprint: [0; 32],
         }
     }
 
@@ -355,6 +374,7 @@ impl Verifier {
             wanted: tokio::sync::Notify::new(),
             changed: tokio::sync::watch::Sender::new(0),
             verified: Mutex::default(),
+            reload: Mutex::default(),
         })
     }
 
@@ -388,9 +408,17 @@ impl Verifier {
         if let Some(who) = self.remembered(token) {
             return Ok(who);
         }
-        let who = self.verify_signed(token, file)?;
-        self.remember(token, &who, generation);
-        Ok(who)
+        match self.verify_signed(token, file) {
+            Ok(who) => {
+                self.remember(token, &who, generation);
+                Ok(who)
+            }
+            Err(e) => {
+                // Refused now (its key withdrawn, say): no longer a token known to be good.
+                self.forget(token);
+                Err(e)
+            }
+        }
     }
 
     /// SHA-256 of a token: what the memory of verified tokens keeps.
@@ -424,6 +452,12 @@ impl Verifier {
             .get(&Self::digest(token))
             .filter(|(_, who)| !who.remaining().is_zero())
             .cloned()
+    }
+
+    fn forget(&self, token: &str) {
+        let digest = Self::digest(token);
+        let mut verified = self.verified.lock().expect("not poisoned");
+        verified.by_digest.remove(&digest);
     }
 
     fn remember(&self, token: &str, who: &Identity, generation: u64) {
@@ -472,14 +506,14 @@ impl Verifier {
         validation.set_audience(&self.config.audiences);
         validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
         let data = jsonwebtoken::decode::<Claims>(token, &key.key, &validation)
-            .map_err(|e| AuthError::Invalid(reason(e.kind())))?;
+            .map_err(|e| AuthError::Refused(reason(e.kind())))?;
         let claims = data.claims;
         let (Some(user), Some(exp)) = (claims.sub.clone(), claims.exp) else {
-            return Err(AuthError::Invalid(
+            return Err(AuthError::Refused(
                 "the 'sub' and 'exp' claims are required".into(),
             ));
         };
-        check_user_id(&user).map_err(|e| AuthError::Invalid(format!("sub: {e}")))?;
+        check_user_id(&user).map_err(|e| AuthError::Refused(format!("sub: {e}")))?;
         self.check_lifetime(claims.iat, exp)?;
         Ok(Identity {
             admin: claims.has_scope(&self.config.admin_scope),
@@ -526,6 +560,7 @@ impl Verifier {
     }
 
     fn read_again(&self, path: &Path) -> Option<Arc<Keys>> {
+        let _reload = self.reload.lock().expect("not poisoned");
         match read_keys(path) {
             Ok(keys) => {
                 let keys = Arc::new(keys);
@@ -546,9 +581,17 @@ impl Verifier {
 
 impl Verifier {
     /// Replace the key set, and tell open event streams to verify their token again.
+    /// Only a set that differs counts as a change: a stranger's unknown key, which makes
+    /// the set be read again, must not make every open stream verify its token again.
     fn replace_keys(&self, keys: Arc<Keys>) {
-        *self.keys.write().expect("not poisoned") = keys;
-        self.changed.send_modify(|generation| *generation += 1);
+        let mut current = self.keys.write().expect("not poisoned");
+        let differs =
+            current.fingerprint != keys.fingerprint || current.published != keys.published;
+        *current = keys;
+        drop(current);
+        if differs {
+            self.changed.send_modify(|generation| *generation += 1);
+        }
     }
 
     /// Changes of the key set (a generation number).
@@ -570,14 +613,14 @@ impl Verifier {
             .as_secs();
         let leeway = self.config.leeway.as_secs();
         if iat.is_some_and(|iat| iat > now.saturating_add(leeway)) {
-            return Err(AuthError::Invalid(
+            return Err(AuthError::Refused(
                 "it was issued in the future (iat)".into(),
             ));
         }
         let from = iat.unwrap_or(now);
         let lifetime = Duration::from_secs(exp.saturating_sub(from));
         if lifetime > self.config.max_lifetime {
-            return Err(AuthError::Invalid(format!(
+            return Err(AuthError::Refused(format!(
                 "it is valid for {} from {}, over the {} allowed (--jwt-max-lifetime)",
                 humantime::format_duration(lifetime),
                 if iat.is_some() { "its issue" } else { "now" },

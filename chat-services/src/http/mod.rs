@@ -246,7 +246,7 @@ async fn route(
     // credential verified lately is not a guess, and passes (a user behind the same address
     // as an attacker keeps working).
     let judged = client.filter(|_| {
-        request::carries_credentials(req.headers()) && !app.auth.recognizes(req.headers())
+        request::carries_credentials(&app, req.headers()) && !app.auth.recognizes(req.headers())
     });
     let refused = judged.and_then(|ip| app.limits.failed_auth.check(&ip).err());
     let mut resp = match refused {

@@ -56,8 +56,8 @@ pub(super) fn store_error(e: StoreError) -> Response<Body> {
     }
 }
 
-/// Marks an answer to credentials that failed verification (a token forged, expired or for
-/// another service): the client address is charged for it.
+/// Marks an answer to credentials refused after a signature check (a token forged, expired
+/// or for another service): the client address is charged for it.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct InvalidCredentials;
 
@@ -67,10 +67,10 @@ impl InvalidCredentials {
     }
 }
 
-/// Whether a request carries credentials to verify (a bearer token or a cookie).
-pub(super) fn carries_credentials(headers: &HeaderMap) -> bool {
-    headers.contains_key(hyper::header::AUTHORIZATION)
-        || headers.contains_key(hyper::header::COOKIE)
+/// Whether a request carries a credential to verify (a bearer token or the session cookie,
+/// by its name: any other cookie is not one).
+pub(super) fn carries_credentials(app: &App, headers: &HeaderMap) -> bool {
+    app.auth.credential(headers).is_some()
 }
 
 /// 401 naming why, with the challenge RFC 6750 asks for.
@@ -78,7 +78,7 @@ pub(super) fn unauthorized(app: &App, e: AuthError) -> Response<Body> {
     let (reason, challenge) = match e {
         // Not the caller's fault: the keys to judge the token are not there yet.
         AuthError::NoKeys => return reply::unavailable(e),
-        AuthError::Invalid(_) => (
+        AuthError::Invalid(_) | AuthError::Refused(_) => (
             "invalid_token",
             r#"Bearer realm="chat", error="invalid_token""#,
         ),
@@ -88,7 +88,8 @@ pub(super) fn unauthorized(app: &App, e: AuthError) -> Response<Body> {
         .requests_refused_total
         .with_label_values(&[reason])
         .inc();
-    let invalid = matches!(e, AuthError::Invalid(_));
+    // Only a refusal that cost a signature check is charged to the sender's address.
+    let invalid = matches!(e, AuthError::Refused(_));
     let mut resp = reply::error(StatusCode::UNAUTHORIZED, e);
     resp.headers_mut()
         .insert(WWW_AUTHENTICATE, HeaderValue::from_static(challenge));

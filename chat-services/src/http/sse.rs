@@ -81,14 +81,18 @@ pub(crate) struct Recheck {
 }
 
 impl Recheck {
-    /// Returns once the key set changed and the token no longer verifies; never otherwise.
+    /// Returns once the token no longer verifies; checked at once (the set may have changed
+    /// between the request's check and the subscription to changes: a remembered token
+    /// costs a lookup) and after every change of the key set.
     async fn until_refused(mut self) {
-        while self.changes.changed().await.is_ok() {
+        loop {
             if self.verifier.verify(&self.token).is_err() {
                 return;
             }
+            if self.changes.changed().await.is_err() {
+                return std::future::pending().await;
+            }
         }
-        std::future::pending::<()>().await
     }
 }
 
