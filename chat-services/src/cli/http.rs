@@ -130,11 +130,12 @@ impl HttpArgs {
         if self.max_connections_per_address == 0 {
             return refuse("--max-connections-per-address must be at least 1");
         }
-        if !(self.failed_auth_rate.is_finite() && self.failed_auth_rate > 0.0)
+        // A rate below one a day would make a wait too long to express (and is no limit).
+        if !(self.failed_auth_rate.is_finite() && self.failed_auth_rate >= 1e-5)
             || self.failed_auth_burst == 0
         {
             return refuse(
-                "--failed-auth-rate must be a number above 0 and --failed-auth-burst at least 1",
+                "--failed-auth-rate must be a number of at least 0.00001 (per second) and --failed-auth-burst at least 1",
             );
         }
         if !(self.send_rate.is_finite() && self.send_rate > 0.0) || self.send_burst == 0 {
@@ -183,7 +184,7 @@ impl HttpArgs {
                 mib(budget),
                 CONNECTION_COST / 1024,
                 mib(buffers),
-                mib(buffers + n as u64 * CONNECTION_COST).ceil(),
+                mib(buffers.saturating_add((n as u64).saturating_mul(CONNECTION_COST))).ceil(),
             ))),
             Some(n) => Ok(n),
         }

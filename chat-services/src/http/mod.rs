@@ -245,8 +245,13 @@ async fn route(
     // An address whose credentials keep failing has its next ones refused unverified; a
     // credential verified lately is not a guess, and passes (a user behind the same address
     // as an attacker keeps working).
+    // Only routes that verify a credential are gated: the page, its files, /healthz and
+    // signing out verify nothing, and stay open to a limited address.
+    let verifies = matched.is_some_and(|m| m.route.verifies(&method));
     let judged = client.filter(|_| {
-        request::carries_credentials(&app, req.headers()) && !app.auth.recognizes(req.headers())
+        verifies
+            && request::carries_credentials(&app, req.headers())
+            && !app.auth.recognizes(req.headers())
     });
     let refused = judged.and_then(|ip| app.limits.failed_auth.check(&ip).err());
     let mut resp = match refused {

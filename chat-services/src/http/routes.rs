@@ -74,6 +74,19 @@ impl Route {
         }
     }
 
+    /// Whether answering `method` on the route verifies a credential (a request the
+    /// per-address failure limiter may hold back); the page, its files, `/healthz` and
+    /// signing out verify nothing.
+    pub(crate) fn verifies(self, method: &hyper::Method) -> bool {
+        match self {
+            Route::Page | Route::PageJs | Route::PageCss | Route::Healthz | Route::AdminOnly => {
+                false
+            }
+            Route::Session => *method != hyper::Method::DELETE,
+            Route::Messages | Route::Events | Route::Members | Route::Member => true,
+        }
+    }
+
     /// The methods the route answers, as an `Allow` header says them.
     pub(crate) fn allowed(self) -> &'static str {
         match self {
