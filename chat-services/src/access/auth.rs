@@ -852,11 +852,13 @@ impl Auth {
         }
     }
 
-    /// Whether these headers carry a credential verified lately (its holder was identified
-    /// before: not a stranger's guess), under these keys or earlier ones.
-    pub(crate) fn recognizes(&self, headers: &HeaderMap) -> bool {
+    /// Whether these headers carry a credential (a bearer token or the session cookie, by
+    /// its name) that was not verified lately: a stranger's guess, which the per-address
+    /// failure limiter may hold back. One verified lately, under these keys or earlier ones,
+    /// is its holder's, and passes.
+    pub(crate) fn carries_unknown_credential(&self, headers: &HeaderMap) -> bool {
         match (self, self.credential(headers)) {
-            (Auth::Tokens(verifier), Some(token)) => verifier.verified_lately(token),
+            (Auth::Tokens(verifier), Some(token)) => !verifier.verified_lately(token),
             _ => false,
         }
     }

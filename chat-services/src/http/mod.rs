@@ -248,11 +248,7 @@ async fn route(
     // Only routes that verify a credential are gated: the page, its files, /healthz and
     // signing out verify nothing, and stay open to a limited address.
     let verifies = matched.is_some_and(|m| m.route.verifies(&method));
-    let judged = client.filter(|_| {
-        verifies
-            && request::carries_credentials(&app, req.headers())
-            && !app.auth.recognizes(req.headers())
-    });
+    let judged = client.filter(|_| verifies && app.auth.carries_unknown_credential(req.headers()));
     let refused = judged.and_then(|ip| app.limits.failed_auth.check(&ip).err());
     let mut resp = match refused {
         Some(wait) => request::too_many(

@@ -67,12 +67,6 @@ impl InvalidCredentials {
     }
 }
 
-/// Whether a request carries a credential to verify (a bearer token or the session cookie,
-/// by its name: any other cookie is not one).
-pub(super) fn carries_credentials(app: &App, headers: &HeaderMap) -> bool {
-    app.auth.credential(headers).is_some()
-}
-
 /// 401 naming why, with the challenge RFC 6750 asks for.
 pub(super) fn unauthorized(app: &App, e: AuthError) -> Response<Body> {
     let (reason, challenge) = match e {
