@@ -142,7 +142,7 @@ impl ChatInbox {
                 info!(message_id = %message.id, stream_id = %entry.id, trace_id = %entry.trace_id(), pos = position.pos, "redelivery of a message already in the inbox; shown again, recorded once");
             }
             shown.push(HistoryItem {
-                message: message.clone(),
+                message: position.shown(message),
                 pos: position.pos,
             });
         }

@@ -426,6 +426,64 @@ async fn a_removed_member_s_stream_ends_within_a_second_on_every_instance() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_member_removed_while_their_message_arrives_does_not_get_it_in() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let stack = Stack::start(shared_postgres()).await;
+    let idp = Idp::new();
+    let flags = idp.flags();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let svc = stack.service(Side::Consumers, &flags).await;
+    add_member(svc.addr, &idp, 6, "erin").await;
+    let erin = idp.token("erin");
+    // The request is admitted (its head read, erin a member) while its body is on the way:
+    // the server asks for the body (`100 Continue`) only once the head was admitted.
+    let body = r#"{"body":"sent while being removed"}"#;
+    let mut post = tokio::net::TcpStream::connect(svc.addr).await.unwrap();
+    let head = format!(
+        "POST /chats/6/messages HTTP/1.1\r\nhost: chat\r\nauthorization: Bearer {erin}\r\ncontent-type: application/json\r\ncontent-length: {}\r\nexpect: 100-continue\r\nconnection: close\r\n\r\n",
+        body.len(),
+    );
+    post.write_all(head.as_bytes()).await.unwrap();
+    let mut asked = [0u8; 25];
+    tokio::time::timeout(Duration::from_secs(10), post.read_exact(&mut asked))
+        .await
+        .expect("asked for the body")
+        .unwrap();
+    assert!(
+        asked.starts_with(b"HTTP/1.1 100 Continue"),
+        "{}",
+        String::from_utf8_lossy(&asked)
+    );
+    let (name, admin) = bearer(&idp.admin());
+    let reply = request(
+        svc.addr,
+        "DELETE",
+        "/chats/6/members/erin",
+        &[(name, &admin)],
+        bytes::Bytes::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(reply.status, 200, "{}", reply.body);
+    post.write_all(body.as_bytes()).await.unwrap();
+    let mut answer = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), post.read_to_end(&mut answer))
+        .await
+        .expect("answered")
+        .unwrap();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 404"), "{answer}");
+    assert_eq!(
+        stack
+            .count("SELECT count(*) FROM consumers.messages WHERE chat_id = 6")
+            .await,
+        0,
+        "nothing written for a member removed before the insert"
+    );
+    svc.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rotated_key_is_used_without_a_restart() {
     let stack = Stack::start(shared_postgres()).await;
     let mut idp = Idp::new();

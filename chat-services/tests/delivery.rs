@@ -95,6 +95,81 @@ async fn the_same_entry_delivered_twice_is_recorded_and_shown_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_with_altered_content_shows_what_the_inbox_recorded() {
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    // No feed check during the test: what the viewer is shown comes from announcements.
+    let workers = stack
+        .service(Side::Workers, &["--feed-check-interval", "10m"])
+        .await;
+    // A real entry as the template of the altered copy (and the stream made by the relay).
+    send(consumers.addr, 99, "template").await;
+    testkit::wait_until(Duration::from_secs(20), "template recorded", || async {
+        match stack.count("SELECT count(*) FROM workers.inbox").await {
+            1 => Ok(()),
+            n => Err(format!("{n} recorded")),
+        }
+    })
+    .await;
+    let mut viewer = SseClient::connect(workers.addr, "/chats/4/events", None)
+        .await
+        .unwrap();
+    // A message recorded and never announced (its writer killed between the two)...
+    let id = uuid::Uuid::now_v7();
+    let db = stack.db.connect().await.unwrap();
+    db.execute(
+        "INSERT INTO workers.inbox (message_id, chat_id, body, sent_at, stream_id)
+         VALUES ($1, 4, 'as recorded', now(), '0-1')",
+        &[&id],
+    )
+    .await
+    .unwrap();
+    // ... delivered again with other content (a republished or tampered entry).
+    let mut redis = stack.redis().connect().await.unwrap();
+    let entries: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg("outbox:consumers")
+        .arg("-")
+        .arg("+")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    let mut fields: Vec<(String, String)> = entries.ids[0]
+        .map
+        .iter()
+        .map(|(k, v)| (k.clone(), redis::from_redis_value_ref::<String>(v).unwrap()))
+        .collect();
+    for (name, value) in &mut fields {
+        if name == "payload" {
+            let mut payload: serde_json::Value = serde_json::from_str(value).unwrap();
+            payload["id"] = serde_json::json!(id);
+            payload["chat_id"] = serde_json::json!(4);
+            payload["body"] = serde_json::json!("altered in flight");
+            *value = payload.to_string();
+        }
+    }
+    let fields: Vec<(&str, &str)> = fields
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.as_str()))
+        .collect();
+    crate::support::append_after_top(stack.redis(), "outbox:consumers", &fields).await;
+
+    // THEN the viewer is shown the message as the inbox holds it.
+    let (event_id, shown) = next_message(&mut viewer, Duration::from_secs(10)).await;
+    assert_eq!(event_id, "p1");
+    assert_eq!(shown["id"], serde_json::json!(id));
+    assert_eq!(shown["body"], "as recorded");
+    assert_eq!(
+        stack
+            .count("SELECT count(*) FROM workers.inbox WHERE body = 'altered in flight'")
+            .await,
+        0
+    );
+    consumers.stop().await;
+    workers.stop().await;
+    stack.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_poison_entry_is_dead_lettered_and_messages_after_it_flow() {
     let stack = Stack::start(shared_postgres()).await;
     let consumers = stack.service(Side::Consumers, &[]).await;

@@ -455,3 +455,35 @@ async fn a_cursor_ahead_of_the_feed_is_clamped_to_its_tip_and_new_messages_are_s
     consumers.stop().await;
     stack.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_forged_hint_shows_nothing_the_database_does_not_hold() {
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let mut viewer = testkit::http::SseClient::connect(consumers.addr, "/chats/8/events", None)
+        .await
+        .unwrap();
+    // Whoever may publish on the side's hint channel claims a message at the next position.
+    let forged = serde_json::json!({
+        "from": "another-instance",
+        "chat_id": 8,
+        "pos": 1,
+        "frame": "id: p1\nevent: message\ndata: {\"id\":\"00000000-0000-7000-8000-000000000000\",\"chat_id\":8,\"body\":\"forged\",\"pos\":1}\n\n",
+    });
+    let mut redis = stack.redis().connect().await.unwrap();
+    let heard: i64 = redis::cmd("PUBLISH")
+        .arg("feed:consumers")
+        .arg(forged.to_string())
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert!(heard >= 1, "the service follows the channel");
+    // THEN the first message shown is the one the database holds at that position.
+    let sent = send(consumers.addr, 8, "the real one").await;
+    let (id, shown) = crate::support::next_message(&mut viewer, Duration::from_secs(10)).await;
+    assert_eq!(id, "p1");
+    assert_eq!(shown["id"], sent["id"], "{shown}");
+    assert_eq!(shown["body"], "the real one");
+    consumers.stop().await;
+    stack.stop().await;
+}

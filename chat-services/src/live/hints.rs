@@ -15,7 +15,6 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
 use futures::StreamExt;
 use outbox_core::backoff::Backoff;
 use outbox_core::connect::{RedisConn, RedisTarget};
@@ -307,22 +306,44 @@ impl Publisher {
     }
 }
 
-/// Feed other instances' hints into the local hub until `shutdown`.
+/// Another instance's hint: a chat, a position, and how the message was recorded. Only
+/// the position is taken from it: the message shown is read from the database.
+struct Hint {
+    chat_id: i64,
+    pos: i64,
+    delivery: Option<Delivery>,
+}
+
+/// Hints waiting for their messages to be read, before new ones are dropped (and their
+/// chats re-read by their streams instead).
+const FETCH_QUEUE: usize = 4096;
+/// Hints read from the database together at most.
+const FETCH_BATCH: usize = 256;
+/// Positions of one chat read at once for hints at most; a wider spread is left to the
+/// chat's streams (a resync).
+const FETCH_SPAN: i64 = 500;
+
+/// Feed other instances' hints into the local hub until `shutdown`: each hint's message is
+/// read from `store` (see [`fetch`]).
 pub(crate) async fn follow(
     client: RedisTarget,
     side: Side,
     hub: Arc<Hub>,
+    store: crate::store::Store,
     shutdown: CancellationToken,
 ) {
+    let (hints, queue) = mpsc::channel(FETCH_QUEUE);
+    let fetching = tokio::spawn(fetch(store, hub.clone(), queue));
+    let _fetching = AbortOnDrop(fetching);
     let mut backoff = Backoff::reconnecting(Duration::from_millis(200));
     loop {
         let session = async {
             match &client {
                 RedisTarget::Single(single) => {
-                    follow_single(single, side, &hub, &mut backoff).await
+                    follow_single(single, side, &hub, &hints, &mut backoff).await
                 }
                 RedisTarget::Cluster { .. } => {
-                    follow_sharded(&client, side, &hub, &mut backoff).await
+                    follow_sharded(&client, side, &hub, &hints, &mut backoff).await
                 }
             }
         };
@@ -341,20 +362,85 @@ pub(crate) async fn follow(
     }
 }
 
-/// Hand a hint read from the side's channel to the hub.
-fn take_note(hub: &Hub, payload: &str) {
+/// Ends a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Hand a hint read from the side's channel to the hub: a resync at once, another
+/// instance's message through [`fetch`]. The frame a hint carries is never shown: whoever
+/// may publish on the channel cannot make a browser show anything the database does not
+/// hold (it can only make instances read their own feed).
+fn take_note(hub: &Hub, fetch: &mpsc::Sender<Hint>, payload: &str) {
     let Ok(note) = serde_json::from_str::<Notification>(payload) else {
         return;
     };
     if note.resync {
         hub.resync_all();
     } else if note.from != instance_id() {
-        hub.publish(
-            note.chat_id,
-            note.pos,
-            Bytes::from(note.frame),
-            note.delivery.map(Arc::new),
-        );
+        let hint = Hint {
+            chat_id: note.chat_id,
+            pos: note.pos,
+            delivery: note.delivery,
+        };
+        if let Err(mpsc::error::TrySendError::Full(hint)) = fetch.try_send(hint) {
+            hub.resync_chat(hint.chat_id);
+        }
+    }
+}
+
+/// Show other instances' messages here, as the database holds them: the hints of chats
+/// with streams on this instance are read in batches (one query per chat and batch, from
+/// the lowest position hinted to the highest), and each message found is handed to the
+/// hub with the frame built from its row. A hint whose message is not there, or that
+/// cannot be read now, makes the chat's streams re-read their feed (never a tip: a hinted
+/// position is not trusted to be final).
+async fn fetch(store: crate::store::Store, hub: Arc<Hub>, mut queue: mpsc::Receiver<Hint>) {
+    let mut batch = Vec::with_capacity(FETCH_BATCH);
+    while queue.recv_many(&mut batch, FETCH_BATCH).await > 0 {
+        let watched: std::collections::HashSet<i64> = hub.chat_ids().into_iter().collect();
+        let mut chats: HashMap<i64, Vec<Hint>> = HashMap::new();
+        for hint in batch.drain(..) {
+            if watched.contains(&hint.chat_id) && hint.pos > 0 {
+                chats.entry(hint.chat_id).or_default().push(hint);
+            }
+        }
+        for (chat_id, hints) in chats {
+            let low = hints.iter().map(|h| h.pos).min().expect("one at least");
+            let high = hints.iter().map(|h| h.pos).max().expect("one at least");
+            let span = (high - low + 1).min(FETCH_SPAN);
+            match store.feed(chat_id, low - 1, span).await {
+                Ok(items) => {
+                    let mut deliveries: HashMap<i64, Delivery> = hints
+                        .into_iter()
+                        .filter_map(|h| Some((h.pos, h.delivery?)))
+                        .collect();
+                    let mut missing = false;
+                    for pos in low..=high.min(low + span - 1) {
+                        match items.iter().find(|item| item.pos == pos) {
+                            Some(item) => hub.publish(
+                                chat_id,
+                                pos,
+                                frame(item),
+                                deliveries.remove(&pos).map(Arc::new),
+                            ),
+                            None => missing = true,
+                        }
+                    }
+                    if missing || high >= low + span {
+                        hub.resync_chat(chat_id);
+                    }
+                }
+                Err(e) => {
+                    debug!(chat_id, error = %e, "could not read a hinted message; its streams re-read the feed");
+                    hub.resync_chat(chat_id);
+                }
+            }
+        }
     }
 }
 
@@ -366,6 +452,7 @@ async fn follow_single(
     client: &redis::Client,
     side: Side,
     hub: &Hub,
+    fetch: &mpsc::Sender<Hint>,
     backoff: &mut Backoff,
 ) -> redis::RedisResult<()> {
     let mut pubsub = client.get_async_pubsub().await?;
@@ -407,7 +494,7 @@ async fn follow_single(
             }
             continue;
         }
-        take_note(hub, &payload);
+        take_note(hub, fetch, &payload);
     }
 }
 
@@ -426,6 +513,7 @@ async fn follow_sharded(
     client: &RedisTarget,
     side: Side,
     hub: &Hub,
+    fetch: &mpsc::Sender<Hint>,
     backoff: &mut Backoff,
 ) -> redis::RedisResult<()> {
     let channel = channel(side);
@@ -454,7 +542,7 @@ async fn follow_sharded(
                         if let Some(Ok(payload)) =
                             push.data.get(1).map(redis::from_redis_value_ref::<String>)
                         {
-                            take_note(hub, &payload);
+                            take_note(hub, fetch, &payload);
                         }
                     }
                     redis::PushKind::SUnsubscribe => {

@@ -350,9 +350,8 @@ async fn record(
                 let [Received { message, .. }] = batch;
                 let position = positions
                     .get(&message.id)
-                    .copied()
                     .ok_or_else(|| DeadLetterError::NoPosition(message.id))?;
-                return Ok(Ok((message, position.pos, position.new)));
+                return Ok(Ok((position.shown(&message), position.pos, position.new)));
             }
             Err(StoreError::Fenced { .. }) if attempts < 5 => attempts += 1,
             Err(e) if e.is_row_refused() => return Ok(Err(format!("postgres refused it: {e}"))),

@@ -3,15 +3,27 @@
 
 use super::*;
 
+/// A page of history, oldest first, and whether older messages within the page's limit
+/// were left out for its byte bound.
+#[derive(Debug)]
+pub(crate) struct HistoryPage {
+    pub items: Vec<HistoryItem>,
+    pub more: bool,
+}
+
 impl Store {
     /// The chat as this side shows it, oldest first: sent and received messages in feed
-    /// order (their per-chat position); `before` pages back from a message id.
+    /// order (their per-chat position); `before` pages back from a message id. At most
+    /// `limit` messages and, past the newest one, `max_bytes` of their bodies: the database
+    /// sends no more than that, so a page of the longest messages costs what a page of
+    /// short ones does (`more` says older ones were left out for it).
     pub(crate) async fn history(
         &self,
         chat_id: i64,
         limit: i64,
         before: Option<Uuid>,
-    ) -> Result<Vec<HistoryItem>, StoreError> {
+        max_bytes: usize,
+    ) -> Result<HistoryPage, StoreError> {
         on_connection!(self, |client, s| {
             let before_pos: Option<i64> = match before {
                 None => None,
@@ -30,25 +42,43 @@ impl Store {
                     Some(row.get(0))
                 }
             };
+            // The newest `limit`, then as many of them as fit `max_bytes` of bodies (the
+            // newest always: one message is at most ~16 KB), counted by the database.
             let rows = client
                 .query(
                     &format!(
-                        "SELECT * FROM (
-                        SELECT id, body, created_at, true, pos, sender FROM {s}.messages
-                         WHERE chat_id = $1 AND pos < $2 ORDER BY pos DESC LIMIT $3) sent
-                     UNION ALL
-                     SELECT * FROM (
-                        SELECT message_id, body, sent_at, false, pos, sender FROM {s}.inbox
-                         WHERE chat_id = $1 AND pos < $2 ORDER BY pos DESC LIMIT $3) received
-                     ORDER BY pos DESC
-                     LIMIT $3"
+                        "SELECT id, body, created_at, sent, pos, sender, available FROM (
+                       SELECT newest.*,
+                              sum(octet_length(body)) OVER (ORDER BY pos DESC) AS fetched,
+                              count(*) OVER () AS available
+                         FROM (
+                           SELECT * FROM (
+                              SELECT id, body, created_at, true AS sent, pos, sender FROM {s}.messages
+                               WHERE chat_id = $1 AND pos < $2 ORDER BY pos DESC LIMIT $3) sent
+                           UNION ALL
+                           SELECT * FROM (
+                              SELECT message_id, body, sent_at, false, pos, sender FROM {s}.inbox
+                               WHERE chat_id = $1 AND pos < $2 ORDER BY pos DESC LIMIT $3) received
+                           ORDER BY pos DESC
+                           LIMIT $3) newest) counted
+                     WHERE fetched - octet_length(body) < $4
+                     ORDER BY pos DESC"
                     ),
-                    &[&chat_id, &before_pos.unwrap_or(i64::MAX), &limit],
+                    &[
+                        &chat_id,
+                        &before_pos.unwrap_or(i64::MAX),
+                        &limit,
+                        &(max_bytes as i64),
+                    ],
                 )
                 .await?;
+            let available: i64 = rows.first().map_or(0, |r| r.get(6));
             let mut items: Vec<HistoryItem> = rows.iter().map(|r| self.item(chat_id, r)).collect();
             items.reverse();
-            Ok(items)
+            Ok(HistoryPage {
+                more: available > items.len() as i64,
+                items,
+            })
         })
     }
 

@@ -4,12 +4,25 @@
 use super::*;
 
 /// Where [`Store::record_inbox`] put a message in its chat's feed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 #[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
 pub struct Position {
     pub pos: i64,
     /// Recorded by this call (`false`: it was in the inbox already).
     pub new: bool,
+    /// For a message found there (`new` false), the row as recorded then: what is shown,
+    /// whatever a redelivery carries (an entry republished with other content must not
+    /// show anything the database does not hold).
+    pub recorded: Option<Message>,
+}
+
+impl Position {
+    /// The message as the inbox holds it: `received` itself when recorded now, else the
+    /// row recorded before.
+    #[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
+    pub fn shown(&self, received: &Message) -> Message {
+        self.recorded.clone().unwrap_or_else(|| received.clone())
+    }
 }
 
 /// A message to record into the inbox by [`Store::record_inbox`].
@@ -83,7 +96,9 @@ impl Store {
         shard: u32,
         epoch: i64,
     ) -> Result<HashMap<Uuid, Position>, StoreError> {
-        self.bounded(STATEMENT_DEADLINE, async {
+        let _probe = self.admit()?;
+        let client = self.connection().await?;
+        self.within(STATEMENT_DEADLINE, async {
         let s = self.side.schema();
         let mut ids = Vec::with_capacity(received.len());
         let mut chats = Vec::with_capacity(received.len());
@@ -99,7 +114,6 @@ impl Store {
             streams.push(r.stream_id.as_str());
             senders.push(r.message.sender.as_deref());
         }
-        let client = self.pool.get().await?;
         // One statement: the writer row locked FOR SHARE and its epoch checked, then the
         // rows inserted in the order of `ord` (stream order, so feed positions, taken by
         // the V7 trigger, follow the sender's commit order). The first output row (message
@@ -117,11 +131,12 @@ impl Store {
                              ORDER BY ord
                             ON CONFLICT (message_id) DO NOTHING
                             RETURNING message_id, pos)
-                     SELECT NULL::uuid, (SELECT epoch FROM w), true
+                     SELECT NULL::uuid, (SELECT epoch FROM w), true,
+                            NULL::bigint, NULL::text, NULL::timestamptz, NULL::text
                      UNION ALL
-                     SELECT message_id, pos, true FROM ins
+                     SELECT message_id, pos, true, NULL, NULL, NULL, NULL FROM ins
                      UNION ALL
-                     SELECT message_id, pos, false FROM {s}.inbox
+                     SELECT message_id, pos, false, chat_id, body, sent_at, sender FROM {s}.inbox
                       WHERE message_id = ANY($1) AND (SELECT epoch FROM w) = $6"
             ))
             .await?;
@@ -144,11 +159,21 @@ impl Store {
         for row in &rows {
             match row.get::<_, Option<Uuid>>(0) {
                 Some(id) => {
+                    let new: bool = row.get(2);
+                    let before = (!new).then(|| Message {
+                        id,
+                        chat_id: row.get(3),
+                        body: row.get(4),
+                        created_at: row.get(5),
+                        side: self.side.other(),
+                        sender: row.get(6),
+                    });
                     recorded.insert(
                         id,
                         Position {
                             pos: row.get(1),
-                            new: row.get(2),
+                            new,
+                            recorded: before,
                         },
                     );
                 }

@@ -19,19 +19,22 @@ use crate::model::{HistoryItem, Message, MESSAGE_CREATED};
 use crate::side::Side;
 
 /// `on_connection!(self, |client, s| { ... })`: run the block on a pooled connection
-/// (`client`) with this side's schema name (`s`), as one operation bounded by
-/// [`STATEMENT_DEADLINE`] (see [`Store::bounded`]): the prelude of every statement but a
-/// send's, written once. (A macro: an async closure borrowing the connection cannot yet
-/// promise the `Send` future hyper's tasks need.)
+/// (`client`) with this side's schema name (`s`), as one operation: admitted by the
+/// [`Breaker`], the connection taken within [`POOL_WAIT`] (see [`Store::connection`]), then
+/// the block bounded by [`STATEMENT_DEADLINE`] (see [`Store::within`]). The prelude of every
+/// statement but a send's, written once. (A macro: an async closure borrowing the
+/// connection cannot yet promise the `Send` future hyper's tasks need.)
 macro_rules! on_connection {
     ($store:expr, |$client:ident, $schema:ident| $body:block) => {
-        $store
-            .bounded($crate::store::STATEMENT_DEADLINE, async {
-                let $schema = $store.side.schema();
-                let $client = $store.pool.get().await?;
-                $body
-            })
-            .await
+        async {
+            let _probe = $store.admit()?;
+            let $client = $store.connection().await?;
+            let $schema = $store.side.schema();
+            $store
+                .within($crate::store::STATEMENT_DEADLINE, async { $body })
+                .await
+        }
+        .await
     };
 }
 
@@ -60,6 +63,10 @@ pub enum StoreError {
     /// The Idempotency-Key was used before for a different request (HTTP 422).
     #[error("Idempotency-Key was already used for a different message (chat {chat_id})")]
     IdempotencyMismatch { chat_id: i64 },
+    /// The sender is no member of the chat (any more): nothing was written (HTTP 404, as
+    /// for a chat that does not exist).
+    #[error("not a member of chat {chat_id}")]
+    NotMember { chat_id: i64 },
     /// `before` names no message of this chat (HTTP 400).
     #[error("before={0} is not a message of this chat")]
     UnknownCursor(Uuid),
@@ -167,7 +174,7 @@ const IDLE_CHECK_AFTER: Duration = Duration::from_secs(10);
 /// Server-side bounds of every statement of the services' sessions, inside
 /// [`STATEMENT_DEADLINE`]: a slow statement or a lock wait ends with the server's own error
 /// on a connection that stays good, so the client's deadline fires only when the server
-/// does not answer at all (and then no pooled connection is trusted, see [`Store::bounded`]).
+/// does not answer at all (and then no pooled connection is trusted, see [`Store::within`]).
 const SESSION_LIMITS: &str =
     "-c statement_timeout=4s -c lock_timeout=3s -c idle_in_transaction_session_timeout=60s";
 
@@ -206,6 +213,8 @@ const HEALTH_GIVE_UP: Duration = Duration::from_secs(10);
 #[derive(Default)]
 struct Breaker {
     tripped: AtomicBool,
+    /// Counts the trips (`chat_database_breaker_trips_total`), once set.
+    trips: std::sync::OnceLock<prometheus::IntCounter>,
     probing: AtomicBool,
     /// Woken when a tripped breaker sees an answer: whatever waits out a backoff because
     /// the database did not answer tries again at once.
@@ -248,7 +257,11 @@ impl Breaker {
     }
 
     fn trip(&self) {
-        self.tripped.store(true, Ordering::Release);
+        if !self.tripped.swap(true, Ordering::AcqRel) {
+            if let Some(trips) = self.trips.get() {
+                trips.inc();
+            }
+        }
     }
 }
 
@@ -268,10 +281,9 @@ impl Store {
         side: Side,
         max_connections: usize,
     ) -> Result<Self, outbox_core::ConfigError> {
-        // No connect timeout of its own, and none for the pool's creation: every use is
-        // under a deadline (`bounded`, `within`), which is what trips the breaker. A
-        // shorter one would fail a connection to a frozen server before it, so each
-        // request would open another.
+        // No connect timeout of its own: the pool's create timeout is the statement
+        // deadline, and trips the breaker. A shorter one would fail a connection to a
+        // frozen server sooner, so each request would open another.
         let (mut config, tls) = endpoint.pool_parts(&format!("chat-{side}"))?;
         // Every statement here goes by an index, and a prepared statement keeps the plan it
         // settled on for the connection's life: one made while a table was nearly empty and
@@ -301,6 +313,9 @@ impl Store {
             // Shorter than every operation's deadline: a request that cannot get a
             // connection is told the database is busy, and never takes it for a dead one.
             .wait_timeout(Some(POOL_WAIT))
+            // Opening a connection the server does not answer is a frozen server, the one
+            // thing that trips the breaker (see `Store::connection`).
+            .create_timeout(Some(STATEMENT_DEADLINE))
             .recycle_timeout(Some(Duration::from_secs(2)))
             // A connection idle for a while is checked before reuse: one whose server went
             // away without closing it (a failover, a partition) is replaced, not handed to
@@ -332,26 +347,44 @@ impl Store {
         })
     }
 
-    /// `op` within `deadline`. Past it the database is taken for unavailable, and the idle
-    /// pooled connections are dropped: anything merely slow was ended by the server first
-    /// ([`SESSION_LIMITS`]), so a server that left a statement unanswered this long is
-    /// frozen or cut off, and not trusted with the next on the same connections.
-    ///
-    /// While the [`Breaker`] is tripped, only one operation at a time goes to the database;
-    /// the others fail at once.
-    async fn bounded<T>(
-        &self,
-        deadline: Duration,
-        op: impl std::future::Future<Output = Result<T, StoreError>>,
-    ) -> Result<T, StoreError> {
-        let _probe = match self.breaker.admit() {
-            Admit::Refuse => return Err(refused_by_breaker()),
-            admitted => admitted,
-        };
-        self.within(deadline, op).await
+    /// Count the breaker's trips on `trips` from now on.
+    pub(crate) fn count_breaker_trips(&self, trips: prometheus::IntCounter) {
+        let _ = self.breaker.trips.set(trips);
+    }
+
+    /// Whether an operation may go to the database now: while the [`Breaker`] is tripped,
+    /// only one at a time does (the guard returned); the others fail at once.
+    fn admit(&self) -> Result<Admit<'_>, StoreError> {
+        match self.breaker.admit() {
+            Admit::Refuse => Err(refused_by_breaker()),
+            admitted => Ok(admitted),
+        }
+    }
+
+    /// A pooled connection. Waiting for one to come free is bounded by [`POOL_WAIT`] and
+    /// answered as busy: a pool all in use is a busy database, never a frozen one, and the
+    /// wait is not counted against the operation's deadline (which starts once the
+    /// connection is in hand). Opening one that the server does not answer within
+    /// [`STATEMENT_DEADLINE`] is a frozen server: the breaker trips.
+    async fn connection(&self) -> Result<deadpool_postgres::Object, StoreError> {
+        match self.pool.get().await {
+            Ok(client) => Ok(client),
+            Err(deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Create)) => {
+                self.breaker.trip();
+                self.pool.retain(|_, _| false);
+                Err(StoreError::Unavailable(format!(
+                    "no answer opening a connection within {STATEMENT_DEADLINE:?}"
+                )))
+            }
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// `op` within `deadline`, whatever the breaker says; its outcome sets the breaker.
+    /// Past the deadline the database is taken for unavailable, and the idle pooled
+    /// connections are dropped: anything merely slow was ended by the server first
+    /// ([`SESSION_LIMITS`]), so a server that left a statement unanswered this long is
+    /// frozen or cut off, and not trusted with the next on the same connections.
     async fn within<T>(
         &self,
         deadline: Duration,

@@ -30,17 +30,29 @@ impl Send<'_> {
     /// [`Send::execute`], given up at `deadline`: an attempt that had no answer by then
     /// may have committed (its outcome is unknown), and the connections it used are not
     /// trusted again.
+    /// The wait for a pooled connection (bounded on its own, see [`Store::connection`]) moves
+    /// the deadline by as much: a busy pool is not a database that stopped answering.
     async fn execute_by(&self, store: &Store, deadline: tokio::time::Instant) -> Attempt {
-        let _probe = match store.breaker.admit() {
-            Admit::Refuse => return Attempt::Refused(refused_by_breaker()),
-            admitted => admitted,
+        let _probe = match store.admit() {
+            Ok(admitted) => admitted,
+            Err(refused) => return Attempt::Refused(refused),
         };
-        match tokio::time::timeout_at(deadline, self.execute(store)).await {
+        let waiting = tokio::time::Instant::now();
+        let client = match store.connection().await {
+            Ok(client) => client,
+            Err(e) => return Attempt::Refused(e),
+        };
+        let deadline = deadline + waiting.elapsed();
+        match tokio::time::timeout_at(deadline, self.execute(store, &client)).await {
             Ok(attempt) => {
                 if matches!(
                     attempt,
                     Attempt::Done(_)
-                        | Attempt::Refused(StoreError::Other(_) | StoreError::RowRefused(_))
+                        | Attempt::Refused(
+                            StoreError::Other(_)
+                                | StoreError::RowRefused(_)
+                                | StoreError::NotMember { .. }
+                        )
                 ) {
                     store.breaker.answered();
                 }
@@ -60,23 +72,23 @@ impl Send<'_> {
     /// row's partition key is the chat (its stream shard, see `outbox_core::stream`). The chat
     /// feed position comes back when the message was written now (the trigger of migration
     /// V7 assigns it).
-    async fn execute(&self, store: &Store) -> Attempt {
+    async fn execute(&self, store: &Store, client: &deadpool_postgres::Object) -> Attempt {
         let s = store.side.schema();
-        let client = match store.pool.get().await {
-            Ok(client) => client,
-            Err(e) => return Attempt::Refused(e.into()),
-        };
         let statement = match client
             .prepare_cached(&format!(
-                "WITH m AS (
+                "WITH member AS (
+                   SELECT $8::text IS NULL OR EXISTS (
+                     SELECT 1 FROM {s}.chat_members WHERE chat_id = $2 AND user_id = $8) AS holds
+                 ),
+                 m AS (
                    INSERT INTO {s}.messages (id, chat_id, body, created_at, idempotency_key, sender)
-                   VALUES ($1, $2, $3, $4, $5, $8)
+                   SELECT $1, $2, $3, $4, $5, $8 FROM member WHERE member.holds
                    ON CONFLICT DO NOTHING
                    RETURNING pos, chat_id
                  ),
                  o AS (INSERT INTO {s}.outbox (event, payload, partition_key, traceparent)
                        SELECT $6, $7, chat_id::text, $9 FROM m)
-                 SELECT pos FROM m"
+                 SELECT (SELECT pos FROM m), (SELECT holds FROM member)"
             ))
             .await
         {
@@ -85,7 +97,7 @@ impl Send<'_> {
         };
         let m = self.message;
         let executed = client
-            .query_opt(
+            .query_one(
                 &statement,
                 &[
                     &m.id,
@@ -101,7 +113,12 @@ impl Send<'_> {
             )
             .await;
         match executed {
-            Ok(row) => Attempt::Done(row.map(|r| r.get(0))),
+            // The sender left the chat since the request was admitted (while its body
+            // arrived, say): the membership is checked in the statement that inserts.
+            Ok(row) if !row.get::<_, bool>(1) => Attempt::Refused(StoreError::NotMember {
+                chat_id: self.message.chat_id,
+            }),
+            Ok(row) => Attempt::Done(row.get(0)),
             // The server answered with an ERROR: the statement (and its commit) failed. A
             // FATAL (an immediate shutdown, a crash restart) may follow a commit: unknown.
             Err(e)
@@ -147,7 +164,6 @@ impl Store {
         sender: Option<&str>,
         traceparent: Option<&str>,
     ) -> Result<Sent, StoreError> {
-        let s = self.side.schema();
         // The message's timestamp comes from here (like its UUIDv7), at the database's
         // microsecond precision, so the event carries exactly what is stored and answered.
         let now = OffsetDateTime::now_utc();
@@ -202,18 +218,15 @@ impl Store {
         let unknown = || StoreError::OutcomeUnknown {
             idempotency_key: key.clone(),
         };
-        let row = self
-            .bounded(STATEMENT_DEADLINE, async {
-                let client = self.pool.get().await?;
-                Ok(client
-                    .query_one(
-                        &format!("SELECT id, chat_id, body, created_at, pos, sender FROM {s}.messages WHERE idempotency_key = $1"),
-                        &[&stored],
-                    )
-                    .await?)
-            })
-            .await
-            .map_err(|_| unknown())?;
+        let row: Result<tokio_postgres::Row, StoreError> = on_connection!(self, |client, s| {
+            Ok(client
+                .query_one(
+                    &format!("SELECT id, chat_id, body, created_at, pos, sender FROM {s}.messages WHERE idempotency_key = $1"),
+                    &[&stored],
+                )
+                .await?)
+        });
+        let row = row.map_err(|_| unknown())?;
         let original = Message {
             id: row.get(0),
             chat_id: row.get(1),
