@@ -61,9 +61,11 @@ pub struct HttpSettings {
     /// Failed verifications one address may make at once, and per second after.
     pub failed_auth_burst: u32,
     pub failed_auth_rate: f64,
-    /// Each user's sends per second, and the bucket they may spend at once.
-    pub send_rate: f64,
-    pub send_burst: u32,
+    /// Each user's budgets, in the order of `budgets::Kind` (sends, history pages, stream
+    /// opens, sign-ins): a rate per second and the burst they may spend at once.
+    pub(crate) budgets: [crate::access::budgets::Budget; 4],
+    /// Requests one user may have in flight on one instance.
+    pub max_requests_per_user: usize,
     pub body_read_timeout: Duration,
     pub write_timeout: Duration,
     pub header_read_timeout: Duration,
@@ -81,6 +83,8 @@ pub struct LiveSettings {
     /// Open event streams at most, on the instance and per user.
     pub max_event_streams: usize,
     pub max_event_streams_per_user: usize,
+    /// Messages a stream opened behind the tip replays at most.
+    pub sse_max_replay: i64,
     /// How often the newest position of every streamed chat is compared with what was sent.
     pub feed_check_interval: Duration,
 }
@@ -108,7 +112,8 @@ pub(crate) struct Failpoints {
 
 impl ServiceConfig {
     /// What the HTTP server holds clients to.
-    pub(crate) fn http_limits(&self) -> crate::http::Limits {
+    /// `budgets_local` is set while users' budgets are counted by this instance alone.
+    pub(crate) fn http_limits(&self, budgets_local: prometheus::IntGauge) -> crate::http::Limits {
         use tokio::sync::Semaphore;
         let (http, live) = (&self.http, &self.live);
         crate::http::Limits {
@@ -128,9 +133,14 @@ impl ServiceConfig {
             sse_queued: Arc::default(),
             header_read_timeout: http.header_read_timeout,
             quotas: Arc::new(crate::access::quota::Quotas::new(
-                http.send_rate,
-                http.send_burst,
+                crate::access::budgets::Budgets::shared(
+                    self.side,
+                    http.budgets,
+                    self.redis.clone(),
+                    budgets_local,
+                ),
                 live.max_event_streams_per_user,
+                http.max_requests_per_user,
             )),
             body_read_timeout: http.body_read_timeout,
             write_timeout: http.write_timeout,

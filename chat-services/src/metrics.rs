@@ -34,6 +34,8 @@ pub(crate) struct Metrics {
     pub membership_checks_failed_total: IntCounter,
     pub messages_deleted_total: IntCounterVec,
     pub jwks_fetch_failures_total: IntCounter,
+    pub database_breaker_trips_total: IntCounter,
+    pub budgets_local: IntGauge,
 }
 
 impl Metrics {
@@ -113,7 +115,7 @@ impl Metrics {
         );
         let requests_refused_total = counters(
             "chat_requests_refused_total",
-            "Requests refused for who sent them, by reason: no_credentials, invalid_token, not_member (answered as a missing chat), not_admin, auth_failures (an address whose credentials kept failing)",
+            "Requests refused for who sent them, by reason: no_credentials, invalid_token, not_member (answered as a missing chat), not_admin, auth_failures (an address whose credentials kept failing), send_rate, history_rate, stream_open_rate, sign_in_rate (a user past a budget), requests_per_user (a user with --max-requests-per-user in flight), streams_per_user",
             &["reason"],
         );
         let messages_deleted_total = counters(
@@ -122,6 +124,14 @@ impl Metrics {
             &["what"],
         );
         Self {
+            budgets_local: gauge(
+                "chat_budgets_local",
+                "1 while users' budgets (sends, history, stream opens, sign-ins) are counted by this instance alone because Redis does not answer: each instance then allows a user the whole budget",
+            ),
+            database_breaker_trips_total: counter(
+                "chat_database_breaker_trips_total",
+                "Times Postgres left an operation or a new connection unanswered past its deadline (frozen, cut off): until it answers again, one operation at a time tries it and the others are answered 503 at once. A busy pool never counts",
+            ),
             jwks_fetch_failures_total: counter(
                 "chat_jwks_fetch_failures_total",
                 "Fetches of --jwks-url that failed (the keys there are were kept)",

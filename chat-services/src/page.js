@@ -89,6 +89,15 @@ function listen() {
     if (every > 0) silenceLimit = Math.round(1.5 * every) + 500;
     heard();
   });
+  // The stream starts nearer the tip than asked (the page was away for more messages than a
+  // stream replays): what was shown ends before a gap, so it goes, and the chat is shown
+  // from where the stream starts (older messages are in the history).
+  current.addEventListener("skipped", () => {
+    heard();
+    if (current !== source) return;
+    list.replaceChildren();
+    shown = new Set();
+  });
   current.addEventListener("message", (event) => {
     heard();
     const message = JSON.parse(event.data);

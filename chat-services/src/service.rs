@@ -78,17 +78,21 @@ impl Service {
             config.side,
             metrics.clone(),
         );
+        let limits = config.http_limits(metrics.budgets_local.clone());
+        let store = store::Store::new(&config.postgres, config.side, config.db_pool_size)?;
+        store.count_breaker_trips(metrics.database_breaker_trips_total.clone());
         let app = Arc::new(http::App {
             side: config.side,
-            store: store::Store::new(&config.postgres, config.side, config.db_pool_size)?,
+            store,
             hub,
             announcer,
             metrics,
             consumer: status_rx,
             shutdown,
             sse_heartbeat: config.live.sse_heartbeat,
+            sse_max_replay: config.live.sse_max_replay,
             trust_traceparent: config.http.trust_traceparent,
-            limits: config.http_limits(),
+            limits,
             auth: match &config.verifier {
                 None => {
                     warn!("running with --allow-anonymous: nobody is identified, anyone who reaches --listen may read and post in every chat");
@@ -97,6 +101,7 @@ impl Service {
                 Some(verifier) => auth::Auth::Tokens(verifier.clone()),
             },
             cookie_secure: config.cookie_secure,
+            members: Arc::default(),
             streams: Arc::default(),
             slow_history: config.failpoints.slow_history,
             refuse_sends: config
@@ -224,6 +229,7 @@ impl Background {
                 cfg.redis.clone(),
                 cfg.side,
                 app.hub.clone(),
+                app.store.clone(),
                 shutdown.clone(),
             )),
             publisher: tokio::spawn(publisher.run(shutdown.clone())),
@@ -241,6 +247,7 @@ impl Background {
             )),
             streams: tokio::spawn(app.streams.clone().run(
                 app.store.clone(),
+                app.members.clone(),
                 app.metrics.clone(),
                 shutdown.clone(),
             )),

@@ -21,6 +21,7 @@ mod feed_positions;
 mod fence;
 mod frozen;
 mod limits;
+mod member_reads;
 mod migrations;
 mod plans;
 mod public_tls;

@@ -78,6 +78,83 @@ async fn a_user_sending_past_the_rate_gets_429_with_retry_after_and_others_do_no
     svc.stop().await;
 }
 
+/// How many of `tries` sends by `token` to chat 1 are taken, alternating between `addrs`.
+async fn taken(addrs: &[std::net::SocketAddr], token: &str, tries: usize, tag: &str) -> usize {
+    let mut taken = 0;
+    for i in 0..tries {
+        let reply = send_as(addrs[i % addrs.len()], token, 1, &format!("{tag} {i}")).await;
+        match reply.status {
+            201 => taken += 1,
+            429 => {}
+            other => panic!("send {tag} {i}: {other} {}", reply.body),
+        }
+    }
+    taken
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_users_budget_is_one_across_instances_and_each_counts_alone_while_redis_is_down() {
+    let stack = Stack::start(shared_postgres()).await;
+    let idp = Idp::new();
+    // A bucket that does not refill within the test: each send taken is one of the burst.
+    let flags = flags(&idp, &["--send-rate", "0.0001", "--send-burst", "4"]);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let one = stack
+        .service_process(Side::Consumers, "budget-one", &flags)
+        .await;
+    // The second stands by for the inbox (one shard, one consumer) and serves all the same.
+    let two = stack
+        .service_process_standby(Side::Consumers, "budget-two", &flags)
+        .await;
+    for user in ["alice", "bob"] {
+        add_member(one.addr, &idp, 1, user).await;
+    }
+    let budgets_local = |admin| async move {
+        let metrics = testkit::http::get(admin, "/metrics").await.unwrap().1;
+        testkit::http::metric_value(&metrics, "chat_budgets_local")
+    };
+    // Shared once both instances reached Redis (they connect in the background).
+    for admin in [one.admin, two.admin] {
+        wait_until(Duration::from_secs(10), "budgets shared", || async {
+            match budgets_local(admin).await {
+                Some(0.0) => Ok(()),
+                other => Err(format!("chat_budgets_local {other:?}")),
+            }
+        })
+        .await;
+    }
+    // Alternating between the two instances, alice gets her burst once, not twice.
+    let alice = idp.token("alice");
+    assert_eq!(taken(&[one.addr, two.addr], &alice, 8, "alice").await, 4);
+
+    // Redis gone: each instance judges alone (a fresh bucket of its own), and says so.
+    stack.redis().stop().unwrap();
+    let bob = idp.token("bob");
+    let alone = taken(&[one.addr, two.addr], &bob, 12, "bob").await;
+    assert_eq!(
+        alone, 8,
+        "each instance allows bob its own burst while Redis is down"
+    );
+    for admin in [one.admin, two.admin] {
+        assert_eq!(budgets_local(admin).await, Some(1.0));
+    }
+    // Redis back: shared again, and the budgets there are as they were left.
+    stack.redis().start_again().unwrap();
+    wait_until(
+        Duration::from_secs(20),
+        "budgets judged by Redis again",
+        || async {
+            let refused = send_as(one.addr, &alice, 1, "alice again").await;
+            match (refused.status, budgets_local(one.admin).await) {
+                (429, Some(0.0)) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
+    drop((one, two));
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_user_opening_streams_past_the_cap_is_refused_and_nobody_else_is() {
     let stack = Stack::start(shared_postgres()).await;

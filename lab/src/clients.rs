@@ -144,6 +144,9 @@ impl Watcher {
                             e = client.next(Duration::from_millis(500)) => e,
                         };
                         match event {
+                            // Only messages are shown (a `skipped` event leaves its
+                            // messages missing, which the checks then report).
+                            Some(event) if event.event != "message" => {}
                             Some(event) => {
                                 let Ok(message) =
                                     serde_json::from_str::<serde_json::Value>(&event.data)

@@ -1,7 +1,9 @@
-//! What one user may take of an instance, so one client cannot take everyone's share:
-//! sends at a steady rate with bursts (a token bucket per user), and event streams open at
-//! once. Counted per instance; behind a load balancer a user's share is that times the
-//! instances they reach.
+//! What one user may take, so one client cannot take everyone's share: budgets of sends,
+//! history reads, stream opens and sign-ins (token buckets shared by the side's instances,
+//! see `budgets`), and on each instance the event streams they hold open and the requests
+//! they have in flight at once (an answer counts until it is written: one never read holds
+//! its memory). The token buckets themselves are here too, for every limit that counts
+//! per key on one instance.
 
 use std::collections::HashMap;
 use std::hash::Hash;
@@ -12,10 +14,12 @@ use std::time::{Duration, Instant};
 const SWEEP_ABOVE: usize = 10_000;
 
 pub(crate) struct Quotas {
-    /// Each user's sends (`--send-rate`, `--send-burst`).
-    sends: Buckets<String>,
+    /// Each user's budgets (`--send-rate`, `--history-rate`, ...).
+    pub budgets: Arc<super::budgets::Budgets>,
     max_streams: usize,
     streams: Mutex<HashMap<String, usize>>,
+    max_in_flight: usize,
+    in_flight: Mutex<HashMap<String, usize>>,
 }
 
 /// Token buckets, one per key: a key may take `burst` at once after being idle and `rate`
@@ -56,14 +60,6 @@ impl<K: Hash + Eq + Clone> Buckets<K> {
                 swept: None,
             }),
         }
-    }
-
-    pub(crate) fn rate(&self) -> f64 {
-        self.rate
-    }
-
-    pub(crate) fn burst(&self) -> f64 {
-        self.burst
     }
 
     /// Take one from `key`'s bucket, or say how long until there is one.
@@ -123,66 +119,83 @@ impl<K: Hash + Eq + Clone> Buckets<K> {
     }
 }
 
-/// One of a user's open event streams; gives its place back when dropped.
-pub(crate) struct StreamSlot {
+/// One of a user's places (an open event stream, a request in flight); given back when
+/// dropped.
+pub(crate) struct Place {
     quotas: Arc<Quotas>,
     user: String,
+    streams: bool,
 }
 
-impl Drop for StreamSlot {
+/// An open event stream's place.
+pub(crate) type StreamSlot = Place;
+
+impl Drop for Place {
     fn drop(&mut self) {
-        let mut streams = self.quotas.streams.lock().expect("not poisoned");
-        if let Some(n) = streams.get_mut(&self.user) {
+        let map = if self.streams {
+            &self.quotas.streams
+        } else {
+            &self.quotas.in_flight
+        };
+        let mut map = map.lock().expect("not poisoned");
+        if let Some(n) = map.get_mut(&self.user) {
             *n -= 1;
             if *n == 0 {
-                streams.remove(&self.user);
+                map.remove(&self.user);
             }
         }
     }
 }
 
 impl Quotas {
-    pub(crate) fn new(rate: f64, burst: u32, max_streams: usize) -> Self {
+    pub(crate) fn new(
+        budgets: Arc<super::budgets::Budgets>,
+        max_streams: usize,
+        max_in_flight: usize,
+    ) -> Self {
         Self {
-            sends: Buckets::new(rate, f64::from(burst)),
+            budgets,
             max_streams,
             streams: Mutex::default(),
+            max_in_flight,
+            in_flight: Mutex::default(),
         }
-    }
-
-    pub(crate) fn rate(&self) -> f64 {
-        self.sends.rate()
-    }
-
-    pub(crate) fn burst(&self) -> f64 {
-        self.sends.burst()
     }
 
     pub(crate) fn max_streams(&self) -> usize {
         self.max_streams
     }
 
-    /// Take one send from `user`'s bucket, or say how long until there is one.
-    pub(crate) fn take_send(&self, user: &str) -> Result<(), Duration> {
-        self.sends.take(&user.to_string())
-    }
-
-    /// Give back a send taken by [`Quotas::take_send`] that wrote nothing.
-    pub(crate) fn give_back(&self, user: &str) {
-        self.sends.give_back(&user.to_string())
+    pub(crate) fn max_in_flight(&self) -> usize {
+        self.max_in_flight
     }
 
     /// A place for one more of `user`'s event streams, unless they hold the most already.
     pub(crate) fn open_stream(self: &Arc<Self>, user: &str) -> Option<StreamSlot> {
-        let mut streams = self.streams.lock().expect("not poisoned");
-        let n = streams.entry(user.to_string()).or_insert(0);
-        if *n >= self.max_streams {
+        self.place(user, true)
+    }
+
+    /// A place for one more of `user`'s requests in flight, unless they have the most.
+    pub(crate) fn start_request(self: &Arc<Self>, user: &str) -> Option<Place> {
+        self.place(user, false)
+    }
+
+    fn place(self: &Arc<Self>, user: &str, streams: bool) -> Option<Place> {
+        let (map, max) = if streams {
+            (&self.streams, self.max_streams)
+        } else {
+            (&self.in_flight, self.max_in_flight)
+        };
+        let mut map = map.lock().expect("not poisoned");
+        let n = map.entry(user.to_string()).or_insert(0);
+        if *n >= max {
             return None;
         }
         *n += 1;
-        Some(StreamSlot {
+        Some(Place {
             quotas: self.clone(),
             user: user.to_string(),
+            streams,
         })
     }
 }
@@ -193,20 +206,20 @@ mod tests {
 
     #[test]
     fn a_burst_then_the_steady_rate() {
-        let quotas = Quotas::new(2.0, 3, 1);
+        let buckets: Buckets<&str> = Buckets::new(2.0, 3.0);
         for _ in 0..3 {
-            assert!(quotas.take_send("a").is_ok());
+            assert!(buckets.take(&"a").is_ok());
         }
-        let wait = quotas.take_send("a").unwrap_err();
+        let wait = buckets.take(&"a").unwrap_err();
         assert!(
             wait <= Duration::from_millis(500) && wait > Duration::ZERO,
             "{wait:?}"
         );
-        // Another user has a bucket of their own.
-        assert!(quotas.take_send("b").is_ok());
-        // A send given back (it wrote nothing) may be made again.
-        quotas.give_back("a");
-        assert!(quotas.take_send("a").is_ok());
+        // Another key has a bucket of its own.
+        assert!(buckets.take(&"b").is_ok());
+        // One given back (it cost nothing) may be taken again.
+        buckets.give_back(&"a");
+        assert!(buckets.take(&"a").is_ok());
     }
 
     #[test]
@@ -227,13 +240,25 @@ mod tests {
     }
 
     #[test]
-    fn stream_places_come_back_when_a_stream_ends() {
-        let quotas = Arc::new(Quotas::new(1.0, 1, 2));
+    fn places_come_back_when_a_stream_or_request_ends() {
+        let budgets = crate::access::budgets::Budgets::local(
+            crate::side::Side::Consumers,
+            [crate::access::budgets::Budget {
+                rate: 1.0,
+                burst: 1,
+            }; 4],
+        );
+        let quotas = Arc::new(Quotas::new(Arc::new(budgets), 2, 1));
         let one = quotas.open_stream("a").unwrap();
         let _two = quotas.open_stream("a").unwrap();
         assert!(quotas.open_stream("a").is_none());
         assert!(quotas.open_stream("b").is_some());
         drop(one);
         assert!(quotas.open_stream("a").is_some());
+        // Requests in flight are counted apart from streams.
+        let request = quotas.start_request("a").unwrap();
+        assert!(quotas.start_request("a").is_none());
+        drop(request);
+        assert!(quotas.start_request("a").is_some());
     }
 }

@@ -104,9 +104,14 @@ impl Streams {
     /// Check the open streams against the members every second until `shutdown`. When the
     /// database does not answer, streams stay open (they get nothing from it either) and are
     /// checked again a second later; unchecked for [`UNCHECKED_AT_MOST`], they are ended.
+    /// What each check finds also updates `members`: a membership it confirms is
+    /// remembered, one it finds gone is forgotten (so a removal made on another instance
+    /// ends, within a second, both the user's streams here and what this instance
+    /// remembers of them).
     pub(crate) async fn run(
         self: Arc<Self>,
         store: Store,
+        members: Arc<crate::access::members::Members>,
         metrics: Arc<Metrics>,
         shutdown: CancellationToken,
     ) {
@@ -123,10 +128,11 @@ impl Streams {
                 checked = tokio::time::Instant::now();
                 continue;
             }
-            let members = match store.memberships(&pairs).await {
-                Ok(members) => {
+            let asked = members.asking();
+            let found = match store.memberships(&pairs).await {
+                Ok(found) => {
                     checked = tokio::time::Instant::now();
-                    members
+                    found
                 }
                 Err(e) => {
                     metrics.membership_checks_failed_total.inc();
@@ -141,7 +147,11 @@ impl Streams {
                     continue;
                 }
             };
-            for (chat_id, user) in pairs.iter().filter(|p| !members.contains(p)) {
+            for (chat_id, user) in &found {
+                members.saw(asked, *chat_id, user);
+            }
+            for (chat_id, user) in pairs.iter().filter(|p| !found.contains(p)) {
+                members.forget(*chat_id, user);
                 let n = self.revoke(*chat_id, user);
                 if n > 0 {
                     metrics.event_streams_revoked_total.inc_by(n as u64);

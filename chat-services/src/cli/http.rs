@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use outbox_core::ConfigError;
 
+use crate::access::budgets::Budget;
 use crate::config::{HttpSettings, LiveSettings};
 use crate::http::connections::CONNECTION_COST;
 
@@ -60,13 +61,38 @@ pub struct HttpArgs {
     /// leaves room for the rest. --max-connections is derived from it, or checked against it.
     #[arg(long, env = "CHAT_MEMORY_BUDGET", value_parser = parse_bytes, default_value = "192MiB")]
     pub memory_budget: u64,
-    /// Sends per second one user may keep up on this instance (a token bucket); past it
-    /// 429 with Retry-After. Not applied with --allow-anonymous (there is no user).
+    /// Sends per second one user may keep up (a token bucket); past it 429 with
+    /// Retry-After. Each user's budgets are held in Redis, so all instances of the side
+    /// together allow this much; while Redis does not answer, each instance counts alone.
+    /// Not applied with --allow-anonymous (there is no user), like every budget below.
     #[arg(long, env = "CHAT_SEND_RATE", default_value_t = 5.0)]
     pub send_rate: f64,
     /// Sends one user may make at once after being idle (the bucket's size).
     #[arg(long, env = "CHAT_SEND_BURST", default_value_t = 20)]
     pub send_burst: u32,
+    /// History pages one user may read per second (each at most 500 messages and 1 MiB).
+    #[arg(long, env = "CHAT_HISTORY_RATE", default_value_t = 5.0)]
+    pub history_rate: f64,
+    /// History pages one user may read at once after being idle.
+    #[arg(long, env = "CHAT_HISTORY_BURST", default_value_t = 30)]
+    pub history_burst: u32,
+    /// Event streams one user may open per second (each replays at most --sse-max-replay
+    /// messages).
+    #[arg(long, env = "CHAT_STREAM_OPEN_RATE", default_value_t = 1.0)]
+    pub stream_open_rate: f64,
+    /// Event streams one user may open at once after being idle (tabs opened together).
+    #[arg(long, env = "CHAT_STREAM_OPEN_BURST", default_value_t = 20)]
+    pub stream_open_burst: u32,
+    /// Sign-ins (`POST /session`) one user may make per second.
+    #[arg(long, env = "CHAT_SIGN_IN_RATE", default_value_t = 0.1)]
+    pub sign_in_rate: f64,
+    /// Sign-ins one user may make at once after being idle.
+    #[arg(long, env = "CHAT_SIGN_IN_BURST", default_value_t = 10)]
+    pub sign_in_burst: u32,
+    /// Requests one user may have in flight on this instance at once, an answer counting
+    /// until it is written (one never read counts until --write-timeout); past it 429.
+    #[arg(long, env = "CHAT_MAX_REQUESTS_PER_USER", default_value_t = 8)]
+    pub max_requests_per_user: usize,
     /// How long a request's body may take to arrive; past it 408 and the connection closes.
     #[arg(long, env = "CHAT_BODY_READ_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10s")]
     pub body_read_timeout: Duration,
@@ -138,8 +164,24 @@ impl HttpArgs {
                 "--failed-auth-rate must be a number of at least 0.00001 (per second) and --failed-auth-burst at least 1",
             );
         }
-        if !(self.send_rate.is_finite() && self.send_rate > 0.0) || self.send_burst == 0 {
-            return refuse("--send-rate must be a number above 0 and --send-burst at least 1");
+        let budget = |rate: f64, burst: u32, name: &str| {
+            // A rate below one a day would make a wait too long to express.
+            if rate.is_finite() && rate >= 1e-5 && burst > 0 {
+                Ok(Budget { rate, burst })
+            } else {
+                Err(ConfigError(format!(
+                    "--{name}-rate must be a number of at least 0.00001 (per second) and --{name}-burst at least 1"
+                )))
+            }
+        };
+        let budgets = [
+            budget(self.send_rate, self.send_burst, "send")?,
+            budget(self.history_rate, self.history_burst, "history")?,
+            budget(self.stream_open_rate, self.stream_open_burst, "stream-open")?,
+            budget(self.sign_in_rate, self.sign_in_burst, "sign-in")?,
+        ];
+        if self.max_requests_per_user == 0 {
+            return refuse("--max-requests-per-user must be at least 1");
         }
         if self.body_read_timeout.is_zero() || self.write_timeout.is_zero() {
             return refuse("--body-read-timeout and --write-timeout must be greater than zero");
@@ -153,8 +195,8 @@ impl HttpArgs {
             trusted_proxies: self.trusted_proxies.clone(),
             failed_auth_burst: self.failed_auth_burst,
             failed_auth_rate: self.failed_auth_rate,
-            send_rate: self.send_rate,
-            send_burst: self.send_burst,
+            budgets,
+            max_requests_per_user: self.max_requests_per_user,
             body_read_timeout: self.body_read_timeout,
             write_timeout: self.write_timeout,
             header_read_timeout: self.header_read_timeout,

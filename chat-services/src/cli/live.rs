@@ -31,6 +31,12 @@ pub struct LiveArgs {
     /// Event streams one user may hold open on this instance; past it 429.
     #[arg(long, env = "CHAT_MAX_EVENT_STREAMS_PER_USER", default_value_t = 16)]
     pub max_event_streams_per_user: usize,
+    /// Messages a stream replays at most when it opens behind the chat's tip (its
+    /// Last-Event-ID or ?after= older than that): it starts this many before the tip and says
+    /// so first (`event: skipped`, with the positions left out), and the client pages back
+    /// through history for older ones. A reconnect within this many messages misses nothing.
+    #[arg(long, env = "CHAT_SSE_MAX_REPLAY", default_value_t = 2_000)]
+    pub sse_max_replay: i64,
     /// How often each instance compares the newest position of every chat it streams with
     /// what its streams sent: the bound on how late a message whose live hint was lost (its
     /// writer killed between commit and hint) is shown. One small query per interval.
@@ -54,6 +60,9 @@ impl LiveArgs {
         if self.feed_check_interval < Duration::from_millis(100) {
             return refuse("--feed-check-interval must be at least 100ms");
         }
+        if self.sse_max_replay < 1 {
+            return refuse("--sse-max-replay must be at least 1");
+        }
         if self.max_event_streams == 0 || self.max_event_streams_per_user == 0 {
             return refuse(
                 "--max-event-streams and --max-event-streams-per-user must be at least 1",
@@ -65,6 +74,7 @@ impl LiveArgs {
             sse_client_buffer: self.sse_client_buffer,
             max_event_streams: self.max_event_streams,
             max_event_streams_per_user: self.max_event_streams_per_user,
+            sse_max_replay: self.sse_max_replay,
             feed_check_interval: self.feed_check_interval,
         })
     }

@@ -4,6 +4,7 @@
 use super::reply::{self, Body};
 use super::request::*;
 use super::{sse, App};
+use crate::access::budgets::Kind;
 use crate::model::{self};
 use hyper::body::Incoming;
 use hyper::{Request, Response, StatusCode};
@@ -20,8 +21,8 @@ pub(super) async fn events(
         Ok(id) => id,
         Err(e) => return input_error(e),
     };
-    let who = match admit(&app, req.headers(), chat_id).await {
-        Ok(who) => who,
+    let who = match admit(&app, req.headers(), chat_id, Kind::StreamOpen).await {
+        Ok(admitted) => admitted.who,
         Err(resp) => return resp,
     };
     let entitlement = match who {
@@ -84,9 +85,9 @@ pub(super) async fn events(
         }
         after
     };
-    let after = match sse::clamp(&app, chat_id, after).await {
-        Ok(after) => after,
+    let start = match sse::clamp(&app, chat_id, after).await {
+        Ok(start) => start,
         Err(e) => return store_error(e),
     };
-    sse::respond(app, chat_id, after, entitlement)
+    sse::respond(app, chat_id, start, entitlement)
 }

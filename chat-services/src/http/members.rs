@@ -101,7 +101,11 @@ pub(super) async fn set_member(
             Err(e) => store_error(e),
         };
     }
-    match app.store.remove_member(chat_id, &user).await {
+    let removed = app.store.remove_member(chat_id, &user).await;
+    // Whatever the outcome (an unanswered removal may have committed): a membership this
+    // instance remembers, or is reading now, is not trusted again.
+    app.members.forget(chat_id, &user);
+    match removed {
         Ok(true) => {
             let streams = app.streams.revoke(chat_id, &user);
             app.metrics

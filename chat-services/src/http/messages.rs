@@ -5,7 +5,7 @@ use super::reply::{self, Body};
 use super::request::*;
 use super::routes::Route;
 use super::App;
-use crate::access::auth::Identity;
+use crate::access::budgets::Kind;
 use crate::model::{self};
 use hyper::body::Incoming;
 use hyper::header::{HeaderMap, HeaderValue, CONTENT_TYPE};
@@ -83,9 +83,11 @@ async fn send_message(
         Ok(id) => id,
         Err(e) => return input_error(e),
     };
-    // Before the body is read: a stranger costs no more than its headers.
-    let who = match admit(app, req.headers(), chat_id).await {
-        Ok(who) => who,
+    // Before the body is read: a stranger costs no more than its headers. The send is
+    // charged here; given back below if it certainly wrote nothing.
+    let Admitted { who, place: _place } = match admit(app, req.headers(), chat_id, Kind::Send).await
+    {
+        Ok(admitted) => admitted,
         Err(resp) => return resp,
     };
     if let Err(resp) = json_content(req.headers()) {
@@ -95,9 +97,6 @@ async fn send_message(
         Ok(key) => key,
         Err(resp) => return resp,
     };
-    if let Err(resp) = take_send_quota(app, who.as_ref()) {
-        return resp;
-    }
     let raw = match read_body(app, req.into_body()).await {
         Ok(raw) => raw,
         Err(resp) => return resp,
@@ -125,7 +124,11 @@ async fn send_message(
     // out on a slow server kept it busy, and an unknown outcome may have written.
     if let (Some(who), Err(e)) = (&who, &sent) {
         if e.ran_nothing() {
-            app.limits.quotas.give_back(&who.user);
+            app.limits
+                .quotas
+                .budgets
+                .give_back(Kind::Send, &who.user)
+                .await;
         }
     }
     match sent {
@@ -184,26 +187,6 @@ fn idempotency_key(headers: &HeaderMap) -> Result<Option<String>, Response<Body>
     }
 }
 
-/// One send of the user's share (429 past it).
-// The error is the answer itself, returned once per request: boxing it would buy nothing.
-#[allow(clippy::result_large_err)]
-fn take_send_quota(app: &App, who: Option<&Identity>) -> Result<(), Response<Body>> {
-    let Some(who) = who else {
-        return Ok(());
-    };
-    app.limits.quotas.take_send(&who.user).map_err(|wait| {
-        too_many(
-            app,
-            "send_rate",
-            wait,
-            format!(
-                "{} is sending faster than this instance allows ({}/s, bursts of {}); retry after the Retry-After seconds",
-                who.user, app.limits.quotas.rate(), app.limits.quotas.burst()
-            ),
-        )
-    })
-}
-
 /// A test's failpoint (`--refuse-sends`): the chat's next sends answer 503, unwritten.
 fn refused_by_failpoint(app: &App, chat_id: i64) -> Option<Response<Body>> {
     let (chat, left) = app.refuse_sends.as_ref()?;
@@ -226,9 +209,10 @@ pub(super) async fn history(app: &App, chat_id: &str, req: &Request<Incoming>) -
         Ok(id) => id,
         Err(e) => return input_error(e),
     };
-    if let Err(resp) = admit(app, req.headers(), chat_id).await {
-        return resp;
-    }
+    let place = match admit(app, req.headers(), chat_id, Kind::History).await {
+        Ok(admitted) => admitted.place,
+        Err(resp) => return resp,
+    };
     if let Some((slow, delay)) = app.slow_history {
         if slow == chat_id {
             tokio::time::sleep(delay).await;
@@ -264,16 +248,21 @@ pub(super) async fn history(app: &App, chat_id: &str, req: &Request<Incoming>) -
             }
         }
     }
-    match app.store.history(chat_id, limit, before).await {
-        Ok(messages) => history_page(&messages),
+    match app
+        .store
+        .history(chat_id, limit, before, MAX_HISTORY_BYTES)
+        .await
+    {
+        Ok(page) => hold_until_written(history_page(&page.items, page.more), place),
         Err(e) => store_error(e),
     }
 }
 
 /// A history answer of at most [`MAX_HISTORY_BYTES`]: the newest messages that fit, oldest
-/// first, and `"truncated": true` when older ones were left out (the client pages back
-/// with `before` the first one it got). A client that reads slowly holds this much at most.
-pub(super) fn history_page(messages: &[crate::model::HistoryItem]) -> Response<Body> {
+/// first, and `"truncated": true` when older ones were left out, here or already by the
+/// database's byte bound (`more`; the client pages back with `before` the first one it
+/// got). A client that reads slowly holds this much at most.
+pub(super) fn history_page(messages: &[crate::model::HistoryItem], more: bool) -> Response<Body> {
     let mut kept: Vec<Vec<u8>> = Vec::with_capacity(messages.len());
     let mut bytes = 0;
     for item in messages.iter().rev() {
@@ -285,7 +274,7 @@ pub(super) fn history_page(messages: &[crate::model::HistoryItem]) -> Response<B
         bytes += json.len() + 1;
         kept.push(json);
     }
-    let truncated = kept.len() < messages.len();
+    let truncated = more || kept.len() < messages.len();
     let mut body = Vec::with_capacity(bytes + 40);
     body.extend_from_slice(b"{\"messages\":[");
     for (i, json) in kept.iter().rev().enumerate() {

@@ -52,6 +52,8 @@ pub(crate) struct App {
     /// Cancelled at shutdown: open event streams end so connections can close.
     pub shutdown: CancellationToken,
     pub sse_heartbeat: Duration,
+    /// Messages a stream opened behind the tip replays at most (`--sse-max-replay`).
+    pub sse_max_replay: i64,
     /// Continue the `traceparent` of sends (`--trust-traceparent`).
     pub trust_traceparent: bool,
     pub limits: Limits,
@@ -59,6 +61,8 @@ pub(crate) struct App {
     pub auth: crate::access::auth::Auth,
     /// The session cookie is `Secure`.
     pub cookie_secure: bool,
+    /// Memberships seen lately (a request of a member costs no query for a moment).
+    pub members: Arc<crate::access::members::Members>,
     /// The open event streams of identified users, held to the chat's members.
     pub streams: Arc<crate::access::streams::Streams>,
     /// Test hook (`failpoints`): history of this chat answers this much later.
@@ -316,7 +320,7 @@ async fn dispatch(
             format!("{path} is served on the admin listener (--admin-addr)"),
         ),
         (Route::Session, &Method::GET) => session::session(&app, &req),
-        (Route::Session, &Method::POST) => session::sign_in(&app, &req),
+        (Route::Session, &Method::POST) => session::sign_in(&app, &req).await,
         (Route::Session, &Method::DELETE) => session::sign_out(&app),
         (Route::Messages, &Method::GET) => messages::history(&app, id, &req).await,
         (Route::Messages, &Method::POST) => messages::send(&app, id, req).await,

@@ -4,6 +4,8 @@
 use super::reply::{self, Body};
 use super::App;
 use crate::access::auth::{AuthError, Identity};
+use crate::access::budgets::Kind;
+use crate::access::quota::Place;
 use crate::model::InputError;
 use crate::store::StoreError;
 use http_body_util::{BodyExt, Limited};
@@ -45,6 +47,7 @@ pub(super) fn store_error(e: StoreError) -> Response<Body> {
         }
         StoreError::IdempotencyMismatch { .. } => reply::error(StatusCode::UNPROCESSABLE_ENTITY, e),
         StoreError::UnknownCursor(_) => reply::error(StatusCode::BAD_REQUEST, e),
+        StoreError::NotMember { chat_id } => no_chat(chat_id),
         StoreError::Fenced { .. } => {
             error!(error = %e, "inbox fencing error on a request path");
             reply::error(StatusCode::INTERNAL_SERVER_ERROR, "internal error")
@@ -112,31 +115,108 @@ pub(super) fn no_chat(chat_id: i64) -> Response<Body> {
     reply::error(StatusCode::NOT_FOUND, format!("no chat {chat_id}"))
 }
 
-/// The caller, let into chat `chat_id`: identified, and a member of it (`None` with
-/// `--allow-anonymous`, where every chat is open); or the answer to give instead.
+/// A caller let into a chat: who they are (`None` with `--allow-anonymous`, where every
+/// chat is open), and their place among their requests in flight on this instance (given
+/// back when dropped; [`hold_until_written`] keeps it until the answer is written).
+pub(super) struct Admitted {
+    pub who: Option<Identity>,
+    pub place: Option<Place>,
+}
+
+/// The caller, let into chat `chat_id`: identified, within their requests in flight, charged
+/// one of `charge` from their budget, and a member of the chat; or the answer to give
+/// instead. The charge comes before the membership check, so a user guessing at chats pays
+/// for each guess.
 pub(super) async fn admit(
     app: &App,
     headers: &HeaderMap,
     chat_id: i64,
-) -> Result<Option<Identity>, Response<Body>> {
+    charge: Kind,
+) -> Result<Admitted, Response<Body>> {
     let Some(who) = app
         .auth
         .identify(headers)
         .map_err(|e| unauthorized(app, e))?
     else {
-        return Ok(None);
+        return Ok(Admitted {
+            who: None,
+            place: None,
+        });
     };
-    match app.store.is_member(chat_id, &who.user).await {
-        Ok(true) => Ok(Some(who)),
-        Ok(false) => {
-            app.metrics
-                .requests_refused_total
-                .with_label_values(&["not_member"])
-                .inc();
-            Err(no_chat(chat_id))
+    let Some(place) = app.limits.quotas.start_request(&who.user) else {
+        return Err(too_many(
+            app,
+            "requests_per_user",
+            Duration::from_secs(1),
+            format!(
+                "{} has {} requests in flight on this instance, the most allowed; wait for their answers",
+                who.user,
+                app.limits.quotas.max_in_flight()
+            ),
+        ));
+    };
+    charge_budget(app, &who, charge).await?;
+    if !app.members.knows(chat_id, &who.user) {
+        let asked = app.members.asking();
+        match app.store.is_member(chat_id, &who.user).await {
+            Ok(true) => app.members.saw(asked, chat_id, &who.user),
+            Ok(false) => {
+                app.metrics
+                    .requests_refused_total
+                    .with_label_values(&["not_member"])
+                    .inc();
+                return Err(no_chat(chat_id));
+            }
+            Err(e) => return Err(store_error(e)),
         }
-        Err(e) => Err(store_error(e)),
     }
+    Ok(Admitted {
+        who: Some(who),
+        place: Some(place),
+    })
+}
+
+/// One of `kind` from `who`'s budget, or 429 saying how long to wait.
+pub(super) async fn charge_budget(
+    app: &App,
+    who: &Identity,
+    kind: Kind,
+) -> Result<(), Response<Body>> {
+    let budgets = &app.limits.quotas.budgets;
+    budgets.take(kind, &who.user).await.map_err(|wait| {
+        let budget = budgets.budget(kind);
+        let doing = match kind {
+            Kind::Send => "sending",
+            Kind::History => "reading history",
+            Kind::StreamOpen => "opening event streams",
+            Kind::SignIn => "signing in",
+        };
+        too_many(
+            app,
+            kind.refusal(),
+            wait,
+            format!(
+                "{} is {doing} faster than allowed ({}/s, bursts of {}); retry after the Retry-After seconds",
+                who.user, budget.rate, budget.burst
+            ),
+        )
+    })
+}
+
+/// `resp` with its body holding `place` until the body is written whole or dropped (the
+/// connection closed): an answer a client does not read counts against its user's requests
+/// in flight, so one user's unread answers are bounded.
+pub(super) fn hold_until_written(resp: Response<Body>, place: Option<Place>) -> Response<Body> {
+    let Some(place) = place else {
+        return resp;
+    };
+    resp.map(|body| {
+        body.map_frame(move |frame| {
+            let _held = &place;
+            frame
+        })
+        .boxed()
+    })
 }
 
 /// A request's body, whole: at most [`MAX_REQUEST_BYTES`], arrived within

@@ -4,6 +4,7 @@ use super::reply::{self, Body};
 use super::request::*;
 use super::App;
 use crate::access::auth::Identity;
+use crate::access::budgets::Kind;
 use hyper::body::Incoming;
 use hyper::header::{HeaderValue, SET_COOKIE};
 use hyper::{Request, Response, StatusCode};
@@ -25,13 +26,17 @@ pub(super) fn identity_json(who: &Identity) -> serde_json::Value {
 /// `POST /session` with `Authorization: Bearer <token>`: the page signs in. The token is
 /// kept in an `HttpOnly`, `SameSite=Strict` cookie until it expires, because
 /// `EventSource` cannot send headers.
-pub(super) fn sign_in(app: &App, req: &Request<Incoming>) -> Response<Body> {
+/// Each sign-in is charged to the user's budget (`--sign-in-rate`).
+pub(super) async fn sign_in(app: &App, req: &Request<Incoming>) -> Response<Body> {
     match app.auth.sign_in(req.headers()) {
         Ok(None) => reply::json(
             StatusCode::OK,
             &serde_json::json!({"user": null, "anonymous": true}),
         ),
         Ok(Some((who, token))) => {
+            if let Err(resp) = charge_budget(app, &who, Kind::SignIn).await {
+                return resp;
+            }
             let mut resp = reply::json(StatusCode::OK, &identity_json(&who));
             let cookie = session_cookie(app, token, who.remaining().as_secs());
             resp.headers_mut().insert(SET_COOKIE, cookie);

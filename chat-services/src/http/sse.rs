@@ -96,27 +96,62 @@ impl Recheck {
     }
 }
 
+/// Where a stream starts, and what it leaves out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Start {
+    pub after: Option<Cursor>,
+    /// The client asked to resume from further back than `--sse-max-replay`: positions
+    /// after `.0` up to `.1` are not replayed (the client pages history for them).
+    pub skipped: Option<(i64, i64)>,
+}
+
 /// A cursor past the feed's tip names positions the database does not have (it was
 /// restored from a backup since): the client resumes from the tip, or it would be shown
 /// nothing new until some future position passed its cursor. No cursor ("from now on")
-/// is the tip. The tip is read before the stream subscribes to live messages and before
-/// the client has its answer: read after, a message committed in between (one the client
-/// sent on getting its answer) would sit at or below it and be taken for one the client
-/// had, and never shown (seen in CI, under load).
+/// is the tip. A cursor more than `--sse-max-replay` behind the tip starts that far behind
+/// it instead, and the stream says what it skipped: one open costs a bounded replay,
+/// however long the chat. The tip is read before the stream subscribes to live messages
+/// and before the client has its answer: read after, a message committed in between (one
+/// the client sent on getting its answer) would sit at or below it and be taken for one the
+/// client had, and never shown (seen in CI, under load).
 pub(crate) async fn clamp(
     app: &App,
     chat_id: i64,
     after: Option<Cursor>,
-) -> Result<Option<Cursor>, StoreError> {
+) -> Result<Start, StoreError> {
     let tip = || async {
         let tips = app.store.tips(&[chat_id]).await?;
         Ok::<_, StoreError>(tips.first().map_or(0, |(_, tip)| *tip))
     };
+    let unclamped = |after| Start {
+        after,
+        skipped: None,
+    };
     match after {
-        Some(Cursor::Pos(pos)) => Ok(Some(Cursor::Pos(pos.min(tip().await?)))),
-        None => Ok(Some(Cursor::Pos(tip().await?))),
-        other => Ok(other),
+        Some(Cursor::Pos(pos)) => {
+            let tip = tip().await?;
+            let pos = pos.min(tip);
+            let deepest = tip.saturating_sub(app.sse_max_replay);
+            Ok(if pos < deepest {
+                Start {
+                    after: Some(Cursor::Pos(deepest)),
+                    skipped: Some((pos, deepest)),
+                }
+            } else {
+                unclamped(Some(Cursor::Pos(pos)))
+            })
+        }
+        None => Ok(unclamped(Some(Cursor::Pos(tip().await?)))),
+        other => Ok(unclamped(other)),
     }
+}
+
+/// What a stream that starts behind `--sse-max-replay` says first: the positions after
+/// `from` up to `to` are not replayed. Its id is `to`, so a reconnect resumes from there.
+fn skipped_frame(from: i64, to: i64) -> Bytes {
+    Bytes::from(format!(
+        "id: p{to}\nevent: skipped\ndata: {{\"after\":\"p{from}\",\"until\":\"p{to}\"}}\n\n"
+    ))
 }
 
 /// Start streaming chat `chat_id` after `after` (`None`: from now on), for as long as
@@ -124,7 +159,7 @@ pub(crate) async fn clamp(
 pub(crate) fn respond(
     app: Arc<App>,
     chat_id: i64,
-    after: Option<Cursor>,
+    start: Start,
     entitlement: Option<Entitlement>,
 ) -> Response<Body> {
     let Ok(permit) = app.limits.event_streams.clone().try_acquire_owned() else {
@@ -147,7 +182,7 @@ pub(crate) fn respond(
     let live = app.hub.subscribe(chat_id);
     tokio::spawn(async move {
         app.metrics.sse_clients.inc();
-        let streamed = stream_events(&app, chat_id, after, live, &client);
+        let streamed = stream_events(&app, chat_id, start, live, &client);
         let ended = match entitlement {
             None => streamed.await,
             Some(entitlement) => tokio::select! {
@@ -236,7 +271,7 @@ enum StreamEnd {
 async fn stream_events(
     app: &App,
     chat_id: i64,
-    after: Option<Cursor>,
+    start: Start,
     live: Subscription,
     client: &Client,
 ) -> Result<(), StreamEnd> {
@@ -250,6 +285,9 @@ async fn stream_events(
     // One at once, so the page hears from a stream whose catch-up waits (a busy database).
     send(Bytes::from_static(b"retry: 1000\n\n")).await?;
     send(beat.clone()).await?;
+    if let Some((from, to)) = start.skipped {
+        send(skipped_frame(from, to)).await?;
+    }
     // Beats go on beside the work, which may wait for the database (a catch-up queued for
     // a read permit): the page must not take a slow stream for a dead one and open another
     // that waits the same way. A client gone ends the stream wherever it waits.
@@ -265,7 +303,7 @@ async fn stream_events(
         }
     };
     tokio::select! {
-        ended = feed_and_live(app, chat_id, after, live, client) => ended,
+        ended = feed_and_live(app, chat_id, start.after, live, client) => ended,
         ended = beats => ended,
         _ = client.tx.closed() => Err(StreamEnd::ClientGone),
         _ = app.shutdown.cancelled() => Ok(()),

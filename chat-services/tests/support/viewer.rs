@@ -43,6 +43,10 @@ impl Viewer {
                     loop {
                         match client.next(Duration::from_millis(500)).await {
                             Some(event) => {
+                                assert_eq!(
+                                    event.event, "message",
+                                    "a viewer is shown messages only: {event:?}"
+                                );
                                 let message: serde_json::Value =
                                     serde_json::from_str(&event.data).expect("JSON data");
                                 shown

@@ -13,6 +13,7 @@
 //! | `inbox-members:<consumer group>` | sorted set | the consuming service | live instances sharing the shards |
 //! | `deadletter:<consumer group>` (+ shard) | stream | the consuming service | entries it could not record, with the reason |
 //! | `<dead-letter stream>:audit` | stream | `chat-service dead-letters` | who replayed or dropped what |
+//! | `budget:<consumer group>:<kind>:<user>` | string | the service | one user's budget of sends, reads, stream opens or sign-ins (a token bucket as one timestamp, expiring when full) |
 //! | `feed:<consumer group>` | pub/sub channel | the service | live hints between its instances |
 //! | `inbox:<consumer group>` | pub/sub channel | the service | hints of versions before feed positions (rolling deploys only) |
 
@@ -54,6 +55,12 @@ pub fn dead_letter_base(group: &str) -> String {
 /// The audit log beside a dead-letter stream.
 pub fn dead_letter_audit_key(dead_letter_stream: &str) -> String {
     format!("{dead_letter_stream}:audit")
+}
+
+/// One user's budget of `kind` (`send`, `history`, `stream_open`, `sign_in`) on the side
+/// whose consumer group is `group`: shared by its instances.
+pub fn budget_key(group: &str, kind: &str, user: &str) -> String {
+    format!("budget:{group}:{kind}:{user}")
 }
 
 /// The pub/sub channel of `group`'s live hints.
