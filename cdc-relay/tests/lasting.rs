@@ -1001,6 +1001,47 @@ async fn a_commit_not_yet_visible_at_the_hand_over(restart: bool) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_visible_at_the_hand_over_but_not_yet_received_is_published_once() {
+    // GIVEN a relay on 4 shards, the shard of chat 1 refusing writes until it fell behind
+    let pg = shared_postgres();
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::sharded(pg, &redis, SHARDS).await;
+    let relay = fx.spawn_relay("relay", &["--shard-detach-after", "1s"]);
+    relay.wait_streaming().await;
+    let chat = 1;
+    let stuck = shard_of_chat(chat);
+    let behind = format!("cdc_relay_shard_behind{{shard=\"{stuck}\"}}");
+    let refusing = StuckShard::start(&redis, &shard_key(&fx.stream, stuck, SHARDS)).await;
+    send_to(&fx, chat, 0).await;
+    wait_metric(&relay, &behind, "the shard behind", |v| v == 1.0).await;
+
+    // WHEN the relay's walsender pauses: a row of that shard commits, visible to every
+    // snapshot from now on, and the relay has not received it
+    let walsender: i32 = fx
+        .writer()
+        .await
+        .query_one(
+            "SELECT active_pid FROM pg_replication_slots WHERE slot_name = $1",
+            &[&fx.slot],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    pg.pause_backend(walsender).unwrap();
+    send_to(&fx, chat, 1).await;
+    // ... and the shard accepts again: its catch-up publishes that row and hands the shard
+    // back to live streaming before the relay has read the row's transaction
+    refusing.release().await;
+    wait_metric(&relay, &behind, "the shard live again", |v| v == 0.0).await;
+    pg.resume_backend(walsender).unwrap();
+    send_to(&fx, chat, 2).await;
+
+    // THEN the row the relay received late is not published again: each row once
+    assert_every_shard(&fx, stuck, &relay).await;
+    relay.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_invisible_when_its_shard_rejoins_is_published_once_visible() {
     a_commit_not_yet_visible_at_the_hand_over(false).await;
 }

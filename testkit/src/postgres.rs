@@ -659,6 +659,30 @@ impl PgServer {
         self.signal_all(pid, libc::SIGCONT, false)
     }
 
+    /// SIGSTOP one backend of this server (a walsender's `active_pid`, say): it keeps its
+    /// connection and does nothing until [`PgServer::resume_backend`]. Refused for a process
+    /// this server did not start.
+    pub fn pause_backend(&self, pid: i32) -> anyhow::Result<()> {
+        self.signal_backend(pid, libc::SIGSTOP)
+    }
+
+    /// SIGCONT after [`PgServer::pause_backend`].
+    pub fn resume_backend(&self, pid: i32) -> anyhow::Result<()> {
+        self.signal_backend(pid, libc::SIGCONT)
+    }
+
+    fn signal_backend(&self, pid: i32, signal: libc::c_int) -> anyhow::Result<()> {
+        let postmaster = self.pid().context("postgres is not running")?;
+        if !children_of(postmaster).contains(&pid) {
+            bail!("{pid} is not a backend of this server (postmaster {postmaster})");
+        }
+        // SAFETY: plain syscall on a process this server started.
+        if unsafe { libc::kill(pid, signal) } != 0 {
+            bail!("kill -{signal} {pid}: {}", std::io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
     /// `signal` to the postmaster `pid` and its children: the postmaster first when
     /// stopping (so it forks no new backend meanwhile), last when continuing.
     fn signal_all(

@@ -22,7 +22,9 @@
 //!    commit is sent by the slot a moment before snapshots show it) and its round published, the record gets that snapshot as its
 //!    watermark (the marker goes), and the loop turns each shard live, releasing the captured
 //!    transactions the last snapshot does not show (they committed after it; every other one
-//!    it shows, and the round published it).
+//!    it shows, and the round published it). A transaction the snapshot shows may still be
+//!    on its way to the loop (the slot's stream lags the server): the lane holds the last
+//!    snapshot until the slot passes it, and drops what it shows when it arrives.
 //!
 //! Order: rows of one round go in outbox id order, which agrees with commit order for any two
 //! transactions one of which began after the other committed (the id is taken from a

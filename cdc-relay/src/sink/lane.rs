@@ -166,10 +166,13 @@ pub(super) struct Lane {
     /// A watermark every row of which its consumer groups acknowledged (learnt from the
     /// publish script): should the shard lose its data, only what it does not show is owed.
     pub(super) consumed: Option<Arc<Watermark>>,
-    /// The watermark its record held when the session began, until the slot passes it:
-    /// every row it shows is in the stream already, maybe under a catch-up's id (below the
-    /// live ids that followed), so the slot's replay of it is not sent (see `holds`).
-    pub(super) held_at_start: Option<Watermark>,
+    /// A watermark whose every row is in the stream already, maybe under a catch-up's id
+    /// (below the live ids that followed), until the slot passes it: the one its record held
+    /// when the session began, or the last snapshot of the catch-up that made it live again.
+    /// A transaction it shows that the slot delivers (a replay after a restart, or one the
+    /// relay had not received yet when the catch-up's snapshot already showed it) is not
+    /// sent again (see `holds`).
+    pub(super) held: Option<Watermark>,
 }
 
 impl Lane {
@@ -190,7 +193,7 @@ impl Lane {
             watermark_sealed: None,
             first_live_id: fence,
             consumed: None,
-            held_at_start: None,
+            held: None,
         }
     }
 
@@ -203,13 +206,13 @@ impl Lane {
         ack: Option<Lsn>,
         id_offset: u64,
     ) -> usize {
-        let Some(hi) = self.held_at_start.as_ref().map(|w| w.hi) else {
+        let Some(hi) = self.held.as_ref().map(|w| w.hi) else {
             return 0;
         };
         let before = entries.len();
         entries.retain(|e| !self.holds(e, id_offset));
         if ack.is_some_and(|ack| ack >= hi) {
-            self.held_at_start = None;
+            self.held = None;
         }
         before - entries.len()
     }
@@ -220,7 +223,7 @@ impl Lane {
     /// below the stream's top at an id never written there, which the script must refuse as
     /// another writer's.
     pub(super) fn holds(&self, entry: &StreamEntry, id_offset: u64) -> bool {
-        let Some(held) = &self.held_at_start else {
+        let Some(held) = &self.held else {
             return false;
         };
         let commit = entry.id.commit_lsn.saturating_sub(id_offset);
@@ -353,7 +356,7 @@ mod tests {
             ..crate::sink::batch::tests::entry(lsn + 7, 0)
         };
         assert!(!lane.holds(&at(900, 99), 7), "no watermark: nothing held");
-        lane.held_at_start = Some(Watermark {
+        lane.held = Some(Watermark {
             lo: Lsn(800),
             hi: Lsn(1000),
             taken_at_micros: 0,

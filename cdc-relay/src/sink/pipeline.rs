@@ -127,7 +127,7 @@ impl Pipeline {
             .enumerate()
             .map(|(shard, fence)| {
                 let mut lane = Lane::new(shard as u32, fence, max_backoff);
-                lane.held_at_start = held.next().flatten();
+                lane.held = held.next().flatten();
                 if behind.contains(&(shard as u32)) {
                     lane.fall_behind();
                 }
@@ -355,6 +355,7 @@ impl Pipeline {
     /// `shard`'s catch-up is done: its stream holds every row `watermark` shows, its last id
     /// is `top`, and its record holds `watermark`. The lane turns live with what it captured
     /// that the watermark does not show (those transactions committed after its snapshot),
+    /// and drops what the watermark shows when the slot delivers it later (see `Lane::held`),
     /// its record counted as holding `acked` (the slot's acknowledged position: everything
     /// below it is either shown by the watermark or captured). `false`: its capture was lost
     /// (it stays behind, and the catch-up goes on).
@@ -385,6 +386,11 @@ impl Pipeline {
         lane.watermark_floor = watermark.hi;
         let snapshot = &watermark.snapshot;
         lane.watermark_sealed = Some(watermark.clone());
+        // The snapshot may show transactions the relay has not received yet (its stream of
+        // the slot lags the server): the catch-up published them, so when they arrive they
+        // are dropped, not written again under their live ids. It shows everything an older
+        // held watermark did.
+        lane.held = Some((*watermark).clone());
         let released: Vec<StreamEntry> = capture
             .entries
             .into_iter()
