@@ -191,7 +191,8 @@ for side in consumers workers; do
   export DATABASE_PASSWORD_FILE=$secrets/postgres/$side REDIS_PASSWORD_FILE=$secrets/redis/$side
   start "$side" "$bin/chat-service" --side "$side" --database-url "$(url "$side")" --redis-url "$(redis_url "$side")" \
     --listen "127.0.0.1:${!port_var}" --admin-addr "127.0.0.1:${!service_admin_var}" --consumer-name "$side-local" \
-    --jwks-file "$secrets/idp/jwks.json" --jwt-issuer "$idp_issuer" --jwt-audience chat
+    --jwks-file "$secrets/idp/jwks.json" --jwt-issuer "$idp_issuer" --jwt-type at+jwt \
+    --jwt-audience "chat-$side" --jwt-admin-audience "chat-$side-admin"
 done
 unset DATABASE_PASSWORD_FILE REDIS_PASSWORD_FILE
 wait_for "consumers" 60 http_ok "$consumers_service_admin" /readyz
@@ -199,15 +200,19 @@ wait_for "workers" 60 http_ok "$workers_service_admin" /readyz
 
 # Who is who: alice on the Consumers side and bob on the Workers side, both in chat 7, each
 # signed in by the link printed below (a token of the stand-in identity provider).
-mint() { "$bin/chat-token" --key "$secrets/idp/key.pem" mint --issuer "$idp_issuer" --audience chat "$@"; }
-admin_token=$(mint --sub local-admin --scope chat:admin --ttl 5m)
-for member in "$consumers_port alice" "$workers_port bob"; do
-  read -r port user <<<"$member"
+# Each side has an audience of its own, and one for its admins: a token of one side is
+# refused on the other, and an admin token is no user's.
+mint() { "$bin/chat-token" --key "$secrets/idp/key.pem" mint --issuer "$idp_issuer" "$@"; }
+for member in "$consumers_port alice consumers" "$workers_port bob workers"; do
+  read -r port user side <<<"$member"
+  admin_token=$(mint --audience "chat-$side-admin" --sub local-admin --scope chat:admin --ttl 5m)
   status=$(http_put "$port" "/chats/7/members/$user" "$admin_token")
   case $status in 200|201) ;; *) log "adding $user to chat 7 answered $status"; exit 1 ;; esac
 done
 # Bearer tokens: readable by their owner only.
-(umask 077 && mkdir -p "$state/tokens" && mint --sub alice >"$state/tokens/alice" && mint --sub bob >"$state/tokens/bob")
+(umask 077 && mkdir -p "$state/tokens" \
+  && mint --audience chat-consumers --sub alice >"$state/tokens/alice" \
+  && mint --audience chat-workers --sub bob >"$state/tokens/bob")
 log "chat 7 has alice (consumers) and bob (workers); tokens in $state/tokens/"
 
 cat <<MSG

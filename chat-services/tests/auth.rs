@@ -240,7 +240,8 @@ async fn a_non_member_gets_the_same_answer_as_for_a_chat_that_does_not_exist() {
     .await
     .unwrap();
     assert_eq!(bad.status, 400, "{}", bad.body);
-    // The page's cookie never manages members, even an admin's.
+    // The page's cookie never manages members: an admin token cannot sign a page in, and
+    // a user's cookie is no bearer token.
     let session = request(
         a,
         "POST",
@@ -250,6 +251,12 @@ async fn a_non_member_gets_the_same_answer_as_for_a_chat_that_does_not_exist() {
     )
     .await
     .unwrap();
+    assert_eq!(session.status, 403, "{}", session.body);
+    assert!(session.header("set-cookie").is_none());
+    let (_, bob) = bearer(&idp.token("bob"));
+    let session = request(a, "POST", "/session", &[(name, &bob)], bytes::Bytes::new())
+        .await
+        .unwrap();
     let cookie = session
         .header("set-cookie")
         .unwrap()
@@ -479,6 +486,135 @@ async fn a_member_removed_while_their_message_arrives_does_not_get_it_in() {
             .await,
         0,
         "nothing written for a member removed before the insert"
+    );
+    svc.stop().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn audiences_and_admin_rights_do_not_cross_sides_clients_or_the_page() {
+    let stack = Stack::start(shared_postgres()).await;
+    let idp = Idp::new();
+    let mut flags = idp.flags();
+    flags.extend(
+        [
+            "--jwt-audience",
+            "chat-consumers",
+            "--jwt-admin-audience",
+            "chat-consumers-admin",
+            "--jwt-admin-clients",
+            "backend",
+            "--jwt-type",
+            "at+jwt",
+        ]
+        .map(String::from),
+    );
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let svc = stack.service(Side::Consumers, &flags).await;
+    let token = |aud: serde_json::Value, sub: &str, scope: Option<&str>, azp: Option<&str>| {
+        let mut claims = serde_json::json!({
+            "iss": ISSUER, "aud": aud, "sub": sub, "iat": now(), "exp": now() + 600,
+        });
+        if let Some(scope) = scope {
+            claims["scope"] = scope.into();
+        }
+        if let Some(azp) = azp {
+            claims["azp"] = azp.into();
+        }
+        idp.sign(claims)
+    };
+    let put = |token: String| async move {
+        let (name, value) = bearer(&token);
+        request(
+            svc.addr,
+            "PUT",
+            "/chats/3/members/frank",
+            &[(name, &value)],
+            bytes::Bytes::new(),
+        )
+        .await
+        .unwrap()
+    };
+    let admin = |aud: &str, azp: &str| token(aud.into(), "ops", Some("chat:admin"), Some(azp));
+
+    // The Workers side's admin token is refused here: another audience.
+    assert_401(
+        &put(admin("chat-workers-admin", "backend")).await,
+        "wrong audience",
+    );
+    // A user who got the scope from a provider that grants what is asked is no admin: the
+    // admin audience is missing; nor is the admin audience from another client enough.
+    let scoped_user = token("chat-consumers".into(), "frank", Some("chat:admin"), None);
+    let refused = put(scoped_user.clone()).await;
+    assert_eq!(refused.status, 403, "{}", refused.body);
+    assert!(
+        refused.body.contains("chat-consumers-admin"),
+        "{}",
+        refused.body
+    );
+    assert_eq!(put(admin("chat-consumers-admin", "page")).await.status, 403);
+    // This side's admin audience, from the backend: an admin.
+    let ops = admin("chat-consumers-admin", "backend");
+    assert_eq!(put(ops.clone()).await.status, 201);
+
+    // An admin-audience token is for managing members only; no admin token signs a page in.
+    let (name, value) = bearer(&ops);
+    let history = request(
+        svc.addr,
+        "GET",
+        "/chats/3/messages",
+        &[(name, &value)],
+        bytes::Bytes::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(history.status, 403, "{}", history.body);
+    let both = token(
+        serde_json::json!(["chat-consumers", "chat-consumers-admin"]),
+        "ops",
+        Some("chat:admin"),
+        Some("backend"),
+    );
+    for admin_token in [&ops, &both] {
+        let (name, value) = bearer(admin_token);
+        let signed_in = request(
+            svc.addr,
+            "POST",
+            "/session",
+            &[(name, &value)],
+            bytes::Bytes::new(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(signed_in.status, 403, "{}", signed_in.body);
+        assert!(signed_in.header("set-cookie").is_none());
+    }
+    // A user's access token signs in; the same claims as an ID token (typ JWT) do not.
+    let (name, value) = bearer(&scoped_user);
+    let signed_in = request(
+        svc.addr,
+        "POST",
+        "/session",
+        &[(name, &value)],
+        bytes::Bytes::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(signed_in.status, 200, "{}", signed_in.body);
+    let id_token = idp.sign_typed(
+        serde_json::json!({
+            "iss": ISSUER, "aud": "chat-consumers", "sub": "frank", "iat": now(), "exp": now() + 600,
+        }),
+        "JWT",
+    );
+    assert_401(
+        &get_as(svc.addr, "/chats/3/messages", Some(&id_token)).await,
+        "typ",
+    );
+    assert_eq!(
+        get_as(svc.addr, "/chats/3/messages", Some(&scoped_user))
+            .await
+            .status,
+        200
     );
     svc.stop().await;
 }

@@ -53,6 +53,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             audiences: vec![AUDIENCE.into()],
             leeway: Duration::from_secs(30),
             admin_scope: "chat:admin".into(),
+            admin_audience: None,
+            clients: Vec::new(),
+            admin_clients: Vec::new(),
+            token_type: None,
             max_lifetime: Duration::from_secs(24 * 3600),
         })
         .map_err(|e| anyhow::anyhow!("{e}"))?;

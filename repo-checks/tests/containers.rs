@@ -273,13 +273,7 @@ fn mint(secrets: &Path, args: &[&str]) -> String {
     stdout(&run(Command::new(repo_checks::binary("chat-token"))
         .arg("--key")
         .arg(secrets.join("idp/key.pem"))
-        .args([
-            "mint",
-            "--issuer",
-            "http://localhost/local-idp",
-            "--audience",
-            "chat",
-        ])
+        .args(["mint", "--issuer", "http://localhost/local-idp"])
         .args(args)))
 }
 
@@ -491,15 +485,28 @@ async fn compose_runs_under_podman_and_a_relay_or_redis_restart_loses_nothing() 
             .args(["healthcheck", "run", &project.container(service)]));
     }
 
-    let admin = mint(
-        &secrets,
-        &["--sub", "ops", "--scope", "chat:admin", "--ttl", "10m"],
-    );
+    // Each side has its audience, and its admins theirs.
     let (alice, bob) = (
-        mint(&secrets, &["--sub", "alice"]),
-        mint(&secrets, &["--sub", "bob"]),
+        mint(
+            &secrets,
+            &["--audience", "chat-consumers", "--sub", "alice"],
+        ),
+        mint(&secrets, &["--audience", "chat-workers", "--sub", "bob"]),
     );
-    for (side, user) in [(0, "alice"), (1, "bob")] {
+    for (side, user, name) in [(0, "alice", "consumers"), (1, "bob", "workers")] {
+        let admin = mint(
+            &secrets,
+            &[
+                "--audience",
+                &format!("chat-{name}-admin"),
+                "--sub",
+                "ops",
+                "--scope",
+                "chat:admin",
+                "--ttl",
+                "10m",
+            ],
+        );
         let (name, value) = crate::support::bearer(&admin);
         let reply = testkit::http::request(
             addr(side),

@@ -41,8 +41,13 @@ pub(crate) struct Identity {
     /// The first second this token is refused (its expiry past the clock skew allowed): an
     /// event stream opened with it ends then.
     pub refused_from: u64,
-    /// The token carries the admin scope: it may manage chat members.
+    /// The token carries the admin scope (and, where configured, the admin audience and an
+    /// admin client): it may manage chat members.
     pub admin: bool,
+    /// The token names one of `--jwt-audience`: it may read and post in its user's chats
+    /// and sign a page in. A token naming only `--jwt-admin-audience` may manage members
+    /// and nothing else.
+    pub for_users: bool,
 }
 
 impl Identity {
@@ -98,6 +103,16 @@ pub struct TokenConfig {
     pub audiences: Vec<String>,
     pub leeway: Duration,
     pub admin_scope: String,
+    /// The audience an admin token must name besides the admin scope (`None`: the scope
+    /// alone makes an admin).
+    pub admin_audience: Option<String>,
+    /// Clients (`azp`, or `client_id`) whose tokens are accepted; empty: any.
+    pub clients: Vec<String>,
+    /// Clients whose tokens may carry admin rights; empty: any accepted client.
+    pub admin_clients: Vec<String>,
+    /// The `typ` header every token must carry (e.g. `at+jwt`, an access token by RFC 9068:
+    /// an ID token of the same provider is refused); `None`: not checked.
+    pub token_type: Option<String>,
     /// The longest a token may be valid from its issue (`exp - iat`; without `iat`, from
     /// now): a key stolen and withdrawn later cannot have signed a token good for years.
     pub max_lifetime: Duration,
@@ -294,9 +309,31 @@ struct Claims {
     scope: Option<String>,
     #[serde(default)]
     scp: Option<serde_json::Value>,
+    /// One audience, or a list.
+    #[serde(default)]
+    aud: Option<serde_json::Value>,
+    /// The client the token was issued to (OpenID Connect), or `client_id` (RFC 9068).
+    #[serde(default)]
+    azp: Option<String>,
+    #[serde(default)]
+    client_id: Option<String>,
 }
 
 impl Claims {
+    /// Whether the token names `wanted` among its audiences.
+    fn names_audience(&self, wanted: &str) -> bool {
+        match &self.aud {
+            Some(serde_json::Value::String(aud)) => aud == wanted,
+            Some(serde_json::Value::Array(auds)) => auds.iter().any(|a| a == wanted),
+            _ => false,
+        }
+    }
+
+    /// The client the token was issued to, if it says.
+    fn client(&self) -> Option<&str> {
+        self.azp.as_deref().or(self.client_id.as_deref())
+    }
+
     fn has_scope(&self, wanted: &str) -> bool {
         let in_scope = self
             .scope
@@ -308,6 +345,16 @@ impl Claims {
             _ => false,
         };
         in_scope || in_scp
+    }
+}
+
+/// A media type as a `typ` header compares (RFC 8725 §3.11): lowercase, without
+/// `application/`.
+pub(crate) fn media_type(typ: &str) -> String {
+    let typ = typ.trim().to_ascii_lowercase();
+    match typ.strip_prefix("application/") {
+        Some(rest) => rest.to_string(),
+        None => typ,
     }
 }
 
@@ -477,6 +524,18 @@ impl Verifier {
     fn verify_signed(&self, token: &str, file: Option<&Path>) -> Result<Identity, AuthError> {
         let header =
             jsonwebtoken::decode_header(token).map_err(|e| AuthError::Invalid(reason(e.kind())))?;
+        if let Some(wanted) = &self.config.token_type {
+            let typ = header.typ.as_deref().map(media_type);
+            if typ.as_deref() != Some(wanted.as_str()) {
+                return Err(AuthError::Invalid(format!(
+                    "its type (typ) is {}, not {wanted}: only access tokens are accepted",
+                    header
+                        .typ
+                        .as_deref()
+                        .map_or("missing".into(), |t| format!("'{}'", t.escape_debug()))
+                )));
+            }
+        }
         let kid = header.kid.as_deref();
         let keys = self.keys.read().expect("not poisoned").clone();
         if !keys.published {
@@ -503,7 +562,9 @@ impl Verifier {
         validation.leeway = self.config.leeway.as_secs();
         validation.validate_nbf = true;
         validation.set_issuer(&[&self.config.issuer]);
-        validation.set_audience(&self.config.audiences);
+        let mut audiences = self.config.audiences.clone();
+        audiences.extend(self.config.admin_audience.iter().cloned());
+        validation.set_audience(&audiences);
         validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
         let data = jsonwebtoken::decode::<Claims>(token, &key.key, &validation)
             .map_err(|e| AuthError::Refused(reason(e.kind())))?;
@@ -515,8 +576,30 @@ impl Verifier {
         };
         check_user_id(&user).map_err(|e| AuthError::Refused(format!("sub: {e}")))?;
         self.check_lifetime(claims.iat, exp)?;
+        let client = claims.client();
+        let listed = |clients: &[String]| {
+            clients.is_empty() || client.is_some_and(|c| clients.iter().any(|k| k == c))
+        };
+        if !listed(&self.config.clients) {
+            return Err(AuthError::Refused(format!(
+                "its client (azp or client_id) {} is not one this service accepts",
+                client.map_or("is missing".into(), |c| format!("'{}'", c.escape_debug()))
+            )));
+        }
+        let admin = claims.has_scope(&self.config.admin_scope)
+            && self
+                .config
+                .admin_audience
+                .as_deref()
+                .is_none_or(|aud| claims.names_audience(aud))
+            && listed(&self.config.admin_clients);
         Ok(Identity {
-            admin: claims.has_scope(&self.config.admin_scope),
+            admin,
+            for_users: self
+                .config
+                .audiences
+                .iter()
+                .any(|aud| claims.names_audience(aud)),
             user,
             expires_at: exp,
             refused_from: exp
@@ -887,12 +970,24 @@ impl Auth {
         matches!(self, Auth::Anonymous)
     }
 
-    /// The scope a token needs to manage members.
-    pub(crate) fn admin_scope(&self) -> &str {
-        match self {
-            Auth::Anonymous => "",
-            Auth::Tokens(verifier) => &verifier.config.admin_scope,
+    /// What a token needs to manage members, in words: the scope, and the audience and
+    /// clients where configured.
+    pub(crate) fn admin_needs(&self) -> String {
+        let Auth::Tokens(verifier) = self else {
+            return String::new();
+        };
+        let config = &verifier.config;
+        let mut needs = format!("scope '{}'", config.admin_scope);
+        if let Some(audience) = &config.admin_audience {
+            needs.push_str(&format!(" and audience '{audience}'"));
         }
+        if !config.admin_clients.is_empty() {
+            needs.push_str(&format!(
+                ", issued to one of the admin clients ({})",
+                config.admin_clients.join(", ")
+            ));
+        }
+        needs
     }
 }
 

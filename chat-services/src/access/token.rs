@@ -52,8 +52,14 @@ impl SigningKey {
 
     /// A token for `claims` (which should hold `sub`, `iss`, `aud`, `exp`).
     pub fn sign(&self, claims: &serde_json::Value) -> Result<String, TokenError> {
+        self.sign_typed(claims, ACCESS_TOKEN_TYPE)
+    }
+
+    /// `claims` signed with this `typ` header (an ID token's is `JWT`).
+    pub fn sign_typed(&self, claims: &serde_json::Value, typ: &str) -> Result<String, TokenError> {
         let mut header = Header::new(self.alg);
         header.kid = Some(self.kid.clone());
+        header.typ = Some(typ.to_string());
         Ok(jsonwebtoken::encode(&header, claims, &self.key)?)
     }
 
@@ -83,6 +89,10 @@ impl SigningKey {
         self.sign(&claims)
     }
 }
+
+/// The `typ` of the tokens signed here: OAuth access tokens (RFC 9068), what the shipped
+/// configurations require (`--jwt-type at+jwt`).
+pub const ACCESS_TOKEN_TYPE: &str = "at+jwt";
 
 /// A JWKS document publishing these keys.
 pub fn jwks(keys: &[&SigningKey]) -> Result<String, TokenError> {

@@ -45,6 +45,26 @@ pub struct AuthArgs {
     /// The scope (`scope` or `scp` claim) a token needs to manage chat members.
     #[arg(long, env = "CHAT_ADMIN_SCOPE", default_value = "chat:admin")]
     pub admin_scope: String,
+    /// The audience (`aud`) an admin token must name besides --admin-scope, e.g.
+    /// chat-consumers-admin: one of its own per side, so an admin token of one side is no
+    /// admin on the other, and an identity provider that grants users the scopes they ask
+    /// for does not make them admins of a resource it never issues them. A token naming only
+    /// this audience may manage members and nothing else.
+    #[arg(long, env = "CHAT_JWT_ADMIN_AUDIENCE")]
+    pub jwt_admin_audience: Option<String>,
+    /// The clients (`azp`, or `client_id`) whose tokens are accepted, comma-separated; a
+    /// token of another client, or naming none, is refused. Empty: any client.
+    #[arg(long, env = "CHAT_JWT_CLIENTS", value_delimiter = ',')]
+    pub jwt_clients: Vec<String>,
+    /// The clients whose tokens may carry admin rights (the team's backend), comma-separated.
+    /// Empty: any accepted client.
+    #[arg(long, env = "CHAT_JWT_ADMIN_CLIENTS", value_delimiter = ',')]
+    pub jwt_admin_clients: Vec<String>,
+    /// The `typ` header every token must carry, e.g. at+jwt (an OAuth access token, RFC
+    /// 9068): an ID token of the same provider is then refused. Compared without
+    /// `application/`, ignoring case. Empty: not checked.
+    #[arg(long, env = "CHAT_JWT_TYPE")]
+    pub jwt_type: Option<String>,
     /// Run without authentication: nobody is identified, every chat is open to anyone who
     /// reaches --listen, messages carry no sender. For a trusted test setup only; logged as
     /// a warning at every start.
@@ -125,7 +145,34 @@ impl AuthArgs {
         if self.admin_scope.is_empty() || self.admin_scope.contains(' ') {
             return refuse("--admin-scope must be one scope, without spaces".into());
         }
+        let listed = |given: &[String]| -> Vec<String> {
+            given
+                .iter()
+                .map(|c| c.trim().to_string())
+                .filter(|c| !c.is_empty())
+                .collect()
+        };
+        let admin_audience = self
+            .jwt_admin_audience
+            .as_deref()
+            .map(str::trim)
+            .filter(|a| !a.is_empty())
+            .map(str::to_string);
+        if admin_audience
+            .as_ref()
+            .is_some_and(|admin| audiences.contains(admin))
+        {
+            return refuse("--jwt-admin-audience must differ from every --jwt-audience: a user's token would be an admin's".into());
+        }
         let config = crate::access::auth::TokenConfig {
+            admin_audience,
+            clients: listed(&self.jwt_clients),
+            admin_clients: listed(&self.jwt_admin_clients),
+            token_type: self
+                .jwt_type
+                .as_deref()
+                .filter(|t| !t.trim().is_empty())
+                .map(crate::access::auth::media_type),
             jwks,
             cookie_secure,
             issuer,

@@ -32,8 +32,8 @@ pub(super) fn admin(app: &App, req: &Request<Incoming>) -> Result<Identity, Resp
         return Err(reply::error(
             StatusCode::FORBIDDEN,
             format!(
-                "managing members needs a token with scope '{}'",
-                app.auth.admin_scope()
+                "managing members needs a token with {}",
+                app.auth.admin_needs()
             ),
         ));
     }

@@ -143,6 +143,9 @@ pub(super) async fn admit(
             place: None,
         });
     };
+    if !who.for_users {
+        return Err(admin_only());
+    }
     let Some(place) = app.limits.quotas.start_request(&who.user) else {
         return Err(too_many(
             app,
@@ -174,6 +177,14 @@ pub(super) async fn admit(
         who: Some(who),
         place: Some(place),
     })
+}
+
+/// What a token meant for administration only answers where a user's is needed.
+pub(super) fn admin_only() -> Response<Body> {
+    reply::error(
+        StatusCode::FORBIDDEN,
+        "this token is for managing members only (its audience is the admin audience): read, post and sign in with a user's token",
+    )
 }
 
 /// One of `kind` from `who`'s budget, or 429 saying how long to wait.

@@ -26,13 +26,21 @@ pub(super) fn identity_json(who: &Identity) -> serde_json::Value {
 /// `POST /session` with `Authorization: Bearer <token>`: the page signs in. The token is
 /// kept in an `HttpOnly`, `SameSite=Strict` cookie until it expires, because
 /// `EventSource` cannot send headers.
-/// Each sign-in is charged to the user's budget (`--sign-in-rate`).
+/// Each sign-in is charged to the user's budget (`--sign-in-rate`). Admin tokens are
+/// refused: a cookie is sent with every request of the page.
 pub(super) async fn sign_in(app: &App, req: &Request<Incoming>) -> Response<Body> {
     match app.auth.sign_in(req.headers()) {
         Ok(None) => reply::json(
             StatusCode::OK,
             &serde_json::json!({"user": null, "anonymous": true}),
         ),
+        // A page holds its token in a cookie any of its requests carries: never an admin's
+        // (a cross-site request could then manage members), nor one for admins only.
+        Ok(Some((who, _))) if who.admin => reply::error(
+            StatusCode::FORBIDDEN,
+            "an admin token cannot sign a page in: sign in with a user's token, and send admin tokens as Authorization headers only",
+        ),
+        Ok(Some((who, _))) if !who.for_users => admin_only(),
         Ok(Some((who, token))) => {
             if let Err(resp) = charge_budget(app, &who, Kind::SignIn).await {
                 return resp;

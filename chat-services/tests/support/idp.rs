@@ -77,6 +77,11 @@ impl Idp {
         self.newest().sign(&claims).unwrap()
     }
 
+    /// Token claims signed with this `typ` header (`JWT`: an ID token's).
+    pub(crate) fn sign_typed(&self, claims: serde_json::Value, typ: &str) -> String {
+        self.newest().sign_typed(&claims, typ).unwrap()
+    }
+
     /// The service flags that verify this provider's tokens.
     pub(crate) fn flags(&self) -> Vec<String> {
         vec![
