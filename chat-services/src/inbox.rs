@@ -89,7 +89,14 @@ impl ChatInbox {
             .map_or(0, |d| d.as_micros() as u64);
         let mut deliveries: HashMap<uuid::Uuid, Delivery> = HashMap::new();
         let mut shown: Vec<HistoryItem> = Vec::with_capacity(received.len());
+        let mut seen = std::collections::HashSet::with_capacity(received.len());
         for (entry, message) in received {
+            // Two entries of one batch with one message id: the inbox recorded one row, shown
+            // once; the other is a duplicate like any redelivery.
+            if !seen.insert(message.id) {
+                metrics.duplicates_skipped_total.inc();
+                continue;
+            }
             let Some(position) = recorded.get(&message.id) else {
                 // Not written and not there: only a batch refused by a newer writer's epoch
                 // does that, and it ends before getting here.
@@ -142,7 +149,7 @@ impl ChatInbox {
                 info!(message_id = %message.id, stream_id = %entry.id, trace_id = %entry.trace_id(), pos = position.pos, "redelivery of a message already in the inbox; shown again, recorded once");
             }
             shown.push(HistoryItem {
-                message: position.shown(message),
+                message: position.recorded.clone(),
                 pos: position.pos,
             });
         }

@@ -92,11 +92,14 @@ function listen() {
   // The stream starts nearer the tip than asked (the page was away for more messages than a
   // stream replays): what was shown ends before a gap, so it goes, and the chat is shown
   // from where the stream starts (older messages are in the history).
-  current.addEventListener("skipped", () => {
+  current.addEventListener("skipped", (event) => {
     heard();
     if (current !== source) return;
     list.replaceChildren();
     shown = new Set();
+    const until = Number(String(JSON.parse(event.data).until).slice(1));
+    if (until > lastPos) lastPos = until;
+    errorEl.textContent = "older messages are not shown here: this page was away for many";
   });
   current.addEventListener("message", (event) => {
     heard();

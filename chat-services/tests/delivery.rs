@@ -361,3 +361,42 @@ async fn after_redis_loses_its_data_every_message_is_shown_once() {
     workers.stop().await;
     stack.stop().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_resumed_too_far_back_replays_a_bounded_tail_and_says_what_it_skipped() {
+    let stack = Stack::start(shared_postgres()).await;
+    let consumers = stack
+        .service(Side::Consumers, &["--sse-max-replay", "10"])
+        .await;
+    let mut sent = Vec::new();
+    for n in 0..30 {
+        sent.push(send(consumers.addr, 6, &format!("m{n}")).await);
+    }
+    // From the start, in this scheme (`p0`) and the previous one (a bare `0`).
+    for resume in ["p0", "0"] {
+        let mut client = SseClient::connect(consumers.addr, "/chats/6/events", Some(resume))
+            .await
+            .unwrap();
+        let skipped = client
+            .next(Duration::from_secs(10))
+            .await
+            .expect("an event");
+        assert_eq!(skipped.event, "skipped", "{resume}: {skipped:?}");
+        assert_eq!(skipped.id.as_deref(), Some("p20"));
+        let said: serde_json::Value = serde_json::from_str(&skipped.data).unwrap();
+        assert_eq!(said, serde_json::json!({"after": "p0", "until": "p20"}));
+        // Then the newest ten, in order, and nothing before them.
+        for expected in &sent[20..] {
+            let (_, shown) = next_message(&mut client, Duration::from_secs(10)).await;
+            assert_eq!(shown["id"], expected["id"], "{resume}");
+        }
+    }
+    // Within the bound nothing is skipped.
+    let mut client = SseClient::connect(consumers.addr, "/chats/6/events", Some("p25"))
+        .await
+        .unwrap();
+    let (id, _) = next_message(&mut client, Duration::from_secs(10)).await;
+    assert_eq!(id, "p26");
+    consumers.stop().await;
+    stack.stop().await;
+}

@@ -81,7 +81,21 @@ async fn request(to: SocketAddr, head: &str, read_for: Duration) -> u16 {
 async fn a_member_flooding_reads_does_not_slow_anyone_else() {
     let stack = Stack::start(shared_postgres()).await;
     let idp = Idp::new();
-    let flags = idp.flags();
+    let mut flags = idp.flags();
+    // The shipped budgets (the test support's are generous).
+    flags.extend(
+        [
+            "--history-rate",
+            "5",
+            "--history-burst",
+            "30",
+            "--stream-open-rate",
+            "1",
+            "--stream-open-burst",
+            "20",
+        ]
+        .map(String::from),
+    );
     let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
     let svc = stack
         .service_process(Side::Consumers, "consumers-reads", &flags)

@@ -94,8 +94,15 @@ pub(crate) struct Budgets {
 /// the instance counts alone.
 struct Shared {
     conn: OnceLock<RedisConn>,
+    /// Until when the instance counts alone (`None`: Redis judges). The gauge is set with
+    /// it, under its lock.
     local_until: Mutex<Option<Instant>>,
     local: Arc<prometheus::IntGauge>,
+    /// One request asks Redis again after [`LOCAL_FOR`], the others count here meanwhile:
+    /// during an outage that leaves requests unanswered, one waits [`REDIS_WAIT`], not all.
+    probing: AtomicBool,
+    /// An outage was logged; cleared when Redis answers again, so the next one is too.
+    warned: AtomicBool,
 }
 
 /// GCRA on one key: KEYS[1] holds the theoretical arrival time (microseconds on Redis's
@@ -156,6 +163,8 @@ impl Budgets {
                 conn: OnceLock::new(),
                 local_until: Mutex::new(None),
                 local: Arc::new(local),
+                probing: AtomicBool::new(false),
+                warned: AtomicBool::new(false),
             }),
             ..Self::local(side, budgets)
         });
@@ -209,18 +218,26 @@ impl Budgets {
     }
 
     /// Redis's judgement, or `None` when Redis is not to be asked now or did not answer
-    /// in time (the instance then counts alone for [`LOCAL_FOR`]).
+    /// in time (the instance then counts alone for [`LOCAL_FOR`]). A judgement that comes
+    /// after [`REDIS_WAIT`] was charged in Redis too: such a request may count twice, once
+    /// in each place (never zero times).
     async fn in_redis(&self, kind: Kind, user: &str, cost: i8) -> Option<Result<(), Duration>> {
         let shared = self.shared.as_ref()?;
         let mut conn = shared.conn.get()?.clone();
-        {
-            let mut until = shared.local_until.lock().expect("not poisoned");
+        let _probe = {
+            let until = shared.local_until.lock().expect("not poisoned");
             match *until {
+                None => None,
                 Some(at) if Instant::now() < at => return None,
-                Some(_) => *until = None,
-                None => {}
+                // Time to ask again: one request does, the rest count here until it knows.
+                Some(_) => {
+                    if shared.probing.swap(true, Ordering::AcqRel) {
+                        return None;
+                    }
+                    Some(Probe(&shared.probing))
+                }
             }
-        }
+        };
         let budget = self.budget(kind);
         let mut invocation =
             script().key(keys::budget_key(self.side.as_str(), kind.as_str(), user));
@@ -230,30 +247,41 @@ impl Budgets {
             .arg(cost);
         let answered =
             tokio::time::timeout(REDIS_WAIT, invocation.invoke_async::<u64>(&mut conn)).await;
-        match answered {
-            Ok(Ok(0)) => {
-                shared.local.set(0);
-                Some(Ok(()))
-            }
-            Ok(Ok(wait)) => {
-                shared.local.set(0);
-                Some(Err(Duration::from_micros(wait)))
-            }
+        let judged = match answered {
+            Ok(Ok(0)) => Ok(()),
+            Ok(Ok(wait)) => Err(Duration::from_micros(wait)),
             failed => {
                 let why = match failed {
                     Ok(Err(e)) => e.to_string(),
                     _ => format!("no answer within {REDIS_WAIT:?}"),
                 };
-                static WARNED: AtomicBool = AtomicBool::new(false);
-                if !WARNED.swap(true, Ordering::Relaxed) {
+                if !shared.warned.swap(true, Ordering::Relaxed) {
                     warn!(error = %why, "Redis did not judge a user's budget; counting budgets on this instance for now (each instance allows the whole budget)");
                 }
+                let mut until = shared.local_until.lock().expect("not poisoned");
+                *until = Some(Instant::now() + LOCAL_FOR);
                 shared.local.set(1);
-                *shared.local_until.lock().expect("not poisoned") =
-                    Some(Instant::now() + LOCAL_FOR);
-                None
+                return None;
+            }
+        };
+        let mut until = shared.local_until.lock().expect("not poisoned");
+        if until.is_some() {
+            *until = None;
+            shared.local.set(0);
+            if shared.warned.swap(false, Ordering::Relaxed) {
+                info!("Redis judges users' budgets again");
             }
         }
+        Some(judged)
+    }
+}
+
+/// Lets the next request ask Redis when dropped.
+struct Probe<'a>(&'a AtomicBool);
+
+impl Drop for Probe<'_> {
+    fn drop(&mut self) {
+        self.0.store(false, Ordering::Release);
     }
 }
 

@@ -27,9 +27,14 @@ pub(crate) struct Members {
     removals: AtomicU64,
 }
 
-/// When a membership was read: taken before the query, given to [`Members::saw`].
+/// When a membership was read: taken before the query, given to [`Members::saw`]. Its
+/// time is what is kept, not the answer's: a slow answer is trusted [`KEPT`] from when the
+/// database was asked, no longer.
 #[derive(Clone, Copy)]
-pub(crate) struct Asked(u64);
+pub(crate) struct Asked {
+    removals: u64,
+    at: Instant,
+}
 
 impl Members {
     /// Whether `user` was seen a member of `chat_id` within [`KEPT`].
@@ -45,15 +50,18 @@ impl Members {
 
     /// Call before asking the database.
     pub(crate) fn asking(&self) -> Asked {
-        Asked(self.removals.load(Ordering::SeqCst))
+        Asked {
+            removals: self.removals.load(Ordering::SeqCst),
+            at: Instant::now(),
+        }
     }
 
-    /// The database said `user` is a member of `chat_id`, when `asked`: kept unless a
-    /// removal came since (the answer may predate it).
+    /// The database said `user` is a member of `chat_id`, when `asked`: kept from then,
+    /// unless a removal here came since (the answer may predate it).
     pub(crate) fn saw(&self, asked: Asked, chat_id: i64, user: &str) {
         let now = Instant::now();
         let mut seen = self.seen.lock().expect("not poisoned");
-        if self.removals.load(Ordering::SeqCst) != asked.0 {
+        if self.removals.load(Ordering::SeqCst) != asked.removals {
             return;
         }
         if seen.len() >= MOST {
@@ -62,7 +70,7 @@ impl Members {
                 seen.clear();
             }
         }
-        seen.insert((chat_id, user.to_string()), now);
+        seen.insert((chat_id, user.to_string()), asked.at);
     }
 
     /// `user` left `chat_id` (removed here): forget it, and any membership being read now.
@@ -90,6 +98,20 @@ mod tests {
             "only for KEPT"
         );
         members.forget(1, "a");
+        assert!(!members.knows(1, "a"));
+    }
+
+    #[test]
+    fn a_slow_answer_is_kept_from_when_it_was_asked() {
+        let members = Members::default();
+        let Some(long_ago) = Instant::now().checked_sub(KEPT) else {
+            return; // a machine up for less than KEPT: nothing to date back to
+        };
+        let asked = Asked {
+            removals: 0,
+            at: long_ago,
+        };
+        members.saw(asked, 1, "a");
         assert!(!members.knows(1, "a"));
     }
 

@@ -288,7 +288,7 @@ pub(super) fn history_page(messages: &[crate::model::HistoryItem], more: bool) -
     } else {
         b"]}"
     });
-    let mut resp = Response::new(reply::full(body));
+    let mut resp = Response::new(reply::chunked(body));
     resp.headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     resp

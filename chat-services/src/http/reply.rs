@@ -15,6 +15,24 @@ pub(crate) fn full(bytes: impl Into<Bytes>) -> Body {
     Full::new(bytes.into()).boxed()
 }
 
+/// `bytes` as a body of frames of at most 16 KiB: hyper takes the next frame only while
+/// its write buffer has room, so the body (and whatever it holds, see
+/// `request::hold_until_written`) lives until nearly all of it reached the socket. A whole
+/// body in one frame is taken at once, and dropped while the client has read nothing.
+pub(crate) fn chunked(bytes: impl Into<Bytes>) -> Body {
+    const FRAME: usize = 16 * 1024;
+    let bytes: Bytes = bytes.into();
+    let frames = (0..bytes.len())
+        .step_by(FRAME)
+        .map(move |at| {
+            Ok::<_, Infallible>(hyper::body::Frame::data(
+                bytes.slice(at..(at + FRAME).min(bytes.len())),
+            ))
+        })
+        .collect::<Vec<_>>();
+    http_body_util::StreamBody::new(futures::stream::iter(frames)).boxed()
+}
+
 pub(crate) fn json(status: StatusCode, value: &impl serde::Serialize) -> Response<Body> {
     let body = serde_json::to_vec(value).expect("response serializes");
     let mut resp = Response::new(full(body));

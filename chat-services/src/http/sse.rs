@@ -127,6 +127,14 @@ pub(crate) async fn clamp(
         after,
         skipped: None,
     };
+    // A cursor of the previous scheme is resolved to its position first, so it is held to
+    // the same replay depth (a bare `0` would otherwise replay the whole chat).
+    let after = match after {
+        Some(Cursor::InboxSeq(seq)) => Some(Cursor::Pos(
+            app.store.position_of_inbox_seq(chat_id, seq).await?,
+        )),
+        other => other,
+    };
     match after {
         Some(Cursor::Pos(pos)) => {
             let tip = tip().await?;
@@ -141,8 +149,7 @@ pub(crate) async fn clamp(
                 unclamped(Some(Cursor::Pos(pos)))
             })
         }
-        None => Ok(unclamped(Some(Cursor::Pos(tip().await?)))),
-        other => Ok(unclamped(other)),
+        _ => Ok(unclamped(Some(Cursor::Pos(tip().await?)))),
     }
 }
 

@@ -387,8 +387,16 @@ fn take_note(hub: &Hub, fetch: &mpsc::Sender<Hint>, payload: &str) {
             pos: note.pos,
             delivery: note.delivery,
         };
-        if let Err(mpsc::error::TrySendError::Full(hint)) = fetch.try_send(hint) {
-            hub.resync_chat(hint.chat_id);
+        match fetch.try_send(hint) {
+            Ok(()) => {}
+            // Too many waiting: the chat's streams read it themselves.
+            Err(mpsc::error::TrySendError::Full(hint)) => hub.resync_chat(hint.chat_id),
+            // The reader is gone (it never ends before the follower: a bug); say so once.
+            Err(mpsc::error::TrySendError::Closed(hint)) => {
+                static SAID: std::sync::Once = std::sync::Once::new();
+                SAID.call_once(|| warn!("the reader of other instances' messages stopped; their messages are shown by the streams' own reads"));
+                hub.resync_chat(hint.chat_id);
+            }
         }
     }
 }

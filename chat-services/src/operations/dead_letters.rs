@@ -351,7 +351,7 @@ async fn record(
                 let position = positions
                     .get(&message.id)
                     .ok_or_else(|| DeadLetterError::NoPosition(message.id))?;
-                return Ok(Ok((position.shown(&message), position.pos, position.new)));
+                return Ok(Ok((position.recorded.clone(), position.pos, position.new)));
             }
             Err(StoreError::Fenced { .. }) if attempts < 5 => attempts += 1,
             Err(e) if e.is_row_refused() => return Ok(Err(format!("postgres refused it: {e}"))),

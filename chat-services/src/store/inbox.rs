@@ -10,19 +10,10 @@ pub struct Position {
     pub pos: i64,
     /// Recorded by this call (`false`: it was in the inbox already).
     pub new: bool,
-    /// For a message found there (`new` false), the row as recorded then: what is shown,
-    /// whatever a redelivery carries (an entry republished with other content must not
-    /// show anything the database does not hold).
-    pub recorded: Option<Message>,
-}
-
-impl Position {
-    /// The message as the inbox holds it: `received` itself when recorded now, else the
-    /// row recorded before.
-    #[cfg_attr(not(feature = "test-support"), allow(unreachable_pub))]
-    pub fn shown(&self, received: &Message) -> Message {
-        self.recorded.clone().unwrap_or_else(|| received.clone())
-    }
+    /// The row as the inbox holds it (written now or before): what is shown, whatever the
+    /// entry carried (a redelivery republished with other content, or two entries of one
+    /// batch with one id, must not show anything the database does not hold).
+    pub recorded: Message,
 }
 
 /// A message to record into the inbox by [`Store::record_inbox`].
@@ -130,11 +121,11 @@ impl Store {
                              WHERE (SELECT epoch FROM w) = $6
                              ORDER BY ord
                             ON CONFLICT (message_id) DO NOTHING
-                            RETURNING message_id, pos)
+                            RETURNING message_id, pos, chat_id, body, sent_at, sender)
                      SELECT NULL::uuid, (SELECT epoch FROM w), true,
                             NULL::bigint, NULL::text, NULL::timestamptz, NULL::text
                      UNION ALL
-                     SELECT message_id, pos, true, NULL, NULL, NULL, NULL FROM ins
+                     SELECT message_id, pos, true, chat_id, body, sent_at, sender FROM ins
                      UNION ALL
                      SELECT message_id, pos, false, chat_id, body, sent_at, sender FROM {s}.inbox
                       WHERE message_id = ANY($1) AND (SELECT epoch FROM w) = $6"
@@ -159,21 +150,19 @@ impl Store {
         for row in &rows {
             match row.get::<_, Option<Uuid>>(0) {
                 Some(id) => {
-                    let new: bool = row.get(2);
-                    let before = (!new).then(|| Message {
-                        id,
-                        chat_id: row.get(3),
-                        body: row.get(4),
-                        created_at: row.get(5),
-                        side: self.side.other(),
-                        sender: row.get(6),
-                    });
                     recorded.insert(
                         id,
                         Position {
                             pos: row.get(1),
-                            new,
-                            recorded: before,
+                            new: row.get(2),
+                            recorded: Message {
+                                id,
+                                chat_id: row.get(3),
+                                body: row.get(4),
+                                created_at: row.get(5),
+                                side: self.side.other(),
+                                sender: row.get(6),
+                            },
                         },
                     );
                 }

@@ -366,8 +366,20 @@ impl Store {
     /// wait is not counted against the operation's deadline (which starts once the
     /// connection is in hand). Opening one that the server does not answer within
     /// [`STATEMENT_DEADLINE`] is a frozen server: the breaker trips.
+    ///
+    /// The whole of it is bounded too ([`POOL_WAIT`] and [`STATEMENT_DEADLINE`]): idle
+    /// connections that fail their check before reuse are each tried in turn (a partition
+    /// leaves them all silent), and past that bound the server is taken for unreachable.
     async fn connection(&self) -> Result<deadpool_postgres::Object, StoreError> {
-        match self.pool.get().await {
+        let bound = POOL_WAIT + STATEMENT_DEADLINE;
+        let Ok(got) = tokio::time::timeout(bound, self.pool.get()).await else {
+            self.breaker.trip();
+            self.pool.retain(|_, _| false);
+            return Err(StoreError::Unavailable(format!(
+                "no connection answered within {bound:?}"
+            )));
+        };
+        match got {
             Ok(client) => Ok(client),
             Err(deadpool_postgres::PoolError::Timeout(deadpool_postgres::TimeoutType::Create)) => {
                 self.breaker.trip();

@@ -77,8 +77,10 @@ impl Send<'_> {
         let statement = match client
             .prepare_cached(&format!(
                 "WITH member AS (
-                   SELECT $8::text IS NULL OR EXISTS (
-                     SELECT 1 FROM {s}.chat_members WHERE chat_id = $2 AND user_id = $8) AS holds
+                   SELECT $8::text IS NULL
+                       OR EXISTS (SELECT 1 FROM {s}.chat_members
+                                   WHERE chat_id = $2 AND user_id = $8 FOR KEY SHARE)
+                       OR EXISTS (SELECT 1 FROM {s}.messages WHERE idempotency_key = $5) AS holds
                  ),
                  m AS (
                    INSERT INTO {s}.messages (id, chat_id, body, created_at, idempotency_key, sender)
@@ -114,7 +116,10 @@ impl Send<'_> {
             .await;
         match executed {
             // The sender left the chat since the request was admitted (while its body
-            // arrived, say): the membership is checked in the statement that inserts.
+            // arrived, say): the membership is checked in the statement that inserts, its
+            // row locked (a removal waits for the send, or the send sees it gone). A key
+            // already written (this very send, committed before its connection broke) is
+            // answered as before: the message went in while they were a member.
             Ok(row) if !row.get::<_, bool>(1) => Attempt::Refused(StoreError::NotMember {
                 chat_id: self.message.chat_id,
             }),

@@ -93,6 +93,21 @@ impl Idp {
             AUDIENCE.into(),
             "--jwt-leeway".into(),
             "0s".into(),
+            // Tests poll history and open streams on a condition (every 50 ms) far faster
+            // than a person: budgets they do not test are generous (the tests of budgets
+            // give their own).
+            "--history-rate".into(),
+            "100".into(),
+            "--history-burst".into(),
+            "1000".into(),
+            "--stream-open-rate".into(),
+            "100".into(),
+            "--stream-open-burst".into(),
+            "1000".into(),
+            "--sign-in-rate".into(),
+            "100".into(),
+            "--sign-in-burst".into(),
+            "1000".into(),
         ]
     }
 }
