@@ -1006,7 +1006,17 @@ async fn a_commit_visible_at_the_hand_over_but_not_yet_received_is_published_onc
     let pg = shared_postgres();
     let redis = RedisServer::start().unwrap();
     let fx = Fixture::sharded(pg, &redis, SHARDS).await;
-    let relay = fx.spawn_relay("relay", &["--shard-detach-after", "1s"]);
+    // (The paused walsender must not end the session: then the restart, not the hand-over,
+    // would decide what is sent.)
+    let relay = fx.spawn_relay(
+        "relay",
+        &[
+            "--shard-detach-after",
+            "1s",
+            "--replication-timeout",
+            "120s",
+        ],
+    );
     relay.wait_streaming().await;
     let chat = 1;
     let stuck = shard_of_chat(chat);
@@ -1014,6 +1024,10 @@ async fn a_commit_visible_at_the_hand_over_but_not_yet_received_is_published_onc
     let refusing = StuckShard::start(&redis, &shard_key(&fx.stream, stuck, SHARDS)).await;
     send_to(&fx, chat, 0).await;
     wait_metric(&relay, &behind, "the shard behind", |v| v == 1.0).await;
+    let sessions = metrics(&relay)
+        .await
+        .get("cdc_relay_reconnects_total")
+        .copied();
 
     // WHEN the relay's walsender pauses: a row of that shard commits, visible to every
     // snapshot from now on, and the relay has not received it
@@ -1036,8 +1050,16 @@ async fn a_commit_visible_at_the_hand_over_but_not_yet_received_is_published_onc
     pg.resume_backend(walsender).unwrap();
     send_to(&fx, chat, 2).await;
 
-    // THEN the row the relay received late is not published again: each row once
+    // THEN the row the relay received late is not published again: each row once, and all
+    // in the session that did the hand-over
     assert_every_shard(&fx, stuck, &relay).await;
+    assert_eq!(
+        metrics(&relay)
+            .await
+            .get("cdc_relay_reconnects_total")
+            .copied(),
+        sessions
+    );
     relay.stop();
 }
 

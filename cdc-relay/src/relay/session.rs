@@ -42,8 +42,7 @@ use crate::source::{
 };
 use crate::status::Role;
 
-/// Microseconds between the Unix epoch and the Postgres epoch (2000-01-01).
-const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
+use crate::sink::PG_EPOCH_OFFSET_MICROS;
 
 /// Stream from a started replication session until shutdown (`Ok`) or an error. Ids are
 /// commit LSNs plus the session's id offset (see the record), and each live shard must

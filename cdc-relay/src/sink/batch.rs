@@ -16,6 +16,10 @@ use pgwire_replication::Lsn;
 use crate::config::BatchLimits;
 use crate::decode::OutboxEvent;
 
+/// Microseconds between the Unix epoch and the Postgres epoch (2000-01-01), in which
+/// commit times come.
+pub(crate) const PG_EPOCH_OFFSET_MICROS: i64 = 946_684_800_000_000;
+
 #[derive(Debug, Clone)]
 pub(crate) struct StreamEntry {
     pub id: EntryId,

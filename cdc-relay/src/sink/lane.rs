@@ -173,6 +173,13 @@ pub(super) struct Lane {
     /// relay had not received yet when the catch-up's snapshot already showed it) is not
     /// sent again (see `holds`).
     pub(super) held: Option<Watermark>,
+    /// With a hand-over's snapshot in `held`: only transactions committed at or after this
+    /// (Postgres epoch microseconds) are dropped. The catch-up published what the snapshot
+    /// shows *from the outbox table*, and the services delete old rows from it: an older
+    /// transaction's row may have been gone before the catch-up read it, so it is sent (at
+    /// worst a second time, which consumers skip by id) rather than lost. `None`: the
+    /// record's watermark, whose rows were published by a previous session.
+    pub(super) held_from_micros: Option<i64>,
 }
 
 impl Lane {
@@ -194,6 +201,7 @@ impl Lane {
             first_live_id: fence,
             consumed: None,
             held: None,
+            held_from_micros: None,
         }
     }
 
@@ -213,15 +221,17 @@ impl Lane {
         entries.retain(|e| !self.holds(e, id_offset));
         if ack.is_some_and(|ack| ack >= hi) {
             self.held = None;
+            self.held_from_micros = None;
         }
         before - entries.len()
     }
 
-    /// Whether the stream holds `entry` already, as the watermark recorded before the
-    /// session shows: a replay whose row a catch-up published under another id (the slot was
-    /// not yet acknowledged past it when the last session ended). Sent again, it would sit
-    /// below the stream's top at an id never written there, which the script must refuse as
-    /// another writer's.
+    /// Whether the stream holds `entry` already, as `held` shows: a replay whose row a
+    /// catch-up published under another id (the slot was not yet acknowledged past it when
+    /// the last session ended), or a transaction a hand-over's last snapshot showed before
+    /// the relay received it (see `held_from_micros`). Sent again, the first would sit below
+    /// the stream's top at an id never written there, which the script must refuse as
+    /// another writer's; the second would be a duplicate.
     pub(super) fn holds(&self, entry: &StreamEntry, id_offset: u64) -> bool {
         let Some(held) = &self.held else {
             return false;
@@ -230,6 +240,9 @@ impl Lane {
         // Nothing committed above `hi` is visible in it; below, its snapshot decides.
         entry.xid != 0
             && commit <= held.hi.as_u64()
+            && self
+                .held_from_micros
+                .is_none_or(|from| entry.commit_time_micros >= from)
             && held.snapshot.visible(held.snapshot.widen(entry.xid))
     }
 
@@ -377,6 +390,18 @@ mod tests {
         assert!(
             !lane.holds(&at(900, 0), 7),
             "read from the table, not the slot"
+        );
+        // A hand-over's snapshot: only what committed since the floor is taken for published
+        // (an older row may have been deleted from the table before the catch-up read it).
+        lane.held_from_micros = Some(5_000);
+        let committed_at = |micros: i64| StreamEntry {
+            commit_time_micros: micros,
+            ..at(900, 99)
+        };
+        assert!(lane.holds(&committed_at(5_000), 7));
+        assert!(
+            !lane.holds(&committed_at(4_999), 7),
+            "older than the floor: sent"
         );
     }
 }

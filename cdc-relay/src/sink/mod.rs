@@ -11,7 +11,7 @@ mod publisher;
 mod rebuild_lock;
 mod record;
 
-pub(crate) use batch::{Batch, PublishSpan, StreamEntry};
+pub(crate) use batch::{Batch, PublishSpan, StreamEntry, PG_EPOCH_OFFSET_MICROS};
 pub(crate) use pipeline::{Confirmed, Event, Pipeline, Sealed, MAX_UNSEEN};
 pub(crate) use publisher::{PartMeta, Publisher};
 pub(crate) use rebuild_lock::RebuildLock;

@@ -40,7 +40,7 @@ use pgwire_replication::Lsn;
 use tokio::time::Instant;
 use tracing::{info, warn};
 
-use super::batch::{Batch, StreamEntry};
+use super::batch::{Batch, StreamEntry, PG_EPOCH_OFFSET_MICROS};
 use super::lane::{BehindReason, Capture, InFlight, Lane, Part, State, MAX_IN_FLIGHT};
 use super::publisher::{PartMeta, PublishOutcome, Publisher};
 use crate::config::LaneLimits;
@@ -128,6 +128,7 @@ impl Pipeline {
             .map(|(shard, fence)| {
                 let mut lane = Lane::new(shard as u32, fence, max_backoff);
                 lane.held = held.next().flatten();
+                lane.held_from_micros = None;
                 if behind.contains(&(shard as u32)) {
                     lane.fall_behind();
                 }
@@ -391,6 +392,12 @@ impl Pipeline {
         // are dropped, not written again under their live ids. It shows everything an older
         // held watermark did.
         lane.held = Some((*watermark).clone());
+        // Rows the services may have deleted by then are not taken for published (see
+        // `Lane::held_from_micros`): half the retention before the snapshot, by the
+        // server's clock, in the Postgres epoch the commit times are in.
+        let half_retention = (self.ctx.config.outbox_retention / 2).as_micros() as i64;
+        lane.held_from_micros =
+            Some(watermark.taken_at_micros - PG_EPOCH_OFFSET_MICROS - half_retention);
         let released: Vec<StreamEntry> = capture
             .entries
             .into_iter()

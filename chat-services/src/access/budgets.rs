@@ -10,8 +10,9 @@
 //! N× while it lasts) and asks Redis again [`LOCAL_FOR`] later: a Redis outage costs
 //! precision, never a request. `chat_budgets_local` says when that is so.
 //!
-//! Invariant: a request is charged at most once, in one place (Redis or the instance), and
-//! a refusal names how long to wait.
+//! Invariant: a request is charged at least once (in Redis, or on the instance when Redis
+//! did not answer in time; one Redis answered too late is charged in both), and a refusal
+//! names how long to wait.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -264,8 +265,10 @@ impl Budgets {
                 return None;
             }
         };
+        // Only the probe's answer ends counting alone: a late answer to a request made
+        // before the outage says nothing about Redis now.
         let mut until = shared.local_until.lock().expect("not poisoned");
-        if until.is_some() {
+        if until.is_some() && _probe.is_some() {
             *until = None;
             shared.local.set(0);
             if shared.warned.swap(false, Ordering::Relaxed) {

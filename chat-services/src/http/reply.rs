@@ -17,8 +17,10 @@ pub(crate) fn full(bytes: impl Into<Bytes>) -> Body {
 
 /// `bytes` as a body of frames of at most 16 KiB: hyper takes the next frame only while
 /// its write buffer has room, so the body (and whatever it holds, see
-/// `request::hold_until_written`) lives until nearly all of it reached the socket. A whole
-/// body in one frame is taken at once, and dropped while the client has read nothing.
+/// `request::hold_until_written`) lives until all but what the socket buffers absorb (some
+/// hundreds of KiB) was written. A whole body in one frame is taken at once, and dropped
+/// while the client has read nothing. Best effort: memory per connection stays bounded by
+/// hyper's buffer either way.
 pub(crate) fn chunked(bytes: impl Into<Bytes>) -> Body {
     const FRAME: usize = 16 * 1024;
     let bytes: Bytes = bytes.into();
