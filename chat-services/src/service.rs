@@ -79,6 +79,16 @@ impl Service {
             metrics.clone(),
         );
         let limits = config.http_limits(metrics.budgets_local.clone());
+        let auth = match &config.verifier {
+            None => {
+                warn!("running with --allow-anonymous: nobody is identified, anyone who reaches --listen may read and post in every chat");
+                auth::Auth::Anonymous
+            }
+            Some(verifier) => auth::Auth::Tokens(verifier.clone()),
+        };
+        if auth.admin_trusts_any_client() {
+            warn!("--jwt-admin-audience is set without --jwt-admin-clients: a token of any client granted the admin audience is an admin's; name the backend's client (CHAT_JWT_ADMIN_CLIENTS) if the identity provider lets clients ask for any audience");
+        }
         let store = store::Store::new(&config.postgres, config.side, config.db_pool_size)?;
         store.count_breaker_trips(metrics.database_breaker_trips_total.clone());
         let app = Arc::new(http::App {
@@ -93,13 +103,7 @@ impl Service {
             sse_max_replay: config.live.sse_max_replay,
             trust_traceparent: config.http.trust_traceparent,
             limits,
-            auth: match &config.verifier {
-                None => {
-                    warn!("running with --allow-anonymous: nobody is identified, anyone who reaches --listen may read and post in every chat");
-                    auth::Auth::Anonymous
-                }
-                Some(verifier) => auth::Auth::Tokens(verifier.clone()),
-            },
+            auth,
             cookie_secure: config.cookie_secure,
             members: Arc::default(),
             streams: Arc::default(),

@@ -981,13 +981,24 @@ impl Auth {
         if let Some(audience) = &config.admin_audience {
             needs.push_str(&format!(" and audience '{audience}'"));
         }
+        // Which clients are the admin ones is not said: no need to tell a caller whom to
+        // pose as.
         if !config.admin_clients.is_empty() {
-            needs.push_str(&format!(
-                ", issued to one of the admin clients ({})",
-                config.admin_clients.join(", ")
-            ));
+            needs.push_str(", issued to an admin client");
         }
         needs
+    }
+
+    /// Admin rights need an admin audience, but any client granted it is trusted (no
+    /// `--jwt-admin-clients`): worth a warning, since some providers let any client ask for
+    /// any audience.
+    pub(crate) fn admin_trusts_any_client(&self) -> bool {
+        match self {
+            Auth::Tokens(verifier) => {
+                verifier.config.admin_audience.is_some() && verifier.config.admin_clients.is_empty()
+            }
+            Auth::Anonymous => false,
+        }
     }
 }
 
