@@ -38,6 +38,25 @@ async fn a_message_sent_on_one_side_is_shown_live_on_the_other() {
     stack.stop().await;
 }
 
+/// The fields of `stream`'s first entry, in order (the template of a copy appended by hand).
+async fn first_entry_fields(stack: &Stack<'_>, stream: &str) -> Vec<(String, String)> {
+    let mut redis = stack.redis().connect().await.unwrap();
+    let entries: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg(stream)
+        .arg("-")
+        .arg("+")
+        .arg("COUNT")
+        .arg(1)
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    entries.ids[0]
+        .map
+        .iter()
+        .map(|(k, v)| (k.clone(), redis::from_redis_value_ref::<String>(v).unwrap()))
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_same_entry_delivered_twice_is_recorded_and_shown_once() {
     let stack = Stack::start(shared_postgres()).await;
@@ -52,19 +71,7 @@ async fn the_same_entry_delivered_twice_is_recorded_and_shown_once() {
 
     // WHEN the same entry is delivered again (a copy appended to the stream, as a replay
     // beyond the stream's own deduplication would)
-    let mut redis = stack.redis().connect().await.unwrap();
-    let entries: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-        .arg("outbox:consumers")
-        .arg("-")
-        .arg("+")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    let original: Vec<(String, String)> = entries.ids[0]
-        .map
-        .iter()
-        .map(|(k, v)| (k.clone(), redis::from_redis_value_ref::<String>(v).unwrap()))
-        .collect();
+    let original = first_entry_fields(&stack, "outbox:consumers").await;
     let fields: Vec<(&str, &str)> = original
         .iter()
         .map(|(k, v)| (k.as_str(), v.as_str()))
@@ -125,19 +132,7 @@ async fn a_redelivery_with_altered_content_shows_what_the_inbox_recorded() {
     .await
     .unwrap();
     // ... delivered again with other content (a republished or tampered entry).
-    let mut redis = stack.redis().connect().await.unwrap();
-    let entries: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-        .arg("outbox:consumers")
-        .arg("-")
-        .arg("+")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
-    let mut fields: Vec<(String, String)> = entries.ids[0]
-        .map
-        .iter()
-        .map(|(k, v)| (k.clone(), redis::from_redis_value_ref::<String>(v).unwrap()))
-        .collect();
+    let mut fields = first_entry_fields(&stack, "outbox:consumers").await;
     for (name, value) in &mut fields {
         if name == "payload" {
             let mut payload: serde_json::Value = serde_json::from_str(value).unwrap();

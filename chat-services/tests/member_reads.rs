@@ -10,7 +10,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::support::{add_member, bearer, rss_mib, send_as, Idp, Stack};
+use crate::support::{add_member, bearer, send_as, Idp, RssPeak, Stack};
 use chat_services::Side;
 use testkit::shared_postgres;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -122,18 +122,7 @@ async fn a_member_flooding_reads_does_not_slow_anyone_else() {
         "GET /chats/5/events HTTP/1.1\r\nhost: chat\r\n{name}: {value}\r\nlast-event-id: p0\r\nconnection: close\r\n\r\n"
     );
 
-    let pid = svc.child.pid();
-    let before = rss_mib(pid);
-    let peak = Arc::new(AtomicUsize::new(0));
-    let sampler = {
-        let peak = peak.clone();
-        tokio::spawn(async move {
-            loop {
-                peak.fetch_max(rss_mib(pid) as usize, Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
+    let memory = RssPeak::watch(svc.child.pid());
     let until = Instant::now() + FLOOD;
     let histories = Arc::new(Tally::default());
     let replays = Arc::new(Tally::default());
@@ -184,9 +173,9 @@ async fn a_member_flooding_reads_does_not_slow_anyone_else() {
     for task in flood {
         task.await.unwrap();
     }
-    sampler.abort();
     drop(unread);
-    let grew = peak.load(Ordering::Relaxed) as f64 - before;
+    let before = memory.before;
+    let grew = memory.growth();
     let metrics = testkit::http::get(svc.admin, "/metrics").await.unwrap().1;
     let metric = |name: &str| {
         testkit::http::metric_value(&metrics, name).unwrap_or_else(|| panic!("{name} is exported"))

@@ -4,11 +4,9 @@
 //! memory read from /proc.
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use crate::support::{add_member, bearer, rss_mib, Idp, Stack};
+use crate::support::{add_member, bearer, Idp, RssPeak, Stack};
 use chat_services::Side;
 use testkit::{shared_postgres, wait_until};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -83,20 +81,7 @@ async fn heads_that_never_end_are_cut_early_and_a_member_is_answered_meanwhile()
         .await;
     add_member(svc.addr, &idp, 7, "alice").await;
     let alice = idp.token("alice");
-    let pid = svc.child.pid();
-    let before = rss_mib(pid);
-
-    let peak = Arc::new(AtomicUsize::new(0));
-    let sampler = {
-        let peak = peak.clone();
-        tokio::spawn(async move {
-            loop {
-                let now = rss_mib(pid) as usize;
-                peak.fetch_max(now, Ordering::Relaxed);
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-    };
+    let memory = RssPeak::watch(svc.child.pid());
     let started = Instant::now();
     let attack: Vec<_> = (0..300)
         .map(|_| tokio::spawn(never_ending_head(svc.addr)))
@@ -111,8 +96,8 @@ async fn heads_that_never_end_are_cut_early_and_a_member_is_answered_meanwhile()
         }
     }
     let took = started.elapsed();
-    sampler.abort();
-    let grew = peak.load(Ordering::Relaxed) as f64 - before;
+    let before = memory.before;
+    let grew = memory.growth();
     eprintln!(
         "300 never-ending heads: {cut} cut in {took:?}; RSS {before:.0} MiB, peak growth {grew:.0} MiB; member: {answered:?}"
     );

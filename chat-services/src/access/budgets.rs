@@ -133,10 +133,8 @@ redis.call('SET', KEYS[1], string.format('%.0f', new), 'PX', math.ceil((new - no
 return 0
 ";
 
-fn script() -> &'static redis::Script {
-    static SCRIPT: OnceLock<redis::Script> = OnceLock::new();
-    SCRIPT.get_or_init(|| redis::Script::new(TAKE))
-}
+static SCRIPT: std::sync::LazyLock<redis::Script> =
+    std::sync::LazyLock::new(|| redis::Script::new(TAKE));
 
 impl Budgets {
     /// Budgets counted by this instance alone (no Redis to share them through).
@@ -240,8 +238,7 @@ impl Budgets {
             }
         };
         let budget = self.budget(kind);
-        let mut invocation =
-            script().key(keys::budget_key(self.side.as_str(), kind.as_str(), user));
+        let mut invocation = SCRIPT.key(keys::budget_key(self.side.as_str(), kind.as_str(), user));
         invocation
             .arg(budget.interval_micros())
             .arg(budget.burst)

@@ -106,3 +106,37 @@ pub(crate) fn rss_mib(pid: u32) -> f64 {
         .unwrap();
     kb / 1024.0
 }
+
+/// The peak resident memory of a process while it is watched, sampled every 50 ms.
+pub(crate) struct RssPeak {
+    /// Its memory when the watch began, in MiB.
+    pub before: f64,
+    peak: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    sampler: tokio::task::JoinHandle<()>,
+}
+
+impl RssPeak {
+    pub(crate) fn watch(pid: u32) -> Self {
+        let peak = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let sampler = {
+            let peak = peak.clone();
+            tokio::spawn(async move {
+                loop {
+                    peak.fetch_max(rss_mib(pid) as usize, std::sync::atomic::Ordering::Relaxed);
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            })
+        };
+        Self {
+            before: rss_mib(pid),
+            peak,
+            sampler,
+        }
+    }
+
+    /// Stop watching: how far above `before` it went, in MiB.
+    pub(crate) fn growth(self) -> f64 {
+        self.sampler.abort();
+        self.peak.load(std::sync::atomic::Ordering::Relaxed) as f64 - self.before
+    }
+}
