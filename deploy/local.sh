@@ -185,6 +185,8 @@ for side in consumers workers; do
   wait_for "relay $side" 60 http_ok "$([ $side = consumers ] && echo "$consumers_admin" || echo "$workers_admin")" /readyz
 done
 
+# Served over plain HTTP on 127.0.0.1 (development): the session cookie cannot be `Secure`
+# there for every browser, hence --cookie-secure=false (never behind a public listener).
 for side in consumers workers; do
   port_var=${side}_port
   service_admin_var=${side}_service_admin
@@ -192,7 +194,8 @@ for side in consumers workers; do
   start "$side" "$bin/chat-service" --side "$side" --database-url "$(url "$side")" --redis-url "$(redis_url "$side")" \
     --listen "127.0.0.1:${!port_var}" --admin-addr "127.0.0.1:${!service_admin_var}" --consumer-name "$side-local" \
     --jwks-file "$secrets/idp/jwks.json" --jwt-issuer "$idp_issuer" --jwt-type at+jwt \
-    --jwt-audience "chat-$side" --jwt-admin-audience "chat-$side-admin"
+    --jwt-audience "chat-$side" --jwt-admin-audience "chat-$side-admin" \
+    --session-key-file "$secrets/session/$side" --cookie-secure=false
 done
 unset DATABASE_PASSWORD_FILE REDIS_PASSWORD_FILE
 wait_for "consumers" 60 http_ok "$consumers_service_admin" /readyz

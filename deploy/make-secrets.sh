@@ -4,6 +4,8 @@
 #   server.pem, server.key      a server certificate for the given names (Postgres, Redis)
 #   postgres/<role>             a generated password per Postgres role
 #   redis/<user>                a generated password per Redis ACL user
+#   session/<side>              the key a side's instances sign page sessions with
+#                               (CHAT_SESSION_KEY_FILE)
 #   idp/key.pem, idp/jwks.json  a stand-in identity provider: an Ed25519 signing key and the
 #                               JWKS the services verify tokens with (CHAT_JWKS_FILE). With
 #                               your own provider, put its JWKS in idp/jwks.json instead;
@@ -20,7 +22,7 @@ set -euo pipefail
 [ $# -ge 2 ] || { echo "usage: $0 DIR NAME... (DNS names or IP addresses of the servers)" >&2; exit 2; }
 dir=$1
 shift
-mkdir -p "$dir/postgres" "$dir/redis" "$dir/idp"
+mkdir -p "$dir/postgres" "$dir/redis" "$dir/idp" "$dir/session"
 chmod 700 "$dir"
 umask 077
 
@@ -43,7 +45,8 @@ if [ ! -f "$dir/server.pem" ]; then
 fi
 
 for f in postgres/postgres postgres/consumers postgres/workers postgres/consumers_relay postgres/workers_relay \
-  redis/admin redis/consumers redis/workers redis/consumers_relay redis/workers_relay; do
+  redis/admin redis/consumers redis/workers redis/consumers_relay redis/workers_relay \
+  session/consumers session/workers; do
   # Hex: safe in URLs, SQL literals and ACL files alike.
   [ -s "$dir/$f" ] || openssl rand -hex 24 >"$dir/$f"
 done

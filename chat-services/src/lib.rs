@@ -34,7 +34,7 @@ mod side;
 mod stamp;
 mod store;
 
-pub use access::auth::{KeySource, TokenConfig, TokenVerifier};
+pub use access::auth::{KeySource, SessionKey, TokenConfig, TokenVerifier};
 pub use access::token;
 #[cfg(feature = "failpoints")]
 pub use cli::FailpointArgs;

@@ -115,7 +115,7 @@ impl Metrics {
         );
         let requests_refused_total = counters(
             "chat_requests_refused_total",
-            "Requests refused for who sent them, by reason: no_credentials, invalid_token, not_member (answered as a missing chat), not_admin, auth_failures (an address whose credentials kept failing), send_rate, history_rate, stream_open_rate, sign_in_rate (a user past a budget), requests_per_user (a user with --max-requests-per-user in flight), streams_per_user",
+            "Requests refused for who sent them, by reason: no_credentials, invalid_token, duplicate_cookie (the session cookie sent twice), not_member (answered as a missing chat), not_admin, auth_failures (an address whose credentials kept failing), send_rate, history_rate, stream_open_rate, sign_in_rate (a user past a budget), requests_per_user (a user with --max-requests-per-user in flight), streams_per_user",
             &["reason"],
         );
         let messages_deleted_total = counters(

@@ -86,6 +86,12 @@ impl Service {
             }
             Some(verifier) => auth::Auth::Tokens(verifier.clone()),
         };
+        if auth.session_key_generated() {
+            warn!("no --session-key-file: page sessions are signed with a key of this process only, so a page signed in here is signed out by a restart and unknown to the side's other instances; give every instance the same key file (CHAT_SESSION_KEY_FILE)");
+        }
+        if !config.cookie_secure && !auth.is_anonymous() {
+            warn!("--cookie-secure=false: the session cookie is sent over plain HTTP and may be set by a sibling subdomain; for local development only");
+        }
         if auth.admin_trusts_any_client() {
             warn!("--jwt-admin-audience is set without --jwt-admin-clients: a token of any client granted the admin audience is an admin's; name the backend's client (CHAT_JWT_ADMIN_CLIENTS) if the identity provider lets clients ask for any audience");
         }

@@ -747,6 +747,128 @@ async fn the_page_signs_in_with_a_cookie_and_its_stream_ends_when_the_token_expi
     svc.stop().await;
 }
 
+/// The page's cookie is host-only and HTTPS-only by default, and holds a session token the
+/// service signed, never the provider's: it is no bearer token, any instance sharing the
+/// key knows it, a second cookie of its name is refused, and withdrawing the provider's key
+/// that signed the token it began with ends the session and its open stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_page_session_is_a_narrowed_host_only_cookie_that_ends_with_its_key() {
+    let stack = Stack::start(shared_postgres()).await;
+    let mut idp = Idp::new();
+    let key_file = testkit::scratch_dir("session-key").join("key");
+    std::fs::write(
+        &key_file,
+        "k3y-for-the-session-cookies-of-this-test-0123456789\n",
+    )
+    .unwrap();
+    let key_file = key_file.display().to_string();
+    let mut flags = idp.flags();
+    flags.extend(["--session-key-file".to_string(), key_file]);
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let one = stack.service(Side::Consumers, &flags).await;
+    let two = stack.service(Side::Consumers, &flags).await;
+    // Another deployment: the same provider, its own made-up session key.
+    let idp_flags = idp.flags();
+    let idp_flags: Vec<&str> = idp_flags.iter().map(String::as_str).collect();
+    let other = stack.service(Side::Consumers, &idp_flags).await;
+    add_member(one.addr, &idp, 5, "frank").await;
+    let token = idp.token("frank");
+    let (name, value) = bearer(&token);
+    let signed_in = request(
+        one.addr,
+        "POST",
+        "/session",
+        &[(name, &value)],
+        bytes::Bytes::new(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(signed_in.status, 200, "{}", signed_in.body);
+    let set_cookie = signed_in.header("set-cookie").unwrap().to_string();
+    assert!(
+        set_cookie.starts_with("__Host-chat_session="),
+        "{set_cookie}"
+    );
+    for attribute in ["; Secure", "; HttpOnly", "; SameSite=Strict", "; Path=/"] {
+        assert!(set_cookie.contains(attribute), "{set_cookie}");
+    }
+    let pair = set_cookie.split(';').next().unwrap().to_string();
+    let session = pair.split_once('=').unwrap().1.to_string();
+    // Not the provider's token, nor any part of it.
+    assert_ne!(session, token);
+    for part in token.split('.') {
+        assert!(
+            !session.contains(part),
+            "the cookie holds part of the token"
+        );
+    }
+    let by_cookie = |addr, cookie: String| async move {
+        request(
+            addr,
+            "GET",
+            "/chats/5/messages",
+            &[("cookie", &cookie)],
+            bytes::Bytes::new(),
+        )
+        .await
+        .unwrap()
+    };
+    assert_eq!(by_cookie(one.addr, pair.clone()).await.status, 200);
+    // Every instance sharing the key knows the session.
+    assert_eq!(by_cookie(two.addr, pair.clone()).await.status, 200);
+    // One with another key does not.
+    assert_401(&by_cookie(other.addr, pair.clone()).await, "session cookie");
+    // The session token is no bearer token.
+    assert_401(
+        &get_as(one.addr, "/chats/5/messages", Some(&session)).await,
+        "invalid token",
+    );
+    // A second cookie of the name (planted by a parent domain): refused, and ours removed.
+    let doubled = by_cookie(one.addr, format!("{pair}; __Host-chat_session=planted")).await;
+    assert_401(&doubled, "more than once");
+    assert!(doubled.header("set-cookie").unwrap().contains("Max-Age=0"));
+    // The provider's key that signed the token withdrawn: the session and its stream end.
+    let feed = SseClient::connect_with(one.addr, "/chats/5/events", &[("cookie", &pair)])
+        .await
+        .unwrap();
+    idp.rotate();
+    idp.withdraw_oldest();
+    let withdrawn = std::time::Instant::now();
+    wait_until(Duration::from_secs(10), "the stream ended", || async {
+        if feed.is_closed() {
+            Ok(())
+        } else {
+            Err("open".to_string())
+        }
+    })
+    .await;
+    assert!(
+        withdrawn.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        withdrawn.elapsed()
+    );
+    assert_401(
+        &by_cookie(one.addr, pair.clone()).await,
+        "no longer published",
+    );
+    // The other instance looks at the key set within a second of its own.
+    wait_until(
+        Duration::from_secs(3),
+        "the other instance refuses it",
+        || async {
+            match by_cookie(two.addr, pair.clone()).await {
+                r if r.status == 401 => Ok(()),
+                r => Err(r.body),
+            }
+        },
+    )
+    .await;
+    assert_401(&by_cookie(two.addr, pair).await, "no longer published");
+    for svc in [one, two, other] {
+        svc.stop().await;
+    }
+}
+
 #[test]
 fn a_service_without_authentication_refuses_to_start_and_says_what_to_set() {
     let parse = |extra: &[&str]| {

@@ -58,6 +58,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             admin_clients: Vec::new(),
             token_type: None,
             max_lifetime: Duration::from_secs(24 * 3600),
+            session_key: chat_services::SessionKey::generate(),
         })
         .map_err(|e| anyhow::anyhow!("{e}"))?;
         let tokens: Vec<String> = (0..args.tokens)

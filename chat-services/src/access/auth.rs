@@ -8,6 +8,12 @@
 //! at most once a second, so a key withdrawn after a compromise stops verifying within a
 //! second) and when a token names a key it does not hold, so a rotation at the provider is
 //! picked up without a restart.
+//!
+//! The page's session cookie never holds the provider's token: signing in turns a user's
+//! token into a narrowed one this service signs (HS256 with `--session-key-file`, shared by
+//! the side's instances), valid only as this side's session cookie, for the same user and
+//! until the same expiry, and only while the provider's key that signed the original is
+//! still published: a withdrawn key ends the sessions it opened as it ends its tokens.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -16,15 +22,16 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use hyper::header::{HeaderMap, AUTHORIZATION, COOKIE};
 use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, JwkSet, KeyAlgorithm, PublicKeyUse};
-use jsonwebtoken::{errors::ErrorKind, Algorithm, DecodingKey, Validation};
+use jsonwebtoken::{errors::ErrorKind, Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use tracing::{error, info, warn};
 
 use crate::model::check_user_id;
 use outbox_core::ConfigError;
 
-/// The cookie the page's session is kept in (the token itself, `HttpOnly`). With
-/// `--cookie-secure` it is `__Host-` prefixed: the browser then takes it only over HTTPS,
-/// from this host, for `/`, so no sibling subdomain can plant one.
+/// The cookie the page's session is kept in (a narrowed token, `HttpOnly`). With
+/// `--cookie-secure` (the default) it is `__Host-` prefixed: the browser then takes it only
+/// over HTTPS (or from localhost), from this host, for `/`, so no sibling subdomain can plant
+/// one. Without, for plain-HTTP development, two cookies of this name are refused.
 pub(crate) const SESSION_COOKIE: &str = "chat_session";
 pub(crate) const SECURE_SESSION_COOKIE: &str = "__Host-chat_session";
 /// The least time between two reads of the key set for tokens naming an unknown key: a
@@ -48,6 +55,9 @@ pub(crate) struct Identity {
     /// and sign a page in. A token naming only `--jwt-admin-audience` may manage members
     /// and nothing else.
     pub for_users: bool,
+    /// SHA-256 of the provider's key (as published) that signed the token, or the token a
+    /// session began with: a session lasts only while that key is published.
+    pub key: [u8; 32],
 }
 
 impl Identity {
@@ -84,6 +94,116 @@ pub(crate) enum AuthError {
     /// the token is known yet (503, retried).
     #[error("the identity provider's keys are not fetched yet; retry shortly")]
     NoKeys,
+    /// Two session cookies of this service's name: one may have been planted by a
+    /// neighbouring site (a parent domain's cookie), and which is whose cannot be told.
+    #[error("the session cookie was sent more than once (one may have been set by another site of a parent domain): sign out (DELETE /session), clear this site's cookies, and sign in again")]
+    DuplicateCookie,
+}
+
+/// Where a request's credential came from: an `Authorization: Bearer` header (a token of
+/// the identity provider) or the session cookie (a session token this service signed).
+/// Neither is accepted as the other.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Credential<'h> {
+    Bearer(&'h str),
+    Session(&'h str),
+}
+
+impl Credential<'_> {
+    /// Kept by an event stream, to be verified again when the key set changes.
+    pub(crate) fn to_owned(self) -> OwnedCredential {
+        match self {
+            Credential::Bearer(t) => OwnedCredential::Bearer(t.to_string()),
+            Credential::Session(t) => OwnedCredential::Session(t.to_string()),
+        }
+    }
+}
+
+/// A [`Credential`] held beyond its request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum OwnedCredential {
+    Bearer(String),
+    Session(String),
+}
+
+impl OwnedCredential {
+    pub(crate) fn borrow(&self) -> Credential<'_> {
+        match self {
+            OwnedCredential::Bearer(t) => Credential::Bearer(t),
+            OwnedCredential::Session(t) => Credential::Session(t),
+        }
+    }
+}
+
+/// The secret session cookies are signed with (HS256). Shared by a side's instances
+/// (`--session-key-file`), so a page signed in at one is known at every other; changing it
+/// signs every page out (each signs in again with its token).
+#[derive(Clone)]
+pub struct SessionKey {
+    signing: Arc<EncodingKey>,
+    verifying: Arc<DecodingKey>,
+    /// Made up at start (no `--session-key-file`): known to this process only.
+    pub generated: bool,
+}
+
+impl std::fmt::Debug for SessionKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionKey")
+            .field("generated", &self.generated)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SessionKey {
+    /// Bytes a key must have at least (HS256's own strength).
+    pub const MIN_BYTES: usize = 32;
+
+    /// A key from a secret's bytes (surrounding whitespace, such as a final newline, is
+    /// not part of it), or why it is too weak.
+    pub fn from_secret(secret: &[u8]) -> Result<Self, String> {
+        let secret = secret.trim_ascii();
+        if secret.len() < Self::MIN_BYTES {
+            return Err(format!(
+                "it holds {} bytes, fewer than {}: write at least {} random bytes (e.g. `head -c 48 /dev/urandom | base64`)",
+                secret.len(),
+                Self::MIN_BYTES,
+                Self::MIN_BYTES
+            ));
+        }
+        Ok(Self::of(secret, false))
+    }
+
+    fn of(secret: &[u8], generated: bool) -> Self {
+        let expect = "an HMAC key of 32 bytes or more loads";
+        Self {
+            signing: Arc::new(EncodingKey::from_secret(secret).expect(expect)),
+            verifying: Arc::new(DecodingKey::from_secret(secret).expect(expect)),
+            generated,
+        }
+    }
+
+    /// A key of this process only, from the operating system's random source.
+    pub fn generate() -> Self {
+        let mut secret = [0u8; 32];
+        getrandom::fill(&mut secret).expect("the operating system's random source works");
+        Self::of(&secret, true)
+    }
+}
+
+/// The issuer of session tokens: never a provider's (a session token is refused as a
+/// bearer token, and the provider's tokens as session cookies).
+const SESSION_ISSUER: &str = "chat-service-session";
+
+/// What a session token says.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct SessionClaims {
+    iss: String,
+    aud: String,
+    sub: String,
+    iat: u64,
+    exp: u64,
+    /// SHA-256 (hex) of the provider's key that signed the token signed in with.
+    key: String,
 }
 
 /// How the service learns who is asking.
@@ -116,6 +236,8 @@ pub struct TokenConfig {
     /// The longest a token may be valid from its issue (`exp - iat`; without `iat`, from
     /// now): a key stolen and withdrawn later cannot have signed a token good for years.
     pub max_lifetime: Duration,
+    /// Signs the page's session cookies.
+    pub session_key: SessionKey,
 }
 
 /// Where the provider's keys are.
@@ -181,6 +303,8 @@ struct Keys {
 struct Key {
     key: DecodingKey,
     alg: Algorithm,
+    /// SHA-256 of the key as published.
+    digest: [u8; 32],
 }
 
 /// The algorithm a key is used with: its `alg` if named (one of ours), else the one its
@@ -243,12 +367,18 @@ impl Keys {
                     continue;
                 }
             };
-            used.push(serde_json::to_string(jwk).unwrap_or_default());
+            let published = serde_json::to_string(jwk).unwrap_or_default();
+            let digest = {
+                use sha2::Digest;
+                sha2::Sha256::digest(published.as_bytes()).into()
+            };
+            used.push(published);
+            let key = Key { key, alg, digest };
             match kid {
                 Some(kid) => {
-                    keys.by_kid.insert(kid, Key { key, alg });
+                    keys.by_kid.insert(kid, key);
                 }
-                None => keys.unnamed.push(Key { key, alg }),
+                None => keys.unnamed.push(key),
             }
         }
         if !keys.unnamed.is_empty() && keys.by_kid.len() + keys.unnamed.len() > 1 {
@@ -280,6 +410,13 @@ impl Keys {
             published: false,
             fingerprint: [0; 32],
         }
+    }
+
+    /// Whether the set still verifies tokens of the key with this digest (a key without a
+    /// `kid` only while it is the set's one key, as [`Keys::find`] uses it).
+    fn holds(&self, digest: &[u8; 32]) -> bool {
+        self.by_kid.values().any(|k| k.digest == *digest)
+            || (self.count() == 1 && self.unnamed.iter().any(|k| k.digest == *digest))
     }
 
     fn find(&self, kid: Option<&str>) -> Option<&Key> {
@@ -346,6 +483,21 @@ impl Claims {
         };
         in_scope || in_scp
     }
+}
+
+fn hex(bytes: &[u8; 32]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn unhex(text: &str) -> Option<[u8; 32]> {
+    if text.len() != 64 || !text.is_ascii() {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(&text[2 * i..2 * i + 2], 16).ok()?;
+    }
+    Some(out)
 }
 
 /// A media type as a `typ` header compares (RFC 8725 §3.11): lowercase, without
@@ -605,7 +757,91 @@ impl Verifier {
             refused_from: exp
                 .saturating_add(self.config.leeway.as_secs())
                 .saturating_add(1),
+            key: key.digest,
         })
+    }
+
+    /// The audience of this side's session tokens: a session of the other side, or of
+    /// another service sharing the key by mistake, is refused.
+    fn session_audience(&self) -> String {
+        format!("{}#session", self.config.audiences.join(" "))
+    }
+
+    /// The session token a page signed in with `who`'s token keeps in its cookie: the same
+    /// user and expiry, a user's rights only, bound to the provider's key that signed it.
+    pub(crate) fn session_token(&self, who: &Identity) -> String {
+        let claims = SessionClaims {
+            iss: SESSION_ISSUER.into(),
+            aud: self.session_audience(),
+            sub: who.user.clone(),
+            iat: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_secs(),
+            exp: who.expires_at,
+            key: hex(&who.key),
+        };
+        jsonwebtoken::encode(
+            &Header::new(Algorithm::HS256),
+            &claims,
+            &self.config.session_key.signing,
+        )
+        .expect("signing claims with HS256 does not fail")
+    }
+
+    /// The identity a session cookie stands for: signed with the session key, for this
+    /// side, not expired, and its provider's key still published. Costs one HMAC: a
+    /// stranger's made-up cookie is cheap to refuse.
+    pub(crate) fn verify_session(&self, token: &str) -> Result<Identity, AuthError> {
+        if token.len() > MAX_TOKEN_BYTES {
+            return Err(AuthError::Invalid(format!(
+                "the session cookie is {} bytes, over {MAX_TOKEN_BYTES}",
+                token.len()
+            )));
+        }
+        if let KeySource::File(path) = &self.config.jwks {
+            self.reread_if_changed(path);
+        }
+        let mut validation = Validation::new(Algorithm::HS256);
+        validation.leeway = self.config.leeway.as_secs();
+        validation.set_issuer(&[SESSION_ISSUER]);
+        validation.set_audience(&[self.session_audience()]);
+        validation.set_required_spec_claims(&["exp", "iss", "aud", "sub"]);
+        let claims = jsonwebtoken::decode::<SessionClaims>(
+            token,
+            &self.config.session_key.verifying,
+            &validation,
+        )
+        .map_err(|e| AuthError::Refused(format!("session cookie: {}", reason(e.kind()))))?
+        .claims;
+        let keys = self.keys.read().expect("not poisoned").clone();
+        if !keys.published {
+            return Err(AuthError::NoKeys);
+        }
+        let key = unhex(&claims.key).filter(|digest| keys.holds(digest)).ok_or_else(|| {
+            AuthError::Refused(
+                "the key that signed the token this session began with is no longer published: sign in again".into(),
+            )
+        })?;
+        Ok(Identity {
+            user: claims.sub,
+            expires_at: claims.exp,
+            refused_from: claims
+                .exp
+                .saturating_add(self.config.leeway.as_secs())
+                .saturating_add(1),
+            admin: false,
+            for_users: true,
+            key,
+        })
+    }
+
+    /// The identity a credential stands for, each checked its own way.
+    pub(crate) fn check(&self, credential: Credential<'_>) -> Result<Identity, AuthError> {
+        match credential {
+            Credential::Bearer(token) => self.verify(token),
+            Credential::Session(token) => self.verify_session(token),
+        }
     }
 
     /// Read the key set again for a key it did not have, unless it was read within the last
@@ -891,11 +1127,13 @@ impl Auth {
         let Auth::Tokens(verifier) = self else {
             return Ok(None);
         };
-        let token = match bearer(headers)? {
-            Some(token) => token,
-            None => session_cookie(headers, verifier.cookie_name()).ok_or(AuthError::Missing)?,
+        let credential = match bearer(headers)? {
+            Some(token) => Credential::Bearer(token),
+            None => session_cookie(headers, verifier.cookie_name())?
+                .map(Credential::Session)
+                .ok_or(AuthError::Missing)?,
         };
-        verifier.verify(token).map(Some)
+        verifier.check(credential).map(Some)
     }
 
     /// Who a bearer token says the caller is; a session cookie is not enough (the calls
@@ -939,22 +1177,36 @@ impl Auth {
     /// its name) that was not verified lately: a stranger's guess, which the per-address
     /// failure limiter may hold back. One verified lately, under these keys or earlier ones,
     /// is its holder's, and passes.
+    /// A session cookie costs one HMAC to refuse: never held back.
     pub(crate) fn carries_unknown_credential(&self, headers: &HeaderMap) -> bool {
         match (self, self.credential(headers)) {
-            (Auth::Tokens(verifier), Some(token)) => !verifier.verified_lately(token),
+            (Auth::Tokens(verifier), Some(Credential::Bearer(token))) => {
+                !verifier.verified_lately(token)
+            }
             _ => false,
         }
     }
 
     /// The credential `identify` reads from these headers: the bearer token, else the
     /// session cookie.
-    pub(crate) fn credential<'h>(&self, headers: &'h HeaderMap) -> Option<&'h str> {
+    pub(crate) fn credential<'h>(&self, headers: &'h HeaderMap) -> Option<Credential<'h>> {
         let Auth::Tokens(verifier) = self else {
             return None;
         };
         match bearer(headers) {
-            Ok(Some(token)) => Some(token),
-            _ => session_cookie(headers, verifier.cookie_name()),
+            Ok(Some(token)) => Some(Credential::Bearer(token)),
+            _ => session_cookie(headers, verifier.cookie_name())
+                .ok()
+                .flatten()
+                .map(Credential::Session),
+        }
+    }
+
+    /// The session token for a page signing in as `who` (`None` when anonymous).
+    pub(crate) fn session_token(&self, who: &Identity) -> Option<String> {
+        match self {
+            Auth::Tokens(verifier) => Some(verifier.session_token(who)),
+            Auth::Anonymous => None,
         }
     }
 
@@ -989,6 +1241,14 @@ impl Auth {
         needs
     }
 
+    /// Session cookies are signed with a key made up at start.
+    pub(crate) fn session_key_generated(&self) -> bool {
+        match self {
+            Auth::Tokens(verifier) => verifier.config.session_key.generated,
+            Auth::Anonymous => false,
+        }
+    }
+
     /// Admin rights need an admin audience, but any client granted it is trusted (no
     /// `--jwt-admin-clients`): worth a warning, since some providers let any client ask for
     /// any audience.
@@ -1018,17 +1278,23 @@ fn bearer(headers: &HeaderMap) -> Result<Option<&str>, AuthError> {
     }
 }
 
-/// The value of the session cookie `name`, if sent.
-fn session_cookie<'h>(headers: &'h HeaderMap, name: &str) -> Option<&'h str> {
-    headers
+/// The value of the session cookie `name`, if sent; sent twice, refused (a browser sends
+/// a parent domain's cookie of the same name beside this host's, first or second by
+/// whichever path is longer: taking either would let a neighbouring site pick the session).
+fn session_cookie<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>, AuthError> {
+    let mut values = headers
         .get_all(COOKIE)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(';'))
         .filter_map(|pair| pair.trim().split_once('='))
-        .find(|(cookie, _)| *cookie == name)
-        .map(|(_, value)| value)
-        .filter(|value| !value.is_empty())
+        .filter(|(cookie, _)| *cookie == name)
+        .map(|(_, value)| value);
+    let first = values.next();
+    if values.next().is_some() {
+        return Err(AuthError::DuplicateCookie);
+    }
+    Ok(first.filter(|value| !value.is_empty()))
 }
 
 #[cfg(test)]
@@ -1056,10 +1322,36 @@ mod tests {
             COOKIE,
             HeaderValue::from_static("theme=dark; chat_session=t.o.k; other=1"),
         );
-        assert_eq!(session_cookie(&headers, SESSION_COOKIE), Some("t.o.k"));
-        assert_eq!(session_cookie(&headers, SECURE_SESSION_COOKIE), None);
+        assert_eq!(session_cookie(&headers, SESSION_COOKIE), Ok(Some("t.o.k")));
+        assert_eq!(session_cookie(&headers, SECURE_SESSION_COOKIE), Ok(None));
         headers.insert(COOKIE, HeaderValue::from_static("chat_session_x=1"));
-        assert_eq!(session_cookie(&headers, SESSION_COOKIE), None);
+        assert_eq!(session_cookie(&headers, SESSION_COOKIE), Ok(None));
+        // A second one, in the same header or another (a parent domain's): refused.
+        headers.insert(
+            COOKIE,
+            HeaderValue::from_static("chat_session=mine; chat_session=planted"),
+        );
+        assert_eq!(
+            session_cookie(&headers, SESSION_COOKIE),
+            Err(AuthError::DuplicateCookie)
+        );
+        headers.insert(COOKIE, HeaderValue::from_static("chat_session=mine"));
+        headers.append(COOKIE, HeaderValue::from_static("chat_session=planted"));
+        assert_eq!(
+            session_cookie(&headers, SESSION_COOKIE),
+            Err(AuthError::DuplicateCookie)
+        );
+    }
+
+    #[test]
+    fn a_session_key_is_long_enough_and_never_shown() {
+        assert!(SessionKey::from_secret(b"short\n").is_err());
+        let key = SessionKey::from_secret(&[b'k'; 40]).unwrap();
+        assert!(!key.generated);
+        assert!(!format!("{key:?}").contains("kkkk"));
+        assert!(SessionKey::generate().generated);
+        assert_eq!(unhex(&hex(&[7; 32])), Some([7; 32]));
+        assert_eq!(unhex("zz"), None);
     }
 
     #[test]

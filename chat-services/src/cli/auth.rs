@@ -70,10 +70,18 @@ pub struct AuthArgs {
     /// a warning at every start.
     #[arg(long, env = "CHAT_ALLOW_ANONYMOUS", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
     pub allow_anonymous: bool,
-    /// Mark the session cookie `Secure` (sent over HTTPS only, named `__Host-chat_session`).
-    /// Set it wherever clients reach the service through TLS (implied by --tls-cert-file).
-    #[arg(long, env = "CHAT_COOKIE_SECURE", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
+    /// The session cookie is `Secure` and named `__Host-chat_session`: browsers keep it
+    /// for HTTPS (and localhost) only, for this host only, so no sibling subdomain can set
+    /// one. `--cookie-secure=false` (named `chat_session`, no `Secure`) is for plain-HTTP
+    /// development only (warned at start); over TLS (--tls-cert-file) it is always secure.
+    #[arg(long, env = "CHAT_COOKIE_SECURE", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = true)]
     pub cookie_secure: bool,
+    /// A file holding the secret (at least 32 bytes; surrounding whitespace ignored) the
+    /// page's session cookies are signed with, the same for every instance of the side.
+    /// Without it each instance makes one up at start (warned): a page's session is then
+    /// known to that instance only, until it restarts.
+    #[arg(long, env = "CHAT_SESSION_KEY_FILE")]
+    pub session_key_file: Option<PathBuf>,
 }
 
 impl AuthArgs {
@@ -164,7 +172,15 @@ impl AuthArgs {
         {
             return refuse("--jwt-admin-audience must differ from every --jwt-audience: a user's token would be an admin's".into());
         }
+        let session_key = match &self.session_key_file {
+            Some(path) => std::fs::read(path)
+                .map_err(|e| format!("cannot read it: {e}"))
+                .and_then(|secret| crate::access::auth::SessionKey::from_secret(&secret))
+                .map_err(|e| ConfigError(format!("--session-key-file {}: {e}", path.display())))?,
+            None => crate::access::auth::SessionKey::generate(),
+        };
         let config = crate::access::auth::TokenConfig {
+            session_key,
             admin_audience,
             clients: listed(&self.jwt_clients),
             admin_clients: listed(&self.jwt_admin_clients),

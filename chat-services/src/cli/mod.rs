@@ -187,7 +187,9 @@ mod tests {
         assert_eq!(config.live.max_event_streams, 5_000);
         assert_eq!(config.live.sse_heartbeat, std::time::Duration::from_secs(2));
         assert_eq!(config.retention.messages, None);
-        assert!(!config.cookie_secure);
+        // The session cookie is `__Host-` and `Secure` unless plain HTTP is asked for.
+        assert!(config.cookie_secure);
+        assert!(!parse(&["--cookie-secure=false"]).unwrap().cookie_secure);
     }
 
     #[test]

@@ -39,7 +39,7 @@ pub(super) async fn events(
                 ),
                 );
             };
-            let (Some(verifier), Some(token)) =
+            let (Some(verifier), Some(credential)) =
                 (app.auth.verifier(), app.auth.credential(req.headers()))
             else {
                 unreachable!("an identified caller came with a credential")
@@ -50,7 +50,7 @@ pub(super) async fn events(
                 recheck: sse::Recheck {
                     changes: verifier.changes(),
                     verifier,
-                    token: token.to_string(),
+                    credential: credential.to_owned(),
                 },
                 _slot: slot,
             })

@@ -80,6 +80,7 @@ pub(super) fn unauthorized(app: &App, e: AuthError) -> Response<Body> {
             r#"Bearer realm="chat", error="invalid_token""#,
         ),
         AuthError::Missing | AuthError::NotBearer => ("no_credentials", r#"Bearer realm="chat""#),
+        AuthError::DuplicateCookie => ("duplicate_cookie", r#"Bearer realm="chat""#),
     };
     app.metrics
         .requests_refused_total
@@ -87,11 +88,19 @@ pub(super) fn unauthorized(app: &App, e: AuthError) -> Response<Body> {
         .inc();
     // Only a refusal that cost a signature check is charged to the sender's address.
     let invalid = matches!(e, AuthError::Refused(_));
+    let duplicate = matches!(e, AuthError::DuplicateCookie);
     let mut resp = reply::error(StatusCode::UNAUTHORIZED, e);
     resp.headers_mut()
         .insert(WWW_AUTHENTICATE, HeaderValue::from_static(challenge));
     if invalid {
         resp.extensions_mut().insert(InvalidCredentials);
+    }
+    if duplicate {
+        // This host's own is removed; the page signs in again.
+        resp.headers_mut().insert(
+            hyper::header::SET_COOKIE,
+            super::session::session_cookie(app, "", 0),
+        );
     }
     resp
 }

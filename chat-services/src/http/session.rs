@@ -9,23 +9,25 @@ use hyper::body::Incoming;
 use hyper::header::{HeaderValue, SET_COOKIE};
 use hyper::{Request, Response, StatusCode};
 
-/// The session cookie holding `token` for `max_age` seconds (0: removes it).
+/// The session cookie holding the session token `token` for `max_age` seconds (0: removes
+/// it).
 pub(super) fn session_cookie(app: &App, token: &str, max_age: u64) -> HeaderValue {
     let secure = if app.cookie_secure { "; Secure" } else { "" };
     let name = app.auth.cookie_name();
     HeaderValue::from_str(&format!(
         "{name}={token}; Path=/; Max-Age={max_age}; HttpOnly; SameSite=Strict{secure}"
     ))
-    .expect("a token from a header is a valid header value")
+    .expect("a session token is base64url and dots, a valid header value")
 }
 
 pub(super) fn identity_json(who: &Identity) -> serde_json::Value {
     serde_json::json!({"user": who.user, "expires_at": who.expires_at, "admin": who.admin})
 }
 
-/// `POST /session` with `Authorization: Bearer <token>`: the page signs in. The token is
-/// kept in an `HttpOnly`, `SameSite=Strict` cookie until it expires, because
-/// `EventSource` cannot send headers.
+/// `POST /session` with `Authorization: Bearer <token>`: the page signs in. A session token
+/// narrowed from it (this side's session only, a user's rights, the same expiry; see
+/// `access::auth`) is kept in an `HttpOnly`, `SameSite=Strict` cookie until it expires,
+/// because `EventSource` cannot send headers. The provider's token never leaves the page.
 /// Each sign-in is charged to the user's budget (`--sign-in-rate`). Admin tokens are
 /// refused: a cookie is sent with every request of the page.
 pub(super) async fn sign_in(app: &App, req: &Request<Incoming>) -> Response<Body> {
@@ -41,12 +43,15 @@ pub(super) async fn sign_in(app: &App, req: &Request<Incoming>) -> Response<Body
             "an admin token cannot sign a page in: sign in with a user's token, and send admin tokens as Authorization headers only",
         ),
         Ok(Some((who, _))) if !who.for_users => admin_only(),
-        Ok(Some((who, token))) => {
+        Ok(Some((who, _))) => {
             if let Err(resp) = charge_budget(app, &who, Kind::SignIn).await {
                 return resp;
             }
+            let Some(session) = app.auth.session_token(&who) else {
+                unreachable!("an identified caller is not anonymous")
+            };
             let mut resp = reply::json(StatusCode::OK, &identity_json(&who));
-            let cookie = session_cookie(app, token, who.remaining().as_secs());
+            let cookie = session_cookie(app, &session, who.remaining().as_secs());
             resp.headers_mut().insert(SET_COOKIE, cookie);
             resp
         }

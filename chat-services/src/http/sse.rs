@@ -76,7 +76,7 @@ pub(crate) struct Entitlement {
 /// A stream's credential and the verifier's key-set changes.
 pub(crate) struct Recheck {
     pub verifier: Arc<crate::access::auth::Verifier>,
-    pub token: String,
+    pub credential: crate::access::auth::OwnedCredential,
     pub changes: tokio::sync::watch::Receiver<u64>,
 }
 
@@ -86,7 +86,7 @@ impl Recheck {
     /// costs a lookup) and after every change of the key set.
     async fn until_refused(mut self) {
         loop {
-            if self.verifier.verify(&self.token).is_err() {
+            if self.verifier.check(self.credential.borrow()).is_err() {
                 return;
             }
             if self.changes.changed().await.is_err() {
