@@ -87,8 +87,9 @@ pub fn parse_chat_id(raw: &str) -> Result<i64, InputError> {
 /// Longest user id (a token's `sub`), in bytes; the database checks the same bound.
 pub(crate) const MAX_USER_ID_BYTES: usize = 255;
 
-/// A user id (a token's subject, a member's id): 1 to 255 bytes, no control characters, so
-/// it can be stored, logged and shown as it is.
+/// A user id (a token's subject, a member's id): 1 to 255 bytes, no control characters and
+/// no invisible format characters (bidirectional overrides, zero-width ones), so it can be
+/// stored, logged and shown as it is, and no id can pass for another on screen.
 pub(crate) fn check_user_id(id: &str) -> Result<(), String> {
     if id.is_empty() {
         return Err("a user id must not be empty".into());
@@ -102,7 +103,23 @@ pub(crate) fn check_user_id(id: &str) -> Result<(), String> {
     if id.chars().any(char::is_control) {
         return Err("a user id must not contain control characters".into());
     }
+    if let Some(c) = id.chars().find(|c| is_format(*c)) {
+        return Err(format!(
+            "a user id must not contain invisible format characters (U+{:04X}): they reorder or hide what is shown",
+            u32::from(c)
+        ));
+    }
     Ok(())
+}
+
+/// Unicode's format characters (general category Cf): bidirectional embeddings, overrides
+/// and isolates, zero-width joiners and spaces, the byte-order mark, tags.
+fn is_format(c: char) -> bool {
+    matches!(u32::from(c),
+        0x00AD | 0x0600..=0x0605 | 0x061C | 0x06DD | 0x070F | 0x0890..=0x0891 | 0x08E2
+        | 0x180E | 0x200B..=0x200F | 0x202A..=0x202E | 0x2060..=0x2064 | 0x2066..=0x206F
+        | 0xFEFF | 0xFFF9..=0xFFFB | 0x110BD | 0x110CD | 0x13430..=0x1343F
+        | 0x1BCA0..=0x1BCA3 | 0x1D173..=0x1D17A | 0xE0001 | 0xE0020..=0xE007F)
 }
 
 /// The body of `POST /chats/{id}/messages`: `{"body": "..."}`.
@@ -297,6 +314,19 @@ mod tests {
     #[test]
     fn user_ids() {
         assert!(check_user_id("alice").is_ok());
+        assert!(check_user_id("Zoë-日本").is_ok());
+        // "alice" shown, "ecila" stored; a zero-width space making a second "bob".
+        for disguised in [
+            "\u{202E}ecila",
+            "bo\u{200B}b",
+            "\u{2066}x\u{2069}",
+            "\u{FEFF}bob",
+        ] {
+            assert!(
+                check_user_id(disguised).unwrap_err().contains("format"),
+                "{disguised:?}"
+            );
+        }
         assert!(check_user_id("auth0|5f1c").is_ok());
         assert!(check_user_id(&"x".repeat(255)).is_ok());
         assert!(check_user_id("").is_err());

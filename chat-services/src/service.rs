@@ -111,6 +111,7 @@ impl Service {
             limits,
             auth,
             cookie_secure: config.cookie_secure,
+            tls: config.certificate.is_some(),
             members: Arc::default(),
             streams: Arc::default(),
             slow_history: config.failpoints.slow_history,
@@ -157,7 +158,7 @@ impl Service {
             info!(addr = %listener.local_addr().map(|a| a.to_string()).unwrap_or_default(), "admin listener (healthz, readyz, metrics)");
             tokio::spawn(outbox_core::admin::serve(
                 listener,
-                Arc::new(http::ServiceProbe(self.app.clone())),
+                Arc::new(http::ServiceProbe::new(self.app.clone())),
                 shutdown.clone(),
             ))
         });

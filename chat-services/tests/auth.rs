@@ -813,7 +813,11 @@ async fn a_page_session_is_a_narrowed_host_only_cookie_that_ends_with_its_key() 
         .await
         .unwrap()
     };
-    assert_eq!(by_cookie(one.addr, pair.clone()).await.status, 200);
+    let history = by_cookie(one.addr, pair.clone()).await;
+    assert_eq!(history.status, 200);
+    // A user's messages are kept by no cache, and plain HTTP promises no HTTPS.
+    assert_eq!(history.header("cache-control"), Some("no-store"));
+    assert_eq!(history.header("strict-transport-security"), None);
     // Every instance sharing the key knows the session.
     assert_eq!(by_cookie(two.addr, pair.clone()).await.status, 200);
     // One with another key does not.

@@ -109,6 +109,13 @@ async fn the_public_listener_serves_tls_and_picks_up_a_renewed_certificate() {
         cookie.starts_with("__Host-chat_session=") && cookie.contains("; Secure"),
         "{cookie}"
     );
+    // Browsers are told to keep to HTTPS, and to keep private answers nowhere.
+    let header = |name: &str| headers.get(name).map(|v| v.to_str().unwrap().to_string());
+    assert_eq!(
+        header("strict-transport-security").as_deref(),
+        Some("max-age=31536000")
+    );
+    assert_eq!(header("cache-control").as_deref(), Some("no-store"));
 
     // Renewed in place (same files): new connections get the new certificate.
     let renewed = ca.issue("public", &["localhost"]).unwrap();

@@ -3,7 +3,9 @@
 //! not) and `/metrics` (Prometheus text format). GET and HEAD only; every other answer is
 //! JSON `{"error": ...}` naming the problem.
 //!
-//! Bounded like a public listener: a connection cap, a deadline on reading a request's
+//! Bounded like a public listener: a connection cap, and a smaller one per client address
+//! (a scraper gone wrong, or a neighbour, cannot take the places the kubelet's probes need,
+//! which would read as a dead process and restart it), a deadline on reading a request's
 //! headers (which also closes idle keep-alive connections), and an accept loop that pauses
 //! on errors (running out of file descriptors) instead of spinning on them.
 
@@ -25,6 +27,8 @@ use tokio_util::sync::CancellationToken;
 
 /// Connections the admin listener holds open at most (probes and a scraper need a few).
 const MAX_CONNECTIONS: usize = 64;
+/// Connections one client address holds open at most: a quarter of the listener's.
+const MAX_CONNECTIONS_PER_ADDRESS: usize = MAX_CONNECTIONS / 4;
 /// How long a connection may take to send its request headers, or stay idle.
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// The longest pause after failed accepts.
@@ -95,13 +99,58 @@ pub trait Probe: Send + Sync + 'static {
     fn accept_failed(&self) {}
 }
 
+/// Open connections by client address.
+#[derive(Default)]
+struct AddressShares(std::sync::Mutex<std::collections::HashMap<std::net::IpAddr, usize>>);
+
+/// One connection's place in its address's share, given back when dropped.
+struct AddressShare {
+    shares: Arc<AddressShares>,
+    address: std::net::IpAddr,
+}
+
+impl AddressShares {
+    fn take(self: Arc<Self>, address: std::net::IpAddr) -> Option<AddressShare> {
+        let mut open = self.0.lock().expect("not poisoned");
+        let count = open.entry(address).or_insert(0);
+        if *count >= MAX_CONNECTIONS_PER_ADDRESS {
+            return None;
+        }
+        *count += 1;
+        drop(open);
+        Some(AddressShare {
+            shares: self,
+            address,
+        })
+    }
+}
+
+impl Drop for AddressShare {
+    fn drop(&mut self) {
+        let mut open = self.shares.0.lock().expect("not poisoned");
+        if let Some(count) = open.get_mut(&self.address) {
+            *count -= 1;
+            if *count == 0 {
+                open.remove(&self.address);
+            }
+        }
+    }
+}
+
 /// Serve `probe` on `listener` until `shutdown`, then let open requests finish (bounded).
 pub async fn serve<P: Probe>(listener: TcpListener, probe: Arc<P>, shutdown: CancellationToken) {
     let graceful = GracefulShutdown::new();
     let connections = Arc::new(Semaphore::new(MAX_CONNECTIONS));
+    let addresses = Arc::new(AddressShares::default());
     let mut acceptor = Acceptor::new(listener);
     while let Some(stream) = acceptor.accept(&shutdown, || probe.accept_failed()).await {
-        // Over the cap the connection is closed at once; probes retry.
+        // Over either cap the connection is closed at once; probes retry.
+        let Ok(peer) = stream.peer_addr() else {
+            continue;
+        };
+        let Some(share) = addresses.clone().take(peer.ip()) else {
+            continue;
+        };
         let Ok(permit) = connections.clone().try_acquire_owned() else {
             continue;
         };
@@ -119,7 +168,7 @@ pub async fn serve<P: Probe>(listener: TcpListener, probe: Arc<P>, shutdown: Can
             if let Err(e) = conn.await {
                 tracing::debug!(error = %e, "admin connection ended");
             }
-            drop(permit);
+            drop((permit, share));
         });
     }
     tokio::select! {

@@ -40,6 +40,16 @@ pub struct TraceArgs {
 
 fn parse_endpoint(raw: &str) -> Result<String, String> {
     let raw = raw.trim();
+    // Credentials in the URL would be logged (the endpoint is, at start) and sent in the
+    // clear: refused, and not repeated in the refusal.
+    let authority = raw.split_once("://").map_or(raw, |(_, rest)| rest);
+    if authority
+        .split(['/', '?', '#'])
+        .next()
+        .is_some_and(|a| a.contains('@'))
+    {
+        return Err("the URL holds credentials (user:password@): they would be logged and sent over plain HTTP; remove them and let the collector beside the process authenticate onward".into());
+    }
     if raw.starts_with("https://") {
         return Err(format!(
             "'{raw}': OTLP over TLS is not built in; export to a collector beside the process (http://, loopback or the pod network) and let it forward over TLS"
@@ -316,6 +326,8 @@ mod tests {
         assert!(parse_endpoint("https://collector:4318")
             .unwrap_err()
             .contains("TLS"));
+        let refused = parse_endpoint("http://user:s3cret@collector:4318").unwrap_err();
+        assert!(refused.contains("credentials") && !refused.contains("s3cret"));
         assert!(parse_endpoint("collector:4318").is_err());
         assert!(parse_endpoint("http://").is_err());
     }

@@ -61,6 +61,8 @@ pub(crate) struct App {
     pub auth: crate::access::auth::Auth,
     /// The session cookie is `Secure`.
     pub cookie_secure: bool,
+    /// Served over TLS (--tls-cert-file): answers carry `Strict-Transport-Security`.
+    pub tls: bool,
     /// Memberships seen lately (a request of a member costs no query for a moment).
     pub members: Arc<crate::access::members::Members>,
     /// The open event streams of identified users, held to the chat's members.
@@ -282,6 +284,19 @@ async fn route(
         "referrer-policy",
         hyper::header::HeaderValue::from_static("no-referrer"),
     );
+    // Every answer but the page's own files is someone's (their chats, messages, session):
+    // no shared cache or browser history keeps it.
+    headers
+        .entry(hyper::header::CACHE_CONTROL)
+        .or_insert(hyper::header::HeaderValue::from_static("no-store"));
+    if app.tls {
+        // Once seen over HTTPS, a browser never tries this host over plain HTTP for a
+        // year (no includeSubDomains: sibling hosts are not ours to decide).
+        headers.insert(
+            hyper::header::STRICT_TRANSPORT_SECURITY,
+            hyper::header::HeaderValue::from_static("max-age=31536000"),
+        );
+    }
     resp
 }
 

@@ -220,7 +220,7 @@ pub(crate) fn respond(
     let mut resp = Response::new(StreamBody::new(body).boxed());
     let headers = resp.headers_mut();
     headers.insert(CONTENT_TYPE, HeaderValue::from_static("text/event-stream"));
-    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
     headers.insert("x-accel-buffering", HeaderValue::from_static("no"));
     resp
 }
