@@ -179,7 +179,7 @@ for side in consumers workers; do
   export DATABASE_PASSWORD_FILE=$secrets/postgres/${side}_relay REDIS_PASSWORD_FILE=$secrets/redis/${side}_relay
   "$bin/cdc-relay" setup "${relay_args[@]}" >>"$state/logs/relay-$side.log" 2>&1 \
     || { log "relay setup failed; see $state/logs/relay-$side.log"; tail -3 "$state/logs/relay-$side.log" >&2; exit 1; }
-  start "relay-$side" "$bin/cdc-relay" run "${relay_args[@]}" --admin-addr "127.0.0.1:${!admin_var}"
+  start "relay-$side" "$bin/cdc-relay" run "${relay_args[@]}" --on-lost-slot recover --admin-addr "127.0.0.1:${!admin_var}"
 done
 for side in consumers workers; do
   wait_for "relay $side" 60 http_ok "$([ $side = consumers ] && echo "$consumers_admin" || echo "$workers_admin")" /readyz

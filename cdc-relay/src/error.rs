@@ -43,6 +43,9 @@ pub enum RelayError {
     #[error("replication slot {slot} does not exist: create it with `cdc-relay setup` (same flags as `run`)")]
     SlotMissing { slot: String },
 
+    #[error("replication slot {slot} is gone though the stream was streaming from it (dropped by an operator, or by another role with REPLICATION): restart the relay with --on-lost-slot recover to make it anew and republish what it missed from the outbox table (rows older than the services' outbox retention cannot be), or run `cdc-relay setup` and restart")]
+    SlotDropped { slot: String },
+
     #[error("replication slot {slot} is not usable by the relay: {problem}; drop it (`SELECT pg_drop_replication_slot('{slot}')`) or choose another --slot")]
     SlotMismatch { slot: String, problem: String },
 
@@ -182,6 +185,7 @@ impl RelayError {
             | RelayError::PublicationMissing { .. }
             | RelayError::PublicationIncomplete { .. }
             | RelayError::SlotMissing { .. }
+            | RelayError::SlotDropped { .. }
             | RelayError::SlotMismatch { .. }
             | RelayError::OriginMismatch { .. }
             | RelayError::StreamDiverged { .. }

@@ -581,6 +581,63 @@ async fn a_point_in_time_restore_below_the_stream_loses_no_new_message() {
     relay.stop();
 }
 
+/// A slot dropped while no relay held it (between two sessions) by another role with
+/// REPLICATION, which Postgres allows for every slot of the cluster from any database: the
+/// stream's records say it existed, so it is a lost slot, not a missing one. Without
+/// `--on-lost-slot recover` the relay stops and says what to do; with it the slot is made
+/// anew and every row committed meanwhile is published once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_dropped_between_sessions_is_made_anew_with_recover() {
+    // GIVEN a relay that published 20 rows and stopped
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(shared_postgres(), &redis).await;
+    let (relay, mut writer) = relay_that_published_20_rows(&fx).await;
+    relay.stop();
+
+    // WHEN the other side's relay role, connected to another database, drops the slot and
+    // 10 more rows are written
+    let elsewhere = fx
+        .db
+        .url("workers_relay")
+        .replace(&format!("/{}", fx.db.name), "/postgres");
+    let (other, connection) = tokio_postgres::connect(&elsewhere, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    other
+        .execute("SELECT pg_drop_replication_slot($1)", &[&fx.slot])
+        .await
+        .unwrap();
+    for txn in 20..30 {
+        insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
+    }
+
+    // THEN a relay that may not recover stops, naming the option
+    let refusing = fx.spawn_relay("relay-fail", &[]);
+    let status = refusing.child.wait_exit(Duration::from_secs(30)).unwrap();
+    assert!(!status.success());
+    let log = refusing.child.log();
+    assert!(
+        log.contains("is gone though the stream was streaming from it")
+            && log.contains("--on-lost-slot recover"),
+        "{}",
+        crate::support::tail(&log)
+    );
+    // AND one that may makes the slot anew: all 30 rows in the stream, once
+    let relay = fx.spawn_relay("relay-recover", &["--on-lost-slot", "recover"]);
+    relay.wait_streaming().await;
+    let committed = outbox_ids(&fx).await;
+    assert_eq!(committed.len(), 30);
+    wait_published(&fx, &committed, &relay).await;
+    let ids = stream_ids(&fx).await;
+    assert!(
+        ids.values().all(|n| *n == 1),
+        "none published twice: {ids:?}"
+    );
+    crate::support::wait_rebuild_counted(&relay, "slot_dropped").await;
+    relay.stop();
+}
+
 /// Leave the stream as a relay leaves it when it dies making the slot anew: the records
 /// marked, the slot dropped.
 async fn die_while_making_the_slot_anew(fx: &Fixture<'_>) {

@@ -94,9 +94,9 @@ pub struct Tuning {
     /// Longest pause between reconnect attempts (exponential backoff with jitter up to it).
     #[arg(long, env = "CDC_RECONNECT_MAX_BACKOFF", value_parser = humantime::parse_duration, default_value = "1s")]
     pub reconnect_max_backoff: Duration,
-    /// What to do when the slot is lost (invalidated by max_slot_wal_keep_size): `fail` stops
-    /// with an error; `recover` recreates the slot and republishes from the outbox table the
-    /// rows the stream may be missing.
+    /// What to do when the slot is lost (invalidated by max_slot_wal_keep_size) or dropped
+    /// while the stream was streaming from it: `fail` stops with an error; `recover` makes the
+    /// slot anew and republishes from the outbox table the rows the stream may be missing.
     #[arg(long, env = "CDC_ON_LOST_SLOT", value_enum, default_value_t = OnLostSlot::Fail)]
     pub on_lost_slot: OnLostSlot,
     /// How often slot health (lag, retained WAL, wal_status) is read for /metrics.

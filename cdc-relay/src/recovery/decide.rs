@@ -24,7 +24,7 @@ pub(crate) enum Decision {
     /// The slot cannot continue the stream (lost, or missing after a failover, or on a
     /// history that forked below the stream): make it anew, every shard behind.
     Reslot(Reason),
-    /// No slot and no reason to make one: `setup` was not run (or the slot was dropped).
+    /// No slot and no record that says it existed: `setup` was not run.
     SlotMissing,
     /// The server is a standby, and the stream would need a slot made there: the name may
     /// point at it moments before its promotion (a failover under way). Waited for, never
@@ -98,6 +98,9 @@ fn decide_on(
             }
             None if failed_over => Decision::Reslot(Reason::Failover),
             None if server.in_recovery => Decision::AwaitPromotion,
+            // The stream was streaming from the slot on this history: it was dropped (made
+            // anew only with `--on-lost-slot recover`, as a lost one is).
+            None if record.exists() => Decision::Reslot(Reason::SlotDropped),
             None => Decision::SlotMissing,
         };
     };
@@ -383,10 +386,10 @@ mod tests {
             decide(None, &other, &origin(2, &[(1, 95)]), PRIMARY),
             Decision::Reslot(Reason::Timeline)
         );
-        // Same timeline, no slot: somebody dropped it; `setup` is for the operator to run.
+        // Same timeline, no slot: somebody dropped it; made anew like a lost one.
         assert_eq!(
             decide(None, &record(100, 2), &promoted, PRIMARY),
-            Decision::SlotMissing
+            Decision::Reslot(Reason::SlotDropped)
         );
         // The old primary, whatever it lacks, rewrites nothing.
         let mut newer = record(100, 2);
@@ -423,6 +426,11 @@ mod tests {
         );
         assert_eq!(
             decide(None, &record(100, 1), &o, PRIMARY),
+            Decision::Reslot(Reason::SlotDropped)
+        );
+        // No record either: `setup` was never run.
+        assert_eq!(
+            decide(None, &StreamRecord::default(), &o, PRIMARY),
             Decision::SlotMissing
         );
         let mut marked = record(100, 1);

@@ -51,6 +51,8 @@ pub(crate) enum Reason {
     Failover,
     /// A catch-up or a rebuild was interrupted.
     Resumed,
+    /// The slot is gone on the stream's own timeline: somebody dropped it.
+    SlotDropped,
 }
 
 impl Reason {
@@ -63,6 +65,7 @@ impl Reason {
             Reason::Timeline => "timeline",
             Reason::Failover => "failover",
             Reason::Resumed => "resumed",
+            Reason::SlotDropped => "slot_dropped",
         }
     }
 
@@ -76,6 +79,7 @@ impl Reason {
             Reason::Timeline => "Postgres is on a history that forked before what the stream acknowledged (failover to a lagging standby, or a point-in-time restore): the stream holds entries Postgres no longer has",
             Reason::Failover => "Postgres failed over to a server without the slot (no failover slots before Postgres 17, or the slot was not synced to the standby), or `setup` made the slot there",
             Reason::Resumed => "a catch-up or a rebuild was interrupted",
+            Reason::SlotDropped => "the slot is gone though the stream was streaming from it on this timeline: it was dropped (by an operator, or by any role with REPLICATION: Postgres lets such a role drop every slot of the cluster, the other databases' included)",
         }
     }
 
@@ -83,7 +87,7 @@ impl Reason {
     fn keeps_watermarks(self) -> bool {
         matches!(
             self,
-            Reason::LostSlot | Reason::Resumed | Reason::FellBehind
+            Reason::LostSlot | Reason::Resumed | Reason::FellBehind | Reason::SlotDropped
         )
     }
 }

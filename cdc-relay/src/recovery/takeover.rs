@@ -559,13 +559,18 @@ async fn read_slot(
 }
 
 fn refuse_lost_slot(ctx: &Context, reason: Reason) -> Result<(), RelayError> {
-    if reason == Reason::LostSlot && ctx.config.on_lost_slot == OnLostSlot::Fail {
-        return Err(RelayError::SlotLost {
-            slot: ctx.config.postgres.slot.clone(),
-            recover: false,
-        });
+    if ctx.config.on_lost_slot == OnLostSlot::Recover {
+        return Ok(());
     }
-    Ok(())
+    let slot = ctx.config.postgres.slot.clone();
+    match reason {
+        Reason::LostSlot => Err(RelayError::SlotLost {
+            slot,
+            recover: false,
+        }),
+        Reason::SlotDropped => Err(RelayError::SlotDropped { slot }),
+        _ => Ok(()),
+    }
 }
 
 /// Whether another relay is making the slot anew: it holds the rebuild lock (on shard 0).
