@@ -144,10 +144,17 @@ start postgres "${as_postgres[@]}" "$pg_bin/postgres" -D "$state/pg/data" -c lis
   -c ssl_cert_file="$state/pg/tls/server.pem" -c ssl_key_file="$state/pg/tls/server.key"
 wait_for "Postgres" 60 "$pg_bin/pg_isready" -q -h "$socket" -p "$pg_port" -U postgres
 
-# Administration over the socket as the postgres user (peer auth): the database, and the
-# superuser's password for the migrations, which connect like everyone else (TLS, SCRAM).
+# Administration over the socket as the postgres user (peer auth): the superuser's password
+# for the migrations, which connect like everyone else (TLS, SCRAM) and make one database per
+# side (chat_consumers, chat_workers).
 psql_admin() { "${as_postgres[@]}" "$pg_bin/psql" -q -X -v ON_ERROR_STOP=1 -h "$socket" -p "$pg_port" -U postgres -d postgres "$@"; }
-psql_admin -tAc "SELECT 1 FROM pg_database WHERE datname = 'chat'" | grep -q 1 || psql_admin -c "CREATE DATABASE chat"
+# The previous layout kept both sides in one database, `chat`: its slots would hold WAL for
+# ever, and their names are the ones each side's relay makes now. Local data only: dropped.
+if psql_admin -tAc "SELECT 1 FROM pg_database WHERE datname = 'chat'" | grep -q 1; then
+  log "dropping the previous layout's database chat (one database per side now)"
+  psql_admin -tAc "SELECT pg_drop_replication_slot(slot_name) FROM pg_replication_slots WHERE database = 'chat'" >/dev/null
+  psql_admin -c "DROP DATABASE chat"
+fi
 # On stdin, not the command line, so the password never shows in the process list.
 printf "ALTER ROLE postgres PASSWORD '%s'" "$(cat "$secrets/postgres/postgres")" | psql_admin
 
@@ -161,20 +168,21 @@ wait_for "Redis" 30 redis_ping
 
 # Every client: TLS verified against the local CA, its password from a file.
 export DATABASE_CA_FILE=$secrets/ca.pem REDIS_CA_FILE=$secrets/ca.pem
-url() { printf 'postgres://%s@localhost:%s/chat?sslmode=verify-full' "$1" "$pg_port"; }
+url() { printf 'postgres://%s@localhost:%s/%s?sslmode=verify-full' "$1" "$pg_port" "$2"; }
 redis_url() { printf 'rediss://%s@localhost:%s' "$1" "$redis_port"; }
 
 role_passwords=()
 for role in consumers workers consumers_relay workers_relay; do
   role_passwords+=(--role-password "$role=$secrets/postgres/$role")
 done
-DATABASE_PASSWORD_FILE=$secrets/postgres/postgres "$bin/migrate" --database-url "$(url postgres)" "${role_passwords[@]}" \
+DATABASE_PASSWORD_FILE=$secrets/postgres/postgres "$bin/migrate" --database-url "$(url postgres postgres)" \
+  --side-database consumers=chat_consumers --side-database workers=chat_workers "${role_passwords[@]}" \
   >>"$state/logs/migrate.log" 2>&1 || { log "migrations failed; see $state/logs/migrate.log"; tail -3 "$state/logs/migrate.log" >&2; exit 1; }
 log "migrations applied"
 
 for side in consumers workers; do
   admin_var=${side}_admin
-  relay_args=(--database-url "$(url "${side}_relay")" --slot "${side}_relay" --publication "${side}_outbox"
+  relay_args=(--database-url "$(url "${side}_relay" "chat_$side")" --slot "${side}_relay" --publication "${side}_outbox"
     --outbox-table "$side.outbox" --redis-url "$(redis_url "${side}_relay")" --stream "outbox:$side")
   export DATABASE_PASSWORD_FILE=$secrets/postgres/${side}_relay REDIS_PASSWORD_FILE=$secrets/redis/${side}_relay
   "$bin/cdc-relay" setup "${relay_args[@]}" >>"$state/logs/relay-$side.log" 2>&1 \
@@ -191,7 +199,7 @@ for side in consumers workers; do
   port_var=${side}_port
   service_admin_var=${side}_service_admin
   export DATABASE_PASSWORD_FILE=$secrets/postgres/$side REDIS_PASSWORD_FILE=$secrets/redis/$side
-  start "$side" "$bin/chat-service" --side "$side" --database-url "$(url "$side")" --redis-url "$(redis_url "$side")" \
+  start "$side" "$bin/chat-service" --side "$side" --database-url "$(url "$side" "chat_$side")" --redis-url "$(redis_url "$side")" \
     --listen "127.0.0.1:${!port_var}" --admin-addr "127.0.0.1:${!service_admin_var}" --consumer-name "$side-local" \
     --jwks-file "$secrets/idp/jwks.json" --jwt-issuer "$idp_issuer" --jwt-type at+jwt \
     --jwt-audience "chat-$side" --jwt-admin-audience "chat-$side-admin" \

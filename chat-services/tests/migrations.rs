@@ -89,3 +89,67 @@ async fn migrate_wait_holds_a_pod_back_until_the_migrations_ran() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "clap refuses the combination");
 }
+
+/// `migrate --side-database`: one database per side, created when missing, migrated, and
+/// open to that side's roles only; run again, it changes nothing and still succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_database_per_side_is_made_and_opened_to_its_side_only() {
+    let pg = PgServer::start().unwrap();
+    let consumers_db = testkit::unique_name("sidec");
+    let workers_db = testkit::unique_name("sidew");
+    let run = || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_migrate"))
+            .arg("--database-url")
+            .arg(pg.url("postgres", "postgres"))
+            .arg("--side-database")
+            .arg(format!("consumers={consumers_db}"))
+            .arg("--side-database")
+            .arg(format!("workers={workers_db}"))
+            .env_remove("DATABASE_URL")
+            .output()
+            .unwrap()
+    };
+    for attempt in ["first", "again"] {
+        let out = run();
+        assert!(
+            out.status.success(),
+            "{attempt}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    for (database, own, other) in [
+        (
+            &consumers_db,
+            ["consumers", "consumers_relay"],
+            ["workers", "workers_relay"],
+        ),
+        (
+            &workers_db,
+            ["workers", "workers_relay"],
+            ["consumers", "consumers_relay"],
+        ),
+    ] {
+        for role in own {
+            let client = pg.connect_as(role, database).await;
+            assert!(client.is_ok(), "{role} into {database}: {:?}", client.err());
+        }
+        for role in other {
+            let refused = pg.connect_as(role, database).await.err();
+            let message = format!("{:#}", refused.expect("the other side connected"));
+            assert!(
+                message.contains("permission denied for database"),
+                "{role} into {database}: {message}"
+            );
+        }
+    }
+    // A name that is not a plain identifier is refused before anything is done.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_migrate"))
+        .arg("--database-url")
+        .arg(pg.url("postgres", "postgres"))
+        .args(["--side-database", "consumers=chat; DROP DATABASE x"])
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("must be 1-63 of a-z"));
+}

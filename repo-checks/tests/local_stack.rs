@@ -109,7 +109,7 @@ async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
     let password = std::fs::read_to_string(state.join("secrets/postgres/consumers")).unwrap();
     let plaintext = tokio_postgres::connect(
         &format!(
-            "host=127.0.0.1 port={} user=consumers dbname=chat sslmode=disable password={}",
+            "host=127.0.0.1 port={} user=consumers dbname=chat_consumers sslmode=disable password={}",
             ports[4],
             password.trim()
         ),
@@ -122,6 +122,7 @@ async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
         .map(|e| e.message().to_string())
         .unwrap_or_else(|| refusal.to_string());
     assert!(message.contains("no encryption"), "{message}");
+    sides_are_kept_apart(&state, ports[4]).await;
     // The ACL file Redis loaded holds password hashes only.
     let acl = std::fs::read_to_string(state.join("redis/users.acl")).unwrap();
     let redis_password = std::fs::read_to_string(state.join("secrets/redis/consumers")).unwrap();
@@ -159,6 +160,89 @@ async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
         },
     )
     .await;
+}
+
+/// A connection as `role` to `database` over TLS (verified against the stack's CA), with
+/// the role's password from the stack's secrets.
+async fn connect_as(
+    state: &std::path::Path,
+    port: u16,
+    role: &str,
+    database: &str,
+) -> Result<tokio_postgres::Client, String> {
+    let secrets = state.join("secrets");
+    let endpoint = outbox_core::connect::PgEndpoint::parse(&format!(
+        "postgres://{role}@localhost:{port}/{database}?sslmode=verify-full"
+    ))
+    .unwrap()
+    .with_password_file(Some(&secrets.join("postgres").join(role)))
+    .unwrap()
+    .with_ca_file(Some(&secrets.join("ca.pem")));
+    endpoint
+        .connect_as(Duration::from_secs(10), "local-stack-check")
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// One database per side: no role of one side connects to the other's database, and a
+/// relay role cannot decode a slot of the other's (a slot decodes its own database only).
+/// What Postgres does not stop, a role with REPLICATION dropping a slot that no relay holds,
+/// is shown too: the relay makes a dropped slot anew (cdc-relay's
+/// `recovery::a_slot_dropped_between_sessions_is_made_anew_with_recover`).
+async fn sides_are_kept_apart(state: &std::path::Path, port: u16) {
+    for (role, other) in [
+        ("consumers_relay", "chat_workers"),
+        ("consumers", "chat_workers"),
+        ("workers_relay", "chat_consumers"),
+        ("workers", "chat_consumers"),
+    ] {
+        let refused = connect_as(state, port, role, other).await;
+        let message = refused
+            .err()
+            .unwrap_or_else(|| panic!("{role} connected to {other}"));
+        assert!(
+            message.contains("pg_hba.conf rejects"),
+            "{role} to {other}: {message}"
+        );
+    }
+    // A slot of the Workers' database that no relay holds (an active one refuses everyone).
+    let admin = connect_as(state, port, "postgres", "chat_workers")
+        .await
+        .unwrap();
+    admin
+        .execute(
+            "SELECT pg_create_logical_replication_slot('local_check_workers', 'pgoutput')",
+            &[],
+        )
+        .await
+        .unwrap();
+    let relay = connect_as(state, port, "consumers_relay", "chat_consumers")
+        .await
+        .unwrap();
+    let decoded = relay
+        .query(
+            "SELECT data FROM pg_logical_slot_peek_binary_changes('local_check_workers', NULL, NULL, 'proto_version', '1', 'publication_names', 'workers_outbox')",
+            &[],
+        )
+        .await;
+    let error = decoded.expect_err("the other side's slot decoded");
+    let message = error
+        .as_db_error()
+        .map_or(error.to_string(), |e| e.message().to_string());
+    assert!(
+        message.contains("was not created in this database"),
+        "{message}"
+    );
+    let dropped = relay
+        .execute(
+            "SELECT pg_drop_replication_slot('local_check_workers')",
+            &[],
+        )
+        .await;
+    assert!(
+        dropped.is_ok(),
+        "Postgres now refuses a drop across databases: {dropped:?}"
+    );
 }
 
 fn common_tail(out: &str) -> String {

@@ -15,7 +15,7 @@ use crate::error::RelayError;
 #[derive(Debug, Clone, Args)]
 pub struct ConnectionArgs {
     /// Postgres URL of the relay's role (LOGIN REPLICATION), e.g.
-    /// postgres://consumers_relay@db:5432/chat?sslmode=verify-full. sslmode: disable, prefer,
+    /// postgres://consumers_relay@db:5432/chat_consumers?sslmode=verify-full. sslmode: disable, prefer,
     /// require, verify-ca, verify-full (the default); sslrootcert=FILE names the CA. Needed
     /// by every command but `streams`, which reads Redis only.
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]

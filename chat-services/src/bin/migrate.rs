@@ -1,4 +1,5 @@
-//! `migrate`: apply the chat services' SQL migrations to one database, and optionally set
+//! `migrate`: apply the chat services' SQL migrations to one database (or to one database
+//! per side, created when missing and opened to that side's roles only), and optionally set
 //! the roles' passwords (from files, never from the command line).
 
 use chat_services::MigrateCli as Cli;
@@ -16,6 +17,10 @@ enum Error {
     Migrate(#[from] outbox_migrations::MigrateError),
     #[error("setting the password of {role}: {message}")]
     Password { role: String, message: String },
+    #[error("creating database {database}: {message} (the URL's role needs CREATEDB, or create it beforehand)")]
+    Create { database: String, message: String },
+    #[error("opening database {database} to its side only: {message}")]
+    Isolate { database: String, message: String },
     #[error("gave up waiting after --wait-timeout: {0}")]
     WaitTimedOut(String),
 }
@@ -35,14 +40,7 @@ async fn main() -> std::process::ExitCode {
         };
     }
     match run(&cli).await {
-        Ok(report) => {
-            if report.applied.is_empty() {
-                tracing::info!(version = ?report.current_version, "database is up to date");
-            } else {
-                tracing::info!(applied = ?report.applied, version = ?report.current_version, "migrations applied");
-            }
-            std::process::ExitCode::SUCCESS
-        }
+        Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("migrate: {e}");
             std::process::ExitCode::FAILURE
@@ -50,13 +48,45 @@ async fn main() -> std::process::ExitCode {
     }
 }
 
-async fn run(cli: &Cli) -> Result<outbox_migrations::Report, Error> {
+fn said(database: &str, report: &outbox_migrations::Report) {
+    if report.applied.is_empty() {
+        tracing::info!(%database, version = ?report.current_version, "database is up to date");
+    } else {
+        tracing::info!(%database, applied = ?report.applied, version = ?report.current_version, "migrations applied");
+    }
+}
+
+async fn run(cli: &Cli) -> Result<(), Error> {
     let endpoint = cli.secrets.endpoint(&cli.database_url)?;
-    let mut client = endpoint
-        .connect_as(std::time::Duration::from_secs(10), "migrate")
+    let connect = |endpoint: outbox_core::connect::PgEndpoint| async move {
+        endpoint
+            .connect_as(std::time::Duration::from_secs(10), "migrate")
+            .await
+            .map_err(Error::Connect)
+    };
+    let mut client = connect(endpoint.clone()).await?;
+    if cli.side_databases.is_empty() {
+        let report = outbox_migrations::apply(&mut client).await?;
+        said(endpoint.dbname(), &report);
+    }
+    for (side, database) in &cli.side_databases {
+        create_if_missing(&client, database).await?;
+        let mut own = connect(endpoint.clone().with_dbname(database)).await?;
+        let report = outbox_migrations::apply(&mut own).await?;
+        said(database, &report);
+        // After the migrations: they create the roles.
+        own.batch_execute(&format!(
+            "REVOKE ALL ON DATABASE {database} FROM PUBLIC; GRANT CONNECT ON DATABASE {database} TO {side}, {side}_relay"
+        ))
         .await
-        .map_err(Error::Connect)?;
-    let report = outbox_migrations::apply(&mut client).await?;
+        .map_err(|e| Error::Isolate {
+            database: database.clone(),
+            message: e
+                .as_db_error()
+                .map_or(e.to_string(), |d| d.message().to_string()),
+        })?;
+        tracing::info!(%database, %side, "open to this side's roles only");
+    }
     for (role, file) in &cli.role_passwords {
         let password = outbox_core::connect::read_secret_file(file)?;
         client
@@ -70,7 +100,39 @@ async fn run(cli: &Cli) -> Result<outbox_migrations::Report, Error> {
             })?;
         tracing::info!(%role, "password set");
     }
-    Ok(report)
+    Ok(())
+}
+
+/// `CREATE DATABASE` unless it exists (two runs at once: the loser's duplicate is fine).
+/// The name was checked to be a plain identifier (a-z, 0-9, _) when parsed.
+async fn create_if_missing(client: &tokio_postgres::Client, database: &str) -> Result<(), Error> {
+    let exists = client
+        .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&database])
+        .await
+        .map_err(|e| Error::Create {
+            database: database.to_string(),
+            message: e.to_string(),
+        })?
+        .is_some();
+    if exists {
+        return Ok(());
+    }
+    match client
+        .batch_execute(&format!("CREATE DATABASE {database}"))
+        .await
+    {
+        Ok(()) => {
+            tracing::info!(%database, "database created");
+            Ok(())
+        }
+        Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::DUPLICATE_DATABASE) => Ok(()),
+        Err(e) => Err(Error::Create {
+            database: database.to_string(),
+            message: e
+                .as_db_error()
+                .map_or(e.to_string(), |d| d.message().to_string()),
+        }),
+    }
 }
 
 /// `--wait`: polls until the database has every migration this build carries. Anything

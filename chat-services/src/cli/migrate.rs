@@ -24,6 +24,14 @@ pub struct MigrateCli {
     /// Apply nothing: wait until the database has every migration this release carries, then exit 0 (1 after --wait-timeout). Any role of the system may run it with its own credentials: the init container that holds a pod back until the migration Job ran.
     #[arg(long, env = "MIGRATE_WAIT", conflicts_with = "role_passwords")]
     pub wait: bool,
+    /// One database per side, `SIDE=DATABASE` (repeatable; both sides for the shipped
+    /// layout: consumers=chat_consumers, workers=chat_workers): each is created when missing
+    /// (the URL's database is only where `migrate` connects to create it), migrated, and
+    /// opened to that side's roles only (`CONNECT` revoked from everyone else), so neither
+    /// side's roles, its relay's included, can connect to the other's. Without it the URL's
+    /// database is migrated as it is, holding both sides.
+    #[arg(long = "side-database", env = "MIGRATE_SIDE_DATABASES", value_delimiter = ',', value_parser = parse_side_database, conflicts_with = "wait")]
+    pub side_databases: Vec<(String, String)>,
     /// How long --wait waits.
     #[arg(long, env = "MIGRATE_WAIT_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10m")]
     pub wait_timeout: Duration,
@@ -31,6 +39,27 @@ pub struct MigrateCli {
 
 /// The roles `--role-password` may set.
 const PASSWORD_ROLES: [&str; 4] = ["consumers", "workers", "consumers_relay", "workers_relay"];
+
+fn parse_side_database(s: &str) -> Result<(String, String), String> {
+    let (side, database) = s
+        .split_once('=')
+        .ok_or_else(|| format!("'{s}' is not SIDE=DATABASE"))?;
+    if !["consumers", "workers"].contains(&side) {
+        return Err(format!("side '{side}' is not consumers or workers"));
+    }
+    let valid = !database.is_empty()
+        && database.len() <= 63
+        && database
+            .chars()
+            .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+        && !database.starts_with(|c: char| c.is_ascii_digit());
+    if !valid {
+        return Err(format!(
+            "database '{database}' must be 1-63 of a-z, 0-9 and _, not starting with a digit"
+        ));
+    }
+    Ok((side.to_string(), database.to_string()))
+}
 
 fn parse_role_password(s: &str) -> Result<(String, PathBuf), String> {
     let (role, file) = s

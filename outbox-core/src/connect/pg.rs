@@ -155,6 +155,12 @@ impl PgEndpoint {
         self.config.get_user().unwrap_or_default()
     }
 
+    /// The same server, role and TLS settings, another database.
+    pub fn with_dbname(mut self, dbname: &str) -> Self {
+        self.config.dbname(dbname);
+        self
+    }
+
     pub fn dbname(&self) -> &str {
         self.config.get_dbname().unwrap_or_else(|| self.user())
     }
