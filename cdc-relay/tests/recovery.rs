@@ -612,7 +612,31 @@ async fn a_slot_dropped_between_sessions_is_made_anew_with_recover() {
         insert_txn(&mut writer, 0, txn, 1, true).await.unwrap();
     }
 
-    // THEN a relay that may not recover stops, naming the option
+    // THEN a relay given another slot name (a typo) makes no slot, even with recover: the
+    // stream was read from the dropped one, so this is a missing slot, not a dropped one
+    let typo = fx.spawn_relay(
+        "relay-typo",
+        &["--slot", "typo_slot", "--on-lost-slot", "recover"],
+    );
+    let status = typo.child.wait_exit(Duration::from_secs(30)).unwrap();
+    assert!(!status.success());
+    let log = typo.child.log();
+    assert!(
+        log.contains("replication slot typo_slot does not exist: create it with `cdc-relay setup`"),
+        "{}",
+        crate::support::tail(&log)
+    );
+    let admin = fx.db.connect().await.unwrap();
+    let made: i64 = admin
+        .query_one(
+            "SELECT count(*) FROM pg_replication_slots WHERE slot_name = 'typo_slot'",
+            &[],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(made, 0);
+    // AND a relay that may not recover stops, naming the option
     let refusing = fx.spawn_relay("relay-fail", &[]);
     let status = refusing.child.wait_exit(Duration::from_secs(30)).unwrap();
     assert!(!status.success());

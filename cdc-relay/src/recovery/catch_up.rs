@@ -493,7 +493,9 @@ async fn prepare(
     };
     // Claimed before anything is written: a session that held the shard before (paused,
     // retrying an old part) is refused from now on.
-    publisher.claim_writer_epoch(shard).await?;
+    publisher
+        .claim_writer_epoch(shard, &ctx.config.postgres.slot)
+        .await?;
     let marker = match mode {
         Mode::Since { .. } => CATCH_UP_SINCE,
         Mode::Everything => CATCH_UP_EVERYTHING,

@@ -98,8 +98,9 @@ fn decide_on(
             }
             None if failed_over => Decision::Reslot(Reason::Failover),
             None if server.in_recovery => Decision::AwaitPromotion,
-            // The stream was streaming from the slot on this history: it was dropped (made
-            // anew only with `--on-lost-slot recover`, as a lost one is).
+            // The stream was streaming from a slot on this history and it is gone: dropped
+            // (made anew only with `--on-lost-slot recover`, as a lost one is; the caller
+            // says `SlotMissing` unless the record names the slot it was looked up by).
             None if record.exists() => Decision::Reslot(Reason::SlotDropped),
             None => Decision::SlotMissing,
         };

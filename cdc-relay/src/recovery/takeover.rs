@@ -216,7 +216,7 @@ async fn decide_under_lock(
     publisher: &Publisher,
     held: &mut Option<RebuildLock>,
 ) -> Result<Plan, RelayError> {
-    let plan = plan(state);
+    let plan = plan(state, &ctx.config.postgres.slot);
     let Some(Decision::Reslot(reason)) = plan.slot else {
         return Ok(plan);
     };
@@ -246,7 +246,7 @@ async fn decide_under_lock(
         all.push(Some(r.read().await?));
     }
     state.all = all;
-    let mut plan = plan_of(state);
+    let mut plan = plan_of(state, &ctx.config.postgres.slot);
     if let Some(Decision::Reslot(reason)) = plan.slot {
         refuse_lost_slot(ctx, reason)?;
         warn!(slot = %ctx.config.postgres.slot, stream = %publisher.stream(), shards = publisher.shard_count(), reason = reason.as_str(), why = reason.explain(), "making the slot anew; every shard is caught up from the outbox table");
@@ -270,16 +270,27 @@ async fn decide_under_lock(
     Ok(plan)
 }
 
-fn plan(state: &State) -> Plan {
-    plan_of(state)
+fn plan(state: &State, slot_name: &str) -> Plan {
+    plan_of(state, slot_name)
 }
 
-fn plan_of(state: &State) -> Plan {
+fn plan_of(state: &State, slot_name: &str) -> Plan {
     let decisions: Vec<Decision> = state
         .all
         .iter()
         .map(|record| match record {
-            Some(record) => decide(state.slot.as_ref(), record, &state.origin, state.server),
+            Some(record) => {
+                match decide(state.slot.as_ref(), record, &state.origin, state.server) {
+                    // Only the slot the stream was read from counts as dropped: a relay given
+                    // another name (a typo, another deployment's) must not make a slot of it.
+                    Decision::Reslot(Reason::SlotDropped)
+                        if record.slot.as_deref() != Some(slot_name) =>
+                    {
+                        Decision::SlotMissing
+                    }
+                    decision => decision,
+                }
+            }
             // Read when it answers, by its catch-up.
             None => Decision::Behind(Reason::FellBehind),
         })
@@ -331,7 +342,9 @@ async fn start(
     let mut publisher = publisher.for_session(plan.id_offset);
     let live = shards_where(&plan, |d| matches!(d, Decision::Stream | Decision::Adopt));
     for &k in &live {
-        publisher.claim_writer_epoch(k).await?;
+        publisher
+            .claim_writer_epoch(k, &ctx.config.postgres.slot)
+            .await?;
     }
     let held_rows = reread_live(&mut records, &all, &live, &plan).await?;
     let behind = shards_where(&plan, |d| matches!(d, Decision::Behind(_)));

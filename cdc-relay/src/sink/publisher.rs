@@ -235,12 +235,16 @@ impl Publisher {
         self.id_offset
     }
 
-    /// Claim `shard` for this session (see [`Records::claim_epoch`]) and write it with that
-    /// epoch from now on. With replicas to wait for, the claim counts only once they have it
-    /// (a failover must not bring back a record without it).
-    pub(crate) async fn claim_writer_epoch(&mut self, shard: u32) -> Result<u64, RelayError> {
+    /// Claim `shard` for this session, which holds `slot` (see [`Records::claim_epoch`]),
+    /// and write it with that epoch from now on. With replicas to wait for, the claim counts
+    /// only once they have it (a failover must not bring back a record without it).
+    pub(crate) async fn claim_writer_epoch(
+        &mut self,
+        shard: u32,
+        slot: &str,
+    ) -> Result<u64, RelayError> {
         let mut records = self.records_of(shard);
-        let epoch = records.claim_epoch().await?;
+        let epoch = records.claim_epoch(slot).await?;
         if self.wait_replicas > 0 && epoch > 0 {
             let keys = &self.shards[shard as usize];
             let mut touch = redis::cmd("HINCRBY");

@@ -57,6 +57,8 @@ pub(crate) struct StreamRecord {
     pub catch_up_cursor: Option<(Snapshot, i64)>,
     /// A snapshot every row of which a catch-up put in the shard.
     pub catch_up_done: Option<Snapshot>,
+    /// The slot the stream was last read from (`None` in records no session wrote since).
+    pub slot: Option<String>,
 }
 
 impl StreamRecord {
@@ -155,14 +157,14 @@ return 1
 /// Claim a new writer epoch in the record: above the one it holds, and at least Redis's
 /// clock in milliseconds, so a record Redis lost and a rebuild made again still starts
 /// above every epoch claimed before. The new epoch (`false`: no record; only `setup` and a
-/// rebuild make one).
+/// rebuild make one). ARGV[1]: the slot the session holds, recorded with the claim.
 const CLAIM_EPOCH: &str = r#"
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local current = tonumber(redis.call('HGET', KEYS[1], 'writer_epoch') or '0')
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local claimed = math.max(current + 1, now)
-redis.call('HSET', KEYS[1], 'writer_epoch', claimed)
+redis.call('HSET', KEYS[1], 'writer_epoch', claimed, 'slot', ARGV[1])
 return tostring(claimed)
 "#;
 
@@ -245,6 +247,7 @@ impl Records {
                 fields::WATERMARK_FROM,
                 fields::CATCH_UP_CURSOR,
                 fields::CATCH_UP_DONE,
+                fields::SLOT,
             ])
             .query_async(&mut self.conn)
             .await?;
@@ -268,6 +271,7 @@ impl Records {
                 Some((Snapshot::parse(snapshot)?, id.parse().ok()?))
             }),
             catch_up_done: field(11).and_then(|s| Snapshot::parse(&s)),
+            slot: field(12),
         })
     }
 
@@ -322,9 +326,10 @@ impl Records {
     /// Claim the stream (this shard) for a new writer session: the publish script then
     /// refuses every session that claimed before (a paused or partitioned relay that lost
     /// the slot, retrying an old batch). The session's epoch (`0`: no record to claim in).
-    pub(crate) async fn claim_epoch(&mut self) -> Result<u64, RelayError> {
+    pub(crate) async fn claim_epoch(&mut self, slot: &str) -> Result<u64, RelayError> {
         let claimed: Option<String> = redis::Script::new(CLAIM_EPOCH)
             .key(&self.origin_key)
+            .arg(slot)
             .invoke_async(&mut self.conn)
             .await?;
         Ok(claimed.and_then(|e| e.parse().ok()).unwrap_or(0))

@@ -46,9 +46,13 @@ pub mod fields {
     pub const CATCH_UP_CURSOR: &str = "catch_up_cursor";
     /// A snapshot every row of which a catch-up put in the shard (a round it finished).
     pub const CATCH_UP_DONE: &str = "catch_up_done";
+    /// The replication slot the stream was last read from (written by every session that
+    /// holds it): a relay finding no slot of this name knows it was dropped, while a relay
+    /// configured with another name is misconfigured, not facing a dropped slot.
+    pub const SLOT: &str = "slot";
 
     /// Every field of the record.
-    pub const ALL: [&str; 13] = [
+    pub const ALL: [&str; 14] = [
         SYSTEM_ID,
         TIMELINE,
         HISTORY,
@@ -62,6 +66,7 @@ pub mod fields {
         WATERMARK_FROM,
         CATCH_UP_CURSOR,
         CATCH_UP_DONE,
+        SLOT,
     ];
 }
 
