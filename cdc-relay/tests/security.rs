@@ -635,6 +635,20 @@ async fn redis_acl_users_have_least_privilege() {
             true,
         ),
         ("consumers", "XDEL deadletter:consumers:{3} 1-1", true),
+        // The audit log is append-only for the service: no entry deleted, none trimmed.
+        ("consumers", "XDEL deadletter:consumers:audit 1-1", false),
+        (
+            "consumers",
+            "XDEL deadletter:consumers:{3}:audit 1-1",
+            false,
+        ),
+        (
+            "consumers",
+            "XTRIM deadletter:consumers:audit MAXLEN 0",
+            false,
+        ),
+        ("consumers", "DEL deadletter:consumers:audit", false),
+        ("consumers", "XRANGE deadletter:consumers:audit - +", true),
         ("consumers", "SPUBLISH feed:consumers hello", true),
         ("consumers", "PUBSUB SHARDNUMSUB feed:consumers", true),
         ("consumers", "SPUBLISH feed:workers hello", false),
@@ -663,6 +677,43 @@ async fn redis_acl_users_have_least_privilege() {
             (true, Ok(())) => {}
         }
     }
+
+    // The dead-letters command's script (delete the letter, log it) runs as the service;
+    // a script deleting from the audit log does not.
+    let service = connections.get_mut("consumers").unwrap();
+    let letter: String = redis::cmd("XADD")
+        .arg("deadletter:consumers")
+        .arg("*")
+        .arg("reason")
+        .arg("test")
+        .query_async(service)
+        .await
+        .unwrap();
+    let remove_and_log = redis::Script::new(
+        "if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end \
+         return redis.call('XADD', KEYS[2], '*', 'action', 'drop')",
+    );
+    let logged: String = remove_and_log
+        .key("deadletter:consumers")
+        .key("deadletter:consumers:audit")
+        .arg(&letter)
+        .invoke_async(service)
+        .await
+        .expect("the dead-letters command's script runs as the service");
+    let erase = redis::Script::new("return redis.call('XDEL', KEYS[1], ARGV[1])");
+    let refused = erase
+        .key("deadletter:consumers:audit")
+        .arg(&logged)
+        .invoke_async::<i64>(service)
+        .await
+        .expect_err("a script erased an audit entry");
+    // Inside a script Redis says it in words, not with the NOPERM code.
+    assert!(
+        refused
+            .to_string()
+            .contains("can't access at least one of the keys"),
+        "{refused}"
+    );
 
     // Nobody logs in without a password.
     let anonymous = redis::Client::open(format!("redis+unix://{}", redis.socket().display()))

@@ -87,9 +87,8 @@ pub fn parse_chat_id(raw: &str) -> Result<i64, InputError> {
 /// Longest user id (a token's `sub`), in bytes; the database checks the same bound.
 pub(crate) const MAX_USER_ID_BYTES: usize = 255;
 
-/// A user id (a token's subject, a member's id): 1 to 255 bytes, no control characters and
-/// no invisible format characters (bidirectional overrides, zero-width ones), so it can be
-/// stored, logged and shown as it is, and no id can pass for another on screen.
+/// A user id as stored (a message's sender, a member to remove): 1 to 255 bytes, no control
+/// characters, so it can be stored, logged and shown as it is.
 pub(crate) fn check_user_id(id: &str) -> Result<(), String> {
     if id.is_empty() {
         return Err("a user id must not be empty".into());
@@ -103,6 +102,14 @@ pub(crate) fn check_user_id(id: &str) -> Result<(), String> {
     if id.chars().any(char::is_control) {
         return Err("a user id must not contain control characters".into());
     }
+    Ok(())
+}
+
+/// A user id coming in (a token's subject, a member added): also no invisible format
+/// characters (bidirectional overrides and isolates, zero-width ones), which reorder or
+/// hide what is shown. Ids stored before this check stay readable and removable.
+pub(crate) fn check_new_user_id(id: &str) -> Result<(), String> {
+    check_user_id(id)?;
     if let Some(c) = id.chars().find(|c| is_format(*c)) {
         return Err(format!(
             "a user id must not contain invisible format characters (U+{:04X}): they reorder or hide what is shown",
@@ -323,9 +330,11 @@ mod tests {
             "\u{FEFF}bob",
         ] {
             assert!(
-                check_user_id(disguised).unwrap_err().contains("format"),
+                check_new_user_id(disguised).unwrap_err().contains("format"),
                 "{disguised:?}"
             );
+            // One stored before the check can still be named (to remove it).
+            assert!(check_user_id(disguised).is_ok(), "{disguised:?}");
         }
         assert!(check_user_id("auth0|5f1c").is_ok());
         assert!(check_user_id(&"x".repeat(255)).is_ok());

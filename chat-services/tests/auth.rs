@@ -786,7 +786,7 @@ async fn a_page_session_is_a_narrowed_host_only_cookie_that_ends_with_its_key() 
     assert_eq!(signed_in.status, 200, "{}", signed_in.body);
     let set_cookie = signed_in.header("set-cookie").unwrap().to_string();
     assert!(
-        set_cookie.starts_with("__Host-chat_session="),
+        set_cookie.starts_with("__Host-chat_session_consumers="),
         "{set_cookie}"
     );
     for attribute in ["; Secure", "; HttpOnly", "; SameSite=Strict", "; Path=/"] {
@@ -828,7 +828,11 @@ async fn a_page_session_is_a_narrowed_host_only_cookie_that_ends_with_its_key() 
         "invalid token",
     );
     // A second cookie of the name (planted by a parent domain): refused, and ours removed.
-    let doubled = by_cookie(one.addr, format!("{pair}; __Host-chat_session=planted")).await;
+    let doubled = by_cookie(
+        one.addr,
+        format!("{pair}; __Host-chat_session_consumers=planted"),
+    )
+    .await;
     assert_401(&doubled, "more than once");
     assert!(doubled.header("set-cookie").unwrap().contains("Max-Age=0"));
     // The provider's key that signed the token withdrawn: the session and its stream end.

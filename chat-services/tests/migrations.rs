@@ -142,6 +142,21 @@ async fn one_database_per_side_is_made_and_opened_to_its_side_only() {
             );
         }
     }
+    // One database for both sides is no isolation: refused.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_migrate"))
+        .arg("--database-url")
+        .arg(pg.url("postgres", "postgres"))
+        .args([
+            "--side-database",
+            "consumers=chat",
+            "--side-database",
+            "workers=chat",
+        ])
+        .env_remove("DATABASE_URL")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("repeats consumers's side or database"));
     // A name that is not a plain identifier is refused before anything is done.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_migrate"))
         .arg("--database-url")

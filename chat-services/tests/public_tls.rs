@@ -106,7 +106,7 @@ async fn the_public_listener_serves_tls_and_picks_up_a_renewed_certificate() {
     assert_eq!(status, 200, "{body}");
     let cookie = headers.get("set-cookie").unwrap().to_str().unwrap();
     assert!(
-        cookie.starts_with("__Host-chat_session=") && cookie.contains("; Secure"),
+        cookie.starts_with("__Host-chat_session_consumers=") && cookie.contains("; Secure"),
         "{cookie}"
     );
     // Browsers are told to keep to HTTPS, and to keep private answers nowhere.

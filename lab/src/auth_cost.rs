@@ -49,6 +49,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         let verifier = TokenVerifier::load(TokenConfig {
             jwks: KeySource::File(jwks_file),
             cookie_secure: false,
+            cookie_name: "chat_session_lab".into(),
             issuer: ISSUER.into(),
             audiences: vec![AUDIENCE.into()],
             leeway: Duration::from_secs(30),

@@ -42,11 +42,11 @@ fn parse_endpoint(raw: &str) -> Result<String, String> {
     let raw = raw.trim();
     // Credentials in the URL would be logged (the endpoint is, at start) and sent in the
     // clear: refused, and not repeated in the refusal.
-    let authority = raw.split_once("://").map_or(raw, |(_, rest)| rest);
-    if authority
-        .split(['/', '?', '#'])
-        .next()
-        .is_some_and(|a| a.contains('@'))
+    // Anywhere after the scheme: userinfo may itself hold a '/' (http://u:p/w@host).
+    if raw
+        .split_once("://")
+        .map_or(raw, |(_, rest)| rest)
+        .contains('@')
     {
         return Err("the URL holds credentials (user:password@): they would be logged and sent over plain HTTP; remove them and let the collector beside the process authenticate onward".into());
     }
@@ -326,8 +326,16 @@ mod tests {
         assert!(parse_endpoint("https://collector:4318")
             .unwrap_err()
             .contains("TLS"));
-        let refused = parse_endpoint("http://user:s3cret@collector:4318").unwrap_err();
-        assert!(refused.contains("credentials") && !refused.contains("s3cret"));
+        for with_secret in [
+            "http://user:s3cret@collector:4318",
+            "http://u:s3cret/x@collector:4318",
+        ] {
+            let refused = parse_endpoint(with_secret).unwrap_err();
+            assert!(
+                refused.contains("credentials") && !refused.contains("s3cret"),
+                "{refused}"
+            );
+        }
         assert!(parse_endpoint("collector:4318").is_err());
         assert!(parse_endpoint("http://").is_err());
     }

@@ -119,6 +119,15 @@ pub async fn init_stream_record(
     let mut records = publisher.records();
     let all = read_all(&mut records).await?;
     publisher.check_layout(&all).await?;
+    if all
+        .iter()
+        .any(|r| r.slot.as_deref() == Some(cfg.slot.as_str()))
+    {
+        // Said loudly: nobody but a relay session or this `setup` makes or drops it.
+        return Ok(RecordOutcome::LeftAlone(
+            "WARNING: the stream was read from this slot and it was gone, so it was dropped (by an operator, or by any role with REPLICATION); made anew, and `run` catches the stream up from the outbox table",
+        ));
+    }
     if all.iter().any(|r| r.exists()) {
         return Ok(RecordOutcome::LeftAlone("the stream already has a record"));
     }

@@ -25,7 +25,7 @@ use jsonwebtoken::jwk::{AlgorithmParameters, EllipticCurve, JwkSet, KeyAlgorithm
 use jsonwebtoken::{errors::ErrorKind, Algorithm, DecodingKey, EncodingKey, Header, Validation};
 use tracing::{error, info, warn};
 
-use crate::model::check_user_id;
+use crate::model::check_new_user_id;
 use outbox_core::ConfigError;
 
 /// The cookie the page's session is kept in (a narrowed token, `HttpOnly`). With
@@ -34,6 +34,18 @@ use outbox_core::ConfigError;
 /// one. Without, for plain-HTTP development, two cookies of this name are refused.
 pub(crate) const SESSION_COOKIE: &str = "chat_session";
 pub(crate) const SECURE_SESSION_COOKIE: &str = "__Host-chat_session";
+
+/// The session cookie's name for `side`: cookies are kept per host, not per port, so two
+/// sides served from one host (127.0.0.1 in development) would otherwise sign each other's
+/// page out.
+pub(crate) fn session_cookie_name(side: &str, secure: bool) -> String {
+    let base = if secure {
+        SECURE_SESSION_COOKIE
+    } else {
+        SESSION_COOKIE
+    };
+    format!("{base}_{side}")
+}
 /// The least time between two reads of the key set for tokens naming an unknown key: a
 /// client sending made-up key ids costs one file read a second at most.
 const RELOAD_AT_MOST_EVERY: Duration = Duration::from_secs(1);
@@ -219,6 +231,8 @@ pub struct TokenConfig {
     pub jwks: KeySource,
     /// The session cookie is `Secure` (and `__Host-` prefixed).
     pub cookie_secure: bool,
+    /// Its name ([`session_cookie_name`]).
+    pub cookie_name: String,
     pub issuer: String,
     pub audiences: Vec<String>,
     pub leeway: Duration,
@@ -368,9 +382,15 @@ impl Keys {
                 }
             };
             let published = serde_json::to_string(jwk).unwrap_or_default();
+            // The key itself (RFC 7638 thumbprint: its type and public numbers), not how it
+            // is published: a provider renewing the certificate beside the same key, or
+            // adding its `alg`, ends no session.
             let digest = {
                 use sha2::Digest;
-                sha2::Sha256::digest(published.as_bytes()).into()
+                let thumbprint = jwk
+                    .thumbprint(jsonwebtoken::jwk::ThumbprintHash::SHA256)
+                    .unwrap_or_else(|_| published.clone());
+                sha2::Sha256::digest(thumbprint.as_bytes()).into()
             };
             used.push(published);
             let key = Key { key, alg, digest };
@@ -577,12 +597,8 @@ impl Verifier {
         })
     }
 
-    fn cookie_name(&self) -> &'static str {
-        if self.config.cookie_secure {
-            SECURE_SESSION_COOKIE
-        } else {
-            SESSION_COOKIE
-        }
+    fn cookie_name(&self) -> &str {
+        &self.config.cookie_name
     }
 
     /// The identity a token stands for.
@@ -726,7 +742,7 @@ impl Verifier {
                 "the 'sub' and 'exp' claims are required".into(),
             ));
         };
-        check_user_id(&user).map_err(|e| AuthError::Refused(format!("sub: {e}")))?;
+        check_new_user_id(&user).map_err(|e| AuthError::Refused(format!("sub: {e}")))?;
         self.check_lifetime(claims.iat, exp)?;
         let client = claims.client();
         let listed = |clients: &[String]| {
@@ -1146,7 +1162,7 @@ impl Auth {
     }
 
     /// The session cookie's name.
-    pub(crate) fn cookie_name(&self) -> &'static str {
+    pub(crate) fn cookie_name(&self) -> &str {
         match self {
             Auth::Tokens(verifier) => verifier.cookie_name(),
             Auth::Anonymous => SESSION_COOKIE,
@@ -1282,14 +1298,18 @@ fn bearer(headers: &HeaderMap) -> Result<Option<&str>, AuthError> {
 /// a parent domain's cookie of the same name beside this host's, first or second by
 /// whichever path is longer: taking either would let a neighbouring site pick the session).
 fn session_cookie<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>, AuthError> {
+    // Split as bytes: one cookie of another name with a non-ASCII value (a neighbour's) must
+    // not hide ours. Our own must be ASCII (a session token is).
     let mut values = headers
         .get_all(COOKIE)
         .iter()
-        .filter_map(|v| v.to_str().ok())
-        .flat_map(|v| v.split(';'))
-        .filter_map(|pair| pair.trim().split_once('='))
-        .filter(|(cookie, _)| *cookie == name)
-        .map(|(_, value)| value);
+        .flat_map(|v| v.as_bytes().split(|b| *b == b';'))
+        .filter_map(|pair| {
+            let pair = pair.trim_ascii();
+            let at = pair.iter().position(|b| *b == b'=')?;
+            (&pair[..at] == name.as_bytes()).then(|| std::str::from_utf8(&pair[at + 1..]).ok())
+        })
+        .map(|value| value.filter(|v| v.is_ascii()).unwrap_or(""));
     let first = values.next();
     if values.next().is_some() {
         return Err(AuthError::DuplicateCookie);
@@ -1335,6 +1355,12 @@ mod tests {
             session_cookie(&headers, SESSION_COOKIE),
             Err(AuthError::DuplicateCookie)
         );
+        // Another cookie's non-ASCII value hides nothing.
+        headers.insert(
+            COOKIE,
+            HeaderValue::from_bytes(b"theme=caf\xc3\xa9; chat_session=mine").unwrap(),
+        );
+        assert_eq!(session_cookie(&headers, SESSION_COOKIE), Ok(Some("mine")));
         headers.insert(COOKIE, HeaderValue::from_static("chat_session=mine"));
         headers.append(COOKIE, HeaderValue::from_static("chat_session=planted"));
         assert_eq!(

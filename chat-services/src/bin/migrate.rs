@@ -58,6 +58,17 @@ fn said(database: &str, report: &outbox_migrations::Report) {
 
 async fn run(cli: &Cli) -> Result<(), Error> {
     let endpoint = cli.secrets.endpoint(&cli.database_url)?;
+    for (i, (side, database)) in cli.side_databases.iter().enumerate() {
+        if let Some((other, _)) = cli.side_databases[..i]
+            .iter()
+            .find(|(s, d)| s == side || d == database)
+        {
+            return Err(outbox_core::ConfigError::new(format!(
+                "--side-database: {side}={database} repeats {other}'s side or database; give each side its own database once"
+            ))
+            .into());
+        }
+    }
     let connect = |endpoint: outbox_core::connect::PgEndpoint| async move {
         endpoint
             .connect_as(std::time::Duration::from_secs(10), "migrate")
@@ -76,7 +87,7 @@ async fn run(cli: &Cli) -> Result<(), Error> {
         said(database, &report);
         // After the migrations: they create the roles.
         own.batch_execute(&format!(
-            "REVOKE ALL ON DATABASE {database} FROM PUBLIC; GRANT CONNECT ON DATABASE {database} TO {side}, {side}_relay"
+            "REVOKE ALL ON DATABASE \"{database}\" FROM PUBLIC; GRANT CONNECT ON DATABASE \"{database}\" TO {side}, {side}_relay"
         ))
         .await
         .map_err(|e| Error::Isolate {
@@ -104,7 +115,8 @@ async fn run(cli: &Cli) -> Result<(), Error> {
 }
 
 /// `CREATE DATABASE` unless it exists (two runs at once: the loser's duplicate is fine).
-/// The name was checked to be a plain identifier (a-z, 0-9, _) when parsed.
+/// The name was checked to be a plain identifier (a-z, 0-9, _) when parsed, and is quoted
+/// (a reserved word such as `user` is a name too).
 async fn create_if_missing(client: &tokio_postgres::Client, database: &str) -> Result<(), Error> {
     let exists = client
         .query_opt("SELECT 1 FROM pg_database WHERE datname = $1", &[&database])
@@ -118,7 +130,7 @@ async fn create_if_missing(client: &tokio_postgres::Client, database: &str) -> R
         return Ok(());
     }
     match client
-        .batch_execute(&format!("CREATE DATABASE {database}"))
+        .batch_execute(&format!("CREATE DATABASE \"{database}\""))
         .await
     {
         Ok(()) => {

@@ -70,9 +70,9 @@ pub struct AuthArgs {
     /// a warning at every start.
     #[arg(long, env = "CHAT_ALLOW_ANONYMOUS", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
     pub allow_anonymous: bool,
-    /// The session cookie is `Secure` and named `__Host-chat_session`: browsers keep it
+    /// The session cookie is `Secure` and named `__Host-chat_session_<side>`: browsers keep it
     /// for HTTPS (and localhost) only, for this host only, so no sibling subdomain can set
-    /// one. `--cookie-secure=false` (named `chat_session`, no `Secure`) is for plain-HTTP
+    /// one. `--cookie-secure=false` (named `chat_session_<side>`, no `Secure`) is for plain-HTTP
     /// development only (warned at start); over TLS (--tls-cert-file) it is always secure.
     #[arg(long, env = "CHAT_COOKIE_SECURE", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = true)]
     pub cookie_secure: bool,
@@ -90,6 +90,7 @@ impl AuthArgs {
     pub(crate) fn validate(
         &self,
         cookie_secure: bool,
+        side: &str,
     ) -> Result<Option<crate::access::auth::Verifier>, ConfigError> {
         let refuse = |message: String| Err(ConfigError(message));
         let jwks = match (&self.jwks_file, &self.jwks_url) {
@@ -191,6 +192,7 @@ impl AuthArgs {
                 .map(crate::access::auth::media_type),
             jwks,
             cookie_secure,
+            cookie_name: crate::access::auth::session_cookie_name(side, cookie_secure),
             issuer,
             audiences,
             leeway: self.jwt_leeway,

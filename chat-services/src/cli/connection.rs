@@ -11,7 +11,7 @@ use outbox_core::ConfigError;
 #[derive(Debug, Clone, clap::Args)]
 pub struct ConnectionArgs {
     /// Postgres URL of this side's own role (it owns the schema of the same name), e.g.
-    /// postgres://consumers@db:5432/chat; sslmode as for cdc-relay (default verify-full).
+    /// postgres://consumers@db:5432/chat_consumers; sslmode as for cdc-relay (default verify-full).
     #[arg(long, env = "DATABASE_URL", hide_env_values = true)]
     pub database_url: String,
     /// Redis URL (redis://, rediss:// or redis+unix://).

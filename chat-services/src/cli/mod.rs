@@ -118,7 +118,7 @@ impl Cli {
         let cookie_secure = self.auth.cookie_secure || certificate.is_some();
         let verifier = match self.command {
             Some(_) => None,
-            None => self.auth.validate(cookie_secure)?,
+            None => self.auth.validate(cookie_secure, self.side.as_str())?,
         };
         Ok(ServiceConfig {
             side: self.side,

@@ -77,7 +77,14 @@ pub(super) async fn set_member(
             "the user id in the path is not valid percent-encoded UTF-8",
         );
     };
-    if let Err(e) = model::check_user_id(&user) {
+    // A member added must have an id that shows as it is; one stored before that check
+    // can still be removed.
+    let checked = if add {
+        model::check_new_user_id(&user)
+    } else {
+        model::check_user_id(&user)
+    };
+    if let Err(e) = checked {
         return reply::error(StatusCode::BAD_REQUEST, e);
     }
     let by = match admin(app, req) {
