@@ -231,7 +231,7 @@ pub struct TokenConfig {
     pub jwks: KeySource,
     /// The session cookie is `Secure` (and `__Host-` prefixed).
     pub cookie_secure: bool,
-    /// Its name ([`session_cookie_name`]).
+    /// Its name: `chat_session_<side>`, `__Host-` prefixed when secure.
     pub cookie_name: String,
     pub issuer: String,
     pub audiences: Vec<String>,
