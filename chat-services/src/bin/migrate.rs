@@ -92,9 +92,7 @@ async fn run(cli: &Cli) -> Result<(), Error> {
         .await
         .map_err(|e| Error::Isolate {
             database: database.clone(),
-            message: e
-                .as_db_error()
-                .map_or(e.to_string(), |d| d.message().to_string()),
+            message: server_message(&e),
         })?;
         tracing::info!(%database, %side, "open to this side's roles only");
     }
@@ -105,9 +103,7 @@ async fn run(cli: &Cli) -> Result<(), Error> {
             .await
             .map_err(|e| Error::Password {
                 role: role.clone(),
-                message: e
-                    .as_db_error()
-                    .map_or(e.to_string(), |d| d.message().to_string()),
+                message: server_message(&e),
             })?;
         tracing::info!(%role, "password set");
     }
@@ -140,9 +136,7 @@ async fn create_if_missing(client: &tokio_postgres::Client, database: &str) -> R
         Err(e) if e.code() == Some(&tokio_postgres::error::SqlState::DUPLICATE_DATABASE) => Ok(()),
         Err(e) => Err(Error::Create {
             database: database.to_string(),
-            message: e
-                .as_db_error()
-                .map_or(e.to_string(), |d| d.message().to_string()),
+            message: server_message(&e),
         }),
     }
 }
@@ -163,8 +157,7 @@ async fn wait(cli: &Cli) -> Result<(), Error> {
             outbox_migrations::state(&client).await.map_err(|e| {
                 format!(
                     "cannot read the migration history yet: {}",
-                    e.as_db_error()
-                        .map_or(e.to_string(), |d| d.message().to_string())
+                    server_message(&e)
                 )
             })
         };
@@ -194,6 +187,12 @@ async fn wait(cli: &Cli) -> Result<(), Error> {
         }
         tokio::time::sleep(std::time::Duration::from_secs(2)).await;
     }
+}
+
+/// What the server said (its message alone), or the error itself when it said nothing.
+fn server_message(e: &tokio_postgres::Error) -> String {
+    e.as_db_error()
+        .map_or(e.to_string(), |d| d.message().to_string())
 }
 
 /// `ALTER ROLE` with the SCRAM-SHA-256 verifier of `password`, computed here (a fresh salt
