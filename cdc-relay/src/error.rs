@@ -114,6 +114,13 @@ pub enum RelayError {
     #[error("the replication connection was silent for {0:?} (the server pings at least every half of wal_sender_timeout): the server or the network between is gone; reconnecting")]
     ReplicationSilent(std::time::Duration),
 
+    #[error("the server asked for a confirmation of everything it sent (up to {asked}; it is stopping, or heard no status for half of wal_sender_timeout) and only {acknowledged} is confirmed in Redis after {waited:?} (--shutdown-grace): ending the session so a stopping server is not held; the next session is sent the rest again")]
+    ConfirmationOverdue {
+        asked: String,
+        acknowledged: String,
+        waited: std::time::Duration,
+    },
+
     #[error("shard {stream} does not answer: making the slot anew marks every shard, so it waits for it")]
     ShardUnreachable { stream: String },
 
@@ -166,6 +173,8 @@ impl RelayError {
             // The shard falls behind; its rows wait in the outbox table.
             RelayError::StreamFull { .. } => true,
             RelayError::ReplicationSilent(_) => true,
+            // The server is stopping; the next session (on it or its successor) resumes.
+            RelayError::ConfirmationOverdue { .. } => true,
             RelayError::ShardUnreachable { .. } | RelayError::Restart(_) => true,
             // The commits become visible once their wait ends.
             RelayError::CommitsInvisible { .. } => true,

@@ -38,6 +38,7 @@ pub struct Metrics {
     pub catch_up_past_retention_total: IntCounter,
     pub lane_held_bytes: IntGauge,
     pub replication_silent_total: IntCounter,
+    pub confirmations_overdue_total: IntCounter,
     // Slot health, read from pg_replication_slots / pg_stat_replication_slots.
     pub slot_lag_bytes: IntGauge,
     pub slot_retained_wal_bytes: IntGauge,
@@ -130,6 +131,7 @@ impl Metrics {
             catch_up_past_retention_total: b.counter("cdc_relay_catch_up_past_retention_total", "Catch-ups of a shard that fell behind longer ago than --outbox-retention: rows it never got may have been deleted"),
             lane_held_bytes: b.gauge("cdc_relay_lane_held_bytes", "Bytes of entries the lanes hold (queued, in flight, captured)"),
             replication_silent_total: b.counter("cdc_relay_replication_silent_total", "Replication sessions ended because the server was silent for --replication-timeout"),
+            confirmations_overdue_total: b.counter("cdc_relay_confirmations_overdue_total", "Replication sessions ended because the server asked for a confirmation of everything it sent (a fast shutdown waits for it) that could not be given within --shutdown-grace"),
             slot_lag_bytes: b.gauge("cdc_relay_slot_lag_bytes", "WAL between the server's current position and the slot's confirmed_flush_lsn"),
             slot_retained_wal_bytes: b.gauge("cdc_relay_slot_retained_wal_bytes", "WAL the slot keeps on disk: current position minus restart_lsn"),
             slot_safe_wal_size_bytes: b.register(Gauge::new("cdc_relay_slot_safe_wal_size_bytes", "WAL that can still be written before the slot is lost (NaN without max_slot_wal_keep_size)").expect("valid metric")),

@@ -370,3 +370,55 @@ async fn a_100k_row_transaction_is_published_with_bounded_memory() {
     .await;
     relay.stop();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_stops_fast_while_redis_is_down() {
+    // GIVEN a relay streaming from a Postgres and into a Redis of their own
+    let pg = PgServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(&pg, &redis).await;
+    let relay = fx.spawn_relay("relay", &[]);
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    insert_txn(&mut writer, 0, 1, 1, true).await.unwrap();
+    fx.wait_stream_len(1, Duration::from_secs(30)).await;
+
+    // WHEN Postgres is stopped (fast) while everything works
+    // THEN the relay confirms the end of WAL and the server stops
+    tokio::task::block_in_place(|| pg.stop_fast_within(Duration::from_secs(30)))
+        .expect("a healthy relay held Postgres' fast shutdown");
+    pg.start_again().unwrap();
+    let mut writer = fx.writer().await;
+    insert_txn(&mut writer, 0, 2, 1, true).await.unwrap();
+    fx.wait_stream_len(2, Duration::from_secs(30)).await;
+    let overdue = relay
+        .metric("cdc_relay_confirmations_overdue_total")
+        .await
+        .unwrap();
+    assert_eq!(overdue, 0.0, "a healthy relay confirmed instead of leaving");
+
+    // GIVEN Redis gone while a committed row waits to be published
+    redis.stop().unwrap();
+    insert_txn(&mut writer, 0, 3, 1, true).await.unwrap();
+    drop(writer);
+
+    // WHEN Postgres is stopped (fast) for maintenance
+    // THEN the relay, which cannot confirm what the server sent, lets the server stop
+    // (a fast shutdown waits for every walsender's client to confirm the end of WAL)
+    let started = Instant::now();
+    tokio::task::block_in_place(|| pg.stop_fast_within(Duration::from_secs(30)))
+        .expect("the relay held Postgres' fast shutdown");
+    eprintln!("fast stop took {:?}", started.elapsed());
+
+    // AND once both are back, the row is published once, and the relay says why it left
+    redis.start_again().unwrap();
+    pg.start_again().unwrap();
+    fx.wait_stream_len(3, Duration::from_secs(60)).await;
+    wait_stream_complete(&fx).await;
+    let overdue = relay
+        .metric("cdc_relay_confirmations_overdue_total")
+        .await
+        .unwrap();
+    assert!(overdue >= 1.0, "{overdue}");
+    relay.stop();
+}

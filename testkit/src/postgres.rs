@@ -636,13 +636,19 @@ impl PgServer {
 
     /// Fast shutdown (SIGINT): disconnect clients, checkpoint, exit. Waits for the exit.
     pub fn stop_fast(&self) -> anyhow::Result<()> {
-        self.stop_with(Signal::Int)
+        self.stop_with(Signal::Int, Duration::from_secs(120))
+    }
+
+    /// Fast shutdown that must finish within `limit`: an error names the processes that
+    /// held it (a walsender whose client never confirmed the end of WAL, say).
+    pub fn stop_fast_within(&self, limit: Duration) -> anyhow::Result<()> {
+        self.stop_with(Signal::Int, limit)
     }
 
     /// SIGKILL the postmaster, then wait until its backends noticed and exited, so the data
     /// directory can be started again.
     pub fn kill(&self) -> anyhow::Result<()> {
-        self.stop_with(Signal::Kill)
+        self.stop_with(Signal::Kill, Duration::from_secs(120))
     }
 
     /// SIGSTOP the postmaster and every backend it started: the server keeps its
@@ -713,13 +719,13 @@ impl PgServer {
         Ok(())
     }
 
-    fn stop_with(&self, signal: Signal) -> anyhow::Result<()> {
+    fn stop_with(&self, signal: Signal, limit: Duration) -> anyhow::Result<()> {
         let mut process = self.process.lock().unwrap();
         let Some(child) = process.take() else {
             bail!("postgres is not running");
         };
         let backends = children_of(child.pid());
-        if let Err(e) = child.stop_with(signal, Duration::from_secs(120)) {
+        if let Err(e) = child.stop_with(signal, limit) {
             // Which process holds the shutdown up (a walsender waiting for its client to
             // confirm, a backend, the checkpointer) is the whole diagnosis: say it.
             let titles: Vec<String> = children_of(child.pid())

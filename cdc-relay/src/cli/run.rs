@@ -105,6 +105,8 @@ pub struct Tuning {
     /// On SIGTERM, how long to wait for the shards that confirm to confirm what is in flight
     /// before leaving anyway (a shard that cannot confirm is not waited for; nothing
     /// unconfirmed was acknowledged, so nothing is lost: the next relay sends it again).
+    /// Also how long a stopping Postgres waits for the relay: a server asking to confirm
+    /// everything it sent is let go (the session ends) if that cannot be done by then.
     #[arg(long, env = "CDC_SHUTDOWN_GRACE", value_parser = humantime::parse_duration, default_value = "1s")]
     pub shutdown_grace: Duration,
     /// Replicas that must acknowledge each write (Redis `WAIT`) before a batch counts as

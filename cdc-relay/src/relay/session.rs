@@ -16,6 +16,12 @@
 //!
 //! The connection has a deadline: a server silent for `--replication-timeout` while the loop
 //! is ready to read ends the session (see `source::replication`).
+//!
+//! The session never holds the server: a fast shutdown (and so a switchover) waits until
+//! each walsender's client confirmed everything it was sent, asking with reply-requested
+//! keepalives. An idle session confirms at once; one that cannot confirm within
+//! `--shutdown-grace` (Redis down, a shard behind) ends, and the next session is sent the
+//! rest again.
 
 use std::time::Duration;
 
@@ -97,6 +103,7 @@ pub(crate) async fn stream(
             finishing: false,
             pending_capture: None,
             last_heard: Instant::now(),
+            confirm_asked: None,
         },
         pipeline: Pipeline::new(
             publisher,
@@ -189,6 +196,9 @@ struct State {
     pending_capture: Option<(Vec<u32>, oneshot::Sender<Vec<u32>>)>,
     /// When the server was last heard (or the loop last could not read): the watchdog's base.
     last_heard: Instant,
+    /// The server asked (a reply-requested keepalive) for a confirmation of everything it
+    /// sent, up to this position, first at this instant, and it is not acknowledged yet.
+    confirm_asked: Option<(Lsn, Instant)>,
 }
 
 impl State {
@@ -258,6 +268,7 @@ impl Session<'_> {
                 // Not reading: the server's silence is not the server's.
                 self.state.last_heard = Instant::now();
             }
+            let confirm_deadline = self.confirm_deadline();
             tokio::select! {
                 biased;
                 // 1. shutdown: stop reading, finish the healthy shards' calls, acknowledge, leave
@@ -268,7 +279,18 @@ impl Session<'_> {
                 }
                 // 3. a catch-up's hand-over
                 Some(request) = self.handover.recv() => self.on_handover(request)?,
-                // 4. the next replication events, only while the batch has room (backpressure)
+                // 4. only an acknowledgement waits: record it in Redis, then acknowledge (before
+                // reading, so a server that keeps the stream busy cannot starve it)
+                _ = tokio::time::sleep_until(self.state.ack_only_not_before), if self.ack_only_waiting() => {
+                    self.state.ack_only_not_before = Instant::now() + self.ctx.config.status_interval;
+                    self.start_publish();
+                }
+                // 5. the server waits for a confirmation this session could not give in time:
+                // leave, so a stopping server is not held (the next session is sent it again)
+                _ = tokio::time::sleep_until(confirm_deadline), if self.state.confirm_asked.is_some() => {
+                    return Err(self.confirmation_overdue());
+                }
+                // 6. the next replication events, only while the batch has room (backpressure)
                 received = self.client.recv(), if self.state.has_room() => {
                     self.state.last_heard = Instant::now();
                     self.on_received(received)?;
@@ -280,16 +302,11 @@ impl Session<'_> {
                         }
                     }
                 }
-                // 5. a capture asked for begins at a transaction boundary
+                // 7. a capture asked for begins at a transaction boundary
                 _ = std::future::ready(()), if self.capture_due() => self.begin_capture(),
-                // 6. nothing more is waiting: publish what we have now (no timer, no added latency)
+                // 8. nothing more is waiting: publish what we have now (no timer, no added latency)
                 _ = std::future::ready(()), if self.ready_to_publish() => self.start_publish(),
-                // 7. only an acknowledgement waits: record it in Redis, then acknowledge
-                _ = tokio::time::sleep_until(self.state.ack_only_not_before), if self.ack_only_waiting() => {
-                    self.state.ack_only_not_before = Instant::now() + self.ctx.config.status_interval;
-                    self.start_publish();
-                }
-                // 8. the server said nothing for the whole replication timeout
+                // 9. the server said nothing for the whole replication timeout
                 _ = tokio::time::sleep_until(self.state.last_heard + silence_limit), if self.state.has_room() => {
                     self.ctx.metrics.replication_silent_total.inc();
                     return Err(RelayError::ReplicationSilent(silence_limit));
@@ -389,7 +406,11 @@ impl Session<'_> {
                 self.ctx.metrics.transactions_total.inc();
                 self.state.filling.complete_transaction(end_lsn);
             }
-            ReplicationEvent::KeepAlive { wal_end, .. } => {
+            ReplicationEvent::KeepAlive {
+                wal_end,
+                reply_requested,
+                ..
+            } => {
                 // Nothing open or unconfirmed: the slot may move to the server's position
                 // (recorded in Redis first, like every acknowledgement).
                 if self.is_idle() && wal_end > self.state.acknowledged_lsn {
@@ -399,6 +420,22 @@ impl Session<'_> {
                         .ack_lsn
                         .map_or(wal_end, |lsn| lsn.max(wal_end));
                     self.state.filling.ack_lsn = Some(ack);
+                    if reply_requested {
+                        // A stopping server waits for it: no batching delay.
+                        self.state.ack_only_not_before = Instant::now();
+                    }
+                }
+                // Our worker reports every status interval, so a server asks only while it
+                // stops (or after half of wal_sender_timeout without a report).
+                if reply_requested && wal_end > self.state.acknowledged_lsn {
+                    let asked = match self.state.confirm_asked {
+                        Some((lsn, since)) => (lsn.max(wal_end), since),
+                        None => {
+                            debug!(%wal_end, acknowledged = %self.state.acknowledged_lsn, "the server asks for a confirmation");
+                            (wal_end, Instant::now())
+                        }
+                    };
+                    self.state.confirm_asked = Some(asked);
                 }
             }
             ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
@@ -534,6 +571,36 @@ impl Session<'_> {
             self.client.update_applied_lsn(lsn);
             self.state.acknowledged_lsn = lsn;
             self.ctx.metrics.acknowledged_lsn.set(lsn.as_u64() as i64);
+            if self
+                .state
+                .confirm_asked
+                .is_some_and(|(asked, _)| lsn >= asked)
+            {
+                self.state.confirm_asked = None;
+            }
+        }
+    }
+
+    /// When a confirmation the server asked for is overdue: it had the shutdown grace, the
+    /// bound a stopping relay gives its own healthy shards.
+    fn confirm_deadline(&self) -> Instant {
+        self.state
+            .confirm_asked
+            .map_or_else(Instant::now, |(_, since)| {
+                since + self.ctx.config.shutdown_grace
+            })
+    }
+
+    fn confirmation_overdue(&self) -> RelayError {
+        let (asked, _) = self
+            .state
+            .confirm_asked
+            .expect("a confirmation was asked for");
+        self.ctx.metrics.confirmations_overdue_total.inc();
+        RelayError::ConfirmationOverdue {
+            asked: asked.to_string(),
+            acknowledged: self.state.acknowledged_lsn.to_string(),
+            waited: self.ctx.config.shutdown_grace,
         }
     }
 
