@@ -104,6 +104,7 @@ pub(crate) async fn stream(
             pending_capture: None,
             last_heard: Instant::now(),
             confirm_asked: None,
+            last_ask: None,
         },
         pipeline: Pipeline::new(
             publisher,
@@ -166,6 +167,10 @@ impl Drop for AbortOnDrop {
     }
 }
 
+/// Two asks for a reply this close are a stopping server's (it asks again as soon as our
+/// worker answered; a quiet stream's pings come half a wal_sender_timeout apart).
+const ASKED_AGAIN_WITHIN: Duration = Duration::from_millis(500);
+
 /// A transaction between its Begin and its Commit.
 struct OpenTransaction {
     commit_lsn: Lsn,
@@ -196,9 +201,12 @@ struct State {
     pending_capture: Option<(Vec<u32>, oneshot::Sender<Vec<u32>>)>,
     /// When the server was last heard (or the loop last could not read): the watchdog's base.
     last_heard: Instant,
-    /// The server asked (a reply-requested keepalive) for a confirmation of everything it
-    /// sent, up to this position, first at this instant, and it is not acknowledged yet.
+    /// The server keeps asking (reply-requested keepalives, again and again) for a
+    /// confirmation of everything it sent, up to this position, since this instant, and it
+    /// is not acknowledged yet: it is stopping.
     confirm_asked: Option<(Lsn, Instant)>,
+    /// When the server last asked for a reply.
+    last_ask: Option<Instant>,
 }
 
 impl State {
@@ -425,17 +433,27 @@ impl Session<'_> {
                         self.state.ack_only_not_before = Instant::now();
                     }
                 }
-                // Our worker reports every status interval, so a server asks only while it
-                // stops (or after half of wal_sender_timeout without a report).
+                // A server asks after half of wal_sender_timeout without a status (a quiet
+                // stream: our worker reports only what is new), and, while it stops, again
+                // right after every reply (our worker replies at once): only asks that come
+                // back at once are a stopping server's.
                 if reply_requested && wal_end > self.state.acknowledged_lsn {
-                    let asked = match self.state.confirm_asked {
-                        Some((lsn, since)) => (lsn.max(wal_end), since),
-                        None => {
-                            debug!(%wal_end, acknowledged = %self.state.acknowledged_lsn, "the server asks for a confirmation");
-                            (wal_end, Instant::now())
-                        }
-                    };
-                    self.state.confirm_asked = Some(asked);
+                    let now = Instant::now();
+                    let again = self
+                        .state
+                        .last_ask
+                        .is_some_and(|last| now.duration_since(last) <= ASKED_AGAIN_WITHIN);
+                    self.state.last_ask = Some(now);
+                    if again {
+                        let asked = match self.state.confirm_asked {
+                            Some((lsn, since)) => (lsn.max(wal_end), since),
+                            None => {
+                                debug!(%wal_end, acknowledged = %self.state.acknowledged_lsn, "the server is stopping: it waits for a confirmation");
+                                (wal_end, now)
+                            }
+                        };
+                        self.state.confirm_asked = Some(asked);
+                    }
                 }
             }
             ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
