@@ -133,6 +133,14 @@ async fn one_database_per_side_is_made_and_opened_to_its_side_only() {
             let client = pg.connect_as(role, database).await;
             assert!(client.is_ok(), "{role} into {database}: {:?}", client.err());
         }
+        // The relay's catch-up compares the stream with the table in a temporary table of
+        // its own: its role keeps the right to make one (it is PUBLIC's by default, and
+        // PUBLIC's rights are revoked).
+        let relay = pg.connect_as(own[1], database).await.unwrap();
+        relay
+            .batch_execute("CREATE TEMPORARY TABLE present (id bigint)")
+            .await
+            .unwrap_or_else(|e| panic!("{} in {database}: {e:#}", own[1]));
         for role in other {
             let refused = pg.connect_as(role, database).await.err();
             let message = format!("{:#}", refused.expect("the other side connected"));

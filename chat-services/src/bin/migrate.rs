@@ -85,9 +85,10 @@ async fn run(cli: &Cli) -> Result<(), Error> {
         let mut own = connect(endpoint.clone().with_dbname(database)).await?;
         let report = outbox_migrations::apply(&mut own).await?;
         said(database, &report);
-        // After the migrations: they create the roles.
+        // After the migrations: they create the roles. The relay keeps TEMPORARY (PUBLIC's
+        // by default): its catch-up compares the stream with the table in a temporary table.
         own.batch_execute(&format!(
-            "REVOKE ALL ON DATABASE \"{database}\" FROM PUBLIC; GRANT CONNECT ON DATABASE \"{database}\" TO {side}, {side}_relay"
+            "REVOKE ALL ON DATABASE \"{database}\" FROM PUBLIC; GRANT CONNECT ON DATABASE \"{database}\" TO {side}, {side}_relay; GRANT TEMPORARY ON DATABASE \"{database}\" TO {side}_relay"
         ))
         .await
         .map_err(|e| Error::Isolate {
