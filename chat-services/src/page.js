@@ -40,9 +40,15 @@ function show(message, fromFeed) {
   const meta = document.createElement("div");
   meta.className = "meta";
   // The sender's name where the message has one (a service run with --allow-anonymous
-  // sends none), and always its side.
-  meta.textContent = (message.sender ? message.sender + " · " : "") + message.side + " · " +
-    new Date(message.created_at).toLocaleTimeString();
+  // sends none), in its own <bdi>: a name written right to left cannot reorder the side
+  // and time after it. Then always the side.
+  if (message.sender) {
+    const sender = document.createElement("bdi");
+    sender.className = "sender";
+    sender.textContent = message.sender;
+    meta.append(sender, " · ");
+  }
+  meta.append(message.side + " · " + new Date(message.created_at).toLocaleTimeString());
   const body = document.createElement("div");
   body.className = "body";
   body.textContent = message.body;

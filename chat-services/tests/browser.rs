@@ -475,6 +475,12 @@ async fn two_users_scenario(
         },
     )
     .await;
+    // The sender's name is isolated (<bdi>): a right-to-left name cannot reorder the line.
+    let sender = bob_page
+        .find(Locator::Css("#messages .message .meta bdi.sender"))
+        .await
+        .expect("the sender in a <bdi>");
+    assert_eq!(sender.text().await.unwrap(), "alice");
     let input = bob_page.find(Locator::Id("body")).await.unwrap();
     input.send_keys("hi alice\n").await.unwrap();
     wait_until(
