@@ -175,10 +175,15 @@ role_passwords=()
 for role in consumers workers consumers_relay workers_relay; do
   role_passwords+=(--role-password "$role=$secrets/postgres/$role")
 done
-DATABASE_PASSWORD_FILE=$secrets/postgres/postgres "$bin/migrate" --database-url "$(url postgres postgres)" \
+# The admin step also loads the Redis functions, as Redis's admin: the services' (migrate)
+# and the relays' (cdc-relay functions). Their own users may only call them.
+DATABASE_PASSWORD_FILE=$secrets/postgres/postgres REDIS_PASSWORD_FILE=$secrets/redis/admin "$bin/migrate" \
+  --database-url "$(url postgres postgres)" --redis-url "$(redis_url admin)" \
   --side-database consumers=chat_consumers --side-database workers=chat_workers "${role_passwords[@]}" \
   >>"$state/logs/migrate.log" 2>&1 || { log "migrations failed; see $state/logs/migrate.log"; tail -3 "$state/logs/migrate.log" >&2; exit 1; }
-log "migrations applied"
+REDIS_PASSWORD_FILE=$secrets/redis/admin "$bin/cdc-relay" functions --redis-url "$(redis_url admin)" \
+  >>"$state/logs/migrate.log" 2>&1 || { log "loading the relays' Redis functions failed; see $state/logs/migrate.log"; tail -3 "$state/logs/migrate.log" >&2; exit 1; }
+log "migrations applied, Redis functions loaded"
 
 for side in consumers workers; do
   admin_var=${side}_admin

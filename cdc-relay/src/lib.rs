@@ -34,7 +34,8 @@ pub use config::RelayConfig;
 pub use error::RelayError;
 pub use metrics::Metrics;
 pub use ops::{
-    check, drop_slot, reshard, setup, setup_command, slots, streams, CheckStatus, SetupOutcome,
+    check, drop_slot, functions, libraries, reshard, setup, setup_command, slots, streams,
+    CheckStatus, SetupOutcome,
 };
 pub use relay::{run, Relay};
 pub use status::{RelayStatus, Role};

@@ -29,6 +29,7 @@ async fn main() -> ExitCode {
         },
         Command::Slots(args) => cdc_relay::slots(&args).await.map(|out| print!("{out}")),
         Command::Streams(args) => cdc_relay::streams(&args).await.map(|out| print!("{out}")),
+        Command::Functions(args) => cdc_relay::functions(&args).await.map(|out| print!("{out}")),
         Command::Check(args) => {
             let (status, line) = cdc_relay::check(&args).await;
             println!("{line}");

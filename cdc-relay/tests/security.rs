@@ -80,8 +80,9 @@ impl Secrets {
     }
 }
 
-/// A Redis with the deploy ACL users (passwords from `secrets`), optionally with TLS.
-fn acl_redis(secrets: &Secrets, tls: Option<ServerCert>) -> RedisServer {
+/// A Redis with the deploy ACL users (passwords from `secrets`), optionally with TLS, and
+/// the relay's functions loaded by its admin (the relay's user may only call them).
+async fn acl_redis(secrets: &Secrets, tls: Option<ServerCert>) -> RedisServer {
     let deploy = Path::new(env!("CARGO_MANIFEST_DIR")).join("../deploy/redis");
     let acl = scratch_dir("acl").join("users.acl");
     let status = Command::new(deploy.join("render-acl.sh"))
@@ -91,12 +92,17 @@ fn acl_redis(secrets: &Secrets, tls: Option<ServerCert>) -> RedisServer {
         .status()
         .expect("run render-acl.sh");
     assert!(status.success(), "render-acl.sh failed");
-    RedisServer::start_with(RedisOptions {
+    let redis = RedisServer::start_with(RedisOptions {
         tls,
         acl_file: Some(acl),
         admin: Some(("admin".into(), secrets.password("admin"))),
     })
-    .expect("start redis with ACL users")
+    .expect("start redis with ACL users");
+    let mut admin = redis.connect().await.expect("admin connects");
+    for library in cdc_relay::libraries() {
+        library.load(&mut admin).await.expect("admin loads");
+    }
+    redis
 }
 
 /// 128 random bits, hex: a password no log line could contain by chance.
@@ -153,7 +159,7 @@ fn s(parts: &[&str]) -> Vec<String> {
 async fn relay_streams_over_verified_tls_with_password_files() {
     let pg = &tls_postgres();
     let secrets = Secrets::new();
-    let redis = acl_redis(&secrets, Some(pki().localhost.clone()));
+    let redis = acl_redis(&secrets, Some(pki().localhost.clone())).await;
     let fx = Fixture::new(pg, &redis).await;
     set_password(pg, "consumers_relay", &secrets.password("consumers_relay")).await;
 
@@ -299,7 +305,7 @@ async fn postgres_certificates_are_verified_as_sslmode_says() {
 #[tokio::test]
 async fn redis_certificates_are_verified() {
     let secrets = Secrets::new();
-    let redis = acl_redis(&secrets, Some(pki().elsewhere.clone()));
+    let redis = acl_redis(&secrets, Some(pki().elsewhere.clone())).await;
     let pg = testkit::shared_postgres();
     let fx = Fixture::new(pg, testkit::shared_redis()).await;
     let ca = pki().ca.ca_file().display().to_string();
@@ -324,7 +330,7 @@ async fn redis_certificates_are_verified() {
 async fn secrets_in_urls_never_reach_the_logs() {
     let pg = &tls_postgres();
     let secrets = Secrets::new();
-    let redis = acl_redis(&secrets, Some(pki().localhost.clone()));
+    let redis = acl_redis(&secrets, Some(pki().localhost.clone())).await;
     let fx = Fixture::new(pg, &redis).await;
     // Different passwords for Postgres and Redis, so either leak is told apart.
     let pg_secret = random_hex();
@@ -458,7 +464,7 @@ fn replace_flag(args: &mut [String], flag: &str, value: &str) {
 #[tokio::test]
 async fn redis_acl_users_have_least_privilege() {
     let secrets = Secrets::new();
-    let redis = acl_redis(&secrets, None);
+    let redis = acl_redis(&secrets, None).await;
     // (user, command, allowed)
     let cases: &[(&str, &str, bool)] = &[
         ("consumers_relay", "XADD outbox:consumers 1-1 k v", true),
@@ -655,8 +661,25 @@ async fn redis_acl_users_have_least_privilege() {
         ("consumers", "XADD deadletter:workers:{3} * k v", false),
         ("consumers", "DEL deadletter:consumers:{3}", false),
     ];
+    // No component runs code of its own: functions loaded by the admin are all they call.
+    let mut cases = cases.to_vec();
+    for user in ["consumers", "workers", "consumers_relay", "workers_relay"] {
+        for command in [
+            "EVAL return 0",
+            "EVAL_RO return 0",
+            "EVALSHA 0123456789012345678901234567890123456789 0",
+            "SCRIPT LOAD return",
+            "SCRIPT FLUSH",
+            "FUNCTION LOAD code",
+            "FUNCTION DELETE outbox_relay",
+            "FUNCTION FLUSH",
+            "FUNCTION RESTORE payload",
+        ] {
+            cases.push((user, command, false));
+        }
+    }
     let mut connections = std::collections::HashMap::new();
-    for &(user, command, allowed) in cases {
+    for &(user, command, allowed) in &cases {
         if !connections.contains_key(user) {
             let url = redis.url_as(user, &secrets.password(user));
             let conn = redis::Client::open(url)
@@ -678,8 +701,47 @@ async fn redis_acl_users_have_least_privilege() {
         }
     }
 
-    // The dead-letters command's script (delete the letter, log it) runs as the service;
-    // a script deleting from the audit log does not.
+    // A function runs with its caller's rights: the dead-letters command's (delete the
+    // letter, log it) runs as the service; one deleting from the audit log does not.
+    static TEST: std::sync::LazyLock<outbox_core::functions::Library> =
+        std::sync::LazyLock::new(|| {
+            outbox_core::functions::Library::new(
+                "security_test",
+                &[
+                    outbox_core::functions::Body {
+                        name: "remove_and_log",
+                        body: "if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end \
+                               return redis.call('XADD', KEYS[2], '*', 'action', 'drop')",
+                        flags: &[],
+                    },
+                    outbox_core::functions::Body {
+                        name: "erase",
+                        body: "return redis.call('XDEL', KEYS[1], ARGV[1])",
+                        flags: &[],
+                    },
+                ],
+            )
+        });
+    let service = connections.get_mut("consumers").unwrap();
+    let not_loaded = TEST
+        .function("erase")
+        .key("deadletter:consumers:audit")
+        .arg("1-1")
+        .invoke_async::<i64>(service)
+        .await
+        .expect_err("the service loaded a library");
+    assert_eq!(
+        not_loaded.code(),
+        Some(outbox_core::functions::NOT_LOADED),
+        "{not_loaded}"
+    );
+    assert!(
+        not_loaded.to_string().contains("load it as Redis's admin"),
+        "{not_loaded}"
+    );
+    TEST.load(&mut redis.connect().await.unwrap())
+        .await
+        .unwrap();
     let service = connections.get_mut("consumers").unwrap();
     let letter: String = redis::cmd("XADD")
         .arg("deadletter:consumers")
@@ -689,25 +751,22 @@ async fn redis_acl_users_have_least_privilege() {
         .query_async(service)
         .await
         .unwrap();
-    let remove_and_log = redis::Script::new(
-        "if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end \
-         return redis.call('XADD', KEYS[2], '*', 'action', 'drop')",
-    );
-    let logged: String = remove_and_log
+    let logged: String = TEST
+        .function("remove_and_log")
         .key("deadletter:consumers")
         .key("deadletter:consumers:audit")
         .arg(&letter)
         .invoke_async(service)
         .await
-        .expect("the dead-letters command's script runs as the service");
-    let erase = redis::Script::new("return redis.call('XDEL', KEYS[1], ARGV[1])");
-    let refused = erase
+        .expect("the dead-letters command's function runs as the service");
+    let refused = TEST
+        .function("erase")
         .key("deadletter:consumers:audit")
         .arg(&logged)
         .invoke_async::<i64>(service)
         .await
-        .expect_err("a script erased an audit entry");
-    // Inside a script Redis says it in words, not with the NOPERM code.
+        .expect_err("a function erased an audit entry");
+    // Inside a function Redis says it in words, not with the NOPERM code.
     assert!(
         refused
             .to_string()
@@ -789,4 +848,74 @@ async fn run_words(
         .await
         .map(|_| ())
         .map_err(|e| e.to_string())
+}
+
+/// A Redis that lost its functions (a restart without its data) holds the relay, which
+/// says what to load and who may, until the admin step runs; then it resumes, losing
+/// nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redis_that_lost_its_functions_holds_the_relay_until_the_admin_loads_them() {
+    // GIVEN a relay streaming as its own Redis user, the functions loaded by the admin
+    let secrets = Secrets::new();
+    let redis = acl_redis(&secrets, None).await;
+    let mut fx = Fixture::new(testkit::shared_postgres(), &redis).await;
+    // The stream the ACL lets the relay write, starting at the slot as `setup` starts it.
+    fx.stream = "outbox:consumers".into();
+    let pg = fx.config_args(&[]).connection.postgres().unwrap();
+    let record = cdc_relay::test_support::init_stream_record(
+        &pg,
+        fx.setup.as_ref().unwrap(),
+        &outbox_core::connect::RedisTarget::Single(redis::Client::open(redis.url()).unwrap()),
+        &fx.stream,
+        1,
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    assert_eq!(record, cdc_relay::test_support::RecordOutcome::Written);
+    let url = redis.url_as("consumers_relay", &secrets.password("consumers_relay"));
+    let relay = fx.spawn_relay("relay-functions", &["--redis-url", &url]);
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    insert_txn(&mut writer, 0, 1, 1, true).await.unwrap();
+    fx.wait_stream_len(1, Duration::from_secs(30)).await;
+
+    // WHEN Redis loses its functions and a message is written
+    let mut admin = redis.connect().await.unwrap();
+    let _: () = redis::cmd("FUNCTION")
+        .arg("FLUSH")
+        .query_async(&mut admin)
+        .await
+        .unwrap();
+    insert_txn(&mut writer, 0, 2, 1, true).await.unwrap();
+
+    // THEN the relay says what is missing and that the admin must load it, and publishes
+    // nothing meanwhile (it may not load code itself)
+    wait_until(
+        Duration::from_secs(30),
+        "the relay says NOTLOADED",
+        || async {
+            let log = relay.child.log();
+            if log.contains("NOTLOADED") && log.contains("cdc-relay functions") {
+                Ok(())
+            } else {
+                Err(tail(&log))
+            }
+        },
+    )
+    .await;
+    assert_eq!(fx.stream_len().await, 1);
+
+    // WHEN the admin step runs
+    let loaded = Command::new(env!("CARGO_BIN_EXE_cdc-relay"))
+        .args(["functions", "--redis-url", &redis.url()])
+        .output()
+        .unwrap();
+    assert!(loaded.status.success(), "{loaded:?}");
+    assert!(String::from_utf8_lossy(&loaded.stdout).contains("loaded outbox_relay_"));
+
+    // THEN the message arrives, once, and the stream is what the outbox holds
+    fx.wait_stream_len(2, Duration::from_secs(60)).await;
+    assert_same_entries(&fx.stream_entries().await, &fx.expected_entries().await);
+    relay.stop();
 }

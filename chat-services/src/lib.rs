@@ -23,6 +23,7 @@
 mod access;
 mod cli;
 mod config;
+pub mod functions;
 mod http;
 mod inbox;
 mod live;

@@ -278,6 +278,10 @@ async fn with_an_acl_from_before_the_look_ahead_a_backlog_is_consumed_in_order_a
         setuser.arg(rule);
     }
     let _: () = setuser.query_async(&mut admin).await.unwrap();
+    // The user may only call functions: the admin loads them (as `migrate --redis-url` does).
+    for library in chat_services::functions::libraries() {
+        library.load(&mut admin).await.unwrap();
+    }
     write_backlog(&stack, 1, 600).await;
     for i in 0..5 {
         send(consumers.addr, 2, &format!("m{i}")).await;

@@ -145,6 +145,7 @@ async fn dead_letters_are_listed_replayed_in_order_after_the_fix_and_dropped_wit
         ("replay".into(), "alice".into())
     );
     assert_eq!(field(0, "message_id"), first["id"].as_str().unwrap());
+    assert_eq!(field(0, "by_source"), "stated", "a name said, not verified");
     assert_eq!(
         (field(2, "action"), field(2, "by")),
         ("drop".into(), "bob".into())
@@ -316,4 +317,91 @@ async fn sharded_dead_letters_are_counted_listed_and_acted_on_across_every_shard
     assert_eq!(stack.dead_letters().await, 0);
     drop(consumers);
     drop(workers);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn where_tokens_are_verified_the_audit_names_the_operators_admin_token() {
+    // GIVEN Workers verifying tokens, with a poison entry dead-lettered
+    let stack = Stack::start(shared_postgres()).await;
+    let idp = crate::support::Idp::new();
+    let flags: Vec<String> = idp.flags();
+    let flags: Vec<&str> = flags.iter().map(String::as_str).collect();
+    let consumers = stack.service(Side::Consumers, &[]).await;
+    let workers = stack.service(Side::Workers, &flags).await;
+    send(consumers.addr, 43, "creates the stream").await;
+    testkit::wait_until(Duration::from_secs(20), "recorded", || async {
+        match stack
+            .count("SELECT count(*) FROM workers.inbox WHERE chat_id = 43")
+            .await
+        {
+            1 => Ok(()),
+            n => Err(format!("{n}")),
+        }
+    })
+    .await;
+    crate::support::append_after_top(
+        stack.redis(),
+        "outbox:consumers",
+        &[("event", "message.created"), ("payload", "{not json")],
+    )
+    .await;
+    wait_dead_letters(&stack, 1).await;
+    let dir = testkit::scratch_dir("operator");
+    let user_token = dir.join("user");
+    std::fs::write(&user_token, idp.token("mallory")).unwrap();
+    let admin_token = dir.join("admin");
+    std::fs::write(
+        &admin_token,
+        idp.token_for("ops-carol", Duration::from_secs(600), Some("chat:admin")),
+    )
+    .unwrap();
+    let run = |args: &[&str]| {
+        let output = Command::new(env!("CARGO_BIN_EXE_chat-service"))
+            .args(stack.service_args(Side::Workers, &flags))
+            .arg("dead-letters")
+            .args(args)
+            .output()
+            .expect("run chat-service dead-letters");
+        (
+            output.status.success(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    };
+
+    // WHEN an operator states a name instead of a token, or brings a user's token
+    // THEN nothing is dropped, and the command says what to give
+    let (ok, err) = run(&["drop", "--all", "--by", "anyone"]);
+    assert!(!ok && err.contains("--token-file"), "{err}");
+    let (ok, err) = run(&["drop", "--all"]);
+    assert!(!ok && err.contains("--token-file"), "{err}");
+    let user = user_token.display().to_string();
+    let (ok, err) = run(&["drop", "--all", "--token-file", &user]);
+    assert!(!ok && err.contains("no admin rights"), "{err}");
+    assert_eq!(stack.dead_letters().await, 1);
+
+    // WHEN an admin's token comes with the command
+    let admin = admin_token.display().to_string();
+    let (ok, err) = run(&["drop", "--all", "--token-file", &admin]);
+
+    // THEN the letter is dropped and the audit log names the token's subject
+    assert!(ok, "{err}");
+    assert_eq!(stack.dead_letters().await, 0);
+    let mut redis = stack.redis().connect().await.unwrap();
+    let audit: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg("deadletter:workers:audit")
+        .arg("-")
+        .arg("+")
+        .query_async(&mut redis)
+        .await
+        .unwrap();
+    assert_eq!(audit.ids.len(), 1);
+    let field =
+        |name: &str| redis::from_redis_value_ref::<String>(&audit.ids[0].map[name]).unwrap();
+    assert_eq!(
+        (field("action"), field("by"), field("by_source")),
+        ("drop".into(), "ops-carol".into(), "token".into())
+    );
+    workers.stop().await;
+    consumers.stop().await;
+    stack.stop().await;
 }

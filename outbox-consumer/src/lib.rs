@@ -98,6 +98,7 @@
 mod config;
 mod consumer;
 pub mod fence;
+pub mod functions;
 mod inbox;
 mod members;
 mod metrics;

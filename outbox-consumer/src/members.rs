@@ -47,9 +47,7 @@ pub(crate) type Assignment = Arc<Vec<bool>>;
 /// after a database answer (the score's half millisecond says so), '4' heartbeat after a
 /// failed check, '0' leave, '2' only look. Scores are built as strings: Lua's own
 /// formatting keeps 14 digits.
-static MEMBERS: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
-    redis::Script::new(
-        r#"
+pub(crate) const MEMBERS_BODY: &str = r#"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local window = tonumber(ARGV[2])
@@ -83,9 +81,9 @@ table.insert(live, 1, tostring(able))
 table.insert(live, 1, tostring(out))
 table.insert(live, 1, string.format('%d', now))
 return live
-"#,
-    )
-});
+"#;
+static MEMBERS: std::sync::LazyLock<outbox_core::functions::Function> =
+    std::sync::LazyLock::new(|| crate::functions::LIBRARY.function("members"));
 
 /// The shards `me` wants among `members` (any order); with no members at all, every shard
 /// (everyone competes). Balanced rendezvous hashing: each shard ranks the members by a hash

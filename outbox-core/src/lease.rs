@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use redis::aio::ConnectionLike;
 
+use crate::functions::{Body, Function, Library};
+
 const ACQUIRE: &str = r#"
 local v = redis.call('GET', KEYS[1])
 if v == ARGV[1] then
@@ -29,13 +31,36 @@ end
 return 0
 "#;
 
+/// The lease's functions, shared by every component that holds a lease.
+pub static LIBRARY: std::sync::LazyLock<Library> = std::sync::LazyLock::new(|| {
+    Library::new(
+        "outbox_lease",
+        &[
+            // Holding a lease must outlast an out-of-memory Redis: its holder is what reads
+            // and acknowledges, so what frees memory (a key of a few bytes, not a stream).
+            Body {
+                name: "acquire",
+                body: ACQUIRE,
+                flags: &["allow-oom"],
+            },
+            Body {
+                name: "release",
+                body: RELEASE,
+                flags: &["allow-oom"],
+            },
+        ],
+    )
+});
+static ACQUIRE_FN: std::sync::LazyLock<Function> =
+    std::sync::LazyLock::new(|| LIBRARY.function("acquire"));
+static RELEASE_FN: std::sync::LazyLock<Function> =
+    std::sync::LazyLock::new(|| LIBRARY.function("release"));
+
 pub struct Lease {
     key: String,
     consumer: String,
     holder: String,
     ttl: Duration,
-    acquire: redis::Script,
-    release: redis::Script,
 }
 
 impl Lease {
@@ -45,8 +70,6 @@ impl Lease {
             consumer: consumer.to_string(),
             holder: format!("{consumer}/{:012x}", rand::random::<u64>() >> 16),
             ttl,
-            acquire: redis::Script::new(ACQUIRE),
-            release: redis::Script::new(RELEASE),
         }
     }
 
@@ -63,8 +86,7 @@ impl Lease {
         &self,
         conn: &mut C,
     ) -> redis::RedisResult<bool> {
-        let got: i64 = self
-            .acquire
+        let got: i64 = ACQUIRE_FN
             .key(&self.key)
             .arg(&self.holder)
             .arg(&self.consumer)
@@ -76,8 +98,7 @@ impl Lease {
 
     /// Give the lease up (on shutdown), if still ours.
     pub async fn release<C: ConnectionLike + Send>(&self, conn: &mut C) -> redis::RedisResult<()> {
-        let _: i64 = self
-            .release
+        let _: i64 = RELEASE_FN
             .key(&self.key)
             .arg(&self.holder)
             .invoke_async(conn)

@@ -6,6 +6,7 @@
 //! - [`stream`]: the wire contract: entry ids and fields, key names, shards, the record,
 //!   documented there for a consumer in any language.
 //! - [`lease`]: the Redis lease (the relay's rebuild lock, a service's shard consumer).
+//! - [`functions`]: every server-side script as a Redis function (callers need `FCALL` only).
 //! - [`backoff`], [`shutdown`], [`logging`], [`admin`]: what every binary runs on.
 //! - [`telemetry`]: trace context through the outbox and stream, spans over OTLP.
 //! - [`error`]: configuring and connecting fail with these, classified once.
@@ -14,6 +15,7 @@ pub mod admin;
 pub mod backoff;
 pub mod connect;
 pub mod error;
+pub mod functions;
 pub mod lease;
 pub mod logging;
 pub mod shutdown;

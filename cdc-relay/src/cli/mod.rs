@@ -11,7 +11,7 @@ mod operator;
 mod run;
 
 pub use connection::ConnectionArgs;
-pub use operator::{CheckArgs, DropSlotArgs, SetupArgs, SlotsArgs, StreamsArgs};
+pub use operator::{CheckArgs, DropSlotArgs, FunctionsArgs, SetupArgs, SlotsArgs, StreamsArgs};
 pub use run::{RunArgs, Tuning};
 
 /// Relays a transactional outbox from Postgres (logical replication, pgoutput) into a Redis
@@ -47,4 +47,8 @@ pub enum Command {
     /// stopped, every shard read and acknowledged by every group); takes `run`'s flags. See
     /// docs/deployment.md, "Resizing a stream".
     Reshard(RunArgs),
+    /// Load the relay's Redis functions as Redis's admin user (`--redis-url` with the admin's
+    /// credentials): once per Redis, and again after it lost its data. The relay's own user
+    /// may only call them. See docs/deployment.md, "Redis functions".
+    Functions(FunctionsArgs),
 }

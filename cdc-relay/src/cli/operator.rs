@@ -35,6 +35,17 @@ pub struct StreamsArgs {
     pub json: bool,
 }
 
+#[derive(Debug, Args)]
+pub struct FunctionsArgs {
+    /// Where Redis is (`--redis-url`, `--redis-cluster`), with an admin's credentials.
+    #[command(flatten)]
+    pub connection: ConnectionArgs,
+    /// Write each library to a file in this directory (`<name>.lua`, one per `redis-cli
+    /// FUNCTION LOAD`) instead of loading them.
+    #[arg(long)]
+    pub print_dir: Option<std::path::PathBuf>,
+}
+
 #[derive(Debug, Clone, Args)]
 pub struct CheckArgs {
     /// Where the slot is (`--slot` names the one to check).

@@ -111,6 +111,7 @@ async fn read_state(ctx: &Context, publisher: &Publisher) -> Result<State, Relay
     let all = all?;
     let readable: Vec<StreamRecord> = all.iter().flatten().cloned().collect();
     publisher.clone().check_layout(&readable).await?;
+    publisher.check_functions().await?;
 
     let replication = replication_config(
         &pg.endpoint,

@@ -2,9 +2,10 @@
 //! idempotent script call per part (`publisher`, `publish.lua`) through an ordered pipeline
 //! of one lane per shard that confirms strictly in order and lets a shard that cannot
 //! confirm fall behind (`pipeline`, `lane`); the stream's record (`record`) and the rebuild
-//! lock (`rebuild_lock`).
+//! lock (`rebuild_lock`). Every script is a Redis function ([`functions`]).
 
 mod batch;
+pub(crate) mod functions;
 mod lane;
 mod pipeline;
 mod publisher;

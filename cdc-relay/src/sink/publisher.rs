@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pgwire_replication::Lsn;
-use redis::{ErrorKind, ServerErrorKind, Value};
+use redis::{ErrorKind, Value};
 
 use outbox_core::connect::{RedisConn, RedisTarget};
 use outbox_core::stream::keys::origin_key;
@@ -27,14 +27,16 @@ use outbox_core::stream::record::check_layout;
 use outbox_core::stream::{shard_keys, EntryId};
 
 use super::batch::StreamEntry;
+use super::functions::{MAKE_ROOM, PUBLISH, READY};
 use super::record::{Records, StreamRecord};
 use crate::error::{script_codes, RelayError};
 use crate::source::{Origin, Watermark};
+use outbox_core::functions;
 
 /// The publish script, after the helpers it shares with [`ROOM`].
-const SCRIPT: &str = concat!(include_str!("trim.lua"), include_str!("publish.lua"));
+pub(super) const SCRIPT: &str = concat!(include_str!("trim.lua"), include_str!("publish.lua"));
 /// Making room for a catch-up's entries (see `room.lua`).
-const ROOM: &str = concat!(include_str!("trim.lua"), include_str!("room.lua"));
+pub(super) const ROOM: &str = concat!(include_str!("trim.lua"), include_str!("room.lua"));
 
 /// What one call did to the stream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -146,7 +148,6 @@ pub(crate) struct Publisher {
     base: String,
     shards: Arc<[ShardKeys]>,
     max_len: u64,
-    script_sha: String,
     /// Replicas that must acknowledge each call before it counts (`WAIT`), and how long
     /// to wait for them.
     wait_replicas: u32,
@@ -179,8 +180,7 @@ impl Publisher {
             futures::future::join_all((0..own).map(|_| target.connect(response_timeout))),
         )
         .await;
-        let mut conn = conn?;
-        let script_sha = load_script(&mut conn, SCRIPT).await?;
+        let conn = conn?;
         let conn = SharedConn::new(conn, target, response_timeout);
         let shard_conns: Arc<[SharedConn]> = if own > 0 {
             made.into_iter()
@@ -207,7 +207,6 @@ impl Publisher {
             base: stream.to_string(),
             shards,
             max_len,
-            script_sha,
             wait_replicas: 0,
             timeout: response_timeout,
             writer_epochs,
@@ -278,10 +277,8 @@ impl Publisher {
     /// Trim from `shard` what every consumer group acknowledged; the entries left (unread
     /// by some group) and how many groups read the shard.
     pub(crate) async fn room(&mut self, shard: u32) -> Result<(u64, u64), RelayError> {
-        static SCRIPT: std::sync::LazyLock<redis::Script> =
-            std::sync::LazyLock::new(|| redis::Script::new(ROOM));
         let keys = &self.shards[shard as usize];
-        let (entries, groups): (u64, u64) = SCRIPT
+        let (entries, groups): (u64, u64) = MAKE_ROOM
             .key(&keys.stream)
             .invoke_async(&mut self.shard_conns[shard as usize].get())
             .await?;
@@ -328,6 +325,14 @@ impl Publisher {
         self.shard_conns[0].get()
     }
 
+    /// Whether Redis holds the relay's functions (loading them when this user may): asked
+    /// before a session reads from the slot, so a Redis that lost them (and a user that may
+    /// not load them) holds the relay here, saying so, not in a loop of replication starts.
+    pub(crate) async fn check_functions(&self) -> Result<(), RelayError> {
+        let _: i64 = READY.call().invoke_async(&mut self.connection()).await?;
+        Ok(())
+    }
+
     /// Publish `entries` (all of shard `shard`, ids increasing) as one call, recording what
     /// `meta` says in the shard's record.
     pub(crate) async fn publish_part(
@@ -339,19 +344,29 @@ impl Publisher {
     ) -> Result<PublishOutcome, RelayError> {
         let reply = self.eval(shard, entries, meta, origin).await;
         let reply = match reply {
-            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::NoScript) => {
-                // Redis restarted or failed over (scripts are not persisted): load it again
-                // (on every node of a cluster) and resend. Every node restarted at once
-                // leaves a cluster connection with none of its nodes here.
-                match load_script(&mut self.shard_conns[shard].get(), SCRIPT).await {
-                    Ok(sha) => self.script_sha = sha,
-                    Err(e) => {
-                        self.shard_conns[shard].renew_if_lost(&e).await;
-                        return Err(e);
-                    }
+            Err(e) if functions::is_missing(&e) => {
+                // A Redis that lost its data (or a new cluster node) lost the functions too:
+                // load them again when this user may (on every primary of a cluster), and
+                // resend. Every node restarted at once leaves a cluster connection with none
+                // of its nodes here.
+                if let Err(e) = PUBLISH
+                    .call()
+                    .load_library(&mut self.shard_conns[shard].get())
+                    .await
+                {
+                    let e = RelayError::from(e);
+                    self.shard_conns[shard].renew_if_lost(&e).await;
+                    return Err(e);
                 }
                 self.eval(shard, entries, meta, origin).await
             }
+            // A function is refused before it runs while Redis is out of memory (the script
+            // it replaced trimmed first, then wrote): make room, trimming what every group
+            // acknowledged (it may run then), and try once more.
+            Err(e) if e.code() == Some("OOM") => match self.room(shard as u32).await {
+                Ok(_) => self.eval(shard, entries, meta, origin).await,
+                Err(_) => Err(e),
+            },
             other => other,
         };
         let (reply, replicas) = match reply {
@@ -390,7 +405,7 @@ impl Publisher {
         origin: &Origin,
     ) -> redis::RedisResult<(Value, Option<u32>)> {
         let keys = &self.shards[shard];
-        let mut cmd = redis::cmd("EVALSHA");
+        let mut cmd = redis::cmd("FCALL");
         let (watermark, watermark_from) = match &meta.watermark {
             Some(w) => (
                 w.encode(),
@@ -402,7 +417,7 @@ impl Publisher {
             ),
             None => (String::new(), String::new()),
         };
-        cmd.arg(&self.script_sha)
+        cmd.arg(PUBLISH.name())
             .arg(2)
             .arg(&keys.stream)
             .arg(&keys.origin_key)
@@ -487,15 +502,6 @@ impl Publisher {
             _ => RelayError::Redis(e),
         }
     }
-}
-
-async fn load_script(conn: &mut RedisConn, script: &str) -> Result<String, RelayError> {
-    let sha: String = redis::cmd("SCRIPT")
-        .arg("LOAD")
-        .arg(script)
-        .query_async(conn)
-        .await?;
-    Ok(sha)
 }
 
 fn parse_outcome(reply: Value) -> Result<PublishOutcome, RelayError> {

@@ -23,6 +23,7 @@ use outbox_core::stream::keys::{origin_key, rebuild_lock_key};
 use outbox_core::stream::record::fields;
 use outbox_core::stream::{recorded_count, EntryId};
 
+use super::functions::{ADOPT_TIMELINE, CLAIM, RECORD_CREATE, RECORD_REPLACE};
 use crate::error::RelayError;
 use crate::source::{Origin, Snapshot, TimelineHistory, Watermark};
 
@@ -136,14 +137,14 @@ pub(crate) fn offset_above(top: EntryId, start_lsn: u64, current: u64) -> u64 {
 /// Replace the record. (The caller confirmed the rebuild lock just before, which extends
 /// it by a whole TTL: the ACL keeps the lock and the record in separate selectors, so one
 /// script cannot touch both.)
-const REPLACE: &str = r#"
+pub(super) const REPLACE: &str = r#"
 redis.call('HDEL', KEYS[1], 'rebuilding', 'last_id', 'watermark', 'watermark_from', 'catch_up_cursor', 'catch_up_done')
 redis.call('HSET', KEYS[1], unpack(ARGV))
 return 1
 "#;
 
 /// Create the record, only if there is none.
-const CREATE: &str = r#"
+pub(super) const CREATE: &str = r#"
 if redis.call('EXISTS', KEYS[1]) == 1 then return 0 end
 redis.call('HSET', KEYS[1], unpack(ARGV))
 -- Fenced from the moment it exists: an epoch of Redis's clock is above every session's
@@ -158,7 +159,7 @@ return 1
 /// clock in milliseconds, so a record Redis lost and a rebuild made again still starts
 /// above every epoch claimed before. The new epoch (`false`: no record; only `setup` and a
 /// rebuild make one). ARGV[1]: the slot the session holds, recorded with the claim.
-const CLAIM_EPOCH: &str = r#"
+pub(super) const CLAIM_EPOCH: &str = r#"
 if redis.call('EXISTS', KEYS[1]) == 0 then return false end
 local current = tonumber(redis.call('HGET', KEYS[1], 'writer_epoch') or '0')
 local t = redis.call('TIME')
@@ -175,7 +176,7 @@ return tostring(claimed)
 /// transactions of the old primary whose ids the new one gives out again: they are
 /// forgotten, so a later catch-up compares everything instead of skipping new rows by a
 /// stale snapshot. (Acknowledgements record new watermarks, taken on the new primary.)
-const ADOPT: &str = r#"
+pub(super) const ADOPT: &str = r#"
 if redis.call('HGET', KEYS[1], 'system_id') ~= ARGV[1] then return 0 end
 redis.call('HSET', KEYS[1], 'timeline', ARGV[2], 'history', ARGV[3])
 local acked = tonumber(redis.call('HGET', KEYS[1], 'acked_through') or '0') or 0
@@ -298,8 +299,7 @@ impl Records {
 
     /// Write a first record unless one exists (`setup`); whether it was written.
     pub(crate) async fn create(&mut self, record: &NewRecord<'_>) -> Result<bool, RelayError> {
-        let script = redis::Script::new(CREATE);
-        let mut invocation = script.key(&self.origin_key);
+        let mut invocation = RECORD_CREATE.key(&self.origin_key);
         for (name, value) in record.fields() {
             invocation.arg(name).arg(value);
         }
@@ -314,8 +314,7 @@ impl Records {
         record: &NewRecord<'_>,
     ) -> Result<(), RelayError> {
         lock.confirm().await?;
-        let script = redis::Script::new(REPLACE);
-        let mut invocation = script.key(&self.origin_key);
+        let mut invocation = RECORD_REPLACE.key(&self.origin_key);
         for (name, value) in record.fields() {
             invocation.arg(name).arg(value);
         }
@@ -327,7 +326,7 @@ impl Records {
     /// refuses every session that claimed before (a paused or partitioned relay that lost
     /// the slot, retrying an old batch). The session's epoch (`0`: no record to claim in).
     pub(crate) async fn claim_epoch(&mut self, slot: &str) -> Result<u64, RelayError> {
-        let claimed: Option<String> = redis::Script::new(CLAIM_EPOCH)
+        let claimed: Option<String> = CLAIM
             .key(&self.origin_key)
             .arg(slot)
             .invoke_async(&mut self.conn)
@@ -341,7 +340,7 @@ impl Records {
         origin: &Origin,
         agrees_through: u64,
     ) -> Result<bool, RelayError> {
-        let adopted: i64 = redis::Script::new(ADOPT)
+        let adopted: i64 = ADOPT_TIMELINE
             .key(&self.origin_key)
             .arg(&origin.system_id)
             .arg(origin.timeline)
@@ -485,7 +484,7 @@ mod tests {
         let adopt = |key: &'static str, agrees: &'static str| {
             let mut conn = shared.clone();
             async move {
-                let adopted: i64 = redis::Script::new(ADOPT)
+                let adopted: i64 = super::super::functions::ADOPT_TIMELINE
                     .key(key)
                     .arg("7")
                     .arg(2)

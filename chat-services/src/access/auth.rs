@@ -1004,11 +1004,8 @@ impl Verifier {
         else {
             return;
         };
-        let tls = match outbox_core::connect::client_config(
-            outbox_core::connect::SslMode::VerifyFull,
-            ca_file.as_deref(),
-        ) {
-            Ok(config) => tokio_rustls::TlsConnector::from(Arc::new(config)),
+        let tls = match provider_tls(ca_file.as_deref()) {
+            Ok(tls) => tls,
             Err(e) => {
                 warn!(error = %e, "--jwks-ca-file: cannot verify the identity provider; no token can be verified");
                 return;
@@ -1053,6 +1050,29 @@ impl Verifier {
             }
         }
     }
+}
+
+impl Verifier {
+    /// Fetch the key set once now (a command that verifies one token); a file's was read
+    /// at load.
+    pub(crate) async fn fetch_once(&self) -> Result<(), String> {
+        let KeySource::Url { url, ca_file, .. } = &self.config.jwks else {
+            return Ok(());
+        };
+        let tls = provider_tls(ca_file.as_deref())?;
+        let keys = fetch_jwks(url, &tls)
+            .await
+            .and_then(|text| Keys::parse(Path::new(url), &text))?;
+        self.replace_keys(Arc::new(keys));
+        Ok(())
+    }
+}
+
+/// TLS to the identity provider, verified against `ca_file` (default: the well-known roots).
+fn provider_tls(ca_file: Option<&Path>) -> Result<tokio_rustls::TlsConnector, String> {
+    outbox_core::connect::client_config(outbox_core::connect::SslMode::VerifyFull, ca_file)
+        .map(|config| tokio_rustls::TlsConnector::from(Arc::new(config)))
+        .map_err(|e| e.to_string())
 }
 
 /// GET an `https://` URL (10 s), its body (at most 1 MiB) if it answers 200.

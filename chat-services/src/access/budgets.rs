@@ -109,7 +109,7 @@ struct Shared {
 /// GCRA on one key: KEYS[1] holds the theoretical arrival time (microseconds on Redis's
 /// clock); ARGV: the interval (µs), the burst, and 1 to take or -1 to give one back.
 /// Returns 0 when taken (or given back), else the microseconds until one may be.
-const TAKE: &str = r"
+pub(crate) const TAKE: &str = r"
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000000 + tonumber(t[2])
 local interval = tonumber(ARGV[1])
@@ -133,8 +133,8 @@ redis.call('SET', KEYS[1], string.format('%.0f', new), 'PX', math.ceil((new - no
 return 0
 ";
 
-static SCRIPT: std::sync::LazyLock<redis::Script> =
-    std::sync::LazyLock::new(|| redis::Script::new(TAKE));
+static SCRIPT: std::sync::LazyLock<outbox_core::functions::Function> =
+    std::sync::LazyLock::new(|| crate::functions::LIBRARY.function("take_budget"));
 
 impl Budgets {
     /// Budgets counted by this instance alone (no Redis to share them through).

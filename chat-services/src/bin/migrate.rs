@@ -1,6 +1,7 @@
 //! `migrate`: apply the chat services' SQL migrations to one database (or to one database
-//! per side, created when missing and opened to that side's roles only), and optionally set
-//! the roles' passwords (from files, never from the command line).
+//! per side, created when missing and opened to that side's roles only), optionally set
+//! the roles' passwords (from files, never from the command line), and load the services'
+//! Redis functions (`--redis-url`, as Redis's admin).
 
 use chat_services::MigrateCli as Cli;
 use clap::Parser;
@@ -23,6 +24,8 @@ enum Error {
     Isolate { database: String, message: String },
     #[error("gave up waiting after --wait-timeout: {0}")]
     WaitTimedOut(String),
+    #[error("loading the Redis functions: {0}")]
+    Functions(String),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -107,6 +110,27 @@ async fn run(cli: &Cli) -> Result<(), Error> {
                 message: server_message(&e),
             })?;
         tracing::info!(%role, "password set");
+    }
+    if let Some(url) = &cli.redis_url {
+        load_functions(cli, url).await?;
+    }
+    Ok(())
+}
+
+/// Load the services' Redis functions (on every primary of a cluster) as Redis's admin,
+/// waiting up to two minutes for a Redis that is not up yet.
+async fn load_functions(cli: &Cli, url: &str) -> Result<(), Error> {
+    let timeout = std::time::Duration::from_secs(10);
+    let target = cli.redis_secrets.target(url, cli.redis_cluster, timeout)?;
+    let names = outbox_core::functions::load_all(
+        &target,
+        &chat_services::functions::libraries(),
+        std::time::Duration::from_secs(120),
+    )
+    .await
+    .map_err(|e| Error::Functions(e.to_string()))?;
+    for library in names {
+        tracing::info!(%library, "redis functions loaded");
     }
     Ok(())
 }

@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use clap::Parser;
-use outbox_core::connect::DatabaseSecrets;
+use outbox_core::connect::{DatabaseSecrets, RedisSecrets};
 
 /// Apply the SQL migrations (schemas, tables, roles, grants, publications) in order; applied
 /// ones are skipped, so running it twice is harmless.
@@ -35,6 +35,21 @@ pub struct MigrateCli {
     /// How long --wait waits.
     #[arg(long, env = "MIGRATE_WAIT_TIMEOUT", value_parser = humantime::parse_duration, default_value = "10m")]
     pub wait_timeout: Duration,
+    /// Redis URL of Redis's admin user: load the services' Redis functions there too (their
+    /// own users may only call them; see docs/deployment.md, "Redis functions"). The relays'
+    /// are loaded by `cdc-relay functions`.
+    #[arg(
+        long,
+        env = "MIGRATE_REDIS_URL",
+        hide_env_values = true,
+        conflicts_with = "wait"
+    )]
+    pub redis_url: Option<String>,
+    /// --redis-url is a Redis Cluster: the functions are loaded on every primary.
+    #[arg(long, env = "MIGRATE_REDIS_CLUSTER", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
+    pub redis_cluster: bool,
+    #[command(flatten)]
+    pub redis_secrets: RedisSecrets,
 }
 
 /// The roles `--role-password` may set.

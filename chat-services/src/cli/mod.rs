@@ -97,9 +97,15 @@ pub struct Selection {
     /// Every dead letter.
     #[arg(long)]
     pub all: bool,
-    /// Who does it, for the audit log.
+    /// Who does it, for the audit log: only where the side runs without identities
+    /// (`--allow-anonymous`); where it verifies tokens, the operator's token says.
     #[arg(long, env = "CHAT_OPERATOR")]
-    pub by: String,
+    pub by: Option<String>,
+    /// A file holding the operator's access token, an admin token of this side (verified
+    /// with the side's identity settings): the audit log names its subject. Required where
+    /// the side verifies tokens.
+    #[arg(long, env = "CHAT_OPERATOR_TOKEN_FILE")]
+    pub token_file: Option<std::path::PathBuf>,
 }
 
 impl Cli {
@@ -111,15 +117,13 @@ impl Cli {
         let inbox = self
             .inbox
             .validate(self.side, &redis, self.connection.redis_cluster)?;
-        // An operator's command (dead letters) serves nobody: it needs no identities.
         // Loaded now (and only now), so a bad pair refuses the start with its reason.
         let certificate = self.http.certificate()?;
         // Served over TLS, the session cookie is for HTTPS only.
         let cookie_secure = self.auth.cookie_secure || certificate.is_some();
-        let verifier = match self.command {
-            Some(_) => None,
-            None => self.auth.validate(cookie_secure, self.side.as_str())?,
-        };
+        // An operator's command (dead letters) serves nobody, but verifies its operator's
+        // token with the side's identities (the audit log names its subject).
+        let verifier = self.auth.validate(cookie_secure, self.side.as_str())?;
         Ok(ServiceConfig {
             side: self.side,
             postgres,

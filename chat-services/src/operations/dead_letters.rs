@@ -2,7 +2,9 @@
 //! could not record. `list` shows them with their reasons; `replay` records them in the
 //! inbox once the cause is fixed (in their original stream order, each message once, shown
 //! live like any other) and removes them; `drop` removes them. Every replay and drop is
-//! written to `<dead-letter stream>:audit` with who did it. A sharded stream's consumers
+//! written to `<dead-letter stream>:audit` with who did it: the subject of the operator's
+//! admin token where the side verifies tokens (`by_source` `token`), else what `--by` says
+//! (`stated`, development only). A sharded stream's consumers
 //! dead-letter into one stream per shard (`<dead-letter stream>:{k}`, beside the shard's
 //! keys on a cluster): the commands work over all of them.
 //!
@@ -40,6 +42,8 @@ pub enum DeadLetterError {
     NoPosition(uuid::Uuid),
     #[error("writing the output: {0}")]
     Output(#[from] std::io::Error),
+    #[error("the operator's token is refused: {0}")]
+    Operator(String),
 }
 
 /// What a command did, for its exit status.
@@ -118,11 +122,63 @@ pub async fn run(
     match command {
         DeadLetterCommand::List { count } => list(&mut conn, &streams, count, out).await,
         DeadLetterCommand::Drop(selection) => {
-            drop_letters(&mut conn, &streams, &selection, out).await
+            let by = operator(config, &selection).await?;
+            drop_letters(&mut conn, &streams, &selection, &by, out).await
         }
         DeadLetterCommand::Replay(selection) => {
-            replay(config, &mut conn, &streams, &selection, out).await
+            let by = operator(config, &selection).await?;
+            replay(config, &mut conn, &streams, &selection, &by, out).await
         }
+    }
+}
+
+/// Who acts, for the audit log: the subject of the operator's admin token where the side
+/// verifies tokens, else (development, `--allow-anonymous`) what `--by` says.
+struct Operator {
+    name: String,
+    source: &'static str,
+}
+
+async fn operator(
+    config: &ServiceConfig,
+    selection: &Selection,
+) -> Result<Operator, DeadLetterError> {
+    let refuse = |message: &str| Err(outbox_core::ConfigError::new(message.to_string()).into());
+    match (&config.verifier, &selection.by, &selection.token_file) {
+        (Some(_), Some(_), _) => refuse(
+            "--by: this side verifies tokens, so the audit log names the subject of the operator's token: give --token-file (CHAT_OPERATOR_TOKEN_FILE) instead",
+        ),
+        (Some(_), None, None) => refuse(
+            "this side verifies tokens: give the operator's admin token of this side with --token-file (CHAT_OPERATOR_TOKEN_FILE); the audit log names its subject",
+        ),
+        (Some(verifier), None, Some(file)) => {
+            let token = outbox_core::connect::read_secret_file(file)?;
+            verifier
+                .fetch_once()
+                .await
+                .map_err(DeadLetterError::Operator)?;
+            let who = verifier
+                .verify(&token)
+                .map_err(|e| DeadLetterError::Operator(e.to_string()))?;
+            if !who.admin {
+                return Err(DeadLetterError::Operator(format!(
+                    "{} holds no admin rights on this side (the admin scope, and its audience and client where configured)",
+                    who.user
+                )));
+            }
+            Ok(Operator {
+                name: who.user,
+                source: "token",
+            })
+        }
+        (None, _, Some(_)) => refuse(
+            "--token-file: this side runs without identities (--allow-anonymous): say who you are with --by",
+        ),
+        (None, Some(by), None) if !by.trim().is_empty() => Ok(Operator {
+            name: by.trim().to_string(),
+            source: "stated",
+        }),
+        (None, _, None) => refuse("--by is required: who does it, for the audit log"),
     }
 }
 
@@ -152,6 +208,7 @@ async fn drop_letters(
     conn: &mut RedisConn,
     streams: &[String],
     selection: &Selection,
+    by: &Operator,
     out: &mut impl Write,
 ) -> Result<Outcome, DeadLetterError> {
     let mut outcome = Outcome::default();
@@ -159,7 +216,7 @@ async fn drop_letters(
         let mut from = None;
         while let Some(letters) = next_page(conn, &stream, ids.as_deref(), &mut from).await? {
             for letter in &letters {
-                if remove(conn, &stream, letter, &selection.by, "drop", &[]).await? {
+                if remove(conn, &stream, letter, by, "drop", &[]).await? {
                     writeln!(
                         out,
                         "{}",
@@ -186,6 +243,7 @@ async fn replay(
     conn: &mut RedisConn,
     streams: &[String],
     selection: &Selection,
+    by: &Operator,
     out: &mut impl Write,
 ) -> Result<Outcome, DeadLetterError> {
     let store = Store::new(&config.postgres, config.side, 2)?;
@@ -218,8 +276,7 @@ async fn replay(
                 ];
                 // Recorded either way; if another command removed the letter meanwhile, its
                 // audit entry is the one that stands.
-                let removed =
-                    remove(conn, &stream, letter, &selection.by, "replay", &details).await?;
+                let removed = remove(conn, &stream, letter, by, "replay", &details).await?;
                 writeln!(
                     out,
                     "{}",
@@ -405,25 +462,25 @@ async fn range(
     Ok(letters)
 }
 
+/// Delete dead letter ARGV[1] from KEYS[1] and, if it was there, log ARGV[2..] to KEYS[2].
+pub(crate) const REMOVE_BODY: &str = r#"
+if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
+redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
+return 1
+"#;
+
 /// Delete the dead letter and log the action to `<stream>:audit`, atomically, if it was
 /// still there (`false`: another command removed it meanwhile; nothing is logged).
 async fn remove(
     conn: &mut RedisConn,
     stream: &str,
     letter: &DeadLetter,
-    by: &str,
+    by: &Operator,
     action: &str,
     details: &[(&str, String)],
 ) -> Result<bool, DeadLetterError> {
-    static REMOVE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
-        redis::Script::new(
-            r#"
-if redis.call('XDEL', KEYS[1], ARGV[1]) == 0 then return 0 end
-redis.call('XADD', KEYS[2], '*', unpack(ARGV, 2))
-return 1
-"#,
-        )
-    });
+    static REMOVE: std::sync::LazyLock<outbox_core::functions::Function> =
+        std::sync::LazyLock::new(|| crate::functions::LIBRARY.function("remove_dead_letter"));
     let at = time::OffsetDateTime::now_utc()
         .format(&time::format_description::well_known::Rfc3339)
         .expect("formats");
@@ -434,7 +491,9 @@ return 1
         .arg("action")
         .arg(action)
         .arg("by")
-        .arg(by)
+        .arg(&by.name)
+        .arg("by_source")
+        .arg(by.source)
         .arg("dead_letter_id")
         .arg(&letter.id)
         .arg("stream_id")
@@ -448,7 +507,7 @@ return 1
     }
     let removed: i64 = invocation.invoke_async(conn).await?;
     if removed == 1 {
-        tracing::info!(action, by, dead_letter_id = %letter.id, stream_id = %letter.field(dead_letter::ID), "dead letter removed");
+        tracing::info!(action, by = %by.name, by_source = by.source, dead_letter_id = %letter.id, stream_id = %letter.field(dead_letter::ID), "dead letter removed");
     }
     Ok(removed == 1)
 }

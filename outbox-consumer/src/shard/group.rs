@@ -539,9 +539,7 @@ impl<I: Inbox> Active<'_, I> {
 
 /// Release attempt records still naming the run `ARGV[1]` (or absent), whether that run
 /// processed the entry in a batch or alone: pairs of entry id and attempt number follow.
-static RELEASE: std::sync::LazyLock<redis::Script> = std::sync::LazyLock::new(|| {
-    redis::Script::new(
-        r#"
+pub(crate) const RELEASE_BODY: &str = r#"
 local run = ARGV[1]
 for i = 2, #ARGV, 2 do
   local v = redis.call('HGET', KEYS[1], ARGV[i])
@@ -551,9 +549,9 @@ for i = 2, #ARGV, 2 do
   end
 end
 return 1
-"#,
-    )
-});
+"#;
+static RELEASE: std::sync::LazyLock<outbox_core::functions::Function> =
+    std::sync::LazyLock::new(|| crate::functions::LIBRARY.function("release_attempts"));
 
 /// Entries of an XREADGROUP reply (RESP2 arrays or RESP3 maps; `Nil` when the block timed out).
 fn parse_read_reply(reply: Value) -> Result<Vec<Entry>, ConsumeError> {

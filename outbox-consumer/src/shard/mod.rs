@@ -42,7 +42,7 @@ use crate::metrics::ConsumerMetrics;
 use crate::status::{ConsumerRole, ShardRoles};
 
 mod ahead;
-mod group;
+pub(crate) mod group;
 
 /// Entries read per call.
 const READ_COUNT: usize = 100;
