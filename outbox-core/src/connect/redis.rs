@@ -338,8 +338,10 @@ impl RedisConn {
             .cmd("WAIT")
             .arg(replicas)
             .arg(timeout.as_millis() as u64);
+        // Replies as values, each error extracted below: a pipeline's own error would carry
+        // no code (the publish function's verdicts, OOM), and the caller acts on the code.
         let mut replies: Vec<Value> = match self {
-            RedisConn::Single(conn) => pipe.query_async(conn).await?,
+            RedisConn::Single(conn) => conn.req_packed_commands(&pipe, 0, 2).await?,
             RedisConn::Cluster(shared) => {
                 let route = redis::cluster_routing::Route::with_slot(
                     Slot::for_key(key.as_bytes()),
