@@ -100,8 +100,8 @@ impl Library {
 
     /// Load the library (on every primary of a cluster). Loading it again is harmless: the
     /// name says which code it holds. A user that may not load it gets [`NOT_LOADED`]
-    /// (transient: it succeeds once the admin step ran); code Redis refuses is a permanent
-    /// error (a programming one).
+    /// (transient: it succeeds once the admin step ran); code Redis cannot compile or
+    /// register is a permanent error (a programming one).
     pub async fn load<C: ConnectionLike + Send>(&self, conn: &mut C) -> RedisResult<()> {
         let loaded: RedisResult<String> = redis::cmd("FUNCTION")
             .arg("LOAD")
@@ -115,7 +115,14 @@ impl Library {
                 *self.refused_at.lock().expect("not poisoned") = Some(std::time::Instant::now());
                 Err(self.not_loaded())
             }
-            Err(e) if e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError) => {
+            // Code Redis cannot take (a programming error) is permanent; any other answer
+            // (a proxy's, a busy server's) is what it is.
+            Err(e)
+                if e.kind() == ErrorKind::Server(ServerErrorKind::ResponseError)
+                    && ["Error compiling", "Error registering", "unknown command"]
+                        .iter()
+                        .any(|what| e.to_string().contains(what)) =>
+            {
                 Err(RedisError::from((
                     ErrorKind::InvalidClientConfig,
                     "Redis refused a function library",

@@ -360,13 +360,6 @@ impl Publisher {
                 }
                 self.eval(shard, entries, meta, origin).await
             }
-            // A function is refused before it runs while Redis is out of memory (the script
-            // it replaced trimmed first, then wrote): make room, trimming what every group
-            // acknowledged (it may run then), and try once more.
-            Err(e) if e.code() == Some("OOM") => match self.room(shard as u32).await {
-                Ok(_) => self.eval(shard, entries, meta, origin).await,
-                Err(_) => Err(e),
-            },
             other => other,
         };
         let (reply, replicas) = match reply {

@@ -121,9 +121,12 @@ impl Cli {
         let certificate = self.http.certificate()?;
         // Served over TLS, the session cookie is for HTTPS only.
         let cookie_secure = self.auth.cookie_secure || certificate.is_some();
-        // An operator's command (dead letters) serves nobody, but verifies its operator's
-        // token with the side's identities (the audit log names its subject).
-        let verifier = self.auth.validate(cookie_secure, self.side.as_str())?;
+        // An operator's command serves nobody: `list` needs no identities; `replay` and
+        // `drop` verify their operator's token with the side's (the audit names its subject).
+        let verifier = match &self.command {
+            Some(Command::DeadLetters(DeadLetterCommand::List { .. })) => None,
+            _ => self.auth.validate(cookie_secure, self.side.as_str())?,
+        };
         Ok(ServiceConfig {
             side: self.side,
             postgres,

@@ -145,13 +145,14 @@ async fn operator(
 ) -> Result<Operator, DeadLetterError> {
     let refuse = |message: &str| Err(outbox_core::ConfigError::new(message.to_string()).into());
     match (&config.verifier, &selection.by, &selection.token_file) {
-        (Some(_), Some(_), _) => refuse(
-            "--by: this side verifies tokens, so the audit log names the subject of the operator's token: give --token-file (CHAT_OPERATOR_TOKEN_FILE) instead",
+        (Some(_), Some(_), None) => refuse(
+            "--by (CHAT_OPERATOR): this side verifies tokens, so the audit log names the subject of the operator's token: give --token-file (CHAT_OPERATOR_TOKEN_FILE) instead",
         ),
         (Some(_), None, None) => refuse(
             "this side verifies tokens: give the operator's admin token of this side with --token-file (CHAT_OPERATOR_TOKEN_FILE); the audit log names its subject",
         ),
-        (Some(verifier), None, Some(file)) => {
+        // The token names the operator (a --by from the environment says nothing more).
+        (Some(verifier), _, Some(file)) => {
             let token = outbox_core::connect::read_secret_file(file)?;
             verifier
                 .fetch_once()
