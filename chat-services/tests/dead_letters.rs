@@ -2,21 +2,26 @@
 //! a process with the service's configuration beside a running service, and the cap on the
 //! dead-letter stream.
 
-use std::process::Command;
+use std::process::{Command, Output};
 use std::time::Duration;
 
 use crate::support::{send, Stack, Viewer};
 use chat_services::Side;
 use testkit::shared_postgres;
 
-/// Run `chat-service <service flags> dead-letters <args>`: (exit success, stdout lines).
-fn dead_letters(stack: &Stack<'_>, args: &[&str]) -> (bool, Vec<serde_json::Value>) {
-    let output = Command::new(env!("CARGO_BIN_EXE_chat-service"))
-        .args(stack.service_args(Side::Workers, &[]))
+/// Run `chat-service <Workers' flags and `flags`> dead-letters <args>`.
+fn run_dead_letters(stack: &Stack<'_>, flags: &[&str], args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_chat-service"))
+        .args(stack.service_args(Side::Workers, flags))
         .arg("dead-letters")
         .args(args)
         .output()
-        .expect("run chat-service dead-letters");
+        .expect("run chat-service dead-letters")
+}
+
+/// Run `chat-service <service flags> dead-letters <args>`: (exit success, stdout lines).
+fn dead_letters(stack: &Stack<'_>, args: &[&str]) -> (bool, Vec<serde_json::Value>) {
+    let output = run_dead_letters(stack, &[], args);
     let stdout = String::from_utf8(output.stdout).unwrap();
     let lines = stdout
         .lines()
@@ -128,14 +133,7 @@ async fn dead_letters_are_listed_replayed_in_order_after_the_fix_and_dropped_wit
     assert!(ok);
     assert_eq!(report.len(), 1);
     assert_eq!(stack.dead_letters().await, 0);
-    let mut redis = stack.redis().connect().await.unwrap();
-    let audit: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-        .arg("deadletter:workers:audit")
-        .arg("-")
-        .arg("+")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
+    let audit = stack.read_stream("deadletter:workers:audit").await;
     let field = |i: usize, name: &str| {
         redis::from_redis_value_ref::<String>(&audit.ids[i].map[name]).unwrap()
     };
@@ -172,16 +170,9 @@ async fn the_dead_letter_stream_is_capped_and_what_it_trims_is_counted() {
     send(consumers.addr, 42, "creates the stream").await;
     // Recorded, so the relay published it: nothing of ours lands above the entries below
     // (an entry appended before the relay's own would make the relay's XADD the smaller id).
-    testkit::wait_until(Duration::from_secs(20), "first recorded", || async {
-        match stack
-            .count("SELECT count(*) FROM workers.inbox WHERE chat_id = 42")
-            .await
-        {
-            1 => Ok(()),
-            n => Err(format!("{n}")),
-        }
-    })
-    .await;
+    stack
+        .wait_inbox(Side::Workers, 42, 1, "first recorded")
+        .await;
 
     // WHEN three poison entries arrive
     for _ in 0..3 {
@@ -193,16 +184,9 @@ async fn the_dead_letter_stream_is_capped_and_what_it_trims_is_counted() {
         .await;
     }
     send(consumers.addr, 42, "after").await;
-    testkit::wait_until(Duration::from_secs(20), "after recorded", || async {
-        match stack
-            .count("SELECT count(*) FROM workers.inbox WHERE chat_id = 42")
-            .await
-        {
-            2 => Ok(()),
-            n => Err(format!("{n}")),
-        }
-    })
-    .await;
+    stack
+        .wait_inbox(Side::Workers, 42, 2, "after recorded")
+        .await;
 
     // THEN two are kept and the trimmed one is counted
     assert_eq!(stack.dead_letters().await, 2);
@@ -329,16 +313,7 @@ async fn where_tokens_are_verified_the_audit_names_the_operators_admin_token() {
     let consumers = stack.service(Side::Consumers, &[]).await;
     let workers = stack.service(Side::Workers, &flags).await;
     send(consumers.addr, 43, "creates the stream").await;
-    testkit::wait_until(Duration::from_secs(20), "recorded", || async {
-        match stack
-            .count("SELECT count(*) FROM workers.inbox WHERE chat_id = 43")
-            .await
-        {
-            1 => Ok(()),
-            n => Err(format!("{n}")),
-        }
-    })
-    .await;
+    stack.wait_inbox(Side::Workers, 43, 1, "recorded").await;
     crate::support::append_after_top(
         stack.redis(),
         "outbox:consumers",
@@ -356,12 +331,7 @@ async fn where_tokens_are_verified_the_audit_names_the_operators_admin_token() {
     )
     .unwrap();
     let run = |args: &[&str]| {
-        let output = Command::new(env!("CARGO_BIN_EXE_chat-service"))
-            .args(stack.service_args(Side::Workers, &flags))
-            .arg("dead-letters")
-            .args(args)
-            .output()
-            .expect("run chat-service dead-letters");
+        let output = run_dead_letters(&stack, &flags, args);
         (
             output.status.success(),
             String::from_utf8_lossy(&output.stderr).into_owned(),
@@ -386,14 +356,7 @@ async fn where_tokens_are_verified_the_audit_names_the_operators_admin_token() {
     // THEN the letter is dropped and the audit log names the token's subject
     assert!(ok, "{err}");
     assert_eq!(stack.dead_letters().await, 0);
-    let mut redis = stack.redis().connect().await.unwrap();
-    let audit: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
-        .arg("deadletter:workers:audit")
-        .arg("-")
-        .arg("+")
-        .query_async(&mut redis)
-        .await
-        .unwrap();
+    let audit = stack.read_stream("deadletter:workers:audit").await;
     assert_eq!(audit.ids.len(), 1);
     let field =
         |name: &str| redis::from_redis_value_ref::<String>(&audit.ids[0].map[name]).unwrap();

@@ -202,8 +202,9 @@ struct State {
     /// When the server was last heard (or the loop last could not read): the watchdog's base.
     last_heard: Instant,
     /// The server keeps asking (reply-requested keepalives, again and again) for a
-    /// confirmation of everything it sent, up to this position, since this instant, and it
-    /// is not acknowledged yet: it is stopping.
+    /// confirmation of everything it sent, up to this position, and it is not acknowledged
+    /// yet: it is stopping. The session leaves at this deadline (the shutdown grace after
+    /// the asking began).
     confirm_asked: Option<(Lsn, Instant)>,
     /// When the server last asked for a reply.
     last_ask: Option<Instant>,
@@ -446,10 +447,10 @@ impl Session<'_> {
                     self.state.last_ask = Some(now);
                     if again {
                         let asked = match self.state.confirm_asked {
-                            Some((lsn, since)) => (lsn.max(wal_end), since),
+                            Some((lsn, deadline)) => (lsn.max(wal_end), deadline),
                             None => {
                                 debug!(%wal_end, acknowledged = %self.state.acknowledged_lsn, "the server is stopping: it waits for a confirmation");
-                                (wal_end, now)
+                                (wal_end, now + self.ctx.config.shutdown_grace)
                             }
                         };
                         self.state.confirm_asked = Some(asked);
@@ -600,13 +601,12 @@ impl Session<'_> {
     }
 
     /// When a confirmation the server asked for is overdue: it had the shutdown grace, the
-    /// bound a stopping relay gives its own healthy shards.
+    /// bound a stopping relay gives its own healthy shards. (Without one the branch is off
+    /// and any instant does.)
     fn confirm_deadline(&self) -> Instant {
         self.state
             .confirm_asked
-            .map_or_else(Instant::now, |(_, since)| {
-                since + self.ctx.config.shutdown_grace
-            })
+            .map_or(self.state.last_heard, |(_, deadline)| deadline)
     }
 
     fn confirmation_overdue(&self) -> RelayError {

@@ -484,7 +484,7 @@ mod tests {
         let adopt = |key: &'static str, agrees: &'static str| {
             let mut conn = shared.clone();
             async move {
-                let adopted: i64 = super::super::functions::ADOPT_TIMELINE
+                let adopted: i64 = ADOPT_TIMELINE
                     .key(key)
                     .arg("7")
                     .arg(2)

@@ -209,6 +209,30 @@ impl<'a> Stack<'a> {
         db.query_one(sql, &[]).await.unwrap().get(0)
     }
 
+    /// Wait (20 s at most) until `chat` has exactly `n` messages in `side`'s inbox.
+    pub(crate) async fn wait_inbox(&self, side: Side, chat: i64, n: i64, what: &str) {
+        let sql = format!("SELECT count(*) FROM {side}.inbox WHERE chat_id = {chat}");
+        testkit::wait_until(Duration::from_secs(20), what, || async {
+            match self.count(&sql).await {
+                got if got == n => Ok(()),
+                got => Err(format!("{got}")),
+            }
+        })
+        .await;
+    }
+
+    /// Every entry of a Redis stream, oldest first.
+    pub(crate) async fn read_stream(&self, key: &str) -> redis::streams::StreamRangeReply {
+        let mut redis = self.redis().connect().await.unwrap();
+        redis::cmd("XRANGE")
+            .arg(key)
+            .arg("-")
+            .arg("+")
+            .query_async(&mut redis)
+            .await
+            .unwrap()
+    }
+
     pub(crate) async fn stop(mut self) {
         for (_, token, task) in self.relays.drain(..) {
             token.cancel();
