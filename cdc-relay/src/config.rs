@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use outbox_core::connect::{PgEndpoint, RedisTarget};
 
-use crate::decode::OutboxTable;
+use std::sync::Arc;
+
+use crate::decode::OutboxMapping;
 
 /// What to do when the slot is lost (invalidated by `max_slot_wal_keep_size`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
@@ -38,7 +40,8 @@ pub struct PostgresConfig {
     pub endpoint: PgEndpoint,
     pub slot: String,
     pub publication: String,
-    pub outbox_table: OutboxTable,
+    /// The outbox table and which of its columns make an entry's fields.
+    pub outbox: Arc<OutboxMapping>,
     /// Create (and recreate) the slot as a failover slot.
     pub failover: bool,
 }

@@ -31,7 +31,7 @@ pub enum RelayError {
     #[error("invalid configuration: {0}")]
     Config(String),
 
-    #[error("wal_level is '{actual}' but logical decoding needs 'logical': set wal_level = logical in postgresql.conf and restart Postgres")]
+    #[error("wal_level is '{actual}' but logical decoding needs 'logical' (on Postgres 19+, 'replica' is enough: creating the slot turns logical decoding on): set wal_level = logical in postgresql.conf and restart Postgres")]
     WalLevelNotLogical { actual: String },
 
     #[error("publication {publication} does not exist: run the migrations (`migrate`), then `cdc-relay setup`")]

@@ -50,6 +50,7 @@ pub struct Metrics {
     pub standby_up: IntGaugeVec,
     pub standby_slot_ready: IntGaugeVec,
     pub standby_slot_behind_bytes: GaugeVec,
+    pub standby_slot_sync_skipped: IntGaugeVec,
     pub slot_wal_status: IntGaugeVec,
     pub slot_active: IntGauge,
     pub slot_held: IntGauge,
@@ -57,6 +58,7 @@ pub struct Metrics {
     pub slot_lost: IntGauge,
     pub slot_spilled_bytes_total: IntCounter,
     pub slot_spilled_transactions_total: IntCounter,
+    pub slot_memory_exceeded_total: IntCounter,
     pub postgres_up: IntGauge,
     // The stream as its consumers see it, read from Redis (XLEN, XINFO, XPENDING) every
     // --slot-metrics-interval by the relay holding the slot.
@@ -142,6 +144,7 @@ impl Metrics {
             standby_up: b.register(IntGaugeVec::new(Opts::new("cdc_relay_standby_up", "1 when the last query of the standby (--standby-url) succeeded"), &["standby"]).expect("valid metric")),
             standby_slot_ready: b.register(IntGaugeVec::new(Opts::new("cdc_relay_standby_slot_ready", "1 when the standby (--standby-url) holds a synced, non-temporary, valid copy of the failover slot, so its promotion keeps the slot"), &["standby"]).expect("valid metric")),
             standby_slot_behind_bytes: b.register(GaugeVec::new(Opts::new("cdc_relay_standby_slot_behind_bytes", "The slot's confirmed_flush_lsn on the primary minus its synced copy's on the standby (NaN without a copy)"), &["standby"]).expect("valid metric")),
+            standby_slot_sync_skipped: b.register(IntGaugeVec::new(Opts::new("cdc_relay_standby_slot_sync_skipped", "1, labelled with the reason, while the standby's slot sync skips the failover slot (Postgres 19+: slotsync_skip_reason); absent otherwise"), &["standby", "reason"]).expect("valid metric")),
             slot_wal_status: b.register(IntGaugeVec::new(Opts::new("cdc_relay_slot_wal_status", "1 for the slot's current wal_status, 0 for the others"), &["status"]).expect("valid metric")),
             slot_active: b.gauge("cdc_relay_slot_active", "1 while some walsender holds the slot"),
             slot_held: b.gauge("cdc_relay_slot_held", "1 while this relay holds the slot"),
@@ -149,6 +152,7 @@ impl Metrics {
             slot_lost: b.gauge("cdc_relay_slot_lost", "1 while the slot is lost and not yet recreated"),
             slot_spilled_bytes_total: b.counter("cdc_relay_slot_spilled_bytes_total", "Bytes of decoded transactions spilled to disk (pg_stat_replication_slots.spill_bytes)"),
             slot_spilled_transactions_total: b.counter("cdc_relay_slot_spilled_transactions_total", "Transactions spilled to disk (pg_stat_replication_slots.spill_txns)"),
+            slot_memory_exceeded_total: b.counter("cdc_relay_slot_memory_exceeded_total", "Times decoding the slot used more than logical_decoding_work_mem (Postgres 19+: pg_stat_replication_slots.mem_exceeded_count; stays 0 before)"),
             postgres_up: b.gauge("cdc_relay_postgres_up", "1 when the last slot health query succeeded"),
             stream_length_entries: b.register(IntGaugeVec::new(Opts::new("cdc_relay_stream_length_entries", "Entries in each shard of the stream (XLEN)"), &["shard"]).expect("valid metric")),
             stream_group_lag_entries: b.register(GaugeVec::new(Opts::new("cdc_relay_stream_group_lag_entries", "Entries of the shard not yet delivered to the consumer group (XINFO GROUPS lag; NaN when Redis cannot tell)"), &["shard", "group"]).expect("valid metric")),

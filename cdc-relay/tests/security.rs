@@ -479,6 +479,9 @@ async fn redis_acl_users_have_least_privilege() {
             "HSET outbox:consumers:origin system_id 1",
             true,
         ),
+        // Its trim asks whether Redis has ACKED trimming (8.2+).
+        ("consumers_relay", "COMMAND INFO XACKDEL", true),
+        ("consumers_relay", "COMMAND DOCS XTRIM", false),
         ("consumers_relay", "XADD outbox:workers * k v", false),
         ("consumers_relay", "XRANGE outbox:workers - +", false),
         ("consumers_relay", "XREAD STREAMS outbox:consumers 0", false),

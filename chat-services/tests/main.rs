@@ -35,3 +35,4 @@ mod stages;
 mod strangers;
 mod trace_context;
 mod user_limits;
+mod valkey;

@@ -29,6 +29,9 @@ mod wait;
 pub use postgres::{pg_bin_dir_of, shared_postgres, PgOptions, PgServer, TestDb, NEWER_VERSIONS};
 pub use process::{ChildProcess, Signal};
 pub use redis_cluster::RedisCluster;
-pub use redis_server::{shared_redis, RedisOptions, RedisServer};
+pub use redis_server::{
+    run_on_valkey, server_program, shared_redis, valkey_server, RedisOptions, RedisServer,
+    REDIS_SERVER_ENV,
+};
 pub use scratch::{scratch_dir, unique_name};
 pub use wait::{wait_until, wait_until_blocking};

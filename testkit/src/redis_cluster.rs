@@ -122,7 +122,7 @@ impl RedisCluster {
         let mut nodes = self.nodes.lock().unwrap();
         let node = &mut nodes[i];
         node.starts += 1;
-        let mut cmd = Command::new("redis-server");
+        let mut cmd = Command::new(crate::redis_server::server_program());
         cmd.args(["--port", &node.port.to_string(), "--bind", "127.0.0.1"])
             .arg("--dir")
             .arg(&node.dir)

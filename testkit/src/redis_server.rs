@@ -16,6 +16,60 @@ use crate::process::{ChildProcess, Signal};
 use crate::scratch::scratch_dir;
 use crate::tls::ServerCert;
 
+/// The server program every [`RedisServer`] and Redis Cluster node runs: `redis-server`, or
+/// what `TESTKIT_REDIS_SERVER` names (a Valkey build: see [`valkey_server`]).
+pub fn server_program() -> PathBuf {
+    std::env::var_os(REDIS_SERVER_ENV)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("redis-server"))
+}
+
+/// The variable that picks the server program.
+pub const REDIS_SERVER_ENV: &str = "TESTKIT_REDIS_SERVER";
+
+/// The Valkey server `deploy/install-deps.sh` unpacks into the workspace's `.cache/valkey`
+/// (or the one `VALKEY_SERVER` names).
+pub fn valkey_server() -> anyhow::Result<PathBuf> {
+    let path = std::env::var_os("VALKEY_SERVER")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            Path::new(env!("CARGO_MANIFEST_DIR")).join("../.cache/valkey/bin/valkey-server")
+        });
+    if path.is_file() {
+        Ok(path)
+    } else {
+        bail!(
+            "no Valkey server at {}: run deploy/install-deps.sh (or set VALKEY_SERVER)",
+            path.display()
+        )
+    }
+}
+
+/// Run the tests named `exact` of the test binary this process is, again, against Valkey
+/// (the suites' named Valkey subset): the child's output, and whether every one of them
+/// ran and passed. Two threads, as CI's machine has two cores.
+pub fn run_on_valkey(exact: &[&str]) -> anyhow::Result<(bool, String)> {
+    let program = valkey_server()?;
+    let banner = Command::new(&program).arg("--version").output()?;
+    let banner = String::from_utf8_lossy(&banner.stdout).into_owned();
+    if !banner.starts_with("Valkey server") {
+        bail!("{} is not a Valkey server: {banner}", program.display());
+    }
+    let output = Command::new(std::env::current_exe()?)
+        .args(exact)
+        .args(["--exact", "--test-threads", "2", "--nocapture"])
+        .env(REDIS_SERVER_ENV, &program)
+        .output()
+        .context("run the test binary again")?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let all_ran = text.contains(&format!("test result: ok. {} passed", exact.len()));
+    Ok((output.status.success() && all_ran, text))
+}
+
 /// Settings beyond the test defaults.
 #[derive(Debug, Clone, Default)]
 pub struct RedisOptions {
@@ -146,7 +200,7 @@ impl RedisServer {
             *starts
         };
         let _ = std::fs::remove_file(&self.socket);
-        let mut cmd = Command::new("redis-server");
+        let mut cmd = Command::new(server_program());
         cmd.args(["--port", "0", "--unixsocket"])
             .arg(&self.socket)
             .args(["--unixsocketperm", "700", "--dir"])

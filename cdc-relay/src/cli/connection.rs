@@ -3,12 +3,14 @@
 //! `run`, `setup` and the operator commands alike; each command takes what it needs and
 //! says which flag it misses.
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
 use outbox_core::connect::{DatabaseSecrets, PgEndpoint, RedisSecrets, RedisTarget};
 
 use crate::config::PostgresConfig;
+use crate::decode::{OutboxMapping, Overrides, Preset};
 use crate::error::RelayError;
 
 /// Where the relay connects, and what it reads and writes.
@@ -32,6 +34,8 @@ pub struct ConnectionArgs {
     /// The outbox table, schema.table (run, setup, reshard).
     #[arg(long, env = "CDC_OUTBOX_TABLE")]
     pub outbox_table: Option<String>,
+    #[command(flatten)]
+    pub mapping: MappingArgs,
     /// A failover slot (Postgres 17+): `setup` creates it, and a rebuild recreates it, with
     /// `failover => true`, so a standby with `sync_replication_slots` keeps a copy and a
     /// promoted standby streams on where the primary left off (docs/deployment.md).
@@ -50,13 +54,85 @@ pub struct ConnectionArgs {
     /// setup with --redis-url).
     #[arg(long, env = "CDC_STREAM")]
     pub stream: Option<String>,
-    /// Shards of the stream, fixed when it is set up: a row goes to the shard its
-    /// `partition_key` hashes to (one chat, one shard). 1 keeps the plain key; N > 1 writes
+    /// Shards of the stream, fixed when it is set up: a row goes to the shard its key
+    /// (the mapping's key column: the chat's `partition_key`) hashes to (one chat, one shard). 1 keeps the plain key; N > 1 writes
     /// `<stream>:{0}` .. `<stream>:{N-1}`. Every binary of the side must say the same.
     #[arg(long, env = "CDC_STREAM_SHARDS", default_value_t = 1)]
     pub stream_shards: u32,
     #[command(flatten)]
     pub redis_secrets: RedisSecrets,
+}
+
+/// Which columns of the outbox table make an entry's fields (docs/deployment.md, "The
+/// outbox mapping"). Each column flag overrides the preset's; Debezium's Outbox Event Router
+/// option names are accepted as aliases where they mean the same.
+#[derive(Debug, Clone, Args)]
+pub struct MappingArgs {
+    /// The column layout to start from: chat (id, event, payload, created_at, optional
+    /// partition_key and traceparent) or debezium (Debezium's defaults: id, aggregatetype,
+    /// aggregateid as the key, type, payload; no timestamp).
+    #[arg(long, env = "CDC_OUTBOX_PRESET", value_enum, default_value_t = Preset::Chat)]
+    pub outbox_preset: Preset,
+    /// The row's id, published as `outbox_id` (Debezium: table.field.event.id).
+    #[arg(long, env = "CDC_OUTBOX_ID_COLUMN", alias = "table-field-event-id")]
+    pub outbox_id_column: Option<String>,
+    /// The key: picks the shard (the unit whose order is kept) and is published as `key`
+    /// (Debezium: table.field.event.key).
+    #[arg(long, env = "CDC_OUTBOX_KEY_COLUMN", alias = "table-field-event-key")]
+    pub outbox_key_column: Option<String>,
+    /// The event type, published as `event` (Debezium: table.field.event.type).
+    #[arg(long, env = "CDC_OUTBOX_TYPE_COLUMN", alias = "table-field-event-type")]
+    pub outbox_type_column: Option<String>,
+    /// The payload, published as stored as `payload` (Debezium: table.field.event.payload).
+    #[arg(
+        long,
+        env = "CDC_OUTBOX_PAYLOAD_COLUMN",
+        alias = "table-field-event-payload"
+    )]
+    pub outbox_payload_column: Option<String>,
+    /// A timestamptz column published as `created_at` (RFC 3339 UTC); empty: none
+    /// (Debezium: table.field.event.timestamp).
+    #[arg(
+        long,
+        env = "CDC_OUTBOX_TIMESTAMP_COLUMN",
+        alias = "table-field-event-timestamp"
+    )]
+    pub outbox_timestamp_column: Option<String>,
+    /// A column of W3C trace context, carried as `traceparent` when valid; empty: none.
+    #[arg(long, env = "CDC_OUTBOX_TRACEPARENT_COLUMN")]
+    pub outbox_traceparent_column: Option<String>,
+    /// Extra columns published as fields of their own, comma-separated: column, column:alias,
+    /// or Debezium's column:header:alias / column:envelope:alias (both mean a field) (Debezium:
+    /// table.fields.additional.placement).
+    #[arg(
+        long,
+        env = "CDC_OUTBOX_FIELDS",
+        alias = "table-fields-additional-placement"
+    )]
+    pub outbox_fields: Option<String>,
+    /// An integer column that grows with every insert (an identity): the order a catch-up
+    /// from the table publishes rows in. chat: id; debezium: seq.
+    #[arg(long, env = "CDC_OUTBOX_ORDER_COLUMN")]
+    pub outbox_order_column: Option<String>,
+    /// The writing transaction's column (xid8 DEFAULT pg_current_xact_id()).
+    #[arg(long, env = "CDC_OUTBOX_TX_COLUMN")]
+    pub outbox_tx_column: Option<String>,
+}
+
+impl MappingArgs {
+    fn overrides(&self) -> Overrides {
+        Overrides {
+            id: self.outbox_id_column.clone(),
+            key: self.outbox_key_column.clone(),
+            event_type: self.outbox_type_column.clone(),
+            payload: self.outbox_payload_column.clone(),
+            timestamp: self.outbox_timestamp_column.clone(),
+            traceparent: self.outbox_traceparent_column.clone(),
+            extra: self.outbox_fields.clone(),
+            order: self.outbox_order_column.clone(),
+            tx: self.outbox_tx_column.clone(),
+        }
+    }
 }
 
 /// A flag the command needs and was not given.
@@ -115,11 +191,17 @@ impl ConnectionArgs {
             .ok_or_else(|| missing("--outbox-table", "CDC_OUTBOX_TABLE"))?
             .parse()
             .map_err(|e| RelayError::Config(format!("--outbox-table {e}")))?;
+        let outbox = OutboxMapping::build(
+            self.mapping.outbox_preset,
+            outbox_table,
+            &self.mapping.overrides(),
+        )
+        .map_err(RelayError::Config)?;
         Ok(PostgresConfig {
             endpoint,
             slot,
             publication,
-            outbox_table,
+            outbox: Arc::new(outbox),
             failover: self.failover,
         })
     }

@@ -306,7 +306,7 @@ mod tests {
         let config = run_args(&[]).unwrap().validate().unwrap();
         assert_eq!(config.batch.max_entries, 2000);
         assert_eq!(config.status_interval, Duration::from_millis(200));
-        assert_eq!(config.postgres.outbox_table.to_string(), "consumers.outbox");
+        assert_eq!(config.postgres.outbox.table.to_string(), "consumers.outbox");
         assert!(!format!("{config:?}").contains("s3cret"));
     }
 

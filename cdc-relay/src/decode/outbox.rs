@@ -1,13 +1,15 @@
-//! The outbox table as the relay sees it: which relation it is, where its columns are, and
-//! how one inserted row becomes one stream entry's fields.
+//! The outbox table as the relay sees it: which relation it is, where the mapping's columns
+//! are (see `mapping`), and how one inserted row becomes one stream entry's fields.
 //!
 //! Columns are looked up by name in each Relation message (they are re-sent every session
 //! and after DDL), so adding columns to the outbox or reordering them needs no relay change.
 
 use std::collections::HashMap;
+use std::sync::Arc;
 
 use bytes::Bytes;
 
+use super::mapping::{Ident, OutboxMapping};
 use super::pgoutput::{Insert, Relation, Value};
 
 /// `schema.table` of the outbox.
@@ -52,29 +54,42 @@ impl std::fmt::Display for OutboxTable {
 pub struct OutboxEvent {
     pub outbox_id: Bytes,
     pub event: Bytes,
-    /// The row's jsonb, exactly as Postgres printed it.
+    /// The payload exactly as stored (jsonb as Postgres printed it, bytea as its bytes).
     pub payload: Bytes,
-    /// RFC 3339 in UTC (`2026-11-29T21:12:00.123456Z`).
-    pub created_at: Bytes,
-    /// What decides the row's shard (`partition_key`, the chat id for chat messages);
-    /// `None` when the column is NULL or the table has none. Not written to the stream.
-    pub partition_key: Option<Bytes>,
+    /// RFC 3339 in UTC (`2026-11-29T21:12:00.123456Z`); `None` when the mapping has no
+    /// timestamp column.
+    pub created_at: Option<Bytes>,
+    /// The key: what decides the row's shard and is published as `key` (the chat id for
+    /// chat messages); `None` when the column is NULL or the table has none.
+    pub key: Option<Bytes>,
     /// The W3C trace context the entry carries (`traceparent`): the row's, valid, until the
     /// relay's own publish span replaces it. `None`: NULL, invalid, or no such column.
     pub traceparent: Option<Bytes>,
+    /// The mapping's extra columns that were not NULL, as (field, value).
+    pub extra: Vec<(Bytes, Bytes)>,
 }
 
 impl OutboxEvent {
-    /// The entry's field values, in the order of `outbox_core::stream::entry::FIELDS`.
-    /// The script adds `published_at` itself and takes an empty `traceparent` as none.
-    pub fn field_values(&self) -> [&[u8]; 5] {
+    /// The entry's fields as name/value pairs, in the order the stream contract gives
+    /// (`outbox_core::stream::entry::FIELDS`, then `traceparent`, `key` and the extra
+    /// fields); the publishing function adds `published_at` after `created_at`'s place.
+    pub fn fields(&self) -> impl Iterator<Item = (&[u8], &[u8])> {
+        use outbox_core::stream::entry;
         [
-            &self.event,
-            &self.payload,
-            &self.outbox_id,
-            &self.created_at,
-            self.traceparent.as_deref().unwrap_or_default(),
+            Some((entry::EVENT.as_bytes(), &self.event[..])),
+            Some((entry::PAYLOAD.as_bytes(), &self.payload[..])),
+            Some((entry::OUTBOX_ID.as_bytes(), &self.outbox_id[..])),
+            self.created_at
+                .as_deref()
+                .map(|v| (entry::CREATED_AT.as_bytes(), v)),
+            self.traceparent
+                .as_deref()
+                .map(|v| (entry::TRACEPARENT.as_bytes(), v)),
+            self.key.as_deref().map(|v| (entry::KEY.as_bytes(), v)),
         ]
+        .into_iter()
+        .flatten()
+        .chain(self.extra.iter().map(|(k, v)| (&k[..], &v[..])))
     }
 
     /// Bytes this event adds to a stream entry (fields and names), for batch sizing.
@@ -83,8 +98,14 @@ impl OutboxEvent {
         self.outbox_id.len()
             + self.event.len()
             + self.payload.len()
-            + self.created_at.len()
+            + self.created_at.as_ref().map_or(0, Bytes::len)
             + self.traceparent.as_ref().map_or(0, Bytes::len)
+            + self.key.as_ref().map_or(0, Bytes::len)
+            + self
+                .extra
+                .iter()
+                .map(|(k, v)| k.len() + v.len() + 8)
+                .sum::<usize>()
             + FIELD_NAMES_AND_FRAMING
     }
 }
@@ -93,8 +114,12 @@ impl OutboxEvent {
 /// session's settings are not what the relay requires.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum OutboxError {
-    #[error("outbox table {table} has no column '{column}' (the relay needs id, event, payload, created_at)")]
-    MissingColumn { table: String, column: &'static str },
+    #[error("outbox table {table} has no column '{column}' (the mapping's {role}; see --outbox-preset and the --outbox-*-column flags)")]
+    MissingColumn {
+        table: String,
+        column: String,
+        role: &'static str,
+    },
     #[error("outbox insert has {got} columns but relation {table} has {expected}")]
     ColumnCount {
         table: String,
@@ -102,29 +127,32 @@ pub enum OutboxError {
         got: usize,
     },
     #[error("outbox insert: column '{column}' is {what}; it must be a non-null text value")]
-    BadValue {
-        column: &'static str,
-        what: &'static str,
-    },
+    BadValue { column: String, what: &'static str },
     #[error("insert for relation id {relation_id}, which no Relation message described")]
     UnknownRelation { relation_id: u32 },
 }
 
-/// Where the relay's four fields are in the outbox relation.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The type oid of bytea: a payload of this type is published as its bytes.
+pub(crate) const BYTEA_OID: u32 = 17;
+
+/// Where the mapping's columns are in the outbox relation.
+#[derive(Debug, Clone)]
 struct OutboxColumns {
     id: usize,
     event: usize,
     payload: usize,
-    created_at: usize,
-    partition_key: Option<usize>,
+    payload_bytea: bool,
+    created_at: Option<usize>,
+    key: Option<usize>,
     traceparent: Option<usize>,
+    /// (position, field name) of each extra column.
+    extra: Vec<(usize, Bytes)>,
     count: usize,
 }
 
 #[derive(Debug, Clone)]
 enum Known {
-    Outbox(OutboxColumns),
+    Outbox(Arc<OutboxColumns>),
     /// Another table in the publication: its rows are not ours to publish.
     Other(String),
 }
@@ -140,67 +168,74 @@ pub enum Row {
 /// Relations seen in this replication session, by relation id.
 #[derive(Debug)]
 pub struct RelationCache {
-    outbox: OutboxTable,
-    /// A sharded stream needs every row's partition key.
-    require_partition_key: bool,
+    mapping: Arc<OutboxMapping>,
+    /// A sharded stream needs every row's key column.
+    require_key: bool,
     relations: HashMap<u32, Known>,
 }
 
 impl RelationCache {
+    /// A cache for the chat's table layout (`OutboxMapping::chat`).
     pub fn new(outbox: OutboxTable) -> Self {
-        Self {
-            outbox,
-            require_partition_key: false,
-            relations: HashMap::new(),
-        }
+        Self::mapped(Arc::new(OutboxMapping::chat(outbox)), 1)
     }
 
-    /// A cache for a stream of `shards` shards (more than one needs `partition_key`).
-    pub fn sharded(outbox: OutboxTable, shards: u32) -> Self {
+    /// A cache for a stream of `shards` shards (more than one needs the key column).
+    pub fn mapped(mapping: Arc<OutboxMapping>, shards: u32) -> Self {
         Self {
-            require_partition_key: shards > 1,
-            ..Self::new(outbox)
+            mapping,
+            require_key: shards > 1,
+            relations: HashMap::new(),
         }
     }
 
     /// Remember (or replace) a relation's description.
     pub fn on_relation(&mut self, relation: &Relation) -> Result<(), OutboxError> {
-        let known =
-            if relation.namespace == self.outbox.schema && relation.name == self.outbox.table {
-                let find = |column: &'static str| {
-                    relation
-                        .columns
-                        .iter()
-                        .position(|c| c.name == column)
-                        .ok_or_else(|| OutboxError::MissingColumn {
-                            table: self.outbox.to_string(),
-                            column,
-                        })
-                };
-                let partition_key = if self.require_partition_key {
-                    Some(find("partition_key")?)
-                } else {
-                    relation
-                        .columns
-                        .iter()
-                        .position(|c| c.name == "partition_key")
-                };
-                let traceparent = relation
+        let m = &self.mapping;
+        let known = if relation.namespace == m.table.schema && relation.name == m.table.table {
+            let position = |column: &Ident| {
+                relation
                     .columns
                     .iter()
-                    .position(|c| c.name == "traceparent");
-                Known::Outbox(OutboxColumns {
-                    id: find("id")?,
-                    event: find("event")?,
-                    payload: find("payload")?,
-                    created_at: find("created_at")?,
-                    partition_key,
-                    traceparent,
-                    count: relation.columns.len(),
-                })
-            } else {
-                Known::Other(format!("{}.{}", relation.namespace, relation.name))
+                    .position(|c| c.name == column.as_str())
             };
+            let find = |column: &Ident, role: &'static str| {
+                position(column).ok_or_else(|| OutboxError::MissingColumn {
+                    table: m.table.to_string(),
+                    column: column.to_string(),
+                    role,
+                })
+            };
+            let key = if self.require_key {
+                Some(find(&m.key, "key (a sharded stream needs it)")?)
+            } else {
+                position(&m.key)
+            };
+            let payload = find(&m.payload, "payload")?;
+            let mut extra = Vec::with_capacity(m.extra.len());
+            for field in &m.extra {
+                extra.push((
+                    find(&field.column, "extra field")?,
+                    Bytes::from(field.field.clone()),
+                ));
+            }
+            Known::Outbox(Arc::new(OutboxColumns {
+                id: find(&m.id, "id")?,
+                event: find(&m.event_type, "type")?,
+                payload,
+                payload_bytea: relation.columns[payload].type_oid == BYTEA_OID,
+                created_at: match &m.timestamp {
+                    Some(t) => Some(find(t, "timestamp")?),
+                    None => None,
+                },
+                key,
+                traceparent: m.traceparent.as_ref().and_then(position),
+                extra,
+                count: relation.columns.len(),
+            }))
+        } else {
+            Known::Other(format!("{}.{}", relation.namespace, relation.name))
+        };
         self.relations.insert(relation.id, known);
         Ok(())
     }
@@ -208,7 +243,7 @@ impl RelationCache {
     /// Turn an insert into the outbox event it carries.
     pub fn on_insert(&self, insert: Insert) -> Result<Row, OutboxError> {
         let columns = match self.relations.get(&insert.relation_id) {
-            Some(Known::Outbox(columns)) => *columns,
+            Some(Known::Outbox(columns)) => Arc::clone(columns),
             Some(Known::Other(name)) => return Ok(Row::Foreign(name.clone())),
             None => {
                 return Err(OutboxError::UnknownRelation {
@@ -216,22 +251,23 @@ impl RelationCache {
                 })
             }
         };
+        let m = &self.mapping;
         if insert.values.len() != columns.count {
             return Err(OutboxError::ColumnCount {
-                table: self.outbox.to_string(),
+                table: m.table.to_string(),
                 expected: columns.count,
                 got: insert.values.len(),
             });
         }
         let mut values = insert.values;
-        let partition_key = match columns.partition_key {
+        let key = match columns.key {
             Some(index) => match std::mem::replace(&mut values[index], Value::Null) {
                 Value::Text(bytes) => Some(bytes),
                 // NULL means "no order to keep": shard 0, like a table without the column.
                 Value::Null => None,
                 Value::UnchangedToast | Value::Binary(_) => {
                     return Err(OutboxError::BadValue {
-                        column: "partition_key",
+                        column: m.key.to_string(),
                         what: "not a text value",
                     })
                 }
@@ -251,32 +287,71 @@ impl RelationCache {
                 _ => None,
             }
         });
-        let mut take = |index: usize, column: &'static str| match std::mem::replace(
+        let mut take = |index: usize, column: &Ident, null_ok: bool| match std::mem::replace(
             &mut values[index],
             Value::Null,
         ) {
-            Value::Text(bytes) => Ok(bytes),
+            Value::Text(bytes) => Ok(Some(bytes)),
+            Value::Null if null_ok => Ok(None),
             Value::Null => Err(OutboxError::BadValue {
-                column,
+                column: column.to_string(),
                 what: "NULL",
             }),
             Value::UnchangedToast => Err(OutboxError::BadValue {
-                column,
+                column: column.to_string(),
                 what: "an unchanged TOAST value",
             }),
             Value::Binary(_) => Err(OutboxError::BadValue {
-                column,
+                column: column.to_string(),
                 what: "in binary format",
             }),
         };
+        let required = |v: Option<Bytes>| v.unwrap_or_default();
+        let outbox_id = required(take(columns.id, &m.id, false)?);
+        let event = required(take(columns.event, &m.event_type, false)?);
+        // A NULL payload (Debezium's delete marker) is published as an empty one: a stream
+        // has no compaction that a tombstone could drive.
+        let payload = take(columns.payload, &m.payload, true)?
+            .map(|text| stored_payload(text, columns.payload_bytea))
+            .unwrap_or_default();
+        let created_at = match (columns.created_at, &m.timestamp) {
+            (Some(index), Some(column)) => Some(rfc3339_utc(required(take(index, column, false)?))),
+            _ => None,
+        };
+        let mut extra = Vec::with_capacity(columns.extra.len());
+        for ((index, field), mapped) in columns.extra.iter().zip(&m.extra) {
+            if let Some(value) = take(*index, &mapped.column, true)? {
+                extra.push((field.clone(), value));
+            }
+        }
         Ok(Row::Outbox(OutboxEvent {
-            outbox_id: take(columns.id, "id")?,
-            event: take(columns.event, "event")?,
-            payload: take(columns.payload, "payload")?,
-            created_at: rfc3339_utc(take(columns.created_at, "created_at")?),
-            partition_key,
+            outbox_id,
+            event,
+            payload,
+            created_at,
+            key,
             traceparent,
+            extra,
         }))
+    }
+}
+
+/// A payload as stored: a bytea column's text form (`\x` and hex, as Postgres prints it
+/// under the default `bytea_output`) becomes its bytes; any other type is its text.
+pub(crate) fn stored_payload(text: Bytes, bytea: bool) -> Bytes {
+    if !bytea {
+        return text;
+    }
+    match text.strip_prefix(b"\\x") {
+        Some(hex) if hex.len() % 2 == 0 => {
+            let digit = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+            let decoded: Option<Vec<u8>> = hex
+                .chunks_exact(2)
+                .map(|pair| Some(digit(pair[0])? << 4 | digit(pair[1])?))
+                .collect();
+            decoded.map(Bytes::from).unwrap_or(text)
+        }
+        _ => text,
     }
 }
 
@@ -367,9 +442,10 @@ mod tests {
                 outbox_id: Bytes::from_static(b"17"),
                 event: Bytes::from_static(b"message.created"),
                 payload: Bytes::from_static(b"{\"a\": 1}"),
-                created_at: Bytes::from_static(b"2026-11-29T21:12:00.5Z"),
-                partition_key: None,
+                created_at: Some(Bytes::from_static(b"2026-11-29T21:12:00.5Z")),
+                key: None,
                 traceparent: None,
+                extra: Vec::new(),
             })
         );
     }
@@ -438,7 +514,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             err.to_string(),
-            "outbox table consumers.outbox has no column 'payload' (the relay needs id, event, payload, created_at)"
+            "outbox table consumers.outbox has no column 'payload' (the mapping's payload; see --outbox-preset and the --outbox-*-column flags)"
         );
     }
 
@@ -483,13 +559,13 @@ mod tests {
             let err = cache
                 .on_insert(Insert {
                     relation_id: 5,
-                    values: vec![text("1"), text("e"), bad, text("t")],
+                    values: vec![text("1"), bad, text("{}"), text("t")],
                 })
                 .unwrap_err();
             assert_eq!(
                 err,
                 OutboxError::BadValue {
-                    column: "payload",
+                    column: "event".into(),
                     what
                 }
             );
@@ -508,6 +584,130 @@ mod tests {
                 ..
             }
         ));
+    }
+
+    /// Debezium's documented table, with the two columns a catch-up needs.
+    fn debezium(extra: &str) -> RelationCache {
+        let table: OutboxTable = "public.outbox".parse().unwrap();
+        let mapping = OutboxMapping::build(
+            crate::decode::Preset::Debezium,
+            table,
+            &crate::decode::Overrides {
+                extra: Some(extra.into()),
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let mut cache = RelationCache::mapped(Arc::new(mapping), 4);
+        let mut rel = relation(
+            7,
+            "public",
+            "outbox",
+            &[
+                "id",
+                "aggregatetype",
+                "aggregateid",
+                "type",
+                "payload",
+                "seq",
+                "tx",
+            ],
+        );
+        rel.columns[4].type_oid = BYTEA_OID;
+        cache.on_relation(&rel).unwrap();
+        cache
+    }
+
+    #[test]
+    fn a_debezium_row_publishes_its_key_extra_fields_and_bytes_as_stored() {
+        let cache = debezium("aggregatetype:header:aggregate_type");
+        let row = cache
+            .on_insert(Insert {
+                relation_id: 7,
+                values: vec![
+                    text("0b4e7c1e-7a4d-4f9e-9a57-0d1c5e3f2a10"),
+                    text("order"),
+                    text("o-17"),
+                    text("OrderCreated"),
+                    text("\\x00ff7b7d"),
+                    text("3"),
+                    text("812"),
+                ],
+            })
+            .unwrap();
+        let Row::Outbox(event) = row else {
+            panic!("{row:?}")
+        };
+        assert_eq!(event.payload, Bytes::from_static(b"\x00\xff{}"));
+        assert_eq!(event.key.as_deref(), Some(&b"o-17"[..]));
+        assert_eq!(event.created_at, None);
+        let fields: Vec<(&[u8], &[u8])> = event.fields().collect();
+        assert_eq!(
+            fields,
+            [
+                (&b"event"[..], &b"OrderCreated"[..]),
+                (b"payload", b"\x00\xff{}"),
+                (b"outbox_id", b"0b4e7c1e-7a4d-4f9e-9a57-0d1c5e3f2a10"),
+                (b"key", b"o-17"),
+                (b"aggregate_type", b"order"),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_null_payload_is_published_empty_and_a_null_extra_left_out() {
+        let cache = debezium("aggregatetype");
+        let row = cache
+            .on_insert(Insert {
+                relation_id: 7,
+                values: vec![
+                    text("id-1"),
+                    Value::Null,
+                    text("o-17"),
+                    text("OrderDeleted"),
+                    Value::Null,
+                    text("4"),
+                    text("813"),
+                ],
+            })
+            .unwrap();
+        let Row::Outbox(event) = row else {
+            panic!("{row:?}")
+        };
+        assert!(event.payload.is_empty());
+        assert!(event.extra.is_empty());
+    }
+
+    #[test]
+    fn a_sharded_stream_refuses_a_table_without_the_key_naming_the_flag() {
+        let table: OutboxTable = "public.outbox".parse().unwrap();
+        let mapping =
+            OutboxMapping::build(crate::decode::Preset::Debezium, table, &Default::default())
+                .unwrap();
+        let mut cache = RelationCache::mapped(Arc::new(mapping), 4);
+        let err = cache
+            .on_relation(&relation(
+                7,
+                "public",
+                "outbox",
+                &["id", "type", "payload", "seq", "tx"],
+            ))
+            .unwrap_err();
+        assert!(
+            err.to_string().contains("no column 'aggregateid'")
+                && err.to_string().contains("--outbox-"),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn bytea_text_becomes_bytes_and_anything_else_stays_text() {
+        let b = |s: &'static [u8], bytea| stored_payload(Bytes::from_static(s), bytea);
+        assert_eq!(b(b"\\x414243", true), "ABC");
+        assert_eq!(b(b"\\x414", true), "\\x414", "odd length: left as printed");
+        assert_eq!(b(b"\\x41zz", true), "\\x41zz");
+        assert_eq!(b(b"\\x414243", false), "\\x414243");
+        assert_eq!(b(b"", true), "");
     }
 
     #[test]

@@ -23,7 +23,7 @@ pub(crate) async fn run(ctx: Arc<Context>, shutdown: CancellationToken) {
     }
     let cfg = &ctx.config;
     let mut client: Option<tokio_postgres::Client> = None;
-    let mut spilled = (0i64, 0i64);
+    let mut spilled = (0i64, 0i64, 0i64);
     let mut interval = tokio::time::interval(cfg.slot_metrics_interval);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -96,6 +96,8 @@ async fn watch_standbys(ctx: Arc<Context>, shutdown: CancellationToken) {
     let slot = cfg.postgres.slot.clone();
     let limit = cfg.connect_timeout.min(Duration::from_secs(5));
     let mut primary: Option<tokio_postgres::Client> = None;
+    // The skip reason each standby's gauge was last set with (to clear it when it changes).
+    let mut reasons: Vec<Option<String>> = cfg.standbys.iter().map(|_| None).collect();
     let mut clients: Vec<Option<tokio_postgres::Client>> =
         cfg.standbys.iter().map(|_| None).collect();
     let mut interval = tokio::time::interval(cfg.slot_metrics_interval);
@@ -131,16 +133,30 @@ async fn watch_standbys(ctx: Arc<Context>, shutdown: CancellationToken) {
             .await
             .flatten()
         };
-        for (endpoint, copy) in cfg.standbys.iter().zip(copies) {
+        for ((endpoint, copy), shown) in cfg.standbys.iter().zip(copies).zip(reasons.iter_mut()) {
             let label = endpoint.address();
+            let reason = copy.as_ref().and_then(|c| c.skip_reason.clone());
+            if *shown != reason {
+                if let Some(old) = shown.take() {
+                    let _ = m
+                        .standby_slot_sync_skipped
+                        .remove_label_values(&[&label, &old]);
+                }
+                if let Some(new) = &reason {
+                    m.standby_slot_sync_skipped
+                        .with_label_values(&[&label, new])
+                        .set(1);
+                }
+                *shown = reason;
+            }
             // Unreachable counts as not ready: nobody can say a promotion keeps the slot.
             m.standby_up
                 .with_label_values(&[&label])
                 .set(i64::from(copy.is_some()));
             m.standby_slot_ready
                 .with_label_values(&[&label])
-                .set(i64::from(copy.is_some_and(|c| c.ready)));
-            let behind = match (confirmed, copy.and_then(|c| c.confirmed_flush)) {
+                .set(i64::from(copy.as_ref().is_some_and(|c| c.ready)));
+            let behind = match (confirmed, copy.as_ref().and_then(|c| c.confirmed_flush)) {
                 (Some(p), Some(s)) => (p - s) as f64,
                 _ => f64::NAN,
             };
@@ -151,7 +167,7 @@ async fn watch_standbys(ctx: Arc<Context>, shutdown: CancellationToken) {
     }
 }
 
-fn update(ctx: &Context, slot: Option<&SlotHealth>, spilled: &mut (i64, i64)) {
+fn update(ctx: &Context, slot: Option<&SlotHealth>, spilled: &mut (i64, i64, i64)) {
     let m = &ctx.metrics;
     m.slot_exists.set(i64::from(slot.is_some()));
     let Some(slot) = slot else {
@@ -201,5 +217,10 @@ fn update(ctx: &Context, slot: Option<&SlotHealth>, spilled: &mut (i64, i64)) {
         m.slot_spilled_transactions_total
             .inc_by((txns - spilled.1) as u64);
     }
-    *spilled = (bytes, txns);
+    let exceeded = slot.mem_exceeded.unwrap_or(0);
+    if exceeded >= spilled.2 {
+        m.slot_memory_exceeded_total
+            .inc_by((exceeded - spilled.2) as u64);
+    }
+    *spilled = (bytes, txns, exceeded);
 }

@@ -14,8 +14,8 @@ use crate::config::PostgresConfig;
 use crate::error::RelayError;
 use crate::sink::{offset_above, read_all, NewRecord, Publisher};
 use crate::source::{
-    check_prerequisites, check_slot, create_slot, make_failover, replication_config,
-    replication_error, take_watermark, wait_durable, Origin, ReplicationPhase,
+    check_effective_wal_level, check_prerequisites, check_slot, create_slot, make_failover,
+    replication_config, replication_error, take_watermark, wait_durable, Origin, ReplicationPhase,
 };
 
 /// Connecting and each step's wait.
@@ -144,7 +144,7 @@ pub async fn init_stream_record(
     let durable = wait_durable(&client, &watermark, timeout).await?;
     let table = format!(
         "\"{}\".\"{}\"",
-        cfg.outbox_table.schema, cfg.outbox_table.table
+        cfg.outbox.table.schema, cfg.outbox.table.table
     );
     let has_rows: bool = client
         .query_one(&format!("SELECT EXISTS (SELECT 1 FROM {table})"), &[])
@@ -214,17 +214,27 @@ pub async fn setup(
 ) -> Result<SetupOutcome, RelayError> {
     let client = cfg.endpoint.connect(connect_timeout).await?;
     check_prerequisites(&client, cfg).await?;
-    if let Some(existing) = check_slot(&client, cfg).await? {
+    let outcome = setup_slot(&client, cfg, connect_timeout).await?;
+    check_effective_wal_level(&client).await?;
+    Ok(outcome)
+}
+
+async fn setup_slot(
+    client: &tokio_postgres::Client,
+    cfg: &PostgresConfig,
+    connect_timeout: Duration,
+) -> Result<SetupOutcome, RelayError> {
+    if let Some(existing) = check_slot(client, cfg).await? {
         if cfg.failover && existing.failover == Some(false) {
             return make_failover_slot(cfg, existing.active_pid.is_some(), connect_timeout).await;
         }
         return Ok(SetupOutcome::AlreadyExists);
     }
-    match create_slot(&client, &cfg.slot, cfg.failover).await {
+    match create_slot(client, &cfg.slot, cfg.failover).await {
         Ok(Some(consistent_point)) => Ok(SetupOutcome::Created { consistent_point }),
         Ok(None) => {
             // Created concurrently by another `setup`.
-            check_slot(&client, cfg).await?.ok_or_else(|| RelayError::SlotMissing {
+            check_slot(client, cfg).await?.ok_or_else(|| RelayError::SlotMissing {
                 slot: cfg.slot.clone(),
             })?;
             Ok(SetupOutcome::AlreadyExists)

@@ -51,7 +51,7 @@ use tracing::{debug, info, warn};
 
 use super::decide::{shard_history, ShardHistory};
 use crate::context::SharedContext;
-use crate::decode::{rfc3339_utc, OutboxEvent};
+use crate::decode::{rfc3339_utc, stored_payload, OutboxEvent, OutboxMapping, BYTEA_OID};
 use crate::error::RelayError;
 use crate::sink::{
     NewRecord, PartMeta, Publisher, Records, StreamEntry, StreamRecord, CATCH_UP_EVERYTHING,
@@ -607,7 +607,7 @@ impl CatchUp<'_> {
         let sql = cfg.postgres.endpoint.connect(cfg.connect_timeout).await?;
         sql.batch_execute(&format!(
             "SET statement_timeout = '{}s'; SET DateStyle = ISO; SET TimeZone = 'UTC';
-             CREATE TEMPORARY TABLE IF NOT EXISTS cdc_relay_present (id bigint, created_at timestamptz);
+             CREATE TEMPORARY TABLE IF NOT EXISTS cdc_relay_present (id text, created_at timestamptz);
              TRUNCATE cdc_relay_present",
             STEP_TIMEOUT.as_secs()
         ))
@@ -654,7 +654,7 @@ impl CatchUp<'_> {
         let insert = sql
             .prepare(
                 "INSERT INTO cdc_relay_present
-                 SELECT * FROM unnest($1::bigint[], $2::text[]::timestamptz[])",
+                 SELECT * FROM unnest($1::text[], $2::text[]::timestamptz[])",
             )
             .await?;
         for prepared in self.shards.values() {
@@ -740,18 +740,18 @@ impl CatchUp<'_> {
             let Some(last) = rows.last() else { break };
             cursor = last.get(0);
             for row in &rows {
-                let size = row.get::<_, String>(1).len() + row.get::<_, String>(2).len();
-                largest_row = largest_row.max(size);
+                let len = |i: usize| row.get::<_, Option<String>>(i).map_or(0, |t| t.len());
+                largest_row = largest_row.max(len(2) + len(3));
             }
             look_at = (max_bytes / largest_row.max(1)).clamp(1, CHUNK);
             let mut parts: BTreeMap<u32, Vec<StreamEntry>> = BTreeMap::new();
             for row in &rows {
-                let partition_key = row.get::<_, Option<String>>(4).map(bytes::Bytes::from);
-                let shard = shard_of(partition_key.as_deref(), self.publisher.shard_count());
+                let event = table.event(row);
+                let shard = shard_of(event.key.as_deref(), self.publisher.shard_count());
                 let Some(prepared) = self.shards.get_mut(&shard) else {
                     continue;
                 };
-                let tx: Option<u64> = row.get::<_, Option<String>>(5).and_then(|t| t.parse().ok());
+                let tx: Option<u64> = row.get::<_, Option<String>>(6).and_then(|t| t.parse().ok());
                 if lo.is_none() {
                     if let Mode::Since { watermark, .. } = &prepared.mode {
                         // Shown by the shard's watermark: in the stream, or consumed.
@@ -766,21 +766,13 @@ impl CatchUp<'_> {
                         }
                     }
                 }
-                let text = |i: usize| bytes::Bytes::from(row.get::<_, String>(i));
                 prepared.top.seq += 1;
                 parts.entry(shard).or_default().push(StreamEntry {
                     id: prepared.top,
                     shard,
                     commit_time_micros: 0,
-                    event: OutboxEvent {
-                        outbox_id: bytes::Bytes::from(row.get::<_, i64>(0).to_string()),
-                        event: text(1),
-                        payload: text(2),
-                        created_at: rfc3339_utc(text(3)),
-                        partition_key,
-                        // Republished long after their request: their traces ended then.
-                        traceparent: None,
-                    },
+                    order: Some(row.get(0)),
+                    event,
                     span: None,
                     xid: 0,
                 });
@@ -856,11 +848,8 @@ impl CatchUp<'_> {
                 None => Some(self.shards[&shard].top),
             }
             .filter(|f| *f != EntryId::default());
-            meta.cursor = match (progress, chunk.last()) {
-                (Some(snapshot), Some(last)) => Some(format!(
-                    "{snapshot}/{}",
-                    String::from_utf8_lossy(&last.event.outbox_id)
-                )),
+            meta.cursor = match (progress, chunk.last().and_then(|last| last.order)) {
+                (Some(snapshot), Some(order)) => Some(format!("{snapshot}/{order}")),
                 _ => None,
             };
             let refs: Vec<&StreamEntry> = chunk.iter().collect();
@@ -1042,73 +1031,138 @@ fn timed_out(what: &str) -> RelayError {
     )))
 }
 
-/// The outbox table's queries.
+/// The outbox table's queries, by the mapping's columns (plain lowercase names, so quoting
+/// them needs no escaping). Rows come back as: 0 order (bigint), 1 id, 2 type, 3 payload,
+/// 4 timestamp, 5 key, 6 tx (text or NULL), then the extra columns.
 struct Table {
     name: String,
-    partition_key: &'static str,
+    mapping: Arc<OutboxMapping>,
+    /// The key column, or NULL for a table without it.
+    key: String,
+    /// The payload is bytea: published as its bytes.
+    payload_bytea: bool,
 }
 
 impl Table {
     async fn of(sql: &Client, ctx: &SharedContext) -> Result<Self, RelayError> {
-        let outbox = &ctx.config.postgres.outbox_table;
-        let has_partition_key: bool = sql
-            .query_one(
-                "SELECT EXISTS (SELECT 1 FROM information_schema.columns
-                                 WHERE table_schema = $1 AND table_name = $2 AND column_name = 'partition_key')",
-                &[&outbox.schema, &outbox.table],
+        let mapping = Arc::clone(&ctx.config.postgres.outbox);
+        let table = &mapping.table;
+        let types: Vec<(String, u32)> = sql
+            .query(
+                "SELECT a.attname::text, a.atttypid::oid FROM pg_attribute a
+                  WHERE a.attrelid = to_regclass(format('%I.%I', $1::text, $2::text))
+                    AND a.attnum > 0 AND NOT a.attisdropped",
+                &[&table.schema, &table.table],
             )
             .await?
-            .get(0);
+            .iter()
+            .map(|r| (r.get(0), r.get(1)))
+            .collect();
+        let type_of = |column: &str| types.iter().find(|(n, _)| n == column).map(|(_, t)| *t);
         Ok(Self {
-            name: format!("\"{}\".\"{}\"", outbox.schema, outbox.table),
-            partition_key: if has_partition_key {
-                "o.partition_key"
-            } else {
-                "NULL::text"
+            name: format!("\"{}\".\"{}\"", table.schema, table.table),
+            key: match type_of(mapping.key.as_str()) {
+                Some(_) => format!("o.{}::text", mapping.key.quoted()),
+                None => "NULL::text".into(),
             },
+            payload_bytea: type_of(mapping.payload.as_str()) == Some(BYTEA_OID),
+            mapping,
         })
     }
 
-    /// The least id of the rows of transactions from `$1` on that `$2` shows.
+    /// The least order value of the rows of transactions from `$1` on that `$2` shows.
     fn min_id(&self) -> String {
+        let m = &self.mapping;
         format!(
-            "SELECT min(o.id) FROM {} o
-              WHERE o.tx >= $1::text::xid8 AND pg_visible_in_snapshot(o.tx, $2::text::pg_snapshot)",
-            self.name
+            "SELECT min(o.{order})::bigint FROM {table} o
+              WHERE o.{tx} >= $1::text::xid8 AND pg_visible_in_snapshot(o.{tx}, $2::text::pg_snapshot)",
+            order = m.order.quoted(),
+            tx = m.tx.quoted(),
+            table = self.name,
         )
     }
 
-    /// A page of candidates in id order after `$1`: shown by `$3`, not by `$4` (when given),
+    /// A page of candidates in order after `$1`: shown by `$3`, not by `$4` (when given),
     /// of transactions from `$2` on (when bounded), and not already in the stream; of the
     /// first `$5` such rows, as many as fit in `$6` bytes (at least one), so a page of large
     /// rows is bounded in memory like a batch.
     fn select(&self, bounded: bool) -> String {
+        let m = &self.mapping;
+        let tx = m.tx.quoted();
         let bound = if bounded {
-            "AND o.tx >= $2::text::xid8"
+            format!("AND o.{tx} >= $2::text::xid8")
         } else {
-            "AND ($2::text IS NULL OR true)"
+            "AND ($2::text IS NULL OR true)".to_string()
         };
+        let timestamp = match &m.timestamp {
+            Some(t) => format!("o.{}::text", t.quoted()),
+            None => "NULL::text".into(),
+        };
+        // In the stream already: the same id (and, with a timestamp column, the same
+        // timestamp: an id used again after the table was emptied is another row).
+        let present = match &m.timestamp {
+            Some(t) => format!(
+                "p.id = o.{id}::text AND p.created_at = o.{t}",
+                id = m.id.quoted(),
+                t = t.quoted()
+            ),
+            None => format!("p.id = o.{id}::text", id = m.id.quoted()),
+        };
+        let extra: String = m
+            .extra
+            .iter()
+            .enumerate()
+            .map(|(i, e)| format!(", o.{}::text AS x{i}", e.column.quoted()))
+            .collect();
+        let extra_out: String = (0..m.extra.len()).map(|i| format!(", x{i}")).collect();
         format!(
-            "SELECT id, event, payload, created_at, partition_key, tx FROM (
-             SELECT *, sum(size) OVER (ORDER BY id) - size AS before FROM (
-               SELECT o.id, o.event, o.payload::text AS payload, o.created_at::text AS created_at,
-                      {pk} AS partition_key, o.tx::text AS tx,
-                      octet_length(o.event) + octet_length(o.payload::text) AS size
+            "SELECT ord, id, event, payload, created_at, key, tx{extra_out} FROM (
+             SELECT *, sum(size) OVER (ORDER BY ord) - size AS before FROM (
+               SELECT o.{order}::bigint AS ord, o.{id}::text AS id, o.{event}::text AS event,
+                      o.{payload}::text AS payload, {timestamp} AS created_at,
+                      {key} AS key, o.{tx}::text AS tx{extra},
+                      octet_length(o.{event}::text) + coalesce(octet_length(o.{payload}::text), 0) AS size
                  FROM {table} o
-                WHERE o.id > $1
+                WHERE o.{order} > $1
                   {bound}
-                  AND (o.tx IS NULL OR pg_visible_in_snapshot(o.tx, $3::text::pg_snapshot))
+                  AND (o.{tx} IS NULL OR pg_visible_in_snapshot(o.{tx}, $3::text::pg_snapshot))
                   AND ($4::text IS NULL
-                       OR (o.tx IS NOT NULL AND NOT pg_visible_in_snapshot(o.tx, $4::text::pg_snapshot)))
-                  AND NOT EXISTS (SELECT 1 FROM pg_temp.cdc_relay_present p
-                                   WHERE p.id = o.id AND p.created_at = o.created_at)
-                ORDER BY o.id
+                       OR (o.{tx} IS NOT NULL AND NOT pg_visible_in_snapshot(o.{tx}, $4::text::pg_snapshot)))
+                  AND NOT EXISTS (SELECT 1 FROM pg_temp.cdc_relay_present p WHERE {present})
+                ORDER BY o.{order}
                 LIMIT $5
              ) page ) sized
              WHERE before < $6
-             ORDER BY id",
-            pk = self.partition_key,
+             ORDER BY ord",
+            order = m.order.quoted(),
+            id = m.id.quoted(),
+            event = m.event_type.quoted(),
+            payload = m.payload.quoted(),
+            key = self.key,
             table = self.name,
         )
+    }
+
+    /// One row of [`select`](Self::select) as the event it publishes.
+    fn event(&self, row: &tokio_postgres::Row) -> OutboxEvent {
+        let text = |i: usize| row.get::<_, Option<String>>(i).map(bytes::Bytes::from);
+        OutboxEvent {
+            outbox_id: text(1).unwrap_or_default(),
+            event: text(2).unwrap_or_default(),
+            payload: text(3)
+                .map(|p| stored_payload(p, self.payload_bytea))
+                .unwrap_or_default(),
+            created_at: text(4).map(rfc3339_utc),
+            key: text(5),
+            // Republished long after their request: their traces ended then.
+            traceparent: None,
+            extra: self
+                .mapping
+                .extra
+                .iter()
+                .enumerate()
+                .filter_map(|(i, e)| Some((bytes::Bytes::from(e.field.clone()), text(7 + i)?)))
+                .collect(),
+        }
     }
 }

@@ -90,7 +90,7 @@ pub(crate) async fn stream(
     let id_offset = publisher.id_offset();
     let session = Session {
         ctx,
-        relations: RelationCache::sharded(cfg.postgres.outbox_table.clone(), cfg.stream_shards),
+        relations: RelationCache::mapped(cfg.postgres.outbox.clone(), cfg.stream_shards),
         state: State {
             limits: cfg.batch,
             open: None,
@@ -367,7 +367,7 @@ impl Session<'_> {
                 }
                 PgOutput::Insert(insert) => match self.relations.on_insert(insert)? {
                     Row::Outbox(mut event) => {
-                        let shard = shard_of(event.partition_key.as_deref(), self.state.shards);
+                        let shard = shard_of(event.key.as_deref(), self.state.shards);
                         let txn = self.state.open.as_mut().ok_or_else(|| {
                             RelayError::Protocol("insert outside a transaction".into())
                         })?;
@@ -390,6 +390,7 @@ impl Session<'_> {
                                 commit_time_micros: 0,
                                 span,
                                 xid: txn.xid,
+                                order: None,
                             },
                             txn.commit_time_micros,
                         );

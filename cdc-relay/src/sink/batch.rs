@@ -35,6 +35,9 @@ pub(crate) struct StreamEntry {
     /// table): a catch-up's last snapshot decides by it whether the entry is already in the
     /// shard (see `recovery::catch_up`).
     pub xid: u32,
+    /// Its row's value of the mapping's order column, when published from the outbox
+    /// table: a catch-up's progress is recorded by it.
+    pub order: Option<i64>,
 }
 
 impl StreamEntry {
@@ -146,12 +149,14 @@ pub(crate) mod tests {
                 outbox_id: Bytes::from_static(b"1"),
                 event: Bytes::from_static(b"e"),
                 payload: Bytes::from_static(b"{}"),
-                created_at: Bytes::from_static(b"t"),
-                partition_key: None,
+                created_at: None,
+                key: None,
                 traceparent: None,
+                extra: Vec::new(),
             },
             span: None,
             xid: 0,
+            order: None,
         }
     }
 

@@ -1,4 +1,5 @@
--- (After trim.lua, which the relay puts in front of this script: id_less, num_less, trim_acked.)
+-- (After trim.lua, which the relay puts in front of this script: id_less, num_less,
+-- trim_below, trim_acked.)
 --
 -- Publish one batch of outbox entries into a stream, atomically (a script runs alone and,
 -- with appendfsync always, its writes are fsynced before the reply).
@@ -32,9 +33,11 @@
 --          every row its snapshot shows up to its outbox id is in the stream or consumed
 -- ARGV[12] a snapshot every row of which is in the stream or consumed (a catch-up's round
 --          finished), recorded as `catch_up_done` ('': none)
--- ARGV[13..] six per entry: id, event, payload, outbox_id, created_at, traceparent ('': none);
---          ids strictly increase. Each new entry also gets `published_at`: this call's TIME
---          in Unix microseconds, the start of the consumers' published-to-recorded latency
+-- ARGV[13..] per entry: its id, its outbox_id (what a replay is checked against), n, then
+--          n field name/value pairs (the contract's fields and the mapping's extra ones, in
+--          the order the relay gives); ids strictly increase. Each new entry also gets
+--          `published_at` last: this call's TIME in Unix microseconds, the start of the
+--          consumers' published-to-recorded latency
 --
 -- Returns {published, duplicates, acked}: acked is the id below which every consumer group
 -- acknowledged everything ('' when not read: no group, or nothing new was written). An entry whose id is not above the stream's
@@ -54,7 +57,17 @@ local system_id, timeline, maxlen, fence, ack, shards = ARGV[1], ARGV[2], tonumb
 local epoch = tonumber(ARGV[7])
 local watermark, watermark_from, rejoin = ARGV[8], ARGV[9], ARGV[10] == 'rejoin'
 local cursor, done = ARGV[11], ARGV[12]
-local FIRST, PER = 13, 6
+local FIRST = 13
+
+-- Where each entry starts in ARGV (its id), in order.
+local starts = {}
+do
+  local i = FIRST
+  while i <= #ARGV do
+    starts[#starts + 1] = i
+    i = i + 3 + 2 * tonumber(ARGV[i + 2])
+  end
+end
 
 local origin = redis.call('HMGET', origin_key, 'system_id', 'timeline', 'acked_through', 'shards', 'writer_epoch', 'watermark_from')
 if not origin[1] then
@@ -93,24 +106,25 @@ if fence ~= '' and id_less(top, fence) then
 end
 
 -- Entries above the top are new (ids increase); the ones before them are replays.
-local new_from = #ARGV + 1
-for i = FIRST, #ARGV, PER do
+local new_from = #starts + 1
+for n, i in ipairs(starts) do
   if id_less(top, ARGV[i]) then
-    new_from = i
+    new_from = n
     break
   end
 end
-local new = (#ARGV + 1 - new_from) / PER
+local new = #starts + 1 - new_from
 
 -- The replays first: each one still stored must be the same outbox row.
-for i = FIRST, new_from - 1, PER do
+for n = 1, new_from - 1 do
+  local i = starts[n]
   local id = ARGV[i]
   local stored = redis.call('XRANGE', stream, id, id)
   if #stored == 1 then
     local fields = stored[1][2]
     for j = 1, #fields, 2 do
-      if fields[j] == 'outbox_id' and fields[j + 1] ~= ARGV[i + 3] then
-        return redis.error_reply('DIVERGED ' .. id .. ' holds outbox_id ' .. fields[j + 1] .. ', not ' .. ARGV[i + 3])
+      if fields[j] == 'outbox_id' and fields[j + 1] ~= ARGV[i + 1] then
+        return redis.error_reply('DIVERGED ' .. id .. ' holds outbox_id ' .. fields[j + 1] .. ', not ' .. ARGV[i + 1])
       end
     end
   elseif first and not id_less(id, first) then
@@ -128,7 +142,7 @@ if new > 0 and exists then
     if unread + new > maxlen and acked and origin[6] and id_less(origin[6], acked) then
       -- What the watermark's floor kept was read by every group: under the cap it yields
       -- (a catch-up from that watermark may then publish some of it again, never less).
-      redis.call('XTRIM', stream, 'MINID', acked)
+      trim_below(stream, acked)
       unread = redis.call('XLEN', stream)
     end
     if unread + new > maxlen then
@@ -174,21 +188,21 @@ local clock = redis.call('TIME')
 local published_at = clock[1] .. string.sub('000000' .. clock[2], -6)
 
 local function add(i)
-  if ARGV[i + 5] == '' then
-    redis.call('XADD', stream, ARGV[i],
-      'event', ARGV[i + 1], 'payload', ARGV[i + 2], 'outbox_id', ARGV[i + 3], 'created_at', ARGV[i + 4], 'published_at', published_at)
-  else
-    redis.call('XADD', stream, ARGV[i],
-      'event', ARGV[i + 1], 'payload', ARGV[i + 2], 'outbox_id', ARGV[i + 3], 'created_at', ARGV[i + 4], 'published_at', published_at,
-      'traceparent', ARGV[i + 5])
+  local n = tonumber(ARGV[i + 2])
+  local args = {stream, ARGV[i]}
+  for j = i + 3, i + 2 + 2 * n do
+    args[#args + 1] = ARGV[j]
   end
+  args[#args + 1] = 'published_at'
+  args[#args + 1] = published_at
+  redis.call('XADD', unpack(args))
 end
 
-for i = new_from, #ARGV, PER do
-  add(i)
+for n = new_from, #starts do
+  add(starts[n])
 end
 local last_i = nil
-if new > 0 then last_i = #ARGV - PER + 1 end
+if new > 0 then last_i = starts[#starts] end
 record(last_i)
 if new == 0 and ack == '' and watermark == '' and cursor == '' and done == '' then
   -- Nothing was written, but a WAIT after this call must cover what an earlier call wrote
@@ -196,4 +210,4 @@ if new == 0 and ack == '' and watermark == '' and cursor == '' and done == '' th
   -- replication offset past it.
   redis.call('HINCRBY', origin_key, 'replays', 1)
 end
-return {new, (new_from - FIRST) / PER, acked_below}
+return {new, new_from - 1, acked_below}

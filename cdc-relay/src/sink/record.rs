@@ -432,7 +432,7 @@ impl Records {
         &mut self,
         start: &str,
         count: usize,
-    ) -> Result<((Vec<i64>, Vec<String>), Option<String>), RelayError> {
+    ) -> Result<((Vec<String>, Vec<Option<String>>), Option<String>), RelayError> {
         let page: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
             .arg(&self.stream)
             .arg(start)
@@ -447,14 +447,12 @@ impl Records {
                 .get(name)
                 .and_then(|v| redis::from_redis_value_ref::<String>(v).ok())
         };
-        // Entries without a numeric id or a timestamp match no row: those rows go out again.
+        // Entries without an id match no row, and without a timestamp none of a mapping
+        // that has one: those rows go out again.
         let pairs = page
             .ids
             .iter()
-            .filter_map(|e| {
-                let id = field(e, entry::OUTBOX_ID)?.parse::<i64>().ok()?;
-                Some((id, field(e, entry::CREATED_AT)?))
-            })
+            .filter_map(|e| Some((field(e, entry::OUTBOX_ID)?, field(e, entry::CREATED_AT))))
             .unzip();
         Ok((pairs, last))
     }

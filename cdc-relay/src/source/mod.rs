@@ -9,7 +9,7 @@ mod slot;
 mod timeline;
 mod watermark;
 
-pub(crate) use prerequisites::check_prerequisites;
+pub(crate) use prerequisites::{check_effective_wal_level, check_prerequisites};
 pub(crate) use replication::{replication_config, replication_error, ReplicationPhase};
 pub(crate) use slot::{
     check_slot, confirmed_flush, create_slot, create_slot_on_session, drop_slot, make_failover,

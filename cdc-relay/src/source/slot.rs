@@ -121,6 +121,9 @@ pub(crate) struct SlotHealth {
     pub failover: Option<bool>,
     /// Synced from the primary (17+, on a standby).
     pub synced: Option<bool>,
+    /// Times decoding this slot used more than `logical_decoding_work_mem` (19+:
+    /// `pg_stat_replication_slots.mem_exceeded_count`).
+    pub mem_exceeded: Option<i64>,
 }
 
 /// Every logical slot of the connected database (or only `slot`).
@@ -148,7 +151,8 @@ pub(crate) async fn read_slots(
                     extract(epoch FROM clock_timestamp()
                         - (to_jsonb(s) ->> 'inactive_since')::timestamptz)::float8,
                     (to_jsonb(s) ->> 'failover')::boolean,
-                    (to_jsonb(s) ->> 'synced')::boolean
+                    (to_jsonb(s) ->> 'synced')::boolean,
+                    (to_jsonb(st) ->> 'mem_exceeded_count')::bigint
                FROM here, pg_replication_slots s
                LEFT JOIN pg_stat_replication_slots st ON st.slot_name = s.slot_name
               WHERE s.slot_type = 'logical' AND s.database = current_database()
@@ -177,6 +181,7 @@ pub(crate) async fn read_slots(
             inactive_seconds: r.get::<_, Option<f64>>(13).map(|s| s.max(0.0)),
             failover: r.get(14),
             synced: r.get(15),
+            mem_exceeded: r.get(16),
         })
         .collect())
 }
@@ -196,25 +201,29 @@ pub(crate) async fn confirmed_flush(
 }
 
 /// One reading of the slot's copy on a standby.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub(crate) struct StandbyCopy {
     /// A promotion of this server would keep the slot usable: it is a standby, and its copy
     /// is synced, no longer temporary (a temporary one is dropped at promotion), valid.
     pub(crate) ready: bool,
     pub(crate) confirmed_flush: Option<i64>,
+    /// Why the standby's last attempt to sync the slot skipped it (19+:
+    /// `slotsync_skip_reason`, e.g. `wal_not_flushed`); `None` when it did not, or before 19.
+    pub(crate) skip_reason: Option<String>,
 }
 
 pub(crate) async fn read_standby_copy(
     client: &tokio_postgres::Client,
     slot: &str,
 ) -> Result<StandbyCopy, tokio_postgres::Error> {
-    // Failover slots exist from 17 on, so the columns are read directly.
+    // Failover slots exist from 17 on, so their columns are read directly; 19's by name.
     let row = client
         .query_one(
             "SELECT pg_is_in_recovery()
                     AND coalesce(s.synced AND NOT s.temporary AND NOT s.conflicting
                                  AND s.invalidation_reason IS NULL, false),
-                    (s.confirmed_flush_lsn - '0/0')::bigint
+                    (s.confirmed_flush_lsn - '0/0')::bigint,
+                    to_jsonb(s) ->> 'slotsync_skip_reason'
                FROM (SELECT 1) one
                LEFT JOIN pg_replication_slots s ON s.slot_name = $1",
             &[&slot],
@@ -223,6 +232,7 @@ pub(crate) async fn read_standby_copy(
     Ok(StandbyCopy {
         ready: row.get(0),
         confirmed_flush: row.get(1),
+        skip_reason: row.get::<_, Option<String>>(2).filter(|r| r != "none"),
     })
 }
 

@@ -122,7 +122,7 @@ pub(crate) fn expected_from(txns: &[WitnessTxn]) -> Vec<Entry> {
                 outbox_id: text(&e.outbox_id),
                 event: text(&e.event),
                 payload: serde_json::from_slice(&e.payload).unwrap(),
-                created_at: text(&e.created_at),
+                created_at: e.created_at.as_ref().map(text).unwrap_or_default(),
             })
         })
         .collect()
@@ -135,13 +135,13 @@ pub(crate) fn expected_by_shard(txns: &[WitnessTxn], count: u32) -> Vec<Vec<Entr
     let text = |b: &bytes::Bytes| String::from_utf8(b.to_vec()).unwrap();
     for txn in txns {
         for (k, e) in txn.events.iter().enumerate() {
-            let shard = outbox_core::stream::shard_of(e.partition_key.as_deref(), count);
+            let shard = outbox_core::stream::shard_of(e.key.as_deref(), count);
             shards[shard as usize].push(Entry {
                 id: format!("{}-{k}", txn.commit_lsn),
                 outbox_id: text(&e.outbox_id),
                 event: text(&e.event),
                 payload: serde_json::from_slice(&e.payload).unwrap(),
-                created_at: text(&e.created_at),
+                created_at: e.created_at.as_ref().map(text).unwrap_or_default(),
             });
         }
     }

@@ -64,7 +64,9 @@ impl<'a> Fixture<'a> {
         Self::set_up(redis, db, 1, &[]).await
     }
 
-    async fn set_up(
+    /// A fixture on a database whose outbox the test made itself, set up with
+    /// `setup_flags` (which name that table, its publication and its mapping).
+    pub(crate) async fn set_up(
         redis: &'a RedisServer,
         db: TestDb,
         shards: u32,

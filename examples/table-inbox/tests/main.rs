@@ -144,3 +144,18 @@ async fn every_entry_is_recorded_once_in_order_through_a_consumer_kill_and_a_red
     .await;
     drop((a, b));
 }
+
+/// The same test, run again by this test binary against Valkey 8.1 (`deploy/install-deps.sh`
+/// installs it): the consumer's leases, claims, attempt records and fenced inbox writes on
+/// the other server the relay supports.
+#[test]
+fn the_same_passes_on_valkey() {
+    if std::env::var_os(testkit::REDIS_SERVER_ENV).is_some() {
+        return;
+    }
+    let (passed, output) = testkit::run_on_valkey(&[
+        "every_entry_is_recorded_once_in_order_through_a_consumer_kill_and_a_redis_restart",
+    ])
+    .expect("run on Valkey");
+    assert!(passed, "failed on Valkey:\n{output}");
+}

@@ -3,18 +3,31 @@
 
 use std::fmt;
 
-/// The fields every entry has, in the order the relay writes them (`publish.lua` names
-/// them in this order; a test holds it to that). [`TRACEPARENT`] follows when the outbox
-/// row had trace context. Entries written by relays before `published_at` lack it.
-pub const FIELDS: [&str; 5] = [EVENT, PAYLOAD, OUTBOX_ID, CREATED_AT, PUBLISHED_AT];
+/// The contract's fields, in the order the relay writes them. [`EVENT`], [`PAYLOAD`],
+/// [`OUTBOX_ID`] and [`PUBLISHED_AT`] are in every entry (entries written by relays before
+/// `published_at` lack it); [`CREATED_AT`] when the outbox mapping has a timestamp column,
+/// [`TRACEPARENT`] and [`KEY`] when the row has them. The mapping's extra fields come
+/// before `published_at`, which is last.
+pub const FIELDS: [&str; 7] = [
+    EVENT,
+    PAYLOAD,
+    OUTBOX_ID,
+    CREATED_AT,
+    TRACEPARENT,
+    KEY,
+    PUBLISHED_AT,
+];
 /// The event type (`outbox.event`), e.g. `message.created`.
 pub const EVENT: &str = "event";
-/// The event's JSON document (`outbox.payload`, jsonb as Postgres prints it: keys
-/// reordered, so parse it, never compare it as text).
+/// The event's payload exactly as the outbox stored it: the chat's JSON document (jsonb as
+/// Postgres prints it: keys reordered, so parse it, never compare it as text), a bytea
+/// column's bytes; empty when the column was NULL.
 pub const PAYLOAD: &str = "payload";
-/// The outbox row's id (`outbox.id`, decimal). Not the order: the stream id is.
+/// The outbox row's id as Postgres prints it (the chat's decimal, Debezium's uuid). Not
+/// the order: the stream id is.
 pub const OUTBOX_ID: &str = "outbox_id";
-/// When the outbox row was written, RFC 3339 in UTC (`2026-11-29T21:12:00.123456Z`).
+/// When the outbox row was written, RFC 3339 in UTC (`2026-11-29T21:12:00.123456Z`);
+/// absent when the outbox mapping has no timestamp column.
 pub const CREATED_AT: &str = "created_at";
 /// When Redis stored the entry (its clock, in the publishing call), Unix microseconds in
 /// decimal. A rebuild's republished entries carry the rebuild's time.
@@ -22,6 +35,10 @@ pub const PUBLISHED_AT: &str = "published_at";
 /// W3C trace context (`00-<trace id>-<span id>-<flags>`) of the relay's publish span, or
 /// the outbox row's own when the relay exports no spans; absent when the row had none.
 pub const TRACEPARENT: &str = "traceparent";
+/// The row's key (the mapping's key column: `partition_key` in the chat, `aggregateid` in
+/// Debezium's layout): what picked the entry's shard, so the unit whose order is kept.
+/// Absent when the row had none (NULL, or a table without the column).
+pub const KEY: &str = "key";
 
 /// A stream entry id `<final_lsn>-<k>`: the transaction's commit LSN (plus the stream's id
 /// offset after a rebuild) and the insert's position inside it. Ids grow strictly in commit

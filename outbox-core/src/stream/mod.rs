@@ -2,8 +2,9 @@
 //!
 //! **Streams.** A service's relay writes the Redis stream `outbox:<service>`, or, split into
 //! N shards, the streams `outbox:<service>:{0}` .. `outbox:<service>:{N-1}`. A row's shard
-//! is FNV-1a 64 of its `partition_key` (the chat id as UTF-8 text for chat messages) modulo
-//! N ([`shard_of`]); every message of one chat is in one shard, in commit order.
+//! is FNV-1a 64 of its key (the outbox mapping's key column as UTF-8 text: the chat id for
+//! chat messages, `aggregateid` in Debezium's layout) modulo N ([`shard_of`]); every entry of
+//! one key is in one shard, in commit order.
 //!
 //! **Entries.** Each outbox row is one entry with the explicit id `<commit LSN>-<k>` (the
 //! transaction's commit LSN as a decimal u64, plus the stream's id offset after a rebuild;
@@ -13,11 +14,14 @@
 //! | field | value |
 //! | --- | --- |
 //! | `event` | the event type, e.g. `message.created` |
-//! | `payload` | the event's JSON document (Postgres's jsonb text: parse it) |
-//! | `outbox_id` | the outbox row's id, decimal (not the order: the stream id is) |
-//! | `created_at` | when the row was written, RFC 3339 UTC with microseconds |
-//! | `published_at` | when Redis stored the entry, Unix microseconds (absent from relays before it) |
+//! | `payload` | the payload as stored (jsonb as Postgres prints it: parse it; bytea as its bytes; empty for NULL) |
+//! | `outbox_id` | the outbox row's id as Postgres prints it (not the order: the stream id is) |
+//! | `created_at` | when the row was written, RFC 3339 UTC with microseconds (only with a timestamp column) |
 //! | `traceparent` | W3C trace context of the relay's publish span (only when the row had one) |
+//! | `key` | the row's key, which picked its shard (only when the row had one) |
+//! | `published_at` | when Redis stored the entry, Unix microseconds (absent from relays before it) |
+//!
+//! The outbox mapping's extra columns come as fields of their own before `published_at`.
 //!
 //! Delivery is at least once: after a rebuild (Redis lost data, a lost slot, a failover)
 //! rows may come again under new ids above the old top, so consumers deduplicate by what
@@ -64,9 +68,7 @@ mod tests {
 
     /// Every entry field, in the order the relay writes them.
     fn entry_fields() -> Vec<&'static str> {
-        let mut fields = entry::FIELDS.to_vec();
-        fields.push(entry::TRACEPARENT);
-        fields
+        entry::FIELDS.to_vec()
     }
 
     /// Where each name's table row starts in `text` (`| `name` |`), in order of `names`.

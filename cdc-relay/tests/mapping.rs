@@ -1,0 +1,266 @@
+//! Another team's outbox: Debezium's documented table, unmodified but for the two columns a
+//! catch-up needs (which producers never name), read with `--outbox-preset debezium` into a
+//! sharded stream. Every row once, in order per key, with its key and extra column as
+//! fields, through a relay SIGKILL, a Redis restart and a Redis that lost everything.
+
+use std::collections::{BTreeMap, HashMap};
+use std::time::Duration;
+
+use redis::streams::StreamRangeReply;
+use testkit::{shared_postgres, wait_until, RedisServer};
+
+use crate::support::{tail, Fixture};
+
+const SHARDS: u32 = 4;
+const TYPES: [&str; 3] = ["order", "customer", "invoice"];
+
+/// Debezium's outbox DDL (its documentation's, as is), the catch-up's two columns added the
+/// way the migration guide says, its publication, and the relay's read grant.
+const DDL: &str = "
+    CREATE SCHEMA shop;
+    CREATE TABLE shop.outbox (
+        id uuid NOT NULL PRIMARY KEY,
+        aggregatetype varchar(255) NOT NULL,
+        aggregateid varchar(255) NOT NULL,
+        type varchar(255) NOT NULL,
+        payload jsonb
+    );
+    ALTER TABLE shop.outbox ADD COLUMN seq bigint GENERATED ALWAYS AS IDENTITY;
+    ALTER TABLE shop.outbox ADD COLUMN tx xid8 DEFAULT pg_current_xact_id();
+    CREATE INDEX ON shop.outbox (tx) WHERE tx IS NOT NULL;
+    CREATE PUBLICATION shop_outbox FOR TABLE shop.outbox WITH (publish = 'insert');
+    GRANT USAGE ON SCHEMA shop TO consumers_relay;
+    GRANT SELECT ON shop.outbox TO consumers_relay;
+";
+
+const FLAGS: [&str; 8] = [
+    "--outbox-table",
+    "shop.outbox",
+    "--publication",
+    "shop_outbox",
+    "--outbox-preset",
+    "debezium",
+    // Debezium's own option name and placement syntax.
+    "--table-fields-additional-placement",
+    "aggregatetype:header:aggregate_type",
+];
+
+/// One entry as the test compares it.
+#[derive(Debug, Clone)]
+struct Seen {
+    shard: u32,
+    fields: HashMap<String, String>,
+}
+
+async fn read_all(fx: &Fixture<'_>) -> Vec<Seen> {
+    let mut conn = fx.redis.connect().await.unwrap();
+    let mut all = Vec::new();
+    for shard in 0..SHARDS {
+        let key = outbox_core::stream::shard_key(&fx.stream, shard, SHARDS);
+        let reply: StreamRangeReply = redis::cmd("XRANGE")
+            .arg(&key)
+            .arg("-")
+            .arg("+")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        for item in reply.ids {
+            let fields = item
+                .map
+                .iter()
+                .map(|(k, v)| (k.clone(), redis::from_redis_value_ref::<String>(v).unwrap()))
+                .collect();
+            all.push(Seen { shard, fields });
+        }
+    }
+    all
+}
+
+/// The table as the truth: (id, aggregatetype, aggregateid, type, payload) in `seq` order.
+async fn table_rows(fx: &Fixture<'_>) -> Vec<(String, String, String, String, String)> {
+    let admin = fx.db.connect().await.unwrap();
+    admin
+        .query(
+            "SELECT id::text, aggregatetype, aggregateid, type, payload::text FROM shop.outbox ORDER BY seq",
+            &[],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2), r.get(3), r.get(4)))
+        .collect()
+}
+
+/// Every row of the table is in the stream exactly once, in the shard of its key, with its
+/// fields; the entries of each key are in the table's (commit) order.
+async fn assert_every_row_once_in_key_order(fx: &Fixture<'_>, what: &str) {
+    let rows = table_rows(fx).await;
+    wait_until(Duration::from_secs(60), what, || async {
+        let n = read_all(fx).await.len();
+        if n >= rows.len() {
+            Ok(())
+        } else {
+            Err(format!("{n} of {} rows in the stream", rows.len()))
+        }
+    })
+    .await;
+    let seen = read_all(fx).await;
+    let mut by_id: HashMap<&str, &Seen> = HashMap::new();
+    for entry in &seen {
+        let id = entry.fields["outbox_id"].as_str();
+        assert!(by_id.insert(id, entry).is_none(), "{what}: {id} twice");
+    }
+    assert_eq!(seen.len(), rows.len(), "{what}: entries that are no row");
+    let mut order: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for (id, aggregate_type, key, event_type, payload) in &rows {
+        let entry = by_id
+            .get(id.as_str())
+            .unwrap_or_else(|| panic!("{what}: row {id} is not in the stream"));
+        let f = &entry.fields;
+        assert_eq!(
+            entry.shard,
+            outbox_core::stream::shard_of(Some(key.as_bytes()), SHARDS),
+            "{what}: {id} in the wrong shard"
+        );
+        assert_eq!(f["key"], *key, "{what}: key of {id}");
+        assert_eq!(f["aggregate_type"], *aggregate_type);
+        assert_eq!(f["event"], *event_type);
+        let stored: serde_json::Value = serde_json::from_str(payload).unwrap();
+        let published: serde_json::Value = serde_json::from_str(&f["payload"]).unwrap();
+        assert_eq!(published, stored, "{what}: payload of {id}");
+        assert!(
+            !f.contains_key("created_at"),
+            "no timestamp column: no created_at"
+        );
+        assert!(f.contains_key("published_at"));
+        order.entry(key.as_str()).or_default().push(id.as_str());
+    }
+    // Within a shard, entries are in stream order; each key's must be the table's.
+    for (key, ids) in order {
+        let shard = outbox_core::stream::shard_of(Some(key.as_bytes()), SHARDS);
+        let in_stream: Vec<&str> = seen
+            .iter()
+            .filter(|e| e.shard == shard && e.fields["key"] == key)
+            .map(|e| e.fields["outbox_id"].as_str())
+            .collect();
+        assert_eq!(in_stream, ids, "{what}: order of key {key}");
+    }
+}
+
+/// Writers, one per aggregate type, each writing `count` single-row transactions over its
+/// own five aggregates in turn (so each key's rows are written one after another).
+async fn write(fx: &Fixture<'_>, from: u32, count: u32) {
+    let mut tasks = Vec::new();
+    for aggregate_type in TYPES {
+        let client = fx.db.connect().await.unwrap();
+        tasks.push(tokio::spawn(async move {
+            for n in from..from + count {
+                let key = format!("{aggregate_type}-{}", n % 5);
+                client
+                    .execute(
+                        "INSERT INTO shop.outbox (id, aggregatetype, aggregateid, type, payload)
+                         VALUES (gen_random_uuid(), $1, $2, $3, $4::text::jsonb)",
+                        &[
+                            &aggregate_type,
+                            &key,
+                            &format!("{aggregate_type}.changed"),
+                            &serde_json::json!({"n": n, "aggregate": key}).to_string(),
+                        ],
+                    )
+                    .await
+                    .unwrap();
+            }
+        }));
+    }
+    for task in tasks {
+        task.await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_debezium_outbox_is_relayed_once_in_key_order_through_kill_restart_and_wipe() {
+    // GIVEN Debezium's outbox table and a relay reading it with the debezium preset
+    let redis = RedisServer::start().unwrap();
+    let db = shared_postgres().create_database().await.unwrap();
+    db.connect()
+        .await
+        .unwrap()
+        .batch_execute(DDL)
+        .await
+        .unwrap();
+    let fx = Fixture::set_up(&redis, db, SHARDS, &FLAGS).await;
+    let relay = fx.spawn_relay("dbz-1", &FLAGS);
+    relay.wait_streaming().await;
+
+    // WHEN rows are written, the relay is SIGKILLed meanwhile and started again
+    let writing = write(&fx, 0, 60);
+    let killing = async {
+        wait_until(Duration::from_secs(30), "some rows published", || async {
+            let n = read_all(&fx).await.len();
+            if n >= 20 {
+                Ok(())
+            } else {
+                Err(format!("{n} published"))
+            }
+        })
+        .await;
+        relay.child.kill().unwrap();
+    };
+    tokio::join!(writing, killing);
+    let relay = fx.spawn_relay("dbz-2", &FLAGS);
+    relay.wait_streaming().await;
+    // THEN every row is there once, in order per key, with its key and extra column
+    assert_every_row_once_in_key_order(&fx, "after the relay was killed").await;
+
+    // WHEN Redis is killed and restarted on its AOF while rows are written
+    let writing = write(&fx, 60, 40);
+    let restarting = async {
+        redis.kill().unwrap();
+        redis.start_again().unwrap();
+    };
+    tokio::join!(writing, restarting);
+    // THEN the same holds
+    assert_every_row_once_in_key_order(&fx, "after Redis restarted").await;
+
+    // WHEN Redis loses everything (its functions too) and more rows come
+    redis.kill().unwrap();
+    redis.wipe_data().unwrap();
+    redis.start_again().unwrap();
+    write(&fx, 100, 20).await;
+    // THEN the relay rebuilds each shard from the table: every row once, in key order
+    assert_every_row_once_in_key_order(&fx, "after Redis lost its data").await;
+    let rebuilt = relay
+        .metric("cdc_relay_catch_ups_total{mode=\"everything\"}")
+        .await
+        .unwrap_or(0.0);
+    assert!(
+        rebuilt >= 1.0,
+        "no catch-up counted; log: {}",
+        tail(&relay.child.log())
+    );
+    relay.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mapping_that_names_a_missing_column_is_refused_at_start_saying_which() {
+    let redis = RedisServer::start().unwrap();
+    let db = shared_postgres().create_database().await.unwrap();
+    db.connect()
+        .await
+        .unwrap()
+        .batch_execute(DDL)
+        .await
+        .unwrap();
+    let fx = Fixture::set_up(&redis, db, SHARDS, &FLAGS).await;
+    let mut flags = FLAGS.to_vec();
+    flags.extend(["--outbox-timestamp-column", "occurred_at"]);
+    let relay = fx.spawn_relay("dbz-bad", &flags);
+    let status = relay.child.wait_exit(Duration::from_secs(30)).unwrap();
+    assert!(!status.success());
+    let log = relay.child.log();
+    assert!(
+        log.contains("shop.outbox has no column 'occurred_at', which the outbox mapping reads as the timestamp"),
+        "{}",
+        tail(&log)
+    );
+}
