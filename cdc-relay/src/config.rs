@@ -32,6 +32,11 @@ pub struct LaneLimits {
     pub detach_after: Duration,
     /// Bytes a lane may hold (queued, in flight, captured) before it falls behind.
     pub max_bytes: usize,
+    /// Whether a lane that cannot confirm (or whose stream is full) falls behind, to be
+    /// caught up from the outbox table later. Not with tableless events, which the table
+    /// does not hold: such a lane keeps its entries and holds the slot (and, once its
+    /// bytes are spent, the session's reading) until it confirms.
+    pub may_fall_behind: bool,
 }
 
 /// Validated Postgres side of the configuration.
@@ -53,6 +58,8 @@ pub struct RelayConfig {
     pub redis: RedisTarget,
     pub stream: String,
     pub stream_shards: u32,
+    /// Prefixes of the transactional logical decoding messages published as entries.
+    pub message_prefixes: Vec<String>,
     pub admin_addr: Option<SocketAddr>,
     pub batch: BatchLimits,
     /// When a shard falls behind, and the bytes a lane may hold.

@@ -17,6 +17,8 @@ pub struct Metrics {
     pub events_published_total: IntCounter,
     pub duplicates_rejected_total: IntCounter,
     pub foreign_inserts_skipped_total: IntCounter,
+    pub messages_published_total: IntCounter,
+    pub messages_skipped_total: IntCounter,
     pub transactions_total: IntCounter,
     pub publish_batches_total: IntCounter,
     pub publish_batch_duration_seconds: Histogram,
@@ -112,6 +114,8 @@ impl Metrics {
         let metrics = Self {
             events_published_total: b.counter("cdc_relay_events_published_total", "Outbox events written to the stream"),
             duplicates_rejected_total: b.counter("cdc_relay_duplicates_rejected_total", "Re-sent outbox events the stream already held (not written again)"),
+            messages_published_total: b.counter("cdc_relay_messages_published_total", "Transactional logical decoding messages (pg_logical_emit_message) of the --message-prefixes sealed into batches as entries"),
+            messages_skipped_total: b.counter("cdc_relay_messages_skipped_total", "Non-transactional logical decoding messages of the --message-prefixes, not published (no transaction gives them a place in commit order)"),
             foreign_inserts_skipped_total: b.counter("cdc_relay_foreign_inserts_skipped_total", "Inserts into publication tables other than the outbox, not published"),
             transactions_total: b.counter("cdc_relay_transactions_total", "Transactions received from the slot"),
             publish_batches_total: b.counter("cdc_relay_publish_batches_total", "Batches confirmed by Redis"),

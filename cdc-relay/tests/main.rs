@@ -11,6 +11,7 @@ mod ha;
 mod healthcheck;
 mod lasting;
 mod mapping;
+mod messages;
 mod misconfiguration;
 mod monitoring;
 mod operations;

@@ -25,9 +25,13 @@ use outbox_core::stream::entry;
 pub struct Entry {
     /// The entry's stream id (`<commit LSN>-<k>`).
     pub id: String,
-    /// Its fields; `None`: it was trimmed from the stream before it was acknowledged (the
-    /// consumer counts it lost and never hands it to the application).
+    /// Its fields whose values are UTF-8 text; `None`: it was trimmed from the stream
+    /// before it was acknowledged (the consumer counts it lost and never hands it to the
+    /// application).
     pub fields: Option<HashMap<String, String>>,
+    /// Its fields whose values are not UTF-8 (a bytea payload is published as its bytes):
+    /// read them with [`Entry::field_bytes`].
+    pub binary: HashMap<String, Vec<u8>>,
     /// How often the group delivered it (Redis's count: restarts and claims raise it too).
     pub deliveries: u64,
 }
@@ -38,7 +42,21 @@ impl Entry {
         self.fields.as_ref()?.get(name).map(String::as_str)
     }
 
-    /// The contract's fields of the entry (`event` and `payload` required).
+    /// One field's value as bytes, text or not.
+    pub fn field_bytes(&self, name: &str) -> Option<&[u8]> {
+        self.field(name)
+            .map(str::as_bytes)
+            .or_else(|| self.binary.get(name).map(Vec::as_slice))
+    }
+
+    /// The entry's key (the outbox mapping's key column), which picked its shard.
+    pub fn key(&self) -> Option<&str> {
+        self.field(entry::KEY)
+    }
+
+    /// The contract's fields of the entry (`event` and `payload` required as text: an
+    /// entry whose payload is bytes says `payload` is missing; read it with
+    /// [`Entry::field_bytes`]).
     pub fn decode(&self) -> Result<entry::EntryFields<'_>, entry::MissingField> {
         entry::EntryFields::decode(|name| self.field(name))
     }

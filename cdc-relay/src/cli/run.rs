@@ -27,6 +27,14 @@ pub struct RunArgs {
         hide_env_values = true
     )]
     pub standby_urls: Vec<String>,
+    /// Also publish transactional logical decoding messages whose prefix is one of these
+    /// (comma-separated): `pg_logical_emit_message(true, prefix, content)` becomes an entry
+    /// with `event` = the prefix and `payload` = the content, after the rows of its
+    /// transaction. Such an event exists only in the WAL: with this flag no shard falls
+    /// behind (one that cannot confirm holds the slot, within max_slot_wal_keep_size), and a
+    /// Redis that loses data loses the events it held (docs/deployment.md, "Tableless events").
+    #[arg(long, env = "CDC_MESSAGE_PREFIXES", value_delimiter = ',')]
+    pub message_prefixes: Vec<String>,
     #[command(flatten)]
     pub tuning: Tuning,
     #[command(flatten)]
@@ -142,6 +150,7 @@ impl RunArgs {
             max_entries: t.batch_max_entries,
             max_bytes: t.batch_max_bytes,
         };
+        let message_prefixes = self.message_prefixes()?;
         Ok(RelayConfig {
             postgres,
             redis,
@@ -153,7 +162,9 @@ impl RunArgs {
                 batch,
                 detach_after: t.shard_detach_after,
                 max_bytes: t.lane_max_bytes,
+                may_fall_behind: message_prefixes.is_empty(),
             },
+            message_prefixes,
             stream_max_len: t.stream_max_len,
             replication_timeout: t.replication_timeout,
             max_row_bytes: t.max_row_bytes,
@@ -171,6 +182,28 @@ impl RunArgs {
             redis_wait_replicas: t.redis_wait_replicas,
             standbys,
         })
+    }
+
+    /// The message prefixes, checked: printable, at most 128 bytes, no two alike.
+    fn message_prefixes(&self) -> Result<Vec<String>, RelayError> {
+        let mut prefixes: Vec<String> = Vec::new();
+        for prefix in self.message_prefixes.iter().map(|p| p.trim()) {
+            if prefix.is_empty()
+                || prefix.len() > 128
+                || prefix.chars().any(|c| c.is_control() || c.is_whitespace())
+            {
+                return Err(RelayError::Config(format!(
+                    "--message-prefixes '{prefix}' is not a prefix: 1-128 printable characters without spaces"
+                )));
+            }
+            if prefixes.iter().any(|p| p == prefix) {
+                return Err(RelayError::Config(format!(
+                    "--message-prefixes names '{prefix}' twice"
+                )));
+            }
+            prefixes.push(prefix.to_string());
+        }
+        Ok(prefixes)
     }
 
     /// The standbys to watch (only beside a failover slot).

@@ -177,7 +177,19 @@ struct OpenTransaction {
     commit_time_micros: i64,
     xid: u32,
     next_seq: u64,
+    /// Transactional logical decoding messages seen so far, of any prefix (their position
+    /// numbers them, so the ids do not change with the configured prefixes).
+    messages_seen: u64,
+    /// The ones to publish, by position, held until the Commit (their ids follow the rows').
+    messages: Vec<(u64, OutboxEvent)>,
+    messages_bytes: usize,
 }
+
+/// Where a transaction's messages are numbered from: above every row's position, so they
+/// follow its rows in the stream whichever came first, and adding them never changed a
+/// row's id. Ids come from the transaction's own commit LSN (as `Begin.final_lsn` says),
+/// never from the message's LSN, which Postgres versions report differently.
+const FIRST_MESSAGE_SEQ: u64 = 1 << 32;
 
 /// What the loop's branches share, with the predicates that gate them.
 struct State {
@@ -358,6 +370,9 @@ impl Session<'_> {
                     commit_time_micros,
                     xid,
                     next_seq: 0,
+                    messages_seen: 0,
+                    messages: Vec::new(),
+                    messages_bytes: 0,
                 });
             }
             ReplicationEvent::XLogData { data, .. } => match decode::decode(&data)? {
@@ -414,6 +429,25 @@ impl Session<'_> {
                     )));
                 }
                 self.ctx.metrics.transactions_total.inc();
+                for (position, event) in txn.messages {
+                    let id = EntryId {
+                        commit_lsn: txn.commit_lsn.as_u64() + self.state.id_offset,
+                        seq: FIRST_MESSAGE_SEQ + position,
+                    };
+                    self.ctx.metrics.messages_published_total.inc();
+                    self.state.filling.push(
+                        StreamEntry {
+                            id,
+                            shard: shard_of(event.key.as_deref(), self.state.shards),
+                            event,
+                            commit_time_micros: 0,
+                            span: None,
+                            xid: txn.xid,
+                            order: None,
+                        },
+                        txn.commit_time_micros,
+                    );
+                }
                 self.state.filling.complete_transaction(end_lsn);
             }
             ReplicationEvent::KeepAlive {
@@ -458,8 +492,61 @@ impl Session<'_> {
                     }
                 }
             }
-            ReplicationEvent::Message { .. } | ReplicationEvent::StoppedAt { .. } => {}
+            ReplicationEvent::Message {
+                transactional,
+                prefix,
+                content,
+                ..
+            } => self.on_message(transactional, prefix, content)?,
+            ReplicationEvent::StoppedAt { .. } => {}
         }
+        Ok(())
+    }
+
+    /// A logical decoding message: one of the configured prefixes, emitted in a
+    /// transaction, becomes an entry at its transaction's Commit.
+    fn on_message(
+        &mut self,
+        transactional: bool,
+        prefix: String,
+        content: bytes::Bytes,
+    ) -> Result<(), RelayError> {
+        let wanted = self.ctx.config.message_prefixes.contains(&prefix);
+        if !transactional {
+            if wanted {
+                self.ctx.metrics.messages_skipped_total.inc();
+                debug!(%prefix, "a non-transactional message has no place in commit order; not published");
+            }
+            return Ok(());
+        }
+        let max_bytes = self.ctx.config.lanes.max_bytes;
+        let txn = self.state.open.as_mut().ok_or_else(|| {
+            RelayError::Protocol("transactional message outside a transaction".into())
+        })?;
+        let position = txn.messages_seen;
+        txn.messages_seen += 1;
+        if !wanted {
+            return Ok(());
+        }
+        let event = OutboxEvent {
+            // Stable across replays, failovers and rebuilds of the stream: what consumers
+            // deduplicate by.
+            outbox_id: bytes::Bytes::from(format!("{}:{position}", txn.commit_lsn)),
+            event: bytes::Bytes::from(prefix),
+            payload: content,
+            created_at: None,
+            key: None,
+            traceparent: None,
+            extra: Vec::new(),
+        };
+        txn.messages_bytes += event.encoded_len();
+        if txn.messages_bytes > max_bytes {
+            return Err(RelayError::Config(format!(
+                "transaction {} emitted more than --lane-max-bytes ({max_bytes}) of logical messages to publish; they are held until its commit: raise --lane-max-bytes",
+                txn.commit_lsn
+            )));
+        }
+        txn.messages.push((position, event));
         Ok(())
     }
 

@@ -157,10 +157,19 @@ impl Pipeline {
     /// sets the pace of the others.
     pub(crate) fn has_room_for(&self, batch_full: bool) -> bool {
         let now = Instant::now();
+        // Lanes that may not fall behind (tableless events) set the pace, failing or not:
+        // what they cannot confirm stays in the slot, and reading waits for them.
+        let may_fall_behind = self.limits.may_fall_behind;
         let healthy: Vec<&Lane> = self
             .lanes
             .iter()
-            .filter(|l| l.healthy() && !l.slow(now))
+            .filter(|l| {
+                if may_fall_behind {
+                    l.healthy() && !l.slow(now)
+                } else {
+                    l.is_live()
+                }
+            })
             .collect();
         healthy.iter().all(|l| l.is_idle())
             || (batch_full
@@ -297,7 +306,10 @@ impl Pipeline {
                 };
                 lane.push(Part::new(entries, meta));
                 let held = lane.held_bytes();
-                if (lane.failing || lane.slow(Instant::now())) && held > self.limits.max_bytes {
+                if self.limits.may_fall_behind
+                    && (lane.failing || lane.slow(Instant::now()))
+                    && held > self.limits.max_bytes
+                {
                     memory.push((k as u32, BehindReason::Memory(held)));
                 }
                 continue;
@@ -466,13 +478,14 @@ impl Pipeline {
         loop {
             self.pump();
             let detach_after = self.limits.detach_after;
+            let may_fall_behind = self.limits.may_fall_behind;
             let turn = {
                 let mut turns: Vec<Pin<Box<dyn Future<Output = Turn> + Send + '_>>> = Vec::new();
                 for (k, lane) in self.lanes.iter_mut().enumerate() {
                     if !lane.is_live() {
                         continue;
                     }
-                    if let Some(since) = lane.unconfirmed_since() {
+                    if let Some(since) = lane.unconfirmed_since().filter(|_| may_fall_behind) {
                         turns.push(Box::pin(async move {
                             tokio::time::sleep_until(since + detach_after).await;
                             Turn::Overdue(k)
@@ -600,10 +613,16 @@ impl Pipeline {
             Err(e @ (RelayError::StreamBehind { .. } | RelayError::RecordMissing { .. })) => {
                 behind(BehindReason::Lost(e.to_string()), self)
             }
-            Err(RelayError::StreamFull { detail, .. }) => behind(BehindReason::Full(detail), self),
-            Err(e) if e.retry_in_place() => {
-                self.ctx.metrics.redis_errors_total.inc();
-                self.ctx.set_redis_reachable(false);
+            Err(RelayError::StreamFull { detail, .. }) if self.limits.may_fall_behind => {
+                behind(BehindReason::Full(detail), self)
+            }
+            // Not allowed to fall behind: a full stream is waited out like a failure (its
+            // groups read, the trim makes room), holding the slot meanwhile.
+            Err(e) if e.retry_in_place() || matches!(e, RelayError::StreamFull { .. }) => {
+                if !matches!(e, RelayError::StreamFull { .. }) {
+                    self.ctx.metrics.redis_errors_total.inc();
+                    self.ctx.set_redis_reachable(false);
+                }
                 self.ctx.set_last_error(Some(e.to_string()));
                 lane.failing = true;
                 lane.last_error = Some(e.to_string());

@@ -508,6 +508,9 @@ impl<I: Inbox> Active<'_, I> {
                 xadd.arg(dead_letter::entry_field(k)).arg(v);
             }
         }
+        for (k, v) in &entry.binary {
+            xadd.arg(dead_letter::entry_field(k)).arg(v);
+        }
         let mut pipe = redis::pipe();
         pipe.atomic()
             .cmd("XLEN")
@@ -599,18 +602,72 @@ fn parse_items(items: Vec<Value>) -> Result<Vec<Entry>, ConsumeError> {
         let fields = parts.pop().expect("two parts");
         let id: String = redis::from_redis_value(parts.pop().expect("two parts"))
             .map_err(|e| ConsumeError::Reply(e.to_string()))?;
+        // Values are bytes: a payload need not be text (the relay publishes bytea as is),
+        // and one that is not must reach the application (or a dead letter), not stall
+        // the shard on a reply that does not parse.
+        let mut binary = HashMap::new();
         let fields = match fields {
             Value::Nil => None,
-            other => Some(
-                redis::from_redis_value::<HashMap<String, String>>(other)
-                    .map_err(|e| ConsumeError::Reply(e.to_string()))?,
-            ),
+            other => {
+                let raw = redis::from_redis_value::<HashMap<String, Vec<u8>>>(other)
+                    .map_err(|e| ConsumeError::Reply(e.to_string()))?;
+                let mut text = HashMap::with_capacity(raw.len());
+                for (name, value) in raw {
+                    match String::from_utf8(value) {
+                        Ok(value) => {
+                            text.insert(name, value);
+                        }
+                        Err(e) => {
+                            binary.insert(name, e.into_bytes());
+                        }
+                    }
+                }
+                Some(text)
+            }
         };
         entries.push(Entry {
             id,
             fields,
+            binary,
             deliveries: 1,
         });
     }
     Ok(entries)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bulk(bytes: &[u8]) -> Value {
+        Value::BulkString(bytes.to_vec())
+    }
+
+    #[test]
+    fn an_entry_whose_payload_is_bytes_parses_and_keeps_them() {
+        let reply = Value::Array(vec![
+            Value::Array(vec![
+                bulk(b"10-0"),
+                Value::Array(vec![
+                    bulk(b"event"),
+                    bulk(b"blob.stored"),
+                    bulk(b"payload"),
+                    bulk(&[0x00, 0xff, 0xfe]),
+                    bulk(b"key"),
+                    bulk(b"k-1"),
+                ]),
+            ]),
+            Value::Array(vec![bulk(b"11-0"), Value::Nil]),
+        ]);
+        let entries = parse_range_reply(reply).unwrap();
+        assert_eq!(entries.len(), 2);
+        let blob = &entries[0];
+        assert_eq!(blob.field("event"), Some("blob.stored"));
+        assert_eq!(blob.key(), Some("k-1"));
+        assert_eq!(blob.field("payload"), None, "not text");
+        assert_eq!(blob.field_bytes("payload"), Some(&[0x00, 0xff, 0xfe][..]));
+        assert_eq!(blob.field_bytes("event"), Some(&b"blob.stored"[..]));
+        assert!(blob.decode().is_err(), "no text payload to decode");
+        assert!(entries[1].fields.is_none(), "trimmed since delivered");
+    }
 }

@@ -1,0 +1,265 @@
+//! Tableless events: `pg_logical_emit_message(true, prefix, content)` of a configured prefix
+//! published like an outbox row, once, in commit order (after its transaction's rows), with
+//! ids of the transaction's own commit LSN (the same on every Postgres version), across a
+//! relay SIGKILL and a Postgres restart; and a shard that cannot confirm holds the slot
+//! instead of falling behind, since no table could give its events back.
+
+use std::collections::HashMap;
+use std::time::Duration;
+
+use testkit::{wait_until, PgServer, RedisServer};
+
+use crate::support::{parse_stream_id, tail, Fixture, StuckShard};
+
+/// Where a transaction's messages are numbered from (the relay's `FIRST_MESSAGE_SEQ`).
+const FIRST_MESSAGE_SEQ: u64 = 1 << 32;
+
+/// Write transaction `i` of four kinds: a lone message; a row, then a message; a message,
+/// then a row; and messages that are not published (another prefix, non-transactional).
+async fn write(client: &mut tokio_postgres::Client, i: u32) {
+    let body = serde_json::json!({ "n": i }).to_string();
+    let tx = client.transaction().await.unwrap();
+    let emit = |transactional: bool, prefix: &'static str| {
+        format!("SELECT pg_logical_emit_message({transactional}, '{prefix}', $1::text)")
+    };
+    let insert =
+        "INSERT INTO consumers.outbox (event, payload) VALUES ('test.event', $1::text::jsonb)";
+    match i % 4 {
+        0 => {
+            tx.execute(&emit(true, "shop"), &[&body]).await.unwrap();
+        }
+        1 => {
+            tx.execute(insert, &[&body]).await.unwrap();
+            tx.execute(&emit(true, "audit"), &[&body]).await.unwrap();
+        }
+        2 => {
+            tx.execute(&emit(true, "shop"), &[&body]).await.unwrap();
+            tx.execute(insert, &[&body]).await.unwrap();
+        }
+        _ => {
+            tx.execute(&emit(true, "other"), &[&body]).await.unwrap();
+            tx.execute(&emit(false, "shop"), &[&body]).await.unwrap();
+        }
+    }
+    tx.commit().await.unwrap();
+}
+
+/// What transaction `i` publishes: (event, n) in stream order.
+fn expected(i: u32) -> Vec<(&'static str, u32)> {
+    match i % 4 {
+        0 => vec![("shop", i)],
+        1 => vec![("test.event", i), ("audit", i)],
+        2 => vec![("test.event", i), ("shop", i)],
+        _ => vec![],
+    }
+}
+
+/// The stream as (id, event, n, outbox_id), in stream order.
+async fn published(fx: &Fixture<'_>) -> Vec<(String, String, u32, String)> {
+    let mut conn = fx.redis.connect().await.unwrap();
+    let reply: redis::streams::StreamRangeReply = redis::cmd("XRANGE")
+        .arg(&fx.stream)
+        .arg("-")
+        .arg("+")
+        .query_async(&mut conn)
+        .await
+        .unwrap();
+    reply
+        .ids
+        .iter()
+        .map(|e| {
+            let field = |name: &str| -> String {
+                e.map
+                    .get(name)
+                    .map(|v| redis::from_redis_value_ref::<String>(v).unwrap())
+                    .unwrap_or_default()
+            };
+            let payload: serde_json::Value = serde_json::from_str(&field("payload")).unwrap();
+            (
+                e.id.clone(),
+                field("event"),
+                payload["n"].as_u64().unwrap() as u32,
+                field("outbox_id"),
+            )
+        })
+        .collect()
+}
+
+async fn messages_once(pg: &PgServer) {
+    // GIVEN a relay publishing the messages of two prefixes beside the outbox's rows
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(pg, &redis).await;
+    let flags = ["--message-prefixes", "shop,audit"];
+    let relay = fx.spawn_relay("msg-1", &flags);
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+
+    // WHEN transactions of every kind are written, the relay is SIGKILLed in the middle and
+    // started again, and Postgres restarts (fast) before the last ones
+    for i in 0..120 {
+        write(&mut writer, i).await;
+        if i == 60 {
+            relay.child.kill().unwrap();
+        }
+    }
+    let relay = fx.spawn_relay("msg-2", &flags);
+    relay.wait_streaming().await;
+    pg.restart_fast().unwrap();
+    let mut writer = fx.writer().await;
+    for i in 120..200 {
+        write(&mut writer, i).await;
+    }
+
+    // THEN every published message and row is in the stream once, in commit order, each
+    // transaction's rows before its messages
+    let want: Vec<(&str, u32)> = (0..200).flat_map(expected).collect();
+    wait_until(Duration::from_secs(60), "every entry published", || async {
+        let n = published(&fx).await.len();
+        if n >= want.len() {
+            Ok(())
+        } else {
+            Err(format!(
+                "{n} of {}; log: {}",
+                want.len(),
+                tail(&relay.child.log())
+            ))
+        }
+    })
+    .await;
+    let got = published(&fx).await;
+    let order: Vec<(&str, u32)> = got.iter().map(|(_, e, n, _)| (e.as_str(), *n)).collect();
+    assert_eq!(order, want, "once each, in commit order");
+    // AND a message's id is its transaction's commit LSN with a position above every row's,
+    // and its outbox_id names both
+    let mut rows_at: HashMap<u64, u64> = HashMap::new();
+    for (id, event, _, outbox_id) in &got {
+        let (lsn, seq) = parse_stream_id(id);
+        if event == "test.event" {
+            assert!(seq < FIRST_MESSAGE_SEQ, "{id}");
+            rows_at.insert(lsn, seq);
+        } else {
+            assert_eq!(
+                seq, FIRST_MESSAGE_SEQ,
+                "the transaction's first message: {id}"
+            );
+            assert!(outbox_id.ends_with(":0"), "{outbox_id}");
+        }
+    }
+    for (id, event, n, _) in &got {
+        let (lsn, _) = parse_stream_id(id);
+        if event != "test.event" && n % 4 != 0 {
+            assert!(
+                rows_at.contains_key(&lsn),
+                "message {id} shares its row's commit LSN"
+            );
+        }
+    }
+    let skipped = relay
+        .metric("cdc_relay_messages_skipped_total")
+        .await
+        .unwrap_or(0.0);
+    assert!(
+        skipped >= 1.0,
+        "non-transactional messages counted: {skipped}"
+    );
+    relay.stop();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_are_published_once_in_commit_order_across_a_relay_kill_and_a_postgres_restart() {
+    let pg = PgServer::start().unwrap();
+    messages_once(&pg).await;
+}
+
+on_newer_versions!(server: messages_once,
+    messages_are_published_once_on_postgres_16 => 16,
+    messages_are_published_once_on_postgres_17 => 17,
+    messages_are_published_once_on_postgres_18 => 18,
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_messages_a_shard_refusing_writes_holds_the_slot_and_falls_behind_not() {
+    // GIVEN a relay publishing messages, allowed 1 s before a shard would fall behind
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(testkit::shared_postgres(), &redis).await;
+    let relay = fx.spawn_relay(
+        "msg-stuck",
+        &[
+            "--message-prefixes",
+            "shop,audit",
+            "--shard-detach-after",
+            "1s",
+        ],
+    );
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    write(&mut writer, 0).await;
+    wait_until(Duration::from_secs(30), "the first message", || async {
+        let n = published(&fx).await.len();
+        if n == 1 {
+            Ok(())
+        } else {
+            Err(format!("{n}"))
+        }
+    })
+    .await;
+
+    // WHEN the stream refuses every write for ten times that, while messages and rows come
+    let stuck = StuckShard::start(&redis, &fx.stream).await;
+    for i in 1..40 {
+        write(&mut writer, i).await;
+    }
+    // (Refused again and again, backing off at most 500 ms: fifteen refusals span several
+    // times the 1 s after which a shard without messages would have fallen behind.)
+    wait_until(Duration::from_secs(60), "fifteen refusals", || async {
+        let errors = relay
+            .metric("cdc_relay_redis_errors_total")
+            .await
+            .unwrap_or(0.0);
+        if errors >= 15.0 {
+            Ok(())
+        } else {
+            Err(format!("{errors} refusals"))
+        }
+    })
+    .await;
+
+    // THEN the shard did not fall behind, and the slot was not acknowledged past what the
+    // stream holds
+    let behind = relay
+        .metric("cdc_relay_shards_fell_behind_total{reason=\"failing\"}")
+        .await
+        .unwrap_or(0.0);
+    assert_eq!(behind, 0.0, "log: {}", tail(&relay.child.log()));
+    let first_refused = fx
+        .witness()
+        .await
+        .into_iter()
+        .find(|t| {
+            t.events
+                .iter()
+                .any(|e| serde_json::from_slice::<serde_json::Value>(&e.payload).unwrap()["n"] == 1)
+        })
+        .expect("the witness saw transaction 1");
+    let confirmed = fx.confirmed_flush_lsn().await;
+    assert!(
+        confirmed < first_refused.end_lsn,
+        "the slot was acknowledged at {confirmed}, past the refused transaction ending at {}",
+        first_refused.end_lsn
+    );
+
+    // AND once the stream takes writes again every entry arrives once, in order
+    stuck.release().await;
+    let want: Vec<(&str, u32)> = (0..40).flat_map(expected).collect();
+    wait_until(Duration::from_secs(30), "every entry published", || async {
+        let got = published(&fx).await;
+        let order: Vec<(&str, u32)> = got.iter().map(|(_, e, n, _)| (e.as_str(), *n)).collect();
+        if order == want {
+            Ok(())
+        } else {
+            Err(format!("{} of {} entries", order.len(), want.len()))
+        }
+    })
+    .await;
+    relay.stop();
+}
