@@ -33,11 +33,16 @@
 --          every row its snapshot shows up to its outbox id is in the stream or consumed
 -- ARGV[12] a snapshot every row of which is in the stream or consumed (a catch-up's round
 --          finished), recorded as `catch_up_done` ('': none)
--- ARGV[13..] per entry: its id, its outbox_id (what a replay is checked against), n, then
---          n field name/value pairs (the contract's fields and the mapping's extra ones, in
---          the order the relay gives); ids strictly increase. Each new entry also gets
---          `published_at` last: this call's TIME in Unix microseconds, the start of the
---          consumers' published-to-recorded latency
+-- ARGV[13] L, the number of field names; ARGV[14..13+L] the names, the first three
+--          `event`, `payload`, `outbox_id` (every entry has them), then the optional ones
+--          (`created_at`, `traceparent`, `key`, the mapping's extra fields), sent once per
+--          call rather than once per entry (a batch holds thousands)
+-- ARGV[14+L..] runs of entries that have the same fields: the run's presence (one '1' or
+--          '0' per name: whether its entries have that field), how many entries, then per
+--          entry its id and the values of the fields it has, in the names' order; ids
+--          strictly increase. Each new entry also gets `published_at` last: this call's
+--          TIME in Unix microseconds, the start of the consumers' published-to-recorded
+--          latency
 --
 -- Returns {published, duplicates, acked}: acked is the id below which every consumer group
 -- acknowledged everything ('' when not read: no group, or nothing new was written). An entry whose id is not above the stream's
@@ -57,15 +62,29 @@ local system_id, timeline, maxlen, fence, ack, shards = ARGV[1], ARGV[2], tonumb
 local epoch = tonumber(ARGV[7])
 local watermark, watermark_from, rejoin = ARGV[8], ARGV[9], ARGV[10] == 'rejoin'
 local cursor, done = ARGV[11], ARGV[12]
-local FIRST = 13
+local L = tonumber(ARGV[13])
+local names = {}
+for j = 1, L do names[j] = ARGV[13 + j] end
+local FIRST = 14 + L
 
--- Where each entry starts in ARGV (its id), in order.
-local starts = {}
+-- Where each entry starts in ARGV (its id), in order, and the names its run has.
+local starts, run_of, runs = {}, {}, {}
 do
-  local i = FIRST
-  while i <= #ARGV do
-    starts[#starts + 1] = i
-    i = i + 3 + 2 * tonumber(ARGV[i + 2])
+  local r = FIRST
+  while r <= #ARGV do
+    local presence, count = ARGV[r], tonumber(ARGV[r + 1])
+    local present = {}
+    for j = 1, L do
+      if string.byte(presence, j) == 49 then present[#present + 1] = names[j] end
+    end
+    runs[#runs + 1] = present
+    local i = r + 2
+    for _ = 1, count do
+      starts[#starts + 1] = i
+      run_of[#run_of + 1] = #runs
+      i = i + 1 + #present
+    end
+    r = i
   end
 end
 
@@ -123,8 +142,9 @@ for n = 1, new_from - 1 do
   if #stored == 1 then
     local fields = stored[1][2]
     for j = 1, #fields, 2 do
-      if fields[j] == 'outbox_id' and fields[j + 1] ~= ARGV[i + 1] then
-        return redis.error_reply('DIVERGED ' .. id .. ' holds outbox_id ' .. fields[j + 1] .. ', not ' .. ARGV[i + 1])
+      -- event, payload and outbox_id are every entry's first three values.
+      if fields[j] == 'outbox_id' and fields[j + 1] ~= ARGV[i + 3] then
+        return redis.error_reply('DIVERGED ' .. id .. ' holds outbox_id ' .. fields[j + 1] .. ', not ' .. ARGV[i + 3])
       end
     end
   elseif first and not id_less(id, first) then
@@ -187,19 +207,30 @@ end
 local clock = redis.call('TIME')
 local published_at = clock[1] .. string.sub('000000' .. clock[2], -6)
 
-local function add(i)
-  local n = tonumber(ARGV[i + 2])
-  local args = {stream, ARGV[i]}
-  for j = i + 3, i + 2 + 2 * n do
-    args[#args + 1] = ARGV[j]
+-- One table reused for every entry's XADD (a batch holds thousands: no table each), its
+-- names laid out once per run.
+local args, args_run, args_len = {stream}, nil, 0
+local function add(n)
+  local i, run = starts[n], run_of[n]
+  local present = runs[run]
+  if run ~= args_run then
+    local k = 2
+    for _, name in ipairs(present) do
+      args[k + 1] = name
+      k = k + 2
+    end
+    args[k + 1], args[k + 2] = 'published_at', published_at
+    args_run, args_len = run, k + 2
   end
-  args[#args + 1] = 'published_at'
-  args[#args + 1] = published_at
-  redis.call('XADD', unpack(args))
+  args[2] = ARGV[i]
+  for j = 1, #present do
+    args[2 + 2 * j] = ARGV[i + j]
+  end
+  redis.call('XADD', unpack(args, 1, args_len))
 end
 
 for n = new_from, #starts do
-  add(starts[n])
+  add(n)
 end
 local last_i = nil
 if new > 0 then last_i = starts[#starts] end

@@ -24,11 +24,12 @@ use redis::{ErrorKind, Value};
 use outbox_core::connect::{RedisConn, RedisTarget};
 use outbox_core::stream::keys::origin_key;
 use outbox_core::stream::record::check_layout;
-use outbox_core::stream::{shard_keys, EntryId};
+use outbox_core::stream::{entry, shard_keys, EntryId};
 
 use super::batch::StreamEntry;
 use super::functions::{MAKE_ROOM, PUBLISH, READY};
 use super::record::{Records, StreamRecord};
+use crate::decode::OutboxEvent;
 use crate::error::{script_codes, RelayError};
 use crate::source::{Origin, Watermark};
 use outbox_core::functions;
@@ -430,17 +431,40 @@ impl Publisher {
             .arg(if meta.rejoin { "rejoin" } else { "" })
             .arg(meta.cursor.as_deref().unwrap_or_default())
             .arg(meta.done.as_deref().unwrap_or_default());
+        // The field names once (the contract's, then every extra field of the part), then
+        // per entry its id, which of them it has, and their values.
+        let names = FieldNames::of(entries.iter().map(|e| &e.event));
+        cmd.arg(names.0.len());
+        for name in &names.0 {
+            cmd.arg(*name);
+        }
         let mut id_buf = String::with_capacity(40);
-        for entry in entries {
-            use std::fmt::Write;
-            id_buf.clear();
-            let _ = write!(id_buf, "{}", entry.id);
-            cmd.arg(id_buf.as_bytes())
-                .arg(&entry.event.outbox_id[..])
-                .arg(entry.event.fields().count());
-            for (name, value) in entry.event.fields() {
-                cmd.arg(name).arg(value);
+        let mut presence = Vec::with_capacity(names.0.len());
+        let mut values: Vec<&[u8]> = Vec::with_capacity(names.0.len());
+        let mut run: Vec<u8> = Vec::new();
+        let mut rest = entries;
+        while let Some(first) = rest.first() {
+            // A run: the entries from here on that have the same fields.
+            names.layout(&first.event, &mut run, &mut values);
+            let len = rest
+                .iter()
+                .position(|e| {
+                    names.layout(&e.event, &mut presence, &mut values);
+                    presence != run
+                })
+                .unwrap_or(rest.len());
+            cmd.arg(&run[..]).arg(len);
+            for entry in &rest[..len] {
+                use std::fmt::Write;
+                id_buf.clear();
+                let _ = write!(id_buf, "{}", entry.id);
+                names.layout(&entry.event, &mut presence, &mut values);
+                cmd.arg(id_buf.as_bytes());
+                for value in &values {
+                    cmd.arg(*value);
+                }
             }
+            rest = &rest[len..];
         }
         if self.wait_replicas == 0 {
             return Ok((
@@ -528,22 +552,131 @@ fn parse_outcome(reply: Value) -> Result<PublishOutcome, RelayError> {
     }
 }
 
+/// The field names of one publishing call: the contract's, in its order, then the extra
+/// fields its entries carry, each once (see `publish.lua`).
+struct FieldNames<'a>(Vec<&'a [u8]>);
+
+impl<'a> FieldNames<'a> {
+    /// `event`, `payload` and `outbox_id` first: every entry has them.
+    const CONTRACT: [&'static str; 6] = [
+        entry::EVENT,
+        entry::PAYLOAD,
+        entry::OUTBOX_ID,
+        entry::CREATED_AT,
+        entry::TRACEPARENT,
+        entry::KEY,
+    ];
+
+    fn of(events: impl Iterator<Item = &'a OutboxEvent>) -> Self {
+        let mut names: Vec<&[u8]> = Self::CONTRACT.iter().map(|n| n.as_bytes()).collect();
+        for event in events {
+            for (name, _) in &event.extra {
+                if !names[Self::CONTRACT.len()..].contains(&&name[..]) {
+                    names.push(&name[..]);
+                }
+            }
+        }
+        Self(names)
+    }
+
+    /// Which names `event` has ('1'/'0' each) and their values, in the names' order.
+    fn layout<'e>(
+        &self,
+        event: &'e OutboxEvent,
+        presence: &mut Vec<u8>,
+        values: &mut Vec<&'e [u8]>,
+    ) {
+        presence.clear();
+        values.clear();
+        let contract = [
+            Some(&event.event[..]),
+            Some(&event.payload[..]),
+            Some(&event.outbox_id[..]),
+            event.created_at.as_deref(),
+            event.traceparent.as_deref(),
+            event.key.as_deref(),
+        ];
+        let extra = self.0[Self::CONTRACT.len()..].iter().map(|name| {
+            event
+                .extra
+                .iter()
+                .find(|(n, _)| &n[..] == *name)
+                .map(|(_, v)| &v[..])
+        });
+        for value in contract.into_iter().chain(extra) {
+            presence.push(if value.is_some() { b'1' } else { b'0' });
+            values.extend(value);
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
 
     #[test]
-    fn the_script_writes_the_relays_fields_then_published_at() {
+    fn the_script_adds_the_named_fields_an_entry_has_then_published_at() {
         let add = SCRIPT
-            .split("local function add(i)")
+            .split("local function add(n)")
             .nth(1)
             .and_then(|rest| rest.split("\nend\n").next())
             .expect("publish.lua defines add()");
         assert_eq!(add.matches("redis.call('XADD'").count(), 1, "{add}");
-        let published_at = add.find("'published_at'").expect("adds published_at");
-        let pairs = add
-            .find("args[#args + 1] = ARGV[j]")
-            .expect("copies the pairs");
-        assert!(pairs < published_at, "published_at comes last: {add}");
+        assert!(
+            add.find("args[k + 1] = name").unwrap()
+                < add.find("'published_at', published_at").unwrap(),
+            "{add}"
+        );
+    }
+
+    #[test]
+    fn each_entry_says_which_names_it_has_and_gives_their_values_in_order() {
+        use bytes::Bytes;
+        let event =
+            |extra: Vec<(&'static str, &'static str)>, key: Option<&'static str>| OutboxEvent {
+                outbox_id: Bytes::from_static(b"7"),
+                event: Bytes::from_static(b"e"),
+                payload: Bytes::from_static(b"{}"),
+                created_at: None,
+                key: key.map(|k| Bytes::from_static(k.as_bytes())),
+                traceparent: None,
+                extra: extra
+                    .into_iter()
+                    .map(|(k, v)| {
+                        (
+                            Bytes::from_static(k.as_bytes()),
+                            Bytes::from_static(v.as_bytes()),
+                        )
+                    })
+                    .collect(),
+            };
+        let a = event(vec![("tenant", "t1")], Some("k"));
+        let b = event(vec![("region", "eu"), ("tenant", "t2")], None);
+        let names = FieldNames::of([&a, &b].into_iter());
+        let text: Vec<&str> = names
+            .0
+            .iter()
+            .map(|n| std::str::from_utf8(n).unwrap())
+            .collect();
+        assert_eq!(
+            text,
+            [
+                "event",
+                "payload",
+                "outbox_id",
+                "created_at",
+                "traceparent",
+                "key",
+                "tenant",
+                "region"
+            ]
+        );
+        let (mut presence, mut values) = (Vec::new(), Vec::new());
+        names.layout(&a, &mut presence, &mut values);
+        assert_eq!(presence, b"11100110");
+        assert_eq!(values, [&b"e"[..], b"{}", b"7", b"k", b"t1"]);
+        names.layout(&b, &mut presence, &mut values);
+        assert_eq!(presence, b"11100011");
+        assert_eq!(values, [&b"e"[..], b"{}", b"7", b"t2", b"eu"]);
     }
 }
