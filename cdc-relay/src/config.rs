@@ -60,6 +60,8 @@ pub struct RelayConfig {
     pub stream_shards: u32,
     /// Prefixes of the transactional logical decoding messages published as entries.
     pub message_prefixes: Vec<String>,
+    /// The most routes a routed stream may have.
+    pub max_routes: u32,
     pub admin_addr: Option<SocketAddr>,
     pub batch: BatchLimits,
     /// When a shard falls behind, and the bytes a lane may hold.

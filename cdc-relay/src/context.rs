@@ -9,6 +9,7 @@ use tokio::sync::watch;
 
 use crate::config::RelayConfig;
 use crate::metrics::Metrics;
+use crate::sink::layout::Layout;
 use crate::status::{RelayStatus, Role};
 
 /// State shared by the relay's tasks.
@@ -19,6 +20,8 @@ pub(crate) struct Context {
     admin_addr: OnceLock<SocketAddr>,
     /// Identifies this process in Redis locks.
     instance_id: String,
+    /// The streams of the current (or last) session: its routes and shards.
+    layout: std::sync::Mutex<Layout>,
     this: std::sync::Weak<Context>,
 }
 
@@ -27,7 +30,9 @@ pub(crate) type SharedContext = Arc<Context>;
 impl Context {
     pub(crate) fn new(config: RelayConfig) -> SharedContext {
         let metrics = Arc::new(Metrics::new(&config.postgres.slot, &config.stream));
+        let layout = Layout::new(&config.stream, config.stream_shards, []);
         Arc::new_cyclic(|this| Context {
+            layout: std::sync::Mutex::new(layout),
             metrics,
             status: watch::Sender::new(RelayStatus::default()),
             admin_addr: OnceLock::new(),
@@ -37,6 +42,15 @@ impl Context {
             this: this.clone(),
             config,
         })
+    }
+
+    /// The streams of the current session (before the first, the fallback route's alone).
+    pub(crate) fn layout(&self) -> Layout {
+        self.layout.lock().unwrap().clone()
+    }
+
+    pub(crate) fn set_layout(&self, layout: Layout) {
+        *self.layout.lock().unwrap() = layout;
     }
 
     pub(crate) fn subscribe(&self) -> watch::Receiver<RelayStatus> {

@@ -127,6 +127,13 @@ pub enum RelayError {
     #[error("{0}; starting the session again")]
     Restart(String),
 
+    #[error("a row names route '{route}', which this session has no stream for; the next session loads it")]
+    NewRoute {
+        route: String,
+        /// The commit LSN of the row's transaction: where the route is first seen.
+        at: u64,
+    },
+
     #[error("{count} transaction(s) the slot sent are still invisible to snapshots after {waited:?} (commits waiting for a synchronous standby?); the hand-over waits for them")]
     CommitsInvisible {
         count: usize,
@@ -175,7 +182,9 @@ impl RelayError {
             RelayError::ReplicationSilent(_) => true,
             // The server is stopping; the next session (on it or its successor) resumes.
             RelayError::ConfirmationOverdue { .. } => true,
-            RelayError::ShardUnreachable { .. } | RelayError::Restart(_) => true,
+            RelayError::ShardUnreachable { .. }
+            | RelayError::Restart(_)
+            | RelayError::NewRoute { .. } => true,
             // The commits become visible once their wait ends.
             RelayError::CommitsInvisible { .. } => true,
             // Not an error to retry: the supervisor stops.

@@ -48,15 +48,49 @@ const FLAGS: [&str; 8] = [
 /// One entry as the test compares it.
 #[derive(Debug, Clone)]
 struct Seen {
+    /// The stream (before sharding) it is in.
+    stream: String,
     shard: u32,
     fields: HashMap<String, String>,
 }
 
-async fn read_all(fx: &Fixture<'_>) -> Vec<Seen> {
+/// Where a test's relay writes: one stream of `shards`, or one per aggregate type.
+#[derive(Clone)]
+struct Streams {
+    /// `None`: the fixture's one stream.
+    template: Option<String>,
+    shards: u32,
+}
+
+impl Streams {
+    fn one(shards: u32) -> Self {
+        Self {
+            template: None,
+            shards,
+        }
+    }
+
+    /// The stream a row of `aggregate_type` belongs in.
+    fn of(&self, fx: &Fixture<'_>, aggregate_type: &str) -> String {
+        match &self.template {
+            Some(t) => t.replace("${routedByValue}", aggregate_type),
+            None => fx.stream.clone(),
+        }
+    }
+
+    fn all(&self, fx: &Fixture<'_>) -> Vec<String> {
+        match &self.template {
+            Some(_) => TYPES.iter().map(|t| self.of(fx, t)).collect(),
+            None => vec![fx.stream.clone()],
+        }
+    }
+}
+
+async fn read_stream(fx: &Fixture<'_>, stream: &str, shards: u32) -> Vec<Seen> {
     let mut conn = fx.redis.connect().await.unwrap();
     let mut all = Vec::new();
-    for shard in 0..SHARDS {
-        let key = outbox_core::stream::shard_key(&fx.stream, shard, SHARDS);
+    for shard in 0..shards {
+        let key = outbox_core::stream::shard_key(stream, shard, shards);
         let reply: StreamRangeReply = redis::cmd("XRANGE")
             .arg(&key)
             .arg("-")
@@ -70,8 +104,20 @@ async fn read_all(fx: &Fixture<'_>) -> Vec<Seen> {
                 .iter()
                 .map(|(k, v)| (k.clone(), redis::from_redis_value_ref::<String>(v).unwrap()))
                 .collect();
-            all.push(Seen { shard, fields });
+            all.push(Seen {
+                stream: stream.to_string(),
+                shard,
+                fields,
+            });
         }
+    }
+    all
+}
+
+async fn read_all(fx: &Fixture<'_>, streams: &Streams) -> Vec<Seen> {
+    let mut all = Vec::new();
+    for stream in streams.all(fx) {
+        all.extend(read_stream(fx, &stream, streams.shards).await);
     }
     all
 }
@@ -91,12 +137,13 @@ async fn table_rows(fx: &Fixture<'_>) -> Vec<(String, String, String, String, St
         .collect()
 }
 
-/// Every row of the table is in the stream exactly once, in the shard of its key, with its
+/// Every row of the table is in its stream exactly once, in the shard of its key, with its
 /// fields; the entries of each key are in the table's (commit) order.
-async fn assert_every_row_once_in_key_order(fx: &Fixture<'_>, what: &str) {
+async fn assert_every_row_once_in_key_order(fx: &Fixture<'_>, streams: &Streams, what: &str) {
+    let shards = streams.shards;
     let rows = table_rows(fx).await;
     wait_until(Duration::from_secs(60), what, || async {
-        let n = read_all(fx).await.len();
+        let n = read_all(fx, streams).await.len();
         if n >= rows.len() {
             Ok(())
         } else {
@@ -104,7 +151,7 @@ async fn assert_every_row_once_in_key_order(fx: &Fixture<'_>, what: &str) {
         }
     })
     .await;
-    let seen = read_all(fx).await;
+    let seen = read_all(fx, streams).await;
     let mut by_id: HashMap<&str, &Seen> = HashMap::new();
     for entry in &seen {
         let id = entry.fields["outbox_id"].as_str();
@@ -118,9 +165,12 @@ async fn assert_every_row_once_in_key_order(fx: &Fixture<'_>, what: &str) {
             .unwrap_or_else(|| panic!("{what}: row {id} is not in the stream"));
         let f = &entry.fields;
         assert_eq!(
-            entry.shard,
-            outbox_core::stream::shard_of(Some(key.as_bytes()), SHARDS),
-            "{what}: {id} in the wrong shard"
+            (entry.stream.as_str(), entry.shard),
+            (
+                streams.of(fx, aggregate_type).as_str(),
+                outbox_core::stream::shard_of(Some(key.as_bytes()), shards)
+            ),
+            "{what}: {id} in the wrong stream or shard"
         );
         assert_eq!(f["key"], *key, "{what}: key of {id}");
         assert_eq!(f["aggregate_type"], *aggregate_type);
@@ -137,7 +187,7 @@ async fn assert_every_row_once_in_key_order(fx: &Fixture<'_>, what: &str) {
     }
     // Within a shard, entries are in stream order; each key's must be the table's.
     for (key, ids) in order {
-        let shard = outbox_core::stream::shard_of(Some(key.as_bytes()), SHARDS);
+        let shard = outbox_core::stream::shard_of(Some(key.as_bytes()), shards);
         let in_stream: Vec<&str> = seen
             .iter()
             .filter(|e| e.shard == shard && e.fields["key"] == key)
@@ -179,6 +229,97 @@ async fn write(fx: &Fixture<'_>, from: u32, count: u32) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_debezium_outbox_is_relayed_once_in_key_order_through_kill_restart_and_wipe() {
+    relay_through_kill_restart_and_wipe(Streams::one(SHARDS), &FLAGS, &[]).await;
+}
+
+/// Debezium's routing: `route.by.field` (aggregatetype) into `route.topic.replacement`, one
+/// stream per aggregate type, each created on its first row; and logical messages of a
+/// prefix into a stream of their own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_debezium_outbox_routed_by_aggregate_type_is_relayed_once_per_stream_through_kill_restart_and_wipe(
+) {
+    let template = format!(
+        "outbox.{}.${{routedByValue}}",
+        testkit::unique_name("event")
+    );
+    let mut flags = FLAGS.to_vec();
+    flags.extend([
+        "--stream",
+        &template,
+        "--stream-shards",
+        "2",
+        // Debezium's option name for the route column (its default, said anyway).
+        "--route-by-field",
+        "aggregatetype",
+        "--message-prefixes",
+        "audit",
+    ]);
+    let streams = Streams {
+        template: Some(template.clone()),
+        shards: 2,
+    };
+    relay_through_kill_restart_and_wipe(streams, &flags, &["audit"]).await;
+}
+
+/// Messages of `prefix` emitted `count` times in transactions of their own.
+async fn emit(fx: &Fixture<'_>, prefix: &str, from: u32, count: u32) {
+    let client = fx.db.connect().await.unwrap();
+    for n in from..from + count {
+        client
+            .execute(
+                "SELECT pg_logical_emit_message(true, $1, $2::text)",
+                &[&prefix, &format!("audit {n}")],
+            )
+            .await
+            .unwrap();
+    }
+}
+
+/// The contents of the messages of `prefix` in its stream (shard 0: a message has no key),
+/// in stream order.
+async fn messages(fx: &Fixture<'_>, streams: &Streams, prefix: &str) -> Vec<String> {
+    read_stream(fx, &streams.of(fx, prefix), streams.shards)
+        .await
+        .into_iter()
+        .map(|e| {
+            assert_eq!(e.fields["event"], prefix);
+            e.fields["payload"].clone()
+        })
+        .collect()
+}
+
+/// Each prefix's stream holds messages `from..to` once each, in order, where `from` is at most
+/// `want.start` and at least `earliest` (after a wipe, the slot sends again what it was not yet
+/// told of, which Redis lost: those come back, in order).
+async fn assert_messages(
+    fx: &Fixture<'_>,
+    streams: &Streams,
+    prefixes: &[&str],
+    earliest: u32,
+    want: std::ops::Range<u32>,
+    what: &str,
+) {
+    for prefix in prefixes {
+        wait_until(Duration::from_secs(60), what, || async {
+            let got = messages(fx, streams, prefix).await;
+            let ok = (earliest..=want.start).any(|from| {
+                got.iter()
+                    .eq((from..want.end).map(|n| format!("audit {n}")).collect::<Vec<_>>().iter())
+            });
+            if ok {
+                Ok(())
+            } else {
+                Err(format!("{what}: want audit {earliest}..{} (from at most {}) once each in order, got {got:?}", want.end, want.start))
+            }
+        })
+        .await;
+    }
+}
+
+/// Rows written while the relay is SIGKILLed, while Redis restarts, and after Redis lost
+/// everything: every row once, in its stream and shard, in key order; every message once,
+/// in order (those a wiped Redis held are gone with it, and only those).
+async fn relay_through_kill_restart_and_wipe(streams: Streams, flags: &[&str], prefixes: &[&str]) {
     // GIVEN Debezium's outbox table and a relay reading it with the debezium preset
     let redis = RedisServer::start().unwrap();
     let db = shared_postgres().create_database().await.unwrap();
@@ -188,15 +329,52 @@ async fn a_debezium_outbox_is_relayed_once_in_key_order_through_kill_restart_and
         .batch_execute(DDL)
         .await
         .unwrap();
-    let fx = Fixture::set_up(&redis, db, SHARDS, &FLAGS).await;
-    let relay = fx.spawn_relay("dbz-1", &FLAGS);
+    let fx = Fixture::set_up(&redis, db, streams.shards, &FLAGS).await;
+    let relay = fx.spawn_relay("dbz-1", flags);
     relay.wait_streaming().await;
+    if streams.template.is_some() {
+        // WHEN each aggregate type's first row comes, one after another
+        let client = fx.db.connect().await.unwrap();
+        for aggregate_type in TYPES {
+            client
+                .execute(
+                    "INSERT INTO shop.outbox (id, aggregatetype, aggregateid, type, payload)
+                     VALUES (gen_random_uuid(), $1, $2, 'created', '{}')",
+                    &[&aggregate_type, &format!("{aggregate_type}-first")],
+                )
+                .await
+                .unwrap();
+            let stream = streams.of(&fx, aggregate_type);
+            wait_until(Duration::from_secs(30), "the route's first row", || async {
+                match read_stream(&fx, &stream, streams.shards).await.len() {
+                    1 => Ok(()),
+                    n => Err(format!("{n} entries in {stream}")),
+                }
+            })
+            .await;
+        }
+        // THEN its stream is made, starting at the slot's position: nothing was caught up
+        // from the table
+        for mode in ["everything", "since"] {
+            let caught_up = relay
+                .metric(&format!("cdc_relay_catch_ups_total{{mode=\"{mode}\"}}"))
+                .await
+                .unwrap_or(0.0);
+            assert_eq!(caught_up, 0.0, "{mode}; log: {}", tail(&relay.child.log()));
+        }
+    }
 
-    // WHEN rows are written, the relay is SIGKILLed meanwhile and started again
-    let writing = write(&fx, 0, 60);
+    // WHEN rows (and messages) are written, the relay is SIGKILLed meanwhile and started again
+    let writing = async {
+        tokio::join!(write(&fx, 0, 60), async {
+            for prefix in prefixes {
+                emit(&fx, prefix, 0, 20).await;
+            }
+        });
+    };
     let killing = async {
         wait_until(Duration::from_secs(30), "some rows published", || async {
-            let n = read_all(&fx).await.len();
+            let n = read_all(&fx, &streams).await.len();
             if n >= 20 {
                 Ok(())
             } else {
@@ -207,10 +385,19 @@ async fn a_debezium_outbox_is_relayed_once_in_key_order_through_kill_restart_and
         relay.child.kill().unwrap();
     };
     tokio::join!(writing, killing);
-    let relay = fx.spawn_relay("dbz-2", &FLAGS);
+    let relay = fx.spawn_relay("dbz-2", flags);
     relay.wait_streaming().await;
     // THEN every row is there once, in order per key, with its key and extra column
-    assert_every_row_once_in_key_order(&fx, "after the relay was killed").await;
+    assert_every_row_once_in_key_order(&fx, &streams, "after the relay was killed").await;
+    assert_messages(
+        &fx,
+        &streams,
+        prefixes,
+        0,
+        0..20,
+        "messages after the relay was killed",
+    )
+    .await;
 
     // WHEN Redis is killed and restarted on its AOF while rows are written
     let writing = write(&fx, 60, 40);
@@ -219,16 +406,42 @@ async fn a_debezium_outbox_is_relayed_once_in_key_order_through_kill_restart_and
         redis.start_again().unwrap();
     };
     tokio::join!(writing, restarting);
+    for prefix in prefixes {
+        emit(&fx, prefix, 20, 10).await;
+    }
     // THEN the same holds
-    assert_every_row_once_in_key_order(&fx, "after Redis restarted").await;
+    assert_every_row_once_in_key_order(&fx, &streams, "after Redis restarted").await;
+    assert_messages(
+        &fx,
+        &streams,
+        prefixes,
+        0,
+        0..30,
+        "messages after Redis restarted",
+    )
+    .await;
 
     // WHEN Redis loses everything (its functions too) and more rows come
     redis.kill().unwrap();
     redis.wipe_data().unwrap();
     redis.start_again().unwrap();
     write(&fx, 100, 20).await;
+    for prefix in prefixes {
+        emit(&fx, prefix, 30, 10).await;
+    }
     // THEN the relay rebuilds each shard from the table: every row once, in key order
-    assert_every_row_once_in_key_order(&fx, "after Redis lost its data").await;
+    assert_every_row_once_in_key_order(&fx, &streams, "after Redis lost its data").await;
+    // The messages Redis held are gone with it (no table holds them), but for those the slot
+    // was not yet told of; every later one is there.
+    assert_messages(
+        &fx,
+        &streams,
+        prefixes,
+        20,
+        30..40,
+        "messages after Redis lost its data",
+    )
+    .await;
     let rebuilt = relay
         .metric("cdc_relay_catch_ups_total{mode=\"everything\"}")
         .await

@@ -51,8 +51,10 @@ pub struct ConnectionArgs {
     #[arg(long, env = "REDIS_CLUSTER", num_args = 0..=1, default_missing_value = "true", action = clap::ArgAction::Set, default_value_t = false)]
     pub redis_cluster: bool,
     /// Stream key the relay writes (only the relay writes it; never DEL it) (run, reshard,
-    /// setup with --redis-url).
-    #[arg(long, env = "CDC_STREAM")]
+    /// setup with --redis-url). With `${routedByValue}` in it, a template: each row goes to
+    /// the stream its route column names, e.g. outbox.event.${routedByValue} (Debezium:
+    /// route.topic.replacement).
+    #[arg(long, env = "CDC_STREAM", alias = "route-topic-replacement")]
     pub stream: Option<String>,
     /// Shards of the stream, fixed when it is set up: a row goes to the shard its key
     /// (the mapping's key column: the chat's `partition_key`) hashes to (one chat, one shard). 1 keeps the plain key; N > 1 writes
@@ -117,6 +119,10 @@ pub struct MappingArgs {
     /// The writing transaction's column (xid8 DEFAULT pg_current_xact_id()).
     #[arg(long, env = "CDC_OUTBOX_TX_COLUMN")]
     pub outbox_tx_column: Option<String>,
+    /// The column whose value names the row's stream, with a routed --stream
+    /// (`${routedByValue}`); debezium: aggregatetype (Debezium: route.by.field).
+    #[arg(long, env = "CDC_OUTBOX_ROUTE_COLUMN", alias = "route-by-field")]
+    pub outbox_route_column: Option<String>,
 }
 
 impl MappingArgs {
@@ -131,6 +137,7 @@ impl MappingArgs {
             extra: self.outbox_fields.clone(),
             order: self.outbox_order_column.clone(),
             tx: self.outbox_tx_column.clone(),
+            route: self.outbox_route_column.clone(),
         }
     }
 }
@@ -191,10 +198,15 @@ impl ConnectionArgs {
             .ok_or_else(|| missing("--outbox-table", "CDC_OUTBOX_TABLE"))?
             .parse()
             .map_err(|e| RelayError::Config(format!("--outbox-table {e}")))?;
+        let routed = self
+            .stream
+            .as_deref()
+            .is_some_and(crate::sink::layout::is_routed);
         let outbox = OutboxMapping::build(
             self.mapping.outbox_preset,
             outbox_table,
             &self.mapping.overrides(),
+            routed,
         )
         .map_err(RelayError::Config)?;
         Ok(PostgresConfig {

@@ -8,6 +8,8 @@ use clap::Args;
 use outbox_core::connect::PgEndpoint;
 use outbox_core::stream::validate_layout;
 
+use crate::sink::layout;
+
 use super::ConnectionArgs;
 use crate::config::{BatchLimits, LaneLimits, OnLostSlot, RelayConfig};
 use crate::error::RelayError;
@@ -35,6 +37,10 @@ pub struct RunArgs {
     /// Redis that loses data loses the events it held (docs/deployment.md, "Tableless events").
     #[arg(long, env = "CDC_MESSAGE_PREFIXES", value_delimiter = ',')]
     pub message_prefixes: Vec<String>,
+    /// The most routes a routed --stream (`${routedByValue}`) may have: each is
+    /// --stream-shards streams, records and lanes. A relay that meets more stops, saying so.
+    #[arg(long, env = "CDC_MAX_ROUTES", default_value_t = 256)]
+    pub max_routes: u32,
     #[command(flatten)]
     pub tuning: Tuning,
     #[command(flatten)]
@@ -137,12 +143,20 @@ impl RunArgs {
         let t = &self.tuning;
         let redis = c.redis(t.redis_timeout)?;
         let stream = c.stream()?.to_string();
+        // A template is checked as the keys it makes.
+        let example = layout::route_stream(&stream, layout::FALLBACK_ROUTE);
         let stream_shards = validate_layout(
             "--stream-shards",
             c.stream_shards,
             c.redis_cluster,
-            &[("--stream", &stream)],
+            &[("--stream", &example)],
         )?;
+        if layout::is_routed(&stream) && !(1..=100_000).contains(&self.max_routes) {
+            return Err(RelayError::Config(format!(
+                "--max-routes must be between 1 and 100000 (got {})",
+                self.max_routes
+            )));
+        }
         let standbys = self.standbys()?;
         let admin_addr = t.admin_addr()?;
         t.check()?;
@@ -165,6 +179,7 @@ impl RunArgs {
                 may_fall_behind: message_prefixes.is_empty(),
             },
             message_prefixes,
+            max_routes: self.max_routes,
             stream_max_len: t.stream_max_len,
             replication_timeout: t.replication_timeout,
             max_row_bytes: t.max_row_bytes,
@@ -195,6 +210,14 @@ impl RunArgs {
                 return Err(RelayError::Config(format!(
                     "--message-prefixes '{prefix}' is not a prefix: 1-128 printable characters without spaces"
                 )));
+            }
+            if let Some(stream) = self.connection.stream.as_deref() {
+                if layout::is_routed(stream) && !layout::valid_route(prefix) {
+                    return Err(RelayError::Config(format!(
+                        "--message-prefixes '{prefix}' routes its events to a stream of that name, so it must be a route name: 1-{} letters, digits, '.', '_' and '-', starting with a letter or digit",
+                        layout::MAX_ROUTE_LEN
+                    )));
+                }
             }
             if prefixes.iter().any(|p| p == prefix) {
                 return Err(RelayError::Config(format!(

@@ -100,6 +100,9 @@ pub struct OutboxMapping {
     /// The writing transaction (`xid8 DEFAULT pg_current_xact_id()`), which tells a
     /// catch-up which rows a stream may lack.
     pub tx: Ident,
+    /// The column whose value picks the row's stream, when the stream name is a template
+    /// (`${routedByValue}`); not published unless also an extra field.
+    pub route: Option<Ident>,
 }
 
 /// Field names of the stream contract, which no alias may take.
@@ -128,6 +131,8 @@ pub struct Overrides {
     pub extra: Option<String>,
     pub order: Option<String>,
     pub tx: Option<String>,
+    /// The routing column; only with a routed stream.
+    pub route: Option<String>,
 }
 
 impl OutboxMapping {
@@ -144,6 +149,7 @@ impl OutboxMapping {
             extra: Vec::new(),
             order: Ident::of("id"),
             tx: Ident::of("tx"),
+            route: None,
         }
     }
 
@@ -161,14 +167,17 @@ impl OutboxMapping {
             extra: Vec::new(),
             order: Ident::of("seq"),
             tx: Ident::of("tx"),
+            route: None,
         }
     }
 
-    /// The preset's mapping with the overrides applied, checked.
+    /// The preset's mapping with the overrides applied, checked; `routed`: the stream name
+    /// is a template, so a route column is needed (Debezium's default: `aggregatetype`).
     pub fn build(
         preset: Preset,
         table: OutboxTable,
         overrides: &Overrides,
+        routed: bool,
     ) -> Result<Self, String> {
         let mut mapping = match preset {
             Preset::Chat => Self::chat(table),
@@ -213,6 +222,17 @@ impl OutboxMapping {
         if let Some(v) = &overrides.extra {
             mapping.extra = parse_extra(v)?;
         }
+        mapping.route = match (&overrides.route, routed, preset) {
+            (Some(v), true, _) => Some(column("--outbox-route-column", v)?),
+            (None, true, Preset::Debezium) => Some(Ident::of("aggregatetype")),
+            (None, true, Preset::Chat) => {
+                return Err("--stream names a route (${routedByValue}): say which column holds it with --outbox-route-column".into())
+            }
+            (Some(v), false, _) => {
+                return Err(format!("--outbox-route-column '{v}' needs a routed --stream: put ${{routedByValue}} where the route goes, e.g. outbox.event.${{routedByValue}}"))
+            }
+            (None, false, _) => None,
+        };
         mapping.check()?;
         Ok(mapping)
     }
@@ -264,6 +284,9 @@ impl OutboxMapping {
         ];
         if let Some(t) = &self.timestamp {
             columns.push(("timestamp", t));
+        }
+        if let Some(r) = &self.route {
+            columns.push(("route", r));
         }
         for extra in &self.extra {
             columns.push(("extra field", &extra.column));
@@ -327,7 +350,8 @@ mod tests {
 
     #[test]
     fn presets_name_their_columns_and_overrides_replace_them() {
-        let chat = OutboxMapping::build(Preset::Chat, table(), &Overrides::default()).unwrap();
+        let chat =
+            OutboxMapping::build(Preset::Chat, table(), &Overrides::default(), false).unwrap();
         assert_eq!(chat, OutboxMapping::chat(table()));
         let dbz = OutboxMapping::build(
             Preset::Debezium,
@@ -337,9 +361,11 @@ mod tests {
                 extra: Some("aggregatetype:header:aggregate_type, tenant".into()),
                 ..Overrides::default()
             },
+            true,
         )
         .unwrap();
         assert_eq!(dbz.key.as_str(), "aggregateid");
+        assert_eq!(dbz.route.as_ref().unwrap().as_str(), "aggregatetype");
         assert_eq!(dbz.event_type.as_str(), "type");
         assert_eq!(dbz.timestamp.unwrap().as_str(), "occurred_at");
         assert_eq!(
@@ -357,14 +383,17 @@ mod tests {
                 traceparent: Some(String::new()),
                 ..Overrides::default()
             },
+            false,
         )
         .unwrap();
         assert_eq!((none.timestamp, none.traceparent), (None, None));
+        assert_eq!(none.route, None);
     }
 
     #[test]
     fn bad_mappings_are_refused_saying_why() {
-        let err = |o: Overrides| OutboxMapping::build(Preset::Debezium, table(), &o).unwrap_err();
+        let err =
+            |o: Overrides| OutboxMapping::build(Preset::Debezium, table(), &o, false).unwrap_err();
         assert!(err(Overrides {
             key: Some("Aggregate".into()),
             ..Overrides::default()
@@ -395,5 +424,12 @@ mod tests {
             ..Overrides::default()
         })
         .contains("is not column"));
+        assert!(err(Overrides {
+            route: Some("aggregatetype".into()),
+            ..Overrides::default()
+        })
+        .contains("needs a routed --stream"));
+        let chat = OutboxMapping::build(Preset::Chat, table(), &Overrides::default(), true);
+        assert!(chat.unwrap_err().contains("--outbox-route-column"));
     }
 }

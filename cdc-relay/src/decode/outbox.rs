@@ -67,6 +67,9 @@ pub struct OutboxEvent {
     pub traceparent: Option<Bytes>,
     /// The mapping's extra columns that were not NULL, as (field, value).
     pub extra: Vec<(Bytes, Bytes)>,
+    /// The route column's value (or a message's prefix): which stream of a routed relay
+    /// the entry goes to. Not a field of the entry.
+    pub route: Option<Bytes>,
 }
 
 impl OutboxEvent {
@@ -147,6 +150,8 @@ struct OutboxColumns {
     traceparent: Option<usize>,
     /// (position, field name) of each extra column.
     extra: Vec<(usize, Bytes)>,
+    /// The route column, when routed.
+    route: Option<usize>,
     count: usize,
 }
 
@@ -159,6 +164,8 @@ enum Known {
 
 /// What an insert turned out to be.
 #[derive(Debug, Clone, PartialEq, Eq)]
+// One per insert, matched at once: boxing the large variant would cost an allocation per row.
+#[allow(clippy::large_enum_variant)]
 pub enum Row {
     Outbox(OutboxEvent),
     /// An insert into another table of the publication, named.
@@ -230,6 +237,10 @@ impl RelationCache {
                 },
                 key,
                 traceparent: m.traceparent.as_ref().and_then(position),
+                route: match &m.route {
+                    Some(r) => Some(find(r, "route")?),
+                    None => None,
+                },
                 extra,
                 count: relation.columns.len(),
             }))
@@ -260,6 +271,11 @@ impl RelationCache {
             });
         }
         let mut values = insert.values;
+        // Read, not taken: the route column may be published as an extra field too.
+        let route = columns.route.and_then(|index| match &values[index] {
+            Value::Text(bytes) => Some(bytes.clone()),
+            _ => None,
+        });
         let key = match columns.key {
             Some(index) => match std::mem::replace(&mut values[index], Value::Null) {
                 Value::Text(bytes) => Some(bytes),
@@ -332,6 +348,7 @@ impl RelationCache {
             key,
             traceparent,
             extra,
+            route,
         }))
     }
 }
@@ -446,6 +463,7 @@ mod tests {
                 key: None,
                 traceparent: None,
                 extra: Vec::new(),
+                route: None,
             })
         );
     }
@@ -596,6 +614,7 @@ mod tests {
                 extra: Some(extra.into()),
                 ..Default::default()
             },
+            false,
         )
         .unwrap();
         let mut cache = RelationCache::mapped(Arc::new(mapping), 4);
@@ -681,9 +700,13 @@ mod tests {
     #[test]
     fn a_sharded_stream_refuses_a_table_without_the_key_naming_the_flag() {
         let table: OutboxTable = "public.outbox".parse().unwrap();
-        let mapping =
-            OutboxMapping::build(crate::decode::Preset::Debezium, table, &Default::default())
-                .unwrap();
+        let mapping = OutboxMapping::build(
+            crate::decode::Preset::Debezium,
+            table,
+            &Default::default(),
+            false,
+        )
+        .unwrap();
         let mut cache = RelationCache::mapped(Arc::new(mapping), 4);
         let err = cache
             .on_relation(&relation(

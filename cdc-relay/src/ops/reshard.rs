@@ -43,6 +43,11 @@ struct OldLayout {
 pub async fn reshard(cfg: &RelayConfig) -> Result<String, RelayError> {
     let base = &cfg.stream;
     let target = cfg.stream_shards;
+    if crate::sink::layout::is_routed(base) {
+        return Err(RelayError::Config(format!(
+            "reshard resizes one stream; --stream '{base}' is a template of routes, whose resizing is not supported yet: every route keeps --stream-shards"
+        )));
+    }
     let sql = cfg.postgres.endpoint.connect(cfg.connect_timeout).await?;
     let start_lsn = inactive_slot(cfg, &sql).await?;
     let mut publisher = Publisher::connect(
@@ -254,7 +259,13 @@ async fn write_new_layout(
             .map(|_| ())?;
     }
     publisher
-        .check_layout(&read_all(&mut records).await?)
+        .check_layout(
+            &read_all(&mut records)
+                .await?
+                .into_iter()
+                .map(Some)
+                .collect::<Vec<_>>(),
+        )
         .await?;
     Ok(id_offset)
 }

@@ -45,7 +45,13 @@ pub async fn setup_command(
         ),
     };
     say(out, &line);
-    if let Some((redis, stream)) = args.connection.redis_and_stream(TIMEOUT)? {
+    let redis_and_stream = args
+        .connection
+        .redis_and_stream(TIMEOUT)?
+        // A routed stream's routes are made by `run` as rows name them; each starts from
+        // the outbox table (empty on a fresh install), so there is no record to write here.
+        .filter(|(_, stream)| !crate::sink::layout::is_routed(stream));
+    if let Some((redis, stream)) = redis_and_stream {
         let shards = validate_layout(
             "--stream-shards",
             args.connection.stream_shards,
@@ -118,7 +124,9 @@ pub async fn init_stream_record(
     let mut publisher = Publisher::connect(redis, stream, shards, 0, timeout).await?;
     let mut records = publisher.records();
     let all = read_all(&mut records).await?;
-    publisher.check_layout(&all).await?;
+    publisher
+        .check_layout(&all.iter().cloned().map(Some).collect::<Vec<_>>())
+        .await?;
     if all
         .iter()
         .any(|r| r.slot.as_deref() == Some(cfg.slot.as_str()))

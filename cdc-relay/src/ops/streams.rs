@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use outbox_core::connect::RedisConn;
 use outbox_core::stream::keys::dead_letter_base;
-use outbox_core::stream::{shard_key, shard_keys};
+use outbox_core::stream::shard_key;
 use serde::Serialize;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
@@ -19,6 +19,7 @@ use tracing::debug;
 use crate::cli::StreamsArgs;
 use crate::context::Context;
 use crate::error::RelayError;
+use crate::sink::layout;
 use crate::status::Role;
 
 const TIMEOUT: Duration = Duration::from_secs(10);
@@ -52,15 +53,26 @@ pub(crate) struct GroupReport {
     dead_letters: Option<u64>,
 }
 
-/// Reads every shard of `--stream` (`--stream-shards` of them).
+/// Reads every shard of `--stream` (`--stream-shards` of them); of a routed stream, every
+/// shard of each registered route's.
 async fn read(args: &StreamsArgs) -> Result<Vec<ShardReport>, RelayError> {
     let redis = args.connection.redis(TIMEOUT)?;
     let stream = args.connection.stream()?;
     let mut conn = redis.connect(TIMEOUT).await?;
     let shards = args.connection.stream_shards;
+    let routes: Vec<String> = if layout::is_routed(stream) {
+        redis::cmd("SMEMBERS")
+            .arg(layout::registry_key(stream))
+            .query_async(&mut conn)
+            .await?
+    } else {
+        Vec::new()
+    };
+    let layout = layout::Layout::new(stream, shards, routes);
     let mut reports = Vec::new();
-    for (shard, key) in shard_keys(stream, shards).into_iter().enumerate() {
-        reports.push(read_shard(&mut conn, key, shard as u32, shards, Detail::Full).await?);
+    for (lane, key) in layout.keys().into_iter().enumerate() {
+        let shard = layout.shard_of_lane(lane as u32);
+        reports.push(read_shard(&mut conn, key, shard, shards, Detail::Full).await?);
     }
     Ok(reports)
 }
@@ -173,7 +185,6 @@ async fn read_shard(
 pub(crate) async fn watch(ctx: Arc<Context>, shutdown: CancellationToken) {
     let cfg = &ctx.config;
     let m = &ctx.metrics;
-    let (base, shards) = (cfg.stream.clone(), cfg.stream_shards);
     let mut conn: Option<RedisConn> = None;
     let mut interval = tokio::time::interval(cfg.slot_metrics_interval);
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -204,10 +215,13 @@ pub(crate) async fn watch(ctx: Arc<Context>, shutdown: CancellationToken) {
             m.stream_up.set(0);
             continue;
         };
+        // The current session's streams (every route's, when routed).
+        let layout = ctx.layout();
         let read = async {
             let mut reports = Vec::new();
-            for (shard, key) in shard_keys(&base, shards).into_iter().enumerate() {
-                reports.push(read_shard(c, key, shard as u32, shards, Detail::Gauges).await?);
+            for (lane, key) in layout.keys().into_iter().enumerate() {
+                let shard = layout.shard_of_lane(lane as u32);
+                reports.push(read_shard(c, key, shard, layout.shards(), Detail::Gauges).await?);
             }
             Ok::<_, RelayError>(reports)
         };
@@ -216,8 +230,8 @@ pub(crate) async fn watch(ctx: Arc<Context>, shutdown: CancellationToken) {
                 m.stream_up.set(1);
                 // Groups come and go: only what this round saw is exported.
                 clear();
-                for (shard, report) in reports.iter().enumerate() {
-                    let shard = shard.to_string();
+                for (lane, report) in reports.iter().enumerate() {
+                    let shard = layout.label(lane as u32);
                     m.stream_length_entries
                         .with_label_values(&[&shard])
                         .set(report.length as i64);

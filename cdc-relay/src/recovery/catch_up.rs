@@ -42,7 +42,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use outbox_core::backoff::Backoff;
-use outbox_core::stream::{shard_of, EntryId};
+use outbox_core::stream::EntryId;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
@@ -122,7 +122,7 @@ impl CatchUps {
         for k in 0..publisher.shard_count() {
             ctx.metrics
                 .shard_behind
-                .with_label_values(&[&k.to_string()])
+                .with_label_values(&[&publisher.layout().label(k)])
                 .set(i64::from(behind_at_start.contains(&k)));
         }
         ctx.set_behind_shards(behind_at_start.to_vec());
@@ -224,7 +224,7 @@ impl Manager {
                         self.ctx
                             .metrics
                             .shard_behind_seconds
-                            .with_label_values(&[&k.to_string()])
+                            .with_label_values(&[&self.publisher.layout().label(k)])
                             .set(0.0);
                     }
                     for (k, why) in outcome.later {
@@ -256,7 +256,7 @@ impl Manager {
         for k in 0..self.publisher.shard_count() {
             metrics
                 .shard_behind
-                .with_label_values(&[&k.to_string()])
+                .with_label_values(&[&self.publisher.layout().label(k)])
                 .set(i64::from(waiting.contains_key(&k)));
         }
     }
@@ -408,7 +408,7 @@ impl Prepared {
         let age = watermark.age();
         ctx.metrics
             .shard_behind_seconds
-            .with_label_values(&[&self.shard.to_string()])
+            .with_label_values(&[&ctx.layout().label(self.shard)])
             .set(age.as_secs_f64());
         let retention = ctx.config.outbox_retention;
         if age > retention && !self.past_retention {
@@ -447,7 +447,7 @@ async fn prepare(
         records
             .create(&NewRecord {
                 origin,
-                shards: publisher.shard_count(),
+                shards: publisher.layout().shards(),
                 acked_through: 0,
                 id_offset: publisher.id_offset(),
                 last_id: None,
@@ -554,12 +554,12 @@ async fn check_identity(
             server_system: origin.system_id.clone(),
         });
     }
-    if record.shards != Some(publisher.shard_count()) {
+    if record.shards != Some(publisher.layout().shards()) {
         return Err(RelayError::Config(format!(
             "stream {} states {} shard(s), this relay writes {}: restart it with the stream's --stream-shards",
             publisher.stream(),
             record.shards.map_or("an unreadable number of".into(), |n| n.to_string()),
-            publisher.shard_count()
+            publisher.layout().shards()
         )));
     }
     match shard_history(record, origin) {
@@ -747,7 +747,15 @@ impl CatchUp<'_> {
             let mut parts: BTreeMap<u32, Vec<StreamEntry>> = BTreeMap::new();
             for row in &rows {
                 let event = table.event(row);
-                let shard = shard_of(event.key.as_deref(), self.publisher.shard_count());
+                // A route this session does not have: its rows wait for the session that
+                // loads it (the slot brings the route, and its lanes start behind).
+                let Ok(shard) = self
+                    .publisher
+                    .layout()
+                    .lane_of(event.route.as_deref(), event.key.as_deref())
+                else {
+                    continue;
+                };
                 let Some(prepared) = self.shards.get_mut(&shard) else {
                     continue;
                 };
@@ -775,6 +783,7 @@ impl CatchUp<'_> {
                     event,
                     span: None,
                     xid: 0,
+                    tableless: false,
                 });
             }
             for (shard, entries) in parts {
@@ -1115,12 +1124,17 @@ impl Table {
             .map(|(i, e)| format!(", o.{}::text AS x{i}", e.column.quoted()))
             .collect();
         let extra_out: String = (0..m.extra.len()).map(|i| format!(", x{i}")).collect();
+        // Last, after the extra fields (see `event`).
+        let route = match &m.route {
+            Some(r) => format!("o.{}::text", r.quoted()),
+            None => "NULL::text".into(),
+        };
         format!(
-            "SELECT ord, id, event, payload, created_at, key, tx{extra_out} FROM (
+            "SELECT ord, id, event, payload, created_at, key, tx{extra_out}, route FROM (
              SELECT *, sum(size) OVER (ORDER BY ord) - size AS before FROM (
                SELECT o.{order}::bigint AS ord, o.{id}::text AS id, o.{event}::text AS event,
                       o.{payload}::text AS payload, {timestamp} AS created_at,
-                      {key} AS key, o.{tx}::text AS tx{extra},
+                      {key} AS key, o.{tx}::text AS tx{extra}, {route} AS route,
                       octet_length(o.{event}::text) + coalesce(octet_length(o.{payload}::text), 0) AS size
                  FROM {table} o
                 WHERE o.{order} > $1
@@ -1163,6 +1177,7 @@ impl Table {
                 .enumerate()
                 .filter_map(|(i, e)| Some((bytes::Bytes::from(e.field.clone()), text(7 + i)?)))
                 .collect(),
+            route: text(7 + self.mapping.extra.len()),
         }
     }
 }

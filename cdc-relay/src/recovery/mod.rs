@@ -7,7 +7,18 @@
 mod catch_up;
 mod decide;
 mod rebuild;
+mod routes;
 mod takeover;
 
 pub(crate) use catch_up::{CatchUps, Handover};
 pub(crate) use takeover::{take_over, Started};
+
+/// Register `route`, first seen at `at`, so the next session loads it.
+pub(crate) async fn register_route(
+    ctx: &crate::context::Context,
+    publisher: &crate::sink::Publisher,
+    route: &str,
+    at: u64,
+) -> Result<(), crate::error::RelayError> {
+    routes::register(ctx, publisher, route, at).await
+}

@@ -25,10 +25,12 @@ use tracing::{info, warn};
 
 use super::decide::{decide, decide_slot, Decision, Server};
 use super::rebuild::{self, Reason};
+use super::routes::Routes;
 use crate::config::{OnLostSlot, RelayConfig};
 use crate::context::Context;
 use crate::error::RelayError;
-use crate::sink::{Publisher, RebuildLock, Records, StreamRecord};
+use crate::sink::layout::Layout;
+use crate::sink::{NewRecord, Publisher, RebuildLock, Records, StreamRecord};
 use crate::source::{
     check_prerequisites, replication_config, replication_error, slot_info, Origin,
     ReplicationPhase, SlotInfo, Watermark,
@@ -60,6 +62,8 @@ struct State {
     client: ReplicationClient,
     origin: Origin,
     server: Server,
+    /// The lane the rebuild lock lives beside.
+    anchor: usize,
 }
 
 /// Connect, take the slot (making it anew first when needed) and start streaming.
@@ -72,7 +76,7 @@ pub(crate) async fn take_over(
 ) -> Result<Started, RelayError> {
     let mut lock = None;
     let steps = async {
-        let mut state = read_state(ctx, &publisher).await?;
+        let (mut state, publisher) = read_state(ctx, publisher).await?;
         let plan = decide_under_lock(ctx, &mut state, &publisher, &mut lock).await?;
         start(ctx, state, publisher, plan, &mut lock).await
     };
@@ -87,8 +91,9 @@ pub(crate) async fn take_over(
     started
 }
 
-/// Step 1: the prerequisites, the slot, then Redis, then the server.
-async fn read_state(ctx: &Context, publisher: &Publisher) -> Result<State, RelayError> {
+/// Step 1: the prerequisites, the routes (when routed), the slot, then Redis, then the
+/// server; the publisher, for the session's routes.
+async fn read_state(ctx: &Context, publisher: Publisher) -> Result<(State, Publisher), RelayError> {
     let cfg = &ctx.config;
     let pg = &cfg.postgres;
     let sql = pg.endpoint.connect(cfg.connect_timeout).await?;
@@ -96,10 +101,18 @@ async fn read_state(ctx: &Context, publisher: &Publisher) -> Result<State, Relay
     check_prerequisites(&sql, pg).await?;
     let row = sql.query_one("SELECT pg_is_in_recovery()", &[]).await?;
     let in_recovery: bool = row.get(0);
+    let (publisher, routes) = if publisher.layout().is_routed() {
+        let routes = super::routes::load(ctx, &sql, &publisher).await?;
+        let layout = Layout::new(&cfg.stream, cfg.stream_shards, routes.keys().cloned());
+        (publisher.with_layout(layout), routes)
+    } else {
+        (publisher, Routes::default())
+    };
+    ctx.set_layout(publisher.layout().clone());
     let mut records = publisher.records();
     let slot = read_slot(ctx, &sql, in_recovery).await?;
     // The lock and the records together: a node that does not answer costs one timeout.
-    let mut lock_shard = publisher.records_of(0);
+    let mut lock_shard = publisher.records_of(publisher.anchor());
     let (elsewhere, all) = futures::future::join(
         rebuild_elsewhere(ctx, std::slice::from_mut(&mut lock_shard)),
         read_each(ctx, &mut records),
@@ -110,7 +123,7 @@ async fn read_state(ctx: &Context, publisher: &Publisher) -> Result<State, Relay
     }
     let all = all?;
     let readable: Vec<StreamRecord> = all.iter().flatten().cloned().collect();
-    publisher.clone().check_layout(&readable).await?;
+    publisher.clone().check_layout(&all).await?;
     publisher.check_functions().await?;
 
     let replication = replication_config(
@@ -139,15 +152,83 @@ async fn read_state(ctx: &Context, publisher: &Publisher) -> Result<State, Relay
             server_system: origin.system_id.clone(),
         });
     }
-    Ok(State {
-        sql,
-        records,
-        slot,
-        all,
-        client,
-        origin,
+    let mut all = all;
+    start_new_routes(
+        &publisher,
+        &routes,
+        &mut records,
+        &mut all,
+        slot.as_ref(),
+        &origin,
         server,
-    })
+    )
+    .await?;
+    Ok((
+        State {
+            sql,
+            records,
+            slot,
+            all,
+            client,
+            origin,
+            server,
+            anchor: publisher.anchor() as usize,
+        },
+        publisher,
+    ))
+}
+
+/// The lanes of a route first seen at or after the slot's position start there, live, with a
+/// record made now: everything of the route is still to come from the slot (a route is
+/// registered before anything of it is acknowledged, at the position of its first row or,
+/// for a message prefix, past the slot's), so nothing is owed from the table. Only lanes with
+/// neither a record nor entries, on a usable slot, on a primary; any other lane without a
+/// record (Redis lost it) starts behind and is caught up from the table.
+async fn start_new_routes(
+    publisher: &Publisher,
+    routes: &Routes,
+    records: &mut [Records],
+    all: &mut [Option<StreamRecord>],
+    slot: Option<&SlotInfo>,
+    origin: &Origin,
+    server: Server,
+) -> Result<(), RelayError> {
+    let layout = publisher.layout();
+    if !layout.is_routed() || server.in_recovery {
+        return Ok(());
+    }
+    let Some(confirmed) = slot
+        .filter(|s| !s.is_lost())
+        .and_then(|s| s.confirmed_flush_lsn)
+    else {
+        return Ok(());
+    };
+    let id_offset = all.iter().flatten().map(|r| r.id_offset).max().unwrap_or(0);
+    for lane in 0..layout.lanes() {
+        let first_seen = routes.get(layout.route_of(lane)).copied().unwrap_or(0);
+        if first_seen < confirmed.as_u64() {
+            continue;
+        }
+        let k = lane as usize;
+        let Some(record) = &all[k] else { continue };
+        if record.exists() || record.len > 0 {
+            continue;
+        }
+        records[k]
+            .create(&NewRecord {
+                origin,
+                shards: layout.shards(),
+                acked_through: confirmed.as_u64(),
+                id_offset,
+                last_id: None,
+                watermark: None,
+                rebuilding: None,
+            })
+            .await?;
+        info!(stream = %publisher.shard_stream(lane), at = %confirmed, "a new route's stream starts at the slot's position");
+        all[k] = Some(records[k].read().await?);
+    }
+    Ok(())
 }
 
 /// Events the replication connection buffers: with rows of at most `--max-row-bytes`, this
@@ -228,10 +309,10 @@ async fn decide_under_lock(
             stream: publisher.shard_stream(k as u32).to_string(),
         });
     }
-    // Shard 0's lock stands for the whole stream: there is one slot.
+    // The anchor's lock stands for the whole stream: there is one slot.
     let Some(lock) = RebuildLock::acquire(
         publisher.connection(),
-        publisher.shard_stream(0),
+        publisher.shard_stream(publisher.anchor()),
         ctx.instance_id(),
         ctx.config.rebuild_lock_ttl,
     )
@@ -326,6 +407,7 @@ async fn start(
         mut client,
         origin,
         server,
+        anchor,
         ..
     } = state;
     refuse_to_start(&ctx.config, &plan, &all, &origin, publisher.stream())?;
@@ -334,8 +416,11 @@ async fn start(
     drop(sql);
     // Another relay may have begun making the slot anew between our decision and START
     // (it dropped and made the slot we now hold): leave the stream to it.
-    // (Not when shard 0 did not answer: no rebuild begins without it.)
-    if plan.rebuilt.is_none() && all[0].is_some() && rebuild_elsewhere(ctx, &mut records).await? {
+    // (Not when the anchor did not answer: no rebuild begins without it.)
+    if plan.rebuilt.is_none()
+        && all[anchor].is_some()
+        && rebuild_elsewhere(ctx, std::slice::from_mut(&mut records[anchor])).await?
+    {
         return Err(busy(ctx, None));
     }
     // Holding the slot: claim each live shard, so a relay that held it before (paused, cut
@@ -356,6 +441,7 @@ async fn start(
         slot = %ctx.config.postgres.slot,
         stream = %publisher.stream(),
         shards = publisher.shard_count(),
+        routes = ?publisher.layout().routes(),
         behind = ?behind,
         system_id = %origin.system_id,
         timeline = origin.timeline,
@@ -596,21 +682,21 @@ async fn rebuild_elsewhere(ctx: &Context, records: &mut [Records]) -> Result<boo
     Ok(rebuild_lock(ctx, records).await?.unwrap_or(false))
 }
 
-/// Whether another relay holds the rebuild lock; `None` when shard 0 does not answer within
-/// the Redis timeout (said in the log).
+/// Whether another relay holds the rebuild lock (`records`: the anchor's alone); `None` when
+/// it does not answer within the Redis timeout (said in the log).
 async fn rebuild_lock(ctx: &Context, records: &mut [Records]) -> Result<Option<bool>, RelayError> {
     let timeout = ctx.config.redis_timeout;
     match tokio::time::timeout(timeout, records[0].rebuilding_elsewhere(ctx.instance_id())).await {
         Ok(Ok(elsewhere)) => Ok(Some(elsewhere)),
         Ok(Err(e)) if e.is_transient() => {
-            warn!(error = %e, "the rebuild lock (shard 0) cannot be read; going on without it");
+            warn!(error = %e, "the rebuild lock cannot be read; going on without it");
             Ok(None)
         }
         Ok(Err(e)) => Err(e),
         Err(_) => {
             warn!(
                 ?timeout,
-                "the rebuild lock (shard 0) did not answer; going on without it"
+                "the rebuild lock did not answer; going on without it"
             );
             Ok(None)
         }

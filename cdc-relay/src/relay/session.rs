@@ -32,7 +32,7 @@ use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, info, warn};
 
-use outbox_core::stream::{shard_of, EntryId};
+use outbox_core::stream::EntryId;
 
 use crate::config::{BatchLimits, OnLostSlot};
 use crate::context::{Context, SharedContext};
@@ -40,6 +40,7 @@ use crate::decode::OutboxEvent;
 use crate::decode::{self, PgOutput, RelationCache, Row};
 use crate::error::RelayError;
 use crate::recovery::{CatchUps, Handover, Started};
+use crate::sink::layout::{Layout, NewRoute};
 use crate::sink::{
     Batch, Confirmed, Event, Pipeline, PublishSpan, Sealed, StreamEntry, MAX_UNSEEN,
 };
@@ -98,7 +99,7 @@ pub(crate) async fn stream(
             acknowledged_lsn: Lsn(0),
             ack_only_not_before: Instant::now(),
             id_offset,
-            shards: cfg.stream_shards,
+            layout: publisher.layout().clone(),
             next_ack_all: Instant::now(),
             finishing: false,
             pending_capture: None,
@@ -204,7 +205,8 @@ struct State {
     ack_only_not_before: Instant,
     /// Added to commit LSNs to make stream ids.
     id_offset: u64,
-    shards: u32,
+    /// The session's streams: which lane a row goes to.
+    layout: Layout,
     /// When the next batch sends its acknowledgement to every shard.
     next_ack_all: Instant,
     /// Stopping: every batch acknowledges in every shard.
@@ -283,6 +285,12 @@ impl Session<'_> {
             if self.pipeline.unseen_count() > MAX_UNSEEN {
                 return Err(RelayError::Restart(format!(
                     "more than {MAX_UNSEEN} transactions dropped for shards behind and shown by no watermark (are watermarks failing?)"
+                )));
+            }
+            if let Some(shard) = self.pipeline.messages_overflow() {
+                return Err(RelayError::Restart(format!(
+                    "shard {} is behind and keeps more than --lane-max-bytes of logical messages, which no table holds (the slot sends them again)",
+                    self.state.layout.label(shard)
                 )));
             }
             if !self.state.has_room() {
@@ -382,19 +390,26 @@ impl Session<'_> {
                 }
                 PgOutput::Insert(insert) => match self.relations.on_insert(insert)? {
                     Row::Outbox(mut event) => {
-                        let shard = shard_of(event.key.as_deref(), self.state.shards);
-                        let txn = self.state.open.as_mut().ok_or_else(|| {
-                            RelayError::Protocol("insert outside a transaction".into())
-                        })?;
+                        let commit_lsn = self
+                            .state
+                            .open
+                            .as_ref()
+                            .ok_or_else(|| {
+                                RelayError::Protocol("insert outside a transaction".into())
+                            })?
+                            .commit_lsn;
+                        let shard = self.lane_of(&event, commit_lsn)?;
+                        let txn = self.state.open.as_mut().expect("checked above");
                         let id = EntryId {
                             commit_lsn: txn.commit_lsn.as_u64() + self.state.id_offset,
                             seq: txn.next_seq,
                         };
                         txn.next_seq += 1;
+                        let layout = &self.state.layout;
                         let span = publish_span(
                             &mut event,
                             id,
-                            &self.ctx.config.stream,
+                            || layout.base_of(shard),
                             txn.commit_time_micros,
                         );
                         self.state.filling.push(
@@ -406,6 +421,7 @@ impl Session<'_> {
                                 span,
                                 xid: txn.xid,
                                 order: None,
+                                tableless: false,
                             },
                             txn.commit_time_micros,
                         );
@@ -435,15 +451,17 @@ impl Session<'_> {
                         seq: FIRST_MESSAGE_SEQ + position,
                     };
                     self.ctx.metrics.messages_published_total.inc();
+                    let shard = self.lane_of(&event, txn.commit_lsn)?;
                     self.state.filling.push(
                         StreamEntry {
                             id,
-                            shard: shard_of(event.key.as_deref(), self.state.shards),
+                            shard,
                             event,
                             commit_time_micros: 0,
                             span: None,
                             xid: txn.xid,
                             order: None,
+                            tableless: true,
                         },
                         txn.commit_time_micros,
                     );
@@ -503,6 +521,19 @@ impl Session<'_> {
         Ok(())
     }
 
+    /// The lane of `event`; a route this session has no stream for ends it (the supervisor
+    /// registers the route, and the next session, which loads it, gets the row again: nothing
+    /// of this transaction was acknowledged).
+    fn lane_of(&self, event: &OutboxEvent, commit_lsn: Lsn) -> Result<u32, RelayError> {
+        self.state
+            .layout
+            .lane_of(event.route.as_deref(), event.key.as_deref())
+            .map_err(|NewRoute(route)| RelayError::NewRoute {
+                route,
+                at: commit_lsn.as_u64(),
+            })
+    }
+
     /// A logical decoding message: one of the configured prefixes, emitted in a
     /// transaction, becomes an entry at its transaction's Commit.
     fn on_message(
@@ -528,16 +559,19 @@ impl Session<'_> {
         if !wanted {
             return Ok(());
         }
+        // The event type and, when routed, the route.
+        let prefix_bytes = bytes::Bytes::from(prefix);
         let event = OutboxEvent {
             // Stable across replays, failovers and rebuilds of the stream: what consumers
             // deduplicate by.
             outbox_id: bytes::Bytes::from(format!("{}:{position}", txn.commit_lsn)),
-            event: bytes::Bytes::from(prefix),
+            event: prefix_bytes.clone(),
             payload: content,
             created_at: None,
             key: None,
             traceparent: None,
             extra: Vec::new(),
+            route: Some(prefix_bytes),
         };
         txn.messages_bytes += event.encoded_len();
         if txn.messages_bytes > max_bytes {
@@ -556,7 +590,7 @@ impl Session<'_> {
         // live shard gets it at most once per status interval (and with every batch that is
         // only an acknowledgement, or while stopping), which is as often as the slot hears.
         let now = Instant::now();
-        let ack_all = self.state.shards == 1
+        let ack_all = self.state.layout.lanes() == 1
             || !batch.has_entries()
             || self.state.finishing
             || now >= self.state.next_ack_all;
@@ -785,7 +819,7 @@ impl Session<'_> {
 fn publish_span(
     event: &mut OutboxEvent,
     id: EntryId,
-    stream: &str,
+    stream: impl FnOnce() -> String,
     commit_time_micros: i64,
 ) -> Option<PublishSpan> {
     use outbox_core::telemetry::{self, Attribute, Kind};
@@ -806,7 +840,7 @@ fn publish_span(
         vec![
             Attribute::new("messaging.system", "redis"),
             Attribute::new("messaging.operation.type", "publish"),
-            Attribute::new("messaging.destination.name", stream.to_string()),
+            Attribute::new("messaging.destination.name", stream()),
             Attribute::new("messaging.message.id", id.to_string()),
             Attribute::new(
                 "outbox.id",

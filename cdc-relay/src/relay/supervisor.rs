@@ -107,6 +107,22 @@ impl Relay {
                     }
                     Duration::ZERO
                 }
+                Err(RelayError::NewRoute { route, at }) => {
+                    // Registered before the next session, which loads it; nothing of its
+                    // transaction was acknowledged.
+                    match crate::recovery::register_route(ctx, &publisher, &route, at).await {
+                        Ok(()) => {
+                            info!(%route, "a row names a new route; starting a session with its stream");
+                            backoff.reset();
+                            Duration::ZERO
+                        }
+                        Err(e) => {
+                            let delay = backoff.next_delay();
+                            warn!(%route, error = %e, retry_in = ?delay, "could not register a new route");
+                            delay
+                        }
+                    }
+                }
                 Err(e) if e.is_transient() => {
                     if ctx.role() == Role::Streaming {
                         backoff.reset();

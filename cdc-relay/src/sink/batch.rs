@@ -38,6 +38,9 @@ pub(crate) struct StreamEntry {
     /// Its row's value of the mapping's order column, when published from the outbox
     /// table: a catch-up's progress is recorded by it.
     pub order: Option<i64>,
+    /// A logical decoding message: no table holds it, so no catch-up can bring it back; a
+    /// lane never drops one (see `pipeline`), and no snapshot says it was published.
+    pub tableless: bool,
 }
 
 impl StreamEntry {
@@ -153,10 +156,12 @@ pub(crate) mod tests {
                 key: None,
                 traceparent: None,
                 extra: Vec::new(),
+                route: None,
             },
             span: None,
             xid: 0,
             order: None,
+            tableless: false,
         }
     }
 

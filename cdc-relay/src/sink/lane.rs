@@ -180,6 +180,11 @@ pub(super) struct Lane {
     /// worst a second time, which consumers skip by id) rather than lost. `None`: the
     /// record's watermark, whose rows were published by a previous session.
     pub(super) held_from_micros: Option<i64>,
+    /// Tableless entries sealed for it while behind (and those it had unconfirmed when it
+    /// fell behind), in the order they came: no catch-up can bring them, so they wait here
+    /// (the slot below the oldest) and go out when it turns live again.
+    pub(super) messages: Vec<StreamEntry>,
+    pub(super) messages_bytes: usize,
 }
 
 impl Lane {
@@ -202,7 +207,25 @@ impl Lane {
             consumed: None,
             held: None,
             held_from_micros: None,
+            messages: Vec::new(),
+            messages_bytes: 0,
         }
+    }
+
+    /// Keep the tableless ones of `entries` (which this lane drops) until it is live again.
+    pub(super) fn keep_messages<'e>(&mut self, entries: impl IntoIterator<Item = &'e StreamEntry>) {
+        for e in entries.into_iter().filter(|e| e.tableless) {
+            self.messages_bytes += e.bytes();
+            self.messages.push(e.clone());
+        }
+    }
+
+    /// The oldest commit (by its id, without the session's offset) of a kept message.
+    pub(super) fn oldest_message(&self, id_offset: u64) -> Option<Lsn> {
+        self.messages
+            .iter()
+            .map(|e| Lsn(e.id.commit_lsn.saturating_sub(id_offset)))
+            .min()
     }
 
     /// Take out of `entries` (sealed for this lane with the slot acknowledgement `ack`) those
@@ -237,8 +260,11 @@ impl Lane {
             return false;
         };
         let commit = entry.id.commit_lsn.saturating_sub(id_offset);
-        // Nothing committed above `hi` is visible in it; below, its snapshot decides.
+        // Nothing committed above `hi` is visible in it; below, its snapshot decides. A
+        // tableless entry is never taken for published by a snapshot (a catch-up did not
+        // write it): sent again, Redis skips it if it has it.
         entry.xid != 0
+            && !entry.tableless
             && commit <= held.hi.as_u64()
             && self
                 .held_from_micros
@@ -326,6 +352,15 @@ impl Lane {
     /// Fall behind: drop everything sealed and not confirmed (it is still in the outbox
     /// table, and the slot no longer waits for this lane). What its groups had consumed.
     pub(super) fn fall_behind(&mut self) -> Option<Arc<Watermark>> {
+        // Tableless entries are kept, oldest first (in flight before queued).
+        let in_flight: Vec<Arc<Part>> = self.in_flight.iter().map(|f| f.part.clone()).collect();
+        let queued: Vec<Part> = self.queued.drain(..).collect();
+        self.keep_messages(
+            in_flight
+                .iter()
+                .flat_map(|p| p.entries.iter())
+                .chain(queued.iter().flat_map(|p| p.entries.iter())),
+        );
         self.drop_unconfirmed();
         self.state = State::Behind { capture: None };
         self.failing = false;
@@ -352,7 +387,10 @@ impl Lane {
             } => capture.bytes,
             _ => 0,
         };
-        self.queued_bytes + self.in_flight.iter().map(|f| f.part.bytes).sum::<usize>() + captured
+        self.queued_bytes
+            + self.in_flight.iter().map(|f| f.part.bytes).sum::<usize>()
+            + captured
+            + self.messages_bytes
     }
 }
 

@@ -7,6 +7,7 @@
 mod batch;
 pub(crate) mod functions;
 mod lane;
+pub(crate) mod layout;
 mod pipeline;
 mod publisher;
 mod rebuild_lock;

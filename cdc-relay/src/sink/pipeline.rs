@@ -200,10 +200,27 @@ impl Pipeline {
         } else {
             live.map(|l| l.acked).min()
         }?;
-        Some(match self.unseen.first_key_value() {
+        let ack = match self.unseen.first_key_value() {
             Some(((oldest, _), _)) => ack.min(*oldest),
             None => ack,
-        })
+        };
+        // Never past a tableless entry a behind lane keeps: nothing else could send it again.
+        let id_offset = self.publisher.id_offset();
+        Some(
+            self.lanes
+                .iter()
+                .filter_map(|l| l.oldest_message(id_offset))
+                .fold(ack, Lsn::min),
+        )
+    }
+
+    /// A behind lane that keeps more tableless entries than `--lane-max-bytes` allows (the
+    /// session starts again: the slot sends them again).
+    pub(crate) fn messages_overflow(&self) -> Option<u32> {
+        self.lanes
+            .iter()
+            .find(|l| l.messages_bytes > self.limits.max_bytes)
+            .map(|l| l.shard)
     }
 
     /// The xids of the transactions of `shards` dropped that no watermark has shown yet
@@ -314,8 +331,11 @@ impl Pipeline {
                 }
                 continue;
             }
-            // Behind: kept while a catch-up hands over, otherwise still in the outbox
-            // table, which its catch-up publishes.
+            // Behind: tableless entries are kept until it is live again (no table holds
+            // them); rows are kept while a catch-up hands over, otherwise still in the
+            // outbox table, which its catch-up publishes.
+            lane.keep_messages(entries.iter());
+            entries.retain(|e| !e.tableless);
             // Noted whether dropped or captured: until a snapshot shows them, the slot must
             // not pass them (a session ending first would never see them again). So a
             // capture dropped later (lost, abandoned, left over) needs no note of its own.
@@ -410,11 +430,17 @@ impl Pipeline {
         let half_retention = (self.ctx.config.outbox_retention / 2).as_micros() as i64;
         lane.held_from_micros =
             Some(watermark.taken_at_micros - PG_EPOCH_OFFSET_MICROS - half_retention);
-        let released: Vec<StreamEntry> = capture
+        let mut released: Vec<StreamEntry> = capture
             .entries
             .into_iter()
             .filter(|e| !snapshot.visible(snapshot.widen(e.xid)))
             .collect();
+        // With the tableless entries kept while behind, in id (commit) order: all of them
+        // above the catch-up's top, which continues the stream's top from before.
+        released.append(&mut lane.messages);
+        lane.messages_bytes = 0;
+        released.sort_by_key(|e| e.id);
+        released.dedup_by_key(|e| e.id);
         if !released.is_empty() {
             let meta = PartMeta {
                 ack_lsn: self.sealed_ack,
@@ -553,6 +579,8 @@ impl Pipeline {
             // The refused head is no longer in flight: its transactions are dropped too.
             let id_offset = this.publisher.id_offset();
             Self::note_dropped(&mut this.unseen, id_offset, &head.part.entries);
+            // Its tableless entries first: they are older than those in flight after it.
+            this.lanes[k].keep_messages(head.part.entries.iter());
             let consumed = this.fall_behind(k as u32, &reason);
             Ok(Some(Event::Behind {
                 shard: k as u32,

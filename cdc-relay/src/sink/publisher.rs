@@ -24,10 +24,11 @@ use redis::{ErrorKind, Value};
 use outbox_core::connect::{RedisConn, RedisTarget};
 use outbox_core::stream::keys::origin_key;
 use outbox_core::stream::record::check_layout;
-use outbox_core::stream::{entry, shard_keys, EntryId};
+use outbox_core::stream::{entry, EntryId};
 
 use super::batch::StreamEntry;
 use super::functions::{MAKE_ROOM, PUBLISH, READY};
+use super::layout::Layout;
 use super::record::{Records, StreamRecord};
 use crate::decode::OutboxEvent;
 use crate::error::{script_codes, RelayError};
@@ -72,6 +73,18 @@ pub(crate) struct PartMeta {
 struct ShardKeys {
     stream: String,
     origin_key: String,
+}
+
+/// The keys of every lane of `layout`, in lane order.
+fn lane_keys(layout: &Layout) -> Arc<[ShardKeys]> {
+    layout
+        .keys()
+        .into_iter()
+        .map(|stream| ShardKeys {
+            origin_key: origin_key(&stream),
+            stream,
+        })
+        .collect()
 }
 
 /// The Redis connection every clone of a publisher shares, made anew when it stops finding
@@ -145,8 +158,9 @@ pub(crate) struct Publisher {
     /// times out on a frozen node starts the next refresh (which waits for that node): on
     /// one shared connection, one frozen host would time out every shard's calls.
     shard_conns: Arc<[SharedConn]>,
-    /// The stream's configured name (shard keys derive from it).
-    base: String,
+    /// The session's streams: its routes and shards (lanes).
+    layout: Layout,
+    /// Each lane's keys, in lane order (see [`Layout`]); "shard" below means a lane.
     shards: Arc<[ShardKeys]>,
     max_len: u64,
     /// Replicas that must acknowledge each call before it counts (`WAIT`), and how long
@@ -194,18 +208,13 @@ impl Publisher {
         } else {
             (0..shards).map(|_| conn.clone()).collect()
         };
-        let shards: Arc<[ShardKeys]> = shard_keys(stream, shards)
-            .into_iter()
-            .map(|stream| ShardKeys {
-                origin_key: origin_key(&stream),
-                stream,
-            })
-            .collect();
+        let layout = Layout::new(stream, shards, []);
+        let shards = lane_keys(&layout);
         let writer_epochs = (0..shards.len()).map(|_| AtomicU64::new(0)).collect();
         Ok(Self {
             conn,
             shard_conns,
-            base: stream.to_string(),
+            layout,
             shards,
             max_len,
             wait_replicas: 0,
@@ -220,6 +229,28 @@ impl Publisher {
     pub(crate) fn with_wait_replicas(mut self, replicas: u32) -> Self {
         self.wait_replicas = replicas;
         self
+    }
+
+    /// The same connections writing `layout`'s lanes (a session's routes), with no epochs
+    /// claimed yet.
+    pub(crate) fn with_layout(&self, layout: Layout) -> Self {
+        let mut publisher = self.clone();
+        publisher.shards = lane_keys(&layout);
+        publisher.writer_epochs = (0..publisher.shards.len())
+            .map(|_| AtomicU64::new(0))
+            .collect();
+        publisher.layout = layout;
+        publisher
+    }
+
+    pub(crate) fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// The connection of lane `shard`: its shard number's (all routes' shard `k` share the
+    /// `{k}` hash tag, so a cluster node).
+    fn conn_of(&self, shard: usize) -> &SharedConn {
+        &self.shard_conns[shard % self.shard_conns.len()]
     }
 
     /// A publisher for one session: its own epochs (claimed by [`Self::claim_writer_epoch`])
@@ -249,7 +280,8 @@ impl Publisher {
             let keys = &self.shards[shard as usize];
             let mut touch = redis::cmd("HINCRBY");
             touch.arg(&keys.origin_key).arg("claims").arg(1);
-            let (_, replicas) = self.shard_conns[shard as usize]
+            let (_, replicas) = self
+                .conn_of(shard as usize)
                 .get()
                 .then_wait(touch, &keys.stream, self.wait_replicas, self.timeout / 2)
                 .await?;
@@ -261,11 +293,12 @@ impl Publisher {
         Ok(epoch)
     }
 
-    /// The stream's configured name (with one shard, its key).
+    /// The stream's configured name (with one shard, its key; a template when routed).
     pub(crate) fn stream(&self) -> &str {
-        &self.base
+        self.layout.template()
     }
 
+    /// Lanes of the session (shards of every route's stream).
     pub(crate) fn shard_count(&self) -> u32 {
         self.shards.len() as u32
     }
@@ -281,7 +314,7 @@ impl Publisher {
         let keys = &self.shards[shard as usize];
         let (entries, groups): (u64, u64) = MAKE_ROOM
             .key(&keys.stream)
-            .invoke_async(&mut self.shard_conns[shard as usize].get())
+            .invoke_async(&mut self.conn_of(shard as usize).get())
             .await?;
         Ok((entries, groups))
     }
@@ -291,19 +324,25 @@ impl Publisher {
         self.max_len
     }
 
-    /// Refuse to write when the records say the stream has another shard count than this
-    /// relay's (`records`: every shard's, as read), or the other key layout has a record.
+    /// Refuse to write when the records say a stream has another shard count than this
+    /// relay's (`records`: every lane's, as read, in lane order), or the other key layout
+    /// has a record.
     pub(crate) async fn check_layout(
         &mut self,
-        records: &[StreamRecord],
+        records: &[Option<StreamRecord>],
     ) -> Result<(), RelayError> {
-        let recorded: Vec<u32> = records
-            .iter()
-            .filter(|r| r.exists())
-            .map(|r| r.shards.unwrap_or(0))
-            .collect();
-        let shards = self.shard_count();
-        Ok(check_layout(&mut self.conn.get(), &self.base, shards, recorded).await??)
+        let shards = self.layout.shards();
+        for (route, base) in self.layout.bases().iter().enumerate() {
+            let lanes = route * shards as usize..(route + 1) * shards as usize;
+            let recorded: Vec<u32> = records[lanes]
+                .iter()
+                .flatten()
+                .filter(|r| r.exists())
+                .map(|r| r.shards.unwrap_or(0))
+                .collect();
+            check_layout(&mut self.conn.get(), base, shards, recorded).await??;
+        }
+        Ok(())
     }
 
     /// The record of every shard, in shard order, with this publisher's connection.
@@ -316,14 +355,19 @@ impl Publisher {
     /// The record of `shard`.
     pub(crate) fn records_of(&self, shard: u32) -> Records {
         Records::new(
-            self.shard_conns[shard as usize].get(),
+            self.conn_of(shard as usize).get(),
             &self.shards[shard as usize].stream,
         )
     }
 
-    /// Shard 0's connection (for the rebuild lock, which lives beside its record).
+    /// The anchor lane's connection (for the rebuild lock, which lives beside its record).
     pub(crate) fn connection(&self) -> RedisConn {
-        self.shard_conns[0].get()
+        self.conn_of(self.layout.anchor() as usize).get()
+    }
+
+    /// The anchor lane (see [`Layout::anchor`]): the rebuild lock lives beside its record.
+    pub(crate) fn anchor(&self) -> u32 {
+        self.layout.anchor()
     }
 
     /// Whether Redis holds the relay's functions (loading them when this user may): asked
@@ -352,11 +396,11 @@ impl Publisher {
                 // of its nodes here.
                 if let Err(e) = PUBLISH
                     .call()
-                    .load_library(&mut self.shard_conns[shard].get())
+                    .load_library(&mut self.conn_of(shard).get())
                     .await
                 {
                     let e = RelayError::from(e);
-                    self.shard_conns[shard].renew_if_lost(&e).await;
+                    self.conn_of(shard).renew_if_lost(&e).await;
                     return Err(e);
                 }
                 self.eval(shard, entries, meta, origin).await
@@ -367,7 +411,7 @@ impl Publisher {
             Ok(reply) => reply,
             Err(e) => {
                 let e = self.script_error(shard, e, origin);
-                self.shard_conns[shard].renew_if_lost(&e).await;
+                self.conn_of(shard).renew_if_lost(&e).await;
                 return Err(e);
             }
         };
@@ -424,7 +468,7 @@ impl Publisher {
                     .map(|lsn| lsn.as_u64().to_string())
                     .unwrap_or_default(),
             )
-            .arg(self.shards.len())
+            .arg(self.layout.shards())
             .arg(self.writer_epochs[shard].load(Ordering::SeqCst))
             .arg(watermark)
             .arg(watermark_from)
@@ -467,15 +511,13 @@ impl Publisher {
             rest = &rest[len..];
         }
         if self.wait_replicas == 0 {
-            return Ok((
-                cmd.query_async(&mut self.shard_conns[shard].get()).await?,
-                None,
-            ));
+            return Ok((cmd.query_async(&mut self.conn_of(shard).get()).await?, None));
         }
         // WAIT counts the writes of the connection it arrives on: it must follow the
         // script on the same one, so both go as one pipeline. Its own timeout stays well
         // inside the response timeout.
-        let (reply, replicas) = self.shard_conns[shard]
+        let (reply, replicas) = self
+            .conn_of(shard)
             .get()
             .then_wait(cmd, &keys.stream, self.wait_replicas, self.timeout / 2)
             .await?;
@@ -504,7 +546,7 @@ impl Publisher {
             },
             Some(script_codes::SHARDS) => RelayError::Config(format!(
                 "stream {} now states {detail} shard(s) (it was resized while this relay ran): restart the relay with --stream-shards {detail}",
-                self.base
+                self.layout.base_of(shard as u32)
             )),
             Some(script_codes::FENCED) => RelayError::Superseded {
                 stream: stream.clone(),
@@ -649,6 +691,7 @@ mod tests {
                         )
                     })
                     .collect(),
+                route: None,
             };
         let a = event(vec![("tenant", "t1")], Some("k"));
         let b = event(vec![("region", "eu"), ("tenant", "t2")], None);

@@ -1,0 +1,146 @@
+//! The routes a routed relay's session loads (see `sink::layout`): the registry's, the outbox
+//! table's and the message prefixes', each with where it was first seen.
+//!
+//! The registry (a hash beside the streams: route → LSN) says, for a route a row or a prefix
+//! made, the WAL position it was first seen at (the commit LSN of the row that named it, or
+//! the server's position when a new prefix, or the fallback route, was loaded); `0` for a
+//! route found in the table and not registered, whose rows may predate the slot's position
+//! (Redis lost the registry), or may not (rows of new routes that came while the session
+//! started again): such a route is caught up from the table, which is always sound.
+//!
+//! Invariants: a route is registered before any entry of it is acknowledged (a new route is
+//! registered before its session ends, and its first entries go only through the next
+//! session), and first-seen positions are never lowered below the truth (`HSETNX`); a route
+//! whose rows the table still holds is loaded even when Redis lost the registry (its lanes
+//! then have no record and are caught up from the table); more routes than `--max-routes` stop
+//! the relay saying so, never drop a row.
+
+use std::collections::HashMap;
+
+use redis::AsyncCommands;
+use tokio_postgres::Client;
+use tracing::{info, warn};
+
+use crate::context::Context;
+use crate::error::RelayError;
+use crate::sink::layout::{registry_key, route_name, valid_route, FALLBACK_ROUTE};
+use crate::sink::Publisher;
+
+/// A session's routes, each with the WAL position it was first seen at (`0`: unknown, or
+/// found in the table).
+pub(crate) type Routes = HashMap<String, u64>;
+
+/// Every route the session must have: the registry's, those of rows the outbox table holds
+/// (NULL and invalid values as the fallback route) and the message prefixes; the new ones
+/// registered.
+pub(crate) async fn load(
+    ctx: &Context,
+    sql: &Client,
+    publisher: &Publisher,
+) -> Result<Routes, RelayError> {
+    let cfg = &ctx.config;
+    let key = registry_key(&cfg.stream);
+    let mut conn = publisher.connection();
+    let registered: HashMap<String, String> =
+        tokio::time::timeout(cfg.redis_timeout, conn.hgetall(&key))
+            .await
+            .map_err(|_| RelayError::ShardUnreachable {
+                stream: key.clone(),
+            })??;
+    let mut routes: Routes = registered
+        .into_iter()
+        .filter(|(r, _)| valid_route(r))
+        .map(|(r, at)| (r, at.parse().unwrap_or(0)))
+        .collect();
+    let mapping = &cfg.postgres.outbox;
+    let column = mapping.route.as_ref().ok_or_else(|| {
+        RelayError::Config("a routed --stream needs --outbox-route-column".into())
+    })?;
+    // Every route the table still holds rows of: after Redis lost the registry with its
+    // streams, these are the streams to rebuild. (One scan per session start; an index on
+    // the column keeps it short.)
+    let rows = sql
+        .query(
+            &format!(
+                "SELECT DISTINCT o.{column}::text FROM {table} o",
+                column = column.quoted(),
+                table = format_args!("\"{}\".\"{}\"", mapping.table.schema, mapping.table.table),
+            ),
+            &[],
+        )
+        .await?;
+    let fallback = FALLBACK_ROUTE.to_string();
+    let mut new: Vec<(String, u64)> = Vec::new();
+    for row in &rows {
+        let route = route_name(row.get::<_, Option<&str>>(0).map(str::as_bytes)).to_string();
+        if !routes.contains_key(&route) {
+            routes.insert(route.clone(), 0);
+            new.push((route, 0));
+        }
+    }
+    // A prefix never loaded before has published nothing, nor has the fallback route when
+    // the table holds none of its rows: first seen here, at the server's position (past the
+    // slot's).
+    let here_routes: Vec<&String> = cfg
+        .message_prefixes
+        .iter()
+        .chain(std::iter::once(&fallback))
+        .filter(|r| !routes.contains_key(*r))
+        .collect();
+    if !here_routes.is_empty() {
+        let here: String = sql
+            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .await?
+            .get(0);
+        let here = pgwire_replication::Lsn::parse(&here)
+            .map_err(|e| RelayError::Protocol(format!("pg_current_wal_lsn: {}", e.0)))?
+            .as_u64();
+        for route in here_routes {
+            routes.insert(route.clone(), here);
+            new.push((route.clone(), here));
+        }
+    }
+    if routes.len() > cfg.max_routes as usize {
+        let mut names: Vec<&String> = routes.keys().collect();
+        names.sort();
+        return Err(RelayError::Config(format!(
+            "the outbox has {} routes ({}, …) but --max-routes is {}: raise --max-routes (each route is --stream-shards streams and lanes)",
+            routes.len(),
+            names.iter().take(5).map(|s| s.as_str()).collect::<Vec<_>>().join(", "),
+            cfg.max_routes
+        )));
+    }
+    if !new.is_empty() {
+        for (route, at) in &new {
+            register(ctx, publisher, route, *at).await?;
+        }
+        info!(routes = ?new, "routes registered");
+    }
+    Ok(routes)
+}
+
+/// Register `route`, first seen at `at` (kept if it was registered before).
+pub(crate) async fn register(
+    ctx: &Context,
+    publisher: &Publisher,
+    route: &str,
+    at: u64,
+) -> Result<(), RelayError> {
+    let key = registry_key(&ctx.config.stream);
+    let mut conn = publisher.connection();
+    match tokio::time::timeout(
+        ctx.config.redis_timeout,
+        conn.hset_nx::<_, _, _, i64>(&key, route, at),
+    )
+    .await
+    {
+        Ok(added) => {
+            added?;
+            Ok(())
+        }
+        Err(_) => {
+            warn!(%key, "the route registry did not answer in time");
+            Err(RelayError::ShardUnreachable { stream: key })
+        }
+    }
+}
