@@ -33,6 +33,10 @@ pub struct Args {
     /// Extra flag for the relay, repeatable (e.g. --relay-arg=--batch-max-entries=1).
     #[arg(long = "relay-arg", allow_hyphen_values = true)]
     relay_args: Vec<String>,
+    /// Route the rows by their event column into this many streams (`--stream` a template,
+    /// each route made before the fill, as a route made by its first row is); 0: one stream.
+    #[arg(long, default_value_t = 0)]
+    routes: u32,
     /// Skip the NOTIFY relay's drain (it is slow).
     #[arg(long)]
     skip_notify: bool,
@@ -201,7 +205,7 @@ async fn measure_shape(
     let db = pg.create_database().await?;
     let admin = db.connect().await?;
     let slots = make_slots(&db, &admin, redis, relay_bin, args).await?;
-    let fill = fill(&admin, shape).await?;
+    let fill = fill(&admin, shape, args.routes).await?;
     let events = fill.events;
     let drains = drain_slots(pg, &db, redis, relay_bin, args, &slots, &fill).await?;
     let notify_seconds = if args.skip_notify {
@@ -273,7 +277,11 @@ async fn make_slots(
     // so it records that the stream starts at the slot's position: the relay streams the
     // fill rather than rebuilding it from the table.
     for slot in &slots.relay {
-        let stream = format!("lab:{}", unique_name("stream"));
+        let stream = if args.routes > 0 {
+            format!("lab.{}.${{routedByValue}}", unique_name("stream"))
+        } else {
+            format!("lab:{}", unique_name("stream"))
+        };
         let out = Command::new(relay_bin)
             .args([
                 "setup",
@@ -296,9 +304,44 @@ async fn make_slots(
             "setup: {}",
             String::from_utf8_lossy(&out.stderr)
         );
+        if args.routes > 0 {
+            // Each route first seen here, past the slot's position (as the relay registers a
+            // route at its first row's commit): its stream starts at the slot's position.
+            let here: String = admin
+                .query_one("SELECT (pg_current_wal_lsn() - '0/0')::text", &[])
+                .await?
+                .get(0);
+            let mut conn = redis.connect().await?;
+            for route in route_names(args.routes) {
+                let _: () = redis::cmd("HSET")
+                    .arg(stream.replace("${routedByValue}", "_routes"))
+                    .arg(&route)
+                    .arg(&here)
+                    .query_async(&mut conn)
+                    .await?;
+            }
+        }
         slots.streams.push(stream);
     }
     Ok(slots)
+}
+
+/// The routes of a routed drain (the fill's event types).
+fn route_names(routes: u32) -> Vec<String> {
+    (0..routes).map(|r| format!("r{r}")).collect()
+}
+
+/// Every stream key a drain fills.
+fn drain_keys(stream: &str, shards: u32, routes: u32) -> Vec<String> {
+    if routes == 0 {
+        return outbox_core::stream::shard_keys(stream, shards);
+    }
+    route_names(routes)
+        .iter()
+        .flat_map(|r| {
+            outbox_core::stream::shard_keys(&stream.replace("${routedByValue}", r), shards)
+        })
+        .collect()
 }
 
 /// What the fill wrote.
@@ -311,17 +354,19 @@ struct Fill {
 /// Write the shape's transactions into the outbox (one procedure, a commit per
 /// transaction), with the NOTIFY relay's column and index made first so its drain times
 /// only itself.
-async fn fill(admin: &tokio_postgres::Client, shape: &Shape) -> anyhow::Result<Fill> {
+async fn fill(admin: &tokio_postgres::Client, shape: &Shape, routes: u32) -> anyhow::Result<Fill> {
     admin
         .batch_execute(&crate::baseline::SENT_AT_DDL.replace("{s}", "consumers"))
         .await?;
     admin
         .batch_execute(
-            "CREATE PROCEDURE lab_fill(txns int, rows_per_txn int) LANGUAGE plpgsql AS $$
+            "CREATE PROCEDURE lab_fill(txns int, rows_per_txn int, routes int) LANGUAGE plpgsql AS $$
              BEGIN
                FOR t IN 1..txns LOOP
                  INSERT INTO consumers.outbox (event, payload, partition_key)
-                 SELECT 'message.created', jsonb_build_object(
+                 SELECT CASE WHEN routes = 0 THEN 'message.created'
+                             ELSE 'r' || ((t * rows_per_txn + r) % routes) END,
+                        jsonb_build_object(
                           'id', gen_random_uuid(), 'chat_id', 7, 'side', 'consumers',
                           'body', 'hello from the lab, message ' || t || '.' || r,
                           'created_at', now()), ((t * rows_per_txn + r) % 64)::text
@@ -338,8 +383,8 @@ async fn fill(admin: &tokio_postgres::Client, shape: &Shape) -> anyhow::Result<F
     let filled = Instant::now();
     admin
         .execute(
-            "CALL lab_fill($1, $2)",
-            &[&(shape.txns as i32), &(shape.rows as i32)],
+            "CALL lab_fill($1, $2, $3)",
+            &[&(shape.txns as i32), &(shape.rows as i32), &(routes as i32)],
         )
         .await?;
     let end_lsn: String = admin
@@ -407,6 +452,7 @@ async fn drain_slots(
                 slot: &slots.relay[round],
                 stream: &stream,
                 shards: args.knee.shards,
+                routes: args.routes,
             },
             events,
         )
@@ -421,7 +467,7 @@ async fn drain_slots(
         drains.relay_cpu.push(cpu);
         let mut conn = redis.connect().await?;
         let _: () = redis::cmd("DEL")
-            .arg(&stream)
+            .arg(drain_keys(&stream, args.knee.shards, args.routes))
             .query_async(&mut conn)
             .await?;
     }
@@ -539,6 +585,8 @@ struct RelayTarget<'a> {
     slot: &'a str,
     stream: &'a str,
     shards: u32,
+    /// Routes of a routed drain (0: one stream).
+    routes: u32,
 }
 
 /// Seconds from starting the relay binary until the stream holds `events` entries.
@@ -554,6 +602,7 @@ async fn drain_with_relay(
         slot,
         stream,
         shards,
+        routes,
     } = target;
     let admin: std::net::SocketAddr =
         format!("127.0.0.1:{}", testkit::http::free_port()).parse()?;
@@ -576,6 +625,11 @@ async fn drain_with_relay(
             "--admin-addr",
             &admin.to_string(),
         ])
+        .args(if routes > 0 {
+            &["--outbox-route-column", "event"][..]
+        } else {
+            &[]
+        })
         .args(extra_args)
         .env("RUST_LOG", "warn");
     let log = testkit::scratch_dir("lab-relay").join("relay.log");
@@ -585,7 +639,7 @@ async fn drain_with_relay(
     let redis_cpu_start = crate::cpu::cpu_seconds(redis.pid().unwrap_or(0));
     wait_drained(
         &mut conn,
-        &outbox_core::stream::shard_keys(stream, shards),
+        &drain_keys(stream, shards, routes),
         events,
         &relay,
         started,

@@ -10,7 +10,7 @@ use clap::Args;
 use outbox_core::connect::{DatabaseSecrets, PgEndpoint, RedisSecrets, RedisTarget};
 
 use crate::config::PostgresConfig;
-use crate::decode::{OutboxMapping, Overrides, Preset};
+use crate::decode::{OutboxMapping, Overrides, Preset, Recovery};
 use crate::error::RelayError;
 
 /// Where the relay connects, and what it reads and writes.
@@ -119,6 +119,12 @@ pub struct MappingArgs {
     /// The writing transaction's column (xid8 DEFAULT pg_current_xact_id()).
     #[arg(long, env = "CDC_OUTBOX_TX_COLUMN")]
     pub outbox_tx_column: Option<String>,
+    /// Where what a stream lost is brought back from: table (a catch-up from the outbox, by
+    /// the order and tx columns; shards may fall behind) or slot-only (a table without
+    /// them, such as Debezium's unmodified: no shard falls behind, and what Redis loses is
+    /// lost) (docs/deployment.md, "Without a table to recover from").
+    #[arg(long, env = "CDC_OUTBOX_RECOVERY", value_enum, default_value_t = Recovery::Table)]
+    pub outbox_recovery: Recovery,
     /// The column whose value names the row's stream, with a routed --stream
     /// (`${routedByValue}`); debezium: aggregatetype (Debezium: route.by.field).
     #[arg(long, env = "CDC_OUTBOX_ROUTE_COLUMN", alias = "route-by-field")]
@@ -138,6 +144,7 @@ impl MappingArgs {
             order: self.outbox_order_column.clone(),
             tx: self.outbox_tx_column.clone(),
             route: self.outbox_route_column.clone(),
+            recovery: self.outbox_recovery,
         }
     }
 }

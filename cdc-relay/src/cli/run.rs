@@ -165,6 +165,8 @@ impl RunArgs {
             max_bytes: t.batch_max_bytes,
         };
         let message_prefixes = self.message_prefixes()?;
+        // Only what the table can give back may fall behind.
+        let may_fall_behind = message_prefixes.is_empty() && postgres.outbox.recovers_from_table();
         Ok(RelayConfig {
             postgres,
             redis,
@@ -176,7 +178,7 @@ impl RunArgs {
                 batch,
                 detach_after: t.shard_detach_after,
                 max_bytes: t.lane_max_bytes,
-                may_fall_behind: message_prefixes.is_empty(),
+                may_fall_behind,
             },
             message_prefixes,
             max_routes: self.max_routes,

@@ -28,6 +28,19 @@ pub enum Preset {
     Debezium,
 }
 
+/// Where the relay gets back what a stream lost (`--outbox-recovery`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum)]
+pub enum Recovery {
+    /// From the outbox table, by its order and tx columns: a shard may fall behind and be
+    /// caught up, and a Redis that lost its data is rebuilt.
+    #[default]
+    Table,
+    /// From the slot only (a table without the two columns, such as Debezium's unmodified,
+    /// whose producers may delete each row as they write it): no shard falls behind, and
+    /// what Redis loses is lost.
+    SlotOnly,
+}
+
 /// A column the mapping names; checked to be a plain lowercase identifier.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct Ident(String);
@@ -103,6 +116,9 @@ pub struct OutboxMapping {
     /// The column whose value picks the row's stream, when the stream name is a template
     /// (`${routedByValue}`); not published unless also an extra field.
     pub route: Option<Ident>,
+    /// Whether `order` and `tx` are read (a catch-up from the table), or the slot is the only
+    /// source.
+    pub recovery: Recovery,
 }
 
 /// Field names of the stream contract, which no alias may take.
@@ -133,6 +149,7 @@ pub struct Overrides {
     pub tx: Option<String>,
     /// The routing column; only with a routed stream.
     pub route: Option<String>,
+    pub recovery: Recovery,
 }
 
 impl OutboxMapping {
@@ -150,6 +167,7 @@ impl OutboxMapping {
             order: Ident::of("id"),
             tx: Ident::of("tx"),
             route: None,
+            recovery: Recovery::Table,
         }
     }
 
@@ -168,6 +186,7 @@ impl OutboxMapping {
             order: Ident::of("seq"),
             tx: Ident::of("tx"),
             route: None,
+            recovery: Recovery::Table,
         }
     }
 
@@ -222,6 +241,7 @@ impl OutboxMapping {
         if let Some(v) = &overrides.extra {
             mapping.extra = parse_extra(v)?;
         }
+        mapping.recovery = overrides.recovery;
         mapping.route = match (&overrides.route, routed, preset) {
             (Some(v), true, _) => Some(column("--outbox-route-column", v)?),
             (None, true, Preset::Debezium) => Some(Ident::of("aggregatetype")),
@@ -273,15 +293,21 @@ impl OutboxMapping {
         Ok(())
     }
 
+    /// Whether a stream's losses can be brought back from the table.
+    pub fn recovers_from_table(&self) -> bool {
+        self.recovery == Recovery::Table
+    }
+
     /// Every column the relay reads, with what it is for (for the start-up check).
     pub fn columns(&self) -> Vec<(&'static str, &Ident)> {
         let mut columns = vec![
             ("id", &self.id),
             ("type", &self.event_type),
             ("payload", &self.payload),
-            ("order", &self.order),
-            ("tx", &self.tx),
         ];
+        if self.recovery == Recovery::Table {
+            columns.extend([("order", &self.order), ("tx", &self.tx)]);
+        }
         if let Some(t) = &self.timestamp {
             columns.push(("timestamp", t));
         }

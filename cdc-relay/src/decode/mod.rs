@@ -6,7 +6,7 @@ mod mapping;
 mod outbox;
 mod pgoutput;
 
-pub use mapping::{ExtraField, Ident, OutboxMapping, Overrides, Preset, RESERVED_FIELDS};
+pub use mapping::{ExtraField, Ident, OutboxMapping, Overrides, Preset, Recovery, RESERVED_FIELDS};
 pub(crate) use outbox::{rfc3339_utc, stored_payload, BYTEA_OID};
 pub use outbox::{OutboxError, OutboxEvent, OutboxTable, RelationCache, Row};
 pub use pgoutput::{decode, encode, Column, DecodeError, Insert, PgOutput, Relation, Value};

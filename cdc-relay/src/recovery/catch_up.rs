@@ -605,6 +605,14 @@ impl CatchUp<'_> {
     async fn run(&mut self) -> Result<(), RelayError> {
         let cfg = &self.ctx.config;
         let sql = cfg.postgres.endpoint.connect(cfg.connect_timeout).await?;
+        if !cfg.postgres.outbox.recovers_from_table() {
+            // Slot-only: no table to read; what the shards lost is lost, and what the slot
+            // sent them since is kept by their lanes (every entry is tableless), released
+            // once they are live again.
+            warn!(shards = ?self.shards.keys().collect::<Vec<_>>(), "--outbox-recovery slot-only: the shards go live again with nothing brought back; entries their streams lost are lost");
+            let hi = self.snapshot(&sql).await?;
+            return self.hand_over(&sql, None, hi).await;
+        }
         sql.batch_execute(&format!(
             "SET statement_timeout = '{}s'; SET DateStyle = ISO; SET TimeZone = 'UTC';
              CREATE TEMPORARY TABLE IF NOT EXISTS cdc_relay_present (id text, created_at timestamptz);
@@ -634,7 +642,7 @@ impl CatchUp<'_> {
         let mut published = self.round(&sql, &table, None, &hi, start_after).await?;
         loop {
             if published <= SHORT_ROUND {
-                return self.hand_over(&sql, &table, hi).await;
+                return self.hand_over(&sql, Some(&table), hi).await;
             }
             let next = self.snapshot(&sql).await?;
             published = self
@@ -966,7 +974,7 @@ impl CatchUp<'_> {
     async fn hand_over(
         &mut self,
         sql: &Client,
-        table: &Table,
+        table: Option<&Table>,
         prev: Arc<Watermark>,
     ) -> Result<(), RelayError> {
         let shards: Vec<u32> = self.shards.keys().copied().collect();
@@ -992,8 +1000,10 @@ impl CatchUp<'_> {
         if !wait_durable(sql, &last, STEP_TIMEOUT).await? {
             return Err(timed_out("the WAL flush through the last snapshot"));
         }
-        self.round(sql, table, Some(&prev.snapshot), &last, None)
-            .await?;
+        if let Some(table) = table {
+            self.round(sql, table, Some(&prev.snapshot), &last, None)
+                .await?;
+        }
         self.watermarks.push((*last).clone());
         for k in shards {
             // Its record gets the last snapshot as its watermark (every row it shows is in

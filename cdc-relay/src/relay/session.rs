@@ -421,7 +421,8 @@ impl Session<'_> {
                                 span,
                                 xid: txn.xid,
                                 order: None,
-                                tableless: false,
+                                // Slot-only: the table cannot give it back either.
+                                tableless: !self.ctx.config.postgres.outbox.recovers_from_table(),
                             },
                             txn.commit_time_micros,
                         );
