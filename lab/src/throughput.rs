@@ -298,6 +298,11 @@ async fn make_slots(
             ])
             .args(["--redis-url", &redis.url(), "--stream", &stream])
             .args(["--stream-shards", &args.knee.shards.to_string()])
+            .args(if args.routes > 0 {
+                &["--outbox-route-column", "event"][..]
+            } else {
+                &[]
+            })
             .output()?;
         anyhow::ensure!(
             out.status.success(),
