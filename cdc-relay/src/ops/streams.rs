@@ -61,8 +61,8 @@ async fn read(args: &StreamsArgs) -> Result<Vec<ShardReport>, RelayError> {
     let mut conn = redis.connect(TIMEOUT).await?;
     let shards = args.connection.stream_shards;
     let routes: Vec<String> = if layout::is_routed(stream) {
-        redis::cmd("SMEMBERS")
-            .arg(layout::registry_key(stream))
+        redis::cmd("HKEYS")
+            .arg(layout::registry_key(stream, shards))
             .query_async(&mut conn)
             .await?
     } else {

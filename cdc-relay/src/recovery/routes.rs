@@ -11,9 +11,10 @@
 //! Invariants: a route is registered before any entry of it is acknowledged (a new route is
 //! registered before its session ends, and its first entries go only through the next
 //! session), and first-seen positions are never lowered below the truth (`HSETNX`); a route
-//! whose rows the table still holds is loaded even when Redis lost the registry (its lanes
-//! then have no record and are caught up from the table); more routes than `--max-routes` stop
-//! the relay saying so, never drop a row.
+//! whose rows the table still holds is loaded whenever Redis may have lost the registry (the
+//! anchor's record, beside it, is missing or behind the slot), its lanes then without a
+//! record and caught up from the table; more routes than `--max-routes` stop the relay
+//! saying so, never drop a row.
 
 use std::collections::HashMap;
 
@@ -23,8 +24,9 @@ use tracing::{info, warn};
 
 use crate::context::Context;
 use crate::error::RelayError;
-use crate::sink::layout::{registry_key, route_name, valid_route, FALLBACK_ROUTE};
-use crate::sink::Publisher;
+use crate::sink::layout::{anchor_stream, registry_key, route_name, valid_route, FALLBACK_ROUTE};
+use crate::sink::{Publisher, Records};
+use crate::source::slot_info;
 
 /// A session's routes, each with the WAL position it was first seen at (`0`: unknown, or
 /// found in the table).
@@ -39,7 +41,7 @@ pub(crate) async fn load(
     publisher: &Publisher,
 ) -> Result<Routes, RelayError> {
     let cfg = &ctx.config;
-    let key = registry_key(&cfg.stream);
+    let key = registry_key(&cfg.stream, cfg.stream_shards);
     let mut conn = publisher.connection();
     let registered: HashMap<String, String> =
         tokio::time::timeout(cfg.redis_timeout, conn.hgetall(&key))
@@ -56,11 +58,14 @@ pub(crate) async fn load(
     let column = mapping.route.as_ref().ok_or_else(|| {
         RelayError::Config("a routed --stream needs --outbox-route-column".into())
     })?;
-    // Every route the table still holds rows of: after Redis lost the registry with its
-    // streams, these are the streams to rebuild. (One scan per session start; an index on
-    // the column keeps it short.)
-    let rows = sql
-        .query(
+    // Every route the table still holds rows of, when Redis may have lost routes it had
+    // acknowledged: these are the streams to rebuild. Not while the anchor's record (beside
+    // the registry) holds what the slot was told: then every route with an acknowledged row
+    // is registered, and the scan of the table is spared.
+    let rows = if registry_current(ctx, sql, publisher).await? {
+        Vec::new()
+    } else {
+        sql.query(
             &format!(
                 "SELECT DISTINCT o.{column}::text FROM {table} o",
                 column = column.quoted(),
@@ -68,7 +73,8 @@ pub(crate) async fn load(
             ),
             &[],
         )
-        .await?;
+        .await?
+    };
     let fallback = FALLBACK_ROUTE.to_string();
     let mut new: Vec<(String, u64)> = Vec::new();
     for row in &rows {
@@ -119,6 +125,40 @@ pub(crate) async fn load(
     Ok(routes)
 }
 
+/// Whether the registry holds every route an acknowledged row named: the anchor lane's
+/// record (on the registry's node, written with every acknowledgement to all lanes, and
+/// whose route every session has) exists and holds at least the slot's position. A Redis
+/// that lost data, or came back from an older copy, shows it there first.
+async fn registry_current(
+    ctx: &Context,
+    sql: &Client,
+    publisher: &Publisher,
+) -> Result<bool, RelayError> {
+    let cfg = &ctx.config;
+    let Some(confirmed) = slot_info(sql, &cfg.postgres.slot)
+        .await?
+        .filter(|s| !s.is_lost())
+        .and_then(|s| s.confirmed_flush_lsn)
+    else {
+        return Ok(false);
+    };
+    let mut anchor = Records::new(
+        publisher.connection(),
+        &anchor_stream(&cfg.stream, cfg.stream_shards),
+    );
+    let record = tokio::time::timeout(cfg.redis_timeout, anchor.read())
+        .await
+        .map_err(|_| RelayError::ShardUnreachable {
+            stream: anchor_stream(&cfg.stream, cfg.stream_shards),
+        })??;
+    Ok(record.exists()
+        && record.rebuilding.is_none()
+        && !record.lost_entries()
+        && record
+            .acked_through
+            .is_some_and(|acked| acked >= confirmed.as_u64()))
+}
+
 /// Register `route`, first seen at `at` (kept if it was registered before).
 pub(crate) async fn register(
     ctx: &Context,
@@ -126,7 +166,7 @@ pub(crate) async fn register(
     route: &str,
     at: u64,
 ) -> Result<(), RelayError> {
-    let key = registry_key(&ctx.config.stream);
+    let key = registry_key(&ctx.config.stream, ctx.config.stream_shards);
     let mut conn = publisher.connection();
     match tokio::time::timeout(
         ctx.config.redis_timeout,

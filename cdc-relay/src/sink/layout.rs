@@ -63,9 +63,17 @@ pub(crate) fn route_stream(template: &str, route: &str) -> String {
     template.replace(PLACEHOLDER, route)
 }
 
-/// The set (`SMEMBERS`) of the routes a routed stream has, kept beside them.
-pub(crate) fn registry_key(template: &str) -> String {
-    route_stream(template, REGISTRY_ROUTE)
+/// The registry of the routes a routed stream has (a hash), kept beside the fallback route's
+/// first shard: with more than one shard it carries the `{0}` hash tag, so on a cluster it
+/// lives on the node of the anchor's record (see [`Layout::anchor`]), and the record being
+/// current says the registry is.
+pub(crate) fn registry_key(template: &str, shards: u32) -> String {
+    shard_key(&route_stream(template, REGISTRY_ROUTE), 0, shards)
+}
+
+/// The stream key of the anchor lane of a routed stream (the fallback route's first shard).
+pub(crate) fn anchor_stream(template: &str, shards: u32) -> String {
+    shard_key(&route_stream(template, FALLBACK_ROUTE), 0, shards)
 }
 
 /// The streams of one session: its routes (one, unnamed, when unrouted) and shards per stream.
@@ -274,7 +282,15 @@ mod tests {
         );
         assert_eq!(layout.base_of(3), "outbox.event.Order");
         assert_eq!(layout.label(3), "Order/1");
-        assert_eq!(registry_key(layout.template()), "outbox.event._routes");
+        assert_eq!(
+            registry_key(layout.template(), 2),
+            "outbox.event._routes:{0}"
+        );
+        assert_eq!(registry_key(layout.template(), 1), "outbox.event._routes");
+        assert_eq!(
+            anchor_stream(layout.template(), 2),
+            layout.keys()[layout.anchor() as usize]
+        );
         assert!(valid_route(&"a".repeat(MAX_ROUTE_LEN)));
         assert!(!valid_route(&"a".repeat(MAX_ROUTE_LEN + 1)));
     }
