@@ -94,6 +94,17 @@ impl Podman {
     fn podman(&self, args: &[&str]) -> String {
         stdout(&run(self.command().args(args)))
     }
+
+    /// Both outputs of a podman command whose failure is only reported (diagnostics).
+    fn podman_outputs(&self, args: &[&str]) -> (String, String) {
+        match self.command().args(args).stdin(Stdio::null()).output() {
+            Ok(o) => (
+                String::from_utf8_lossy(&o.stdout).into_owned(),
+                String::from_utf8_lossy(&o.stderr).into_owned(),
+            ),
+            Err(e) => (String::new(), format!("podman {args:?}: {e}")),
+        }
+    }
 }
 
 impl Drop for Podman {
@@ -144,14 +155,44 @@ impl Project<'_> {
         cmd
     }
 
-    /// The last lines every container of the project printed (for a failure's message).
+    /// The last lines every container of the project printed, on both of its outputs, and
+    /// how each that stopped ended (for a failure's message: compose shows a container's
+    /// stderr on its own stderr, and nothing of how it exited).
     fn logs(&self) -> String {
         let out = self
             .compose()
             .args(["logs", "--no-color", "--tail", "60"])
             .output();
-        out.map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default()
+        let mut logs = out
+            .map(|o| {
+                format!(
+                    "{}{}",
+                    String::from_utf8_lossy(&o.stdout),
+                    String::from_utf8_lossy(&o.stderr)
+                )
+            })
+            .unwrap_or_default();
+        let (stopped, _) = self.podman.podman_outputs(&[
+            "ps",
+            "--all",
+            "--filter",
+            &format!("label=com.docker.compose.project={}", self.name),
+            "--filter",
+            "status=exited",
+            "--format",
+            "{{.Names}}",
+        ]);
+        for name in stopped.lines() {
+            let (state, _) = self.podman.podman_outputs(&[
+                "inspect",
+                "--format",
+                "exit {{.State.ExitCode}} {{.State.Error}} at {{.State.FinishedAt}}",
+                name,
+            ]);
+            let (out, err) = self.podman.podman_outputs(&["logs", "--tail", "20", name]);
+            logs.push_str(&format!("\n--- {name}: {}\n{out}{err}", state.trim()));
+        }
+        logs
     }
 
     fn container(&self, service: &str) -> String {
