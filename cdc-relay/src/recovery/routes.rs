@@ -94,8 +94,13 @@ pub(crate) async fn load(
         .filter(|r| !routes.contains_key(*r))
         .collect();
     if !here_routes.is_empty() {
+        // A standby has no current WAL position of its own: its replay position.
         let here: String = sql
-            .query_one("SELECT pg_current_wal_lsn()::text", &[])
+            .query_one(
+                "SELECT coalesce(CASE WHEN pg_is_in_recovery() THEN pg_last_wal_replay_lsn()
+                                      ELSE pg_current_wal_lsn() END, '0/0')::text",
+                &[],
+            )
             .await?
             .get(0);
         let here = pgwire_replication::Lsn::parse(&here)

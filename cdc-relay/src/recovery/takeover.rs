@@ -412,7 +412,15 @@ async fn start(
     } = state;
     refuse_to_start(&ctx.config, &plan, &all, &origin, publisher.stream())?;
     adopt_timelines(&mut records, &plan, &all, &origin, publisher.stream()).await?;
-    start_replication(ctx, &sql, &mut client, &mut records, &server, held).await?;
+    start_replication(
+        ctx,
+        &sql,
+        &mut client,
+        std::slice::from_mut(&mut records[anchor]),
+        &server,
+        held,
+    )
+    .await?;
     drop(sql);
     // Another relay may have begun making the slot anew between our decision and START
     // (it dropped and made the slot we now hold): leave the stream to it.
@@ -519,6 +527,7 @@ async fn start_replication(
     ctx: &Context,
     sql: &Client,
     client: &mut ReplicationClient,
+    // The anchor's alone: the rebuild lock lives beside its record.
     records: &mut [Records],
     server: &Server,
     held: &mut Option<RebuildLock>,
@@ -548,7 +557,7 @@ async fn start_replication(
                 slot: pg.slot.clone(),
                 synced_copy: true,
             },
-            // Gone in another relay's drop→create window, or shard 0 cannot say: stand by
+            // Gone in another relay's drop→create window, or the anchor cannot say: stand by
             // (retried), not a missing slot that needs a human.
             RelayError::SlotMissing { .. }
                 if rebuild_lock(ctx, records).await.ok().flatten() != Some(false) =>
