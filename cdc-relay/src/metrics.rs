@@ -40,6 +40,7 @@ pub struct Metrics {
     pub catch_up_past_retention_total: IntCounter,
     pub lane_held_bytes: IntGauge,
     pub replication_silent_total: IntCounter,
+    pub messages_pauses_total: IntCounter,
     pub confirmations_overdue_total: IntCounter,
     // Slot health, read from pg_replication_slots / pg_stat_replication_slots.
     pub slot_lag_bytes: IntGauge,
@@ -137,6 +138,7 @@ impl Metrics {
             catch_up_past_retention_total: b.counter("cdc_relay_catch_up_past_retention_total", "Catch-ups of a shard that fell behind longer ago than --outbox-retention: rows it never got may have been deleted"),
             lane_held_bytes: b.gauge("cdc_relay_lane_held_bytes", "Bytes of entries the lanes hold (queued, in flight, captured)"),
             replication_silent_total: b.counter("cdc_relay_replication_silent_total", "Replication sessions ended because the server was silent for --replication-timeout"),
+            messages_pauses_total: b.counter("cdc_relay_messages_pauses_total", "Times reading waited because a shard behind kept --lane-max-bytes of logical messages (no table holds them)"),
             confirmations_overdue_total: b.counter("cdc_relay_confirmations_overdue_total", "Replication sessions ended because the server asked for a confirmation of everything it sent (a fast shutdown waits for it) that could not be given within --shutdown-grace"),
             slot_lag_bytes: b.gauge("cdc_relay_slot_lag_bytes", "WAL between the server's current position and the slot's confirmed_flush_lsn"),
             slot_retained_wal_bytes: b.gauge("cdc_relay_slot_retained_wal_bytes", "WAL the slot keeps on disk: current position minus restart_lsn"),

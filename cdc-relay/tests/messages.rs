@@ -266,11 +266,35 @@ async fn with_messages_a_shard_refusing_writes_holds_the_slot_and_falls_behind_n
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn messages_written_while_redis_loses_its_data_are_published_once_beside_the_rebuilt_rows() {
+    wipe_case("msg-wipe", &[], 20, false).await;
+}
+
+/// More messages come while the shards are behind (Redis lost everything) than a lane may
+/// keep: reading waits for the catch-up instead of starting the session again, which would
+/// be sent the same messages by the slot and overflow again, forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_messages_than_a_behind_lane_may_keep_wait_for_its_catch_up_and_are_published_once() {
+    let small = [
+        "--lane-max-bytes",
+        "2048",
+        "--batch-max-bytes",
+        "2048",
+        "--max-row-bytes",
+        "1024",
+    ];
+    wipe_case("msg-wipe-overflow", &small, 200, true).await;
+}
+
+/// Publish 40 transactions of [`write`], lose Redis's data, write `away` more while it is
+/// down and 40 after it is back: every row once, every message since the wipe once, in
+/// commit order; `overflow`: reading waited for a shard behind that kept too many.
+async fn wipe_case(name: &str, extra: &[&str], away: u32, overflow: bool) {
     // GIVEN a relay publishing messages beside the outbox's rows, everything published
     let redis = RedisServer::start().unwrap();
     let fx = Fixture::new(testkit::shared_postgres(), &redis).await;
-    let flags = ["--message-prefixes", "shop,audit"];
-    let relay = fx.spawn_relay("msg-wipe", &flags);
+    let mut flags = vec!["--message-prefixes", "shop,audit"];
+    flags.extend_from_slice(extra);
+    let relay = fx.spawn_relay(name, &flags);
     relay.wait_streaming().await;
     let mut writer = fx.writer().await;
     for i in 0..40 {
@@ -295,24 +319,26 @@ async fn messages_written_while_redis_loses_its_data_are_published_once_beside_t
     // while it is away and after it is back
     redis.kill().unwrap();
     redis.wipe_data().unwrap();
-    for i in 40..60 {
+    let back = 40 + away;
+    let end = back + 40;
+    for i in 40..back {
         write(&mut writer, i).await;
     }
     redis.start_again().unwrap();
-    for i in 60..100 {
+    for i in back..end {
         write(&mut writer, i).await;
     }
 
     // THEN every row is rebuilt from the table once, and every message emitted since the
     // wipe is there once (those Redis held are gone with it, but for any the slot was not yet
     // told of, which come again): none dropped while its shard was caught up
-    let rows: Vec<u32> = (0..100).filter(|i| i % 4 == 1 || i % 4 == 2).collect();
-    let since_wipe: Vec<(&str, u32)> = (40..100)
+    let rows: Vec<u32> = (0..end).filter(|i| i % 4 == 1 || i % 4 == 2).collect();
+    let since_wipe: Vec<(&str, u32)> = (40..end)
         .flat_map(expected)
         .filter(|(e, _)| *e != "test.event")
         .collect();
     wait_until(
-        Duration::from_secs(60),
+        Duration::from_secs(90),
         "every row and every later message",
         || async {
             let got = published(&fx).await;
@@ -353,7 +379,7 @@ async fn messages_written_while_redis_loses_its_data_are_published_once_beside_t
         .map(|(_, e, n, _)| (e.as_str(), *n))
         .collect();
     let first = messages.first().map_or(0, |(_, n)| *n);
-    let want: Vec<(&str, u32)> = (first..100)
+    let want: Vec<(&str, u32)> = (first..end)
         .flat_map(expected)
         .filter(|(e, _)| *e != "test.event")
         .collect();
@@ -362,5 +388,15 @@ async fn messages_written_while_redis_loses_its_data_are_published_once_beside_t
         "messages once each, in commit order, from the first kept"
     );
     assert!(first < 40 || messages.ends_with(&since_wipe));
+    let pauses = relay
+        .metric("cdc_relay_messages_pauses_total")
+        .await
+        .unwrap_or(0.0);
+    assert_eq!(
+        pauses >= 1.0,
+        overflow,
+        "reading waited {pauses} times; log: {}",
+        tail(&relay.child.log())
+    );
     relay.stop();
 }

@@ -106,6 +106,7 @@ pub(crate) async fn stream(
             last_heard: Instant::now(),
             confirm_asked: None,
             last_ask: None,
+            messages_paused: false,
         },
         pipeline: Pipeline::new(
             publisher,
@@ -222,6 +223,8 @@ struct State {
     confirm_asked: Option<(Lsn, Instant)>,
     /// When the server last asked for a reply.
     last_ask: Option<Instant>,
+    /// Reading waits for a shard behind that keeps too many tableless entries (said once).
+    messages_paused: bool,
 }
 
 impl State {
@@ -264,6 +267,42 @@ impl Session<'_> {
     fn capture_due(&self) -> bool {
         self.state.pending_capture.is_some() && self.state.open.is_none()
     }
+
+    /// The loop reads the next replication events: the batch has room (backpressure), and
+    /// no shard behind keeps more than `--lane-max-bytes` of tableless entries, which no
+    /// table can give back and so cannot be dropped (a transaction is read to its end first:
+    /// a capture and a hand-over begin only between transactions, and one transaction's
+    /// messages are bounded by the same flag, so a lane keeps at most twice that). The slot's
+    /// feedback goes on meanwhile (the replication client answers the server), and reading
+    /// resumes once the shard is live again and sends them.
+    fn reading(&self) -> bool {
+        self.state.has_room() && !self.messages_wait()
+    }
+
+    /// Reading waits for a shard behind that keeps too many tableless entries.
+    fn messages_wait(&self) -> bool {
+        self.state.open.is_none() && self.pipeline.messages_overflow().is_some()
+    }
+
+    /// Say (once per wait) that reading waits for a shard behind, and which.
+    fn note_messages_pause(&mut self) {
+        let waiting = self.pipeline.messages_overflow();
+        match (waiting, self.state.messages_paused) {
+            (Some(shard), false) if self.state.open.is_none() => {
+                self.state.messages_paused = true;
+                self.ctx.metrics.messages_pauses_total.inc();
+                warn!(
+                    shard = %self.state.layout.label(shard),
+                    "a shard behind keeps --lane-max-bytes of logical messages, which no table holds: reading waits until it is caught up and live again"
+                );
+            }
+            (None, true) => {
+                self.state.messages_paused = false;
+                info!("reading resumes: the shard that kept the logical messages is live again");
+            }
+            _ => {}
+        }
+    }
 }
 
 impl Session<'_> {
@@ -287,13 +326,8 @@ impl Session<'_> {
                     "more than {MAX_UNSEEN} transactions dropped for shards behind and shown by no watermark (are watermarks failing?)"
                 )));
             }
-            if let Some(shard) = self.pipeline.messages_overflow() {
-                return Err(RelayError::Restart(format!(
-                    "shard {} is behind and keeps more than --lane-max-bytes of logical messages, which no table holds (the slot sends them again)",
-                    self.state.layout.label(shard)
-                )));
-            }
-            if !self.state.has_room() {
+            self.note_messages_pause();
+            if !self.reading() {
                 // Not reading: the server's silence is not the server's.
                 self.state.last_heard = Instant::now();
             }
@@ -320,11 +354,11 @@ impl Session<'_> {
                     return Err(self.confirmation_overdue());
                 }
                 // 6. the next replication events, only while the batch has room (backpressure)
-                received = self.client.recv(), if self.state.has_room() => {
+                received = self.client.recv(), if self.reading() => {
                     self.state.last_heard = Instant::now();
                     self.on_received(received)?;
                     // Take what is already waiting without another turn of the select.
-                    while self.state.has_room() {
+                    while self.reading() {
                         match self.client.recv().now_or_never() {
                             Some(received) => self.on_received(received)?,
                             None => break,
@@ -336,7 +370,7 @@ impl Session<'_> {
                 // 8. nothing more is waiting: publish what we have now (no timer, no added latency)
                 _ = std::future::ready(()), if self.ready_to_publish() => self.start_publish(),
                 // 9. the server said nothing for the whole replication timeout
-                _ = tokio::time::sleep_until(self.state.last_heard + silence_limit), if self.state.has_room() => {
+                _ = tokio::time::sleep_until(self.state.last_heard + silence_limit), if self.reading() => {
                     self.ctx.metrics.replication_silent_total.inc();
                     return Err(RelayError::ReplicationSilent(silence_limit));
                 }

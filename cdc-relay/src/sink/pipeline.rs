@@ -214,8 +214,8 @@ impl Pipeline {
         )
     }
 
-    /// A behind lane that keeps more tableless entries than `--lane-max-bytes` allows (the
-    /// session starts again: the slot sends them again).
+    /// A behind lane that keeps more tableless entries than `--lane-max-bytes` allows
+    /// (reading waits until it is live again).
     pub(crate) fn messages_overflow(&self) -> Option<u32> {
         self.lanes
             .iter()
