@@ -64,6 +64,8 @@ struct State {
     server: Server,
     /// The lane the rebuild lock lives beside.
     anchor: usize,
+    /// The session's routes (when routed), each with where it was first seen.
+    routes: Routes,
 }
 
 /// Connect, take the slot (making it anew first when needed) and start streaming.
@@ -152,17 +154,6 @@ async fn read_state(ctx: &Context, publisher: Publisher) -> Result<(State, Publi
             server_system: origin.system_id.clone(),
         });
     }
-    let mut all = all;
-    start_new_routes(
-        &publisher,
-        &routes,
-        &mut records,
-        &mut all,
-        slot.as_ref(),
-        &origin,
-        server,
-    )
-    .await?;
     Ok((
         State {
             sql,
@@ -173,6 +164,7 @@ async fn read_state(ctx: &Context, publisher: Publisher) -> Result<(State, Publi
             origin,
             server,
             anchor: publisher.anchor() as usize,
+            routes,
         },
         publisher,
     ))
@@ -181,37 +173,46 @@ async fn read_state(ctx: &Context, publisher: Publisher) -> Result<(State, Publi
 /// The lanes of a route first seen at or after the slot's position start there, live, with a
 /// record made now: everything of the route is still to come from the slot (a route is
 /// registered before anything of it is acknowledged, at the position of its first row or,
-/// for a message prefix, past the slot's), so nothing is owed from the table. Only lanes with
-/// neither a record nor entries, on a usable slot, on a primary; any other lane without a
-/// record (Redis lost it) starts behind and is caught up from the table.
+/// for a message prefix, past the slot's), so nothing is owed from the table. Only lanes
+/// decided behind for want of a record, with no entries, on a primary whose slot this
+/// session holds (the position read now cannot move under it, and the server is no older
+/// than any record: `refuse_to_start` passed), not after a rebuild; any other lane without a
+/// record (Redis lost it) stays behind and is caught up from the table.
+#[allow(clippy::too_many_arguments)]
 async fn start_new_routes(
+    ctx: &Context,
+    sql: &Client,
     publisher: &Publisher,
     routes: &Routes,
     records: &mut [Records],
     all: &mut [Option<StreamRecord>],
-    slot: Option<&SlotInfo>,
+    plan: &mut Plan,
     origin: &Origin,
     server: Server,
 ) -> Result<(), RelayError> {
     let layout = publisher.layout();
-    if !layout.is_routed() || server.in_recovery {
+    if !layout.is_routed() || server.in_recovery || plan.rebuilt.is_some() {
         return Ok(());
     }
-    let Some(confirmed) = slot
+    let new_lanes: Vec<usize> = (0..layout.lanes() as usize)
+        .filter(|&k| {
+            plan.decisions[k] == Decision::Behind(Reason::NoRecord)
+                && all[k].as_ref().is_some_and(|r| !r.exists() && r.len == 0)
+        })
+        .collect();
+    if new_lanes.is_empty() {
+        return Ok(());
+    }
+    let Some(confirmed) = slot_info(sql, &ctx.config.postgres.slot)
+        .await?
         .filter(|s| !s.is_lost())
         .and_then(|s| s.confirmed_flush_lsn)
     else {
         return Ok(());
     };
-    let id_offset = all.iter().flatten().map(|r| r.id_offset).max().unwrap_or(0);
-    for lane in 0..layout.lanes() {
-        let first_seen = routes.get(layout.route_of(lane)).copied().unwrap_or(0);
+    for k in new_lanes {
+        let first_seen = routes.get(layout.route_of(k as u32)).copied().unwrap_or(0);
         if first_seen < confirmed.as_u64() {
-            continue;
-        }
-        let k = lane as usize;
-        let Some(record) = &all[k] else { continue };
-        if record.exists() || record.len > 0 {
             continue;
         }
         records[k]
@@ -219,14 +220,17 @@ async fn start_new_routes(
                 origin,
                 shards: layout.shards(),
                 acked_through: confirmed.as_u64(),
-                id_offset,
+                id_offset: plan.id_offset,
                 last_id: None,
                 watermark: None,
                 rebuilding: None,
             })
             .await?;
-        info!(stream = %publisher.shard_stream(lane), at = %confirmed, "a new route's stream starts at the slot's position");
-        all[k] = Some(records[k].read().await?);
+        info!(stream = %publisher.shard_stream(k as u32), at = %confirmed, "a new route's stream starts at the slot's position");
+        let record = records[k].read().await?;
+        plan.tops[k] = record.top;
+        all[k] = Some(record);
+        plan.decisions[k] = Decision::Stream;
     }
     Ok(())
 }
@@ -403,13 +407,15 @@ async fn start(
     let State {
         sql,
         mut records,
-        all,
+        mut all,
         mut client,
         origin,
         server,
         anchor,
+        routes,
         ..
     } = state;
+    let mut plan = plan;
     refuse_to_start(&ctx.config, &plan, &all, &origin, publisher.stream())?;
     adopt_timelines(&mut records, &plan, &all, &origin, publisher.stream()).await?;
     start_replication(
@@ -421,7 +427,6 @@ async fn start(
         held,
     )
     .await?;
-    drop(sql);
     // Another relay may have begun making the slot anew between our decision and START
     // (it dropped and made the slot we now hold): leave the stream to it.
     // (Not when the anchor did not answer: no rebuild begins without it.)
@@ -431,6 +436,19 @@ async fn start(
     {
         return Err(busy(ctx, None));
     }
+    start_new_routes(
+        ctx,
+        &sql,
+        &publisher,
+        &routes,
+        &mut records,
+        &mut all,
+        &mut plan,
+        &origin,
+        server,
+    )
+    .await?;
+    drop(sql);
     // Holding the slot: claim each live shard, so a relay that held it before (paused, cut
     // off) writes nothing more there. (A shard behind is claimed by its catch-up.)
     let mut publisher = publisher.for_session(plan.id_offset);
