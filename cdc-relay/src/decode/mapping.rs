@@ -67,6 +67,15 @@ impl Ident {
         format!("\"{}\"", self.0)
     }
 
+    /// The column of table alias `alias` as text the way pgoutput sends it: its type's output
+    /// function, NULL kept. Not `::text`, which differs for some types (`char(n)` drops its
+    /// padding, `boolean` says `true` for `t`, `inet` adds the mask): a row caught up from the
+    /// table must land in the stream and shard, with the fields, it would have had live.
+    pub fn as_sent(&self, alias: &str) -> String {
+        let c = format!("{alias}.{}", self.quoted());
+        format!("(CASE WHEN {c} IS NULL THEN NULL ELSE format('%s', {c}) END)")
+    }
+
     fn of(name: &'static str) -> Self {
         Self(name.to_string())
     }

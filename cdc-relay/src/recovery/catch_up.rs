@@ -1081,7 +1081,7 @@ impl Table {
         Ok(Self {
             name: format!("\"{}\".\"{}\"", table.schema, table.table),
             key: match type_of(mapping.key.as_str()) {
-                Some(_) => format!("o.{}::text", mapping.key.quoted()),
+                Some(_) => mapping.key.as_sent("o"),
                 None => "NULL::text".into(),
             },
             payload_bytea: type_of(mapping.payload.as_str()) == Some(BYTEA_OID),
@@ -1114,36 +1114,36 @@ impl Table {
             "AND ($2::text IS NULL OR true)".to_string()
         };
         let timestamp = match &m.timestamp {
-            Some(t) => format!("o.{}::text", t.quoted()),
+            Some(t) => t.as_sent("o"),
             None => "NULL::text".into(),
         };
         // In the stream already: the same id (and, with a timestamp column, the same
         // timestamp: an id used again after the table was emptied is another row).
         let present = match &m.timestamp {
             Some(t) => format!(
-                "p.id = o.{id}::text AND p.created_at = o.{t}",
-                id = m.id.quoted(),
+                "p.id = {id} AND p.created_at = o.{t}",
+                id = m.id.as_sent("o"),
                 t = t.quoted()
             ),
-            None => format!("p.id = o.{id}::text", id = m.id.quoted()),
+            None => format!("p.id = {id}", id = m.id.as_sent("o")),
         };
         let extra: String = m
             .extra
             .iter()
             .enumerate()
-            .map(|(i, e)| format!(", o.{}::text AS x{i}", e.column.quoted()))
+            .map(|(i, e)| format!(", {} AS x{i}", e.column.as_sent("o")))
             .collect();
         let extra_out: String = (0..m.extra.len()).map(|i| format!(", x{i}")).collect();
         // Last, after the extra fields (see `event`).
         let route = match &m.route {
-            Some(r) => format!("o.{}::text", r.quoted()),
+            Some(r) => r.as_sent("o"),
             None => "NULL::text".into(),
         };
         format!(
             "SELECT ord, id, event, payload, created_at, key, tx{extra_out}, route FROM (
              SELECT *, sum(size) OVER (ORDER BY ord) - size AS before FROM (
-               SELECT o.{order}::bigint AS ord, o.{id}::text AS id, o.{event}::text AS event,
-                      o.{payload}::text AS payload, {timestamp} AS created_at,
+               SELECT o.{order}::bigint AS ord, {id_sent} AS id, {event_sent} AS event,
+                      {payload_sent} AS payload, {timestamp} AS created_at,
                       {key} AS key, o.{tx}::text AS tx{extra}, {route} AS route,
                       octet_length(o.{event}::text) + coalesce(octet_length(o.{payload}::text), 0) AS size
                  FROM {table} o
@@ -1159,9 +1159,11 @@ impl Table {
              WHERE before < $6
              ORDER BY ord",
             order = m.order.quoted(),
-            id = m.id.quoted(),
             event = m.event_type.quoted(),
             payload = m.payload.quoted(),
+            id_sent = m.id.as_sent("o"),
+            event_sent = m.event_type.as_sent("o"),
+            payload_sent = m.payload.as_sent("o"),
             key = self.key,
             table = self.name,
         )

@@ -12,7 +12,8 @@
 //! registered before its session ends, and its first entries go only through the next
 //! session), and first-seen positions are never lowered below the truth (`HSETNX`); a route
 //! whose rows the table still holds is loaded whenever Redis may have lost the registry (the
-//! anchor's record, beside it, is missing or behind the slot), its lanes then without a
+//! anchor's record, beside it, is missing or behind the slot, or the registry lacks the
+//! fallback route every session registers first), its lanes then without a
 //! record and caught up from the table; more routes than `--max-routes` stop the relay
 //! saying so, never drop a row.
 
@@ -49,6 +50,10 @@ pub(crate) async fn load(
             .map_err(|_| RelayError::ShardUnreachable {
                 stream: key.clone(),
             })??;
+    // Every session registers the fallback route before anything is acknowledged: a registry
+    // without it was deleted or evicted (its anchor record may have survived), and says
+    // nothing about which routes hold acknowledged rows.
+    let registry_whole = registered.contains_key(FALLBACK_ROUTE);
     let mut routes: Routes = registered
         .into_iter()
         .filter(|(r, _)| valid_route(r))
@@ -62,13 +67,13 @@ pub(crate) async fn load(
     // acknowledged: these are the streams to rebuild. Not while the anchor's record (beside
     // the registry) holds what the slot was told: then every route with an acknowledged row
     // is registered, and the scan of the table is spared.
-    let rows = if registry_current(ctx, sql, publisher).await? {
+    let rows = if registry_whole && registry_current(ctx, sql, publisher).await? {
         Vec::new()
     } else {
         sql.query(
             &format!(
-                "SELECT DISTINCT o.{column}::text FROM {table} o",
-                column = column.quoted(),
+                "SELECT DISTINCT {column} FROM {table} o",
+                column = column.as_sent("o"),
                 table = format_args!("\"{}\".\"{}\"", mapping.table.schema, mapping.table.table),
             ),
             &[],
@@ -130,7 +135,8 @@ pub(crate) async fn load(
     Ok(routes)
 }
 
-/// Whether the registry holds every route an acknowledged row named: the anchor lane's
+/// Whether the registry (which holds the fallback route: it was not deleted or evicted on its
+/// own) holds every route an acknowledged row named: the anchor lane's
 /// record (on the registry's node, written with every acknowledgement to all lanes, and
 /// whose route every session has) exists and holds at least the slot's position. A Redis
 /// that lost data, or came back from an older copy, shows it there first.

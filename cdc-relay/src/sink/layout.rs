@@ -45,10 +45,12 @@ pub(crate) fn valid_route(name: &str) -> bool {
             .all(|c| c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '-'))
 }
 
-/// The route a row's value names: itself when valid, else [`FALLBACK_ROUTE`].
+/// The route a row's value names: itself when valid, else [`FALLBACK_ROUTE`]. Trailing
+/// spaces are not part of it: a `char(n)` column sends its value padded.
 pub(crate) fn route_name(value: Option<&[u8]>) -> &str {
     value
         .and_then(|v| std::str::from_utf8(v).ok())
+        .map(|v| v.trim_end_matches(' '))
         .filter(|v| valid_route(v))
         .unwrap_or(FALLBACK_ROUTE)
 }
@@ -224,6 +226,15 @@ impl Layout {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_padded_value_names_its_route_without_the_padding() {
+        assert_eq!(route_name(Some(b"order       ")), "order");
+        assert_eq!(route_name(Some(b"order")), "order");
+        assert_eq!(route_name(Some(b"  order")), FALLBACK_ROUTE);
+        assert_eq!(route_name(Some(b"            ")), FALLBACK_ROUTE);
+        assert_eq!(route_name(None), FALLBACK_ROUTE);
+    }
 
     #[test]
     fn unrouted_is_one_stream_of_shards() {
