@@ -97,6 +97,8 @@
 
 mod config;
 mod consumer;
+#[cfg(test)]
+mod contract;
 pub mod fence;
 pub mod functions;
 mod inbox;

@@ -129,7 +129,7 @@ pub(crate) fn assign(shards: u32, members: &[String], me: &str) -> Vec<bool> {
 }
 
 /// The rendezvous weight of `member` for shard `k` (FNV-1a, stable across processes).
-fn weight(member: &str, k: u32) -> u64 {
+pub(crate) fn weight(member: &str, k: u32) -> u64 {
     let mut hash: u64 = 0xcbf2_9ce4_8422_2325;
     for byte in member.bytes().chain(k.to_le_bytes()) {
         hash ^= u64::from(byte);

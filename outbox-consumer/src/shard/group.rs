@@ -589,6 +589,12 @@ pub(super) fn parse_range_reply(reply: Value) -> Result<Vec<Entry>, ConsumeError
     }
 }
 
+/// An XRANGE reply's entries, for the contract's vectors (`crate::contract`).
+#[cfg(test)]
+pub(crate) fn entries_of(reply: Value) -> Result<Vec<Entry>, String> {
+    parse_range_reply(reply).map_err(|e| e.to_string())
+}
+
 /// Entries as `[id, fields]` pairs (fields nil: trimmed since delivered).
 fn parse_items(items: Vec<Value>) -> Result<Vec<Entry>, ConsumeError> {
     let mut entries = Vec::with_capacity(items.len());
