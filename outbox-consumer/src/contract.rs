@@ -160,7 +160,11 @@ fn bulk(bytes: &[u8]) -> Value {
 }
 
 /// A vector entry: what it is, its id, its fields (`None`: nil, trimmed).
-type EntryCase = (&'static str, &'static str, Option<Vec<(&'static str, &'static [u8])>>);
+type EntryCase = (
+    &'static str,
+    &'static str,
+    Option<Vec<(&'static str, &'static [u8])>>,
+);
 
 /// Entries as XRANGE returns them, and what a consumer makes of each.
 fn entries() -> Json {
