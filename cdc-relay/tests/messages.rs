@@ -400,3 +400,69 @@ async fn wipe_case(name: &str, extra: &[&str], away: u32, overflow: bool) {
     );
     relay.stop();
 }
+
+/// While reading waits for a shard behind (it keeps `--lane-max-bytes` of messages and its
+/// catch-up cannot end: the outbox table is locked), Postgres is stopped: the server waits
+/// for the relay's confirmations, which the paused session would withhold forever. The relay
+/// notices that the server refuses connections and ends the session, so the server stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_stopping_while_reading_waits_for_a_behind_shard_is_not_held() {
+    // GIVEN a relay with messages and a small lane budget on a server of the test's own
+    let pg = PgServer::start().unwrap();
+    let redis = RedisServer::start().unwrap();
+    let fx = Fixture::new(&pg, &redis).await;
+    let flags = [
+        "--message-prefixes",
+        "shop,audit",
+        "--lane-max-bytes",
+        "2048",
+        "--batch-max-bytes",
+        "2048",
+        "--max-row-bytes",
+        "1024",
+    ];
+    let relay = fx.spawn_relay("msg-pause-stop", &flags);
+    relay.wait_streaming().await;
+    let mut writer = fx.writer().await;
+    write(&mut writer, 0).await;
+
+    // WHEN Redis loses its data while many messages are written, the outbox table is locked
+    // (the catch-up that would bring the shard back cannot read it), Redis comes back, and
+    // reading waits for the shard
+    redis.kill().unwrap();
+    redis.wipe_data().unwrap();
+    for i in 1..200 {
+        // Messages only: the lock below must not hold the writer.
+        let body = serde_json::json!({ "n": i }).to_string();
+        writer
+            .execute(
+                "SELECT pg_logical_emit_message(true, 'shop', $1::text)",
+                &[&body],
+            )
+            .await
+            .unwrap();
+    }
+    let mut locker = pg.connect(&fx.db.name).await.unwrap();
+    let lock = locker.transaction().await.unwrap();
+    lock.batch_execute("LOCK TABLE consumers.outbox IN ACCESS EXCLUSIVE MODE")
+        .await
+        .unwrap();
+    redis.start_again().unwrap();
+    wait_until(Duration::from_secs(60), "reading waits", || async {
+        match relay.metric("cdc_relay_messages_pauses_total").await {
+            Some(n) if n >= 1.0 => Ok(()),
+            other => Err(format!("{other:?}; log: {}", tail(&relay.child.log()))),
+        }
+    })
+    .await;
+
+    // THEN a fast shutdown completes (the relay lets go of the slot's walsender)
+    let stopped = pg.stop_fast_within(Duration::from_secs(30));
+    assert!(
+        stopped.is_ok(),
+        "Postgres did not stop within 30 s: {stopped:?}; relay log: {}",
+        tail(&relay.child.log())
+    );
+    drop(lock);
+    relay.stop();
+}

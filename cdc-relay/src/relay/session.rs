@@ -107,6 +107,7 @@ pub(crate) async fn stream(
             confirm_asked: None,
             last_ask: None,
             messages_paused: false,
+            next_probe: Instant::now(),
         },
         pipeline: Pipeline::new(
             publisher,
@@ -225,6 +226,8 @@ struct State {
     last_ask: Option<Instant>,
     /// Reading waits for a shard behind that keeps too many tableless entries (said once).
     messages_paused: bool,
+    /// While reading waits: when the server is next asked whether it still takes connections.
+    next_probe: Instant,
 }
 
 impl State {
@@ -233,6 +236,10 @@ impl State {
         self.filling.has_room(&self.limits)
     }
 }
+
+/// While reading waits for a shard behind, how often the server is asked whether it still
+/// takes connections (see `Session::probe_server`).
+const PAUSE_PROBE: Duration = Duration::from_secs(2);
 
 struct Session<'a> {
     ctx: &'a Context,
@@ -284,12 +291,35 @@ impl Session<'_> {
         self.state.open.is_none() && self.pipeline.messages_overflow().is_some()
     }
 
+    /// While reading waits, whether the server still takes connections: one that refuses them
+    /// is stopping (or switching over) and waits for this session's confirmations, which
+    /// the pause would withhold forever; the session ends instead (the next one is sent the
+    /// rest again).
+    async fn probe_server(&self) -> Result<(), RelayError> {
+        let timeout = self.ctx.config.connect_timeout.min(Duration::from_secs(5));
+        let probe = async {
+            let client = self.ctx.config.postgres.endpoint.connect(timeout).await?;
+            client.simple_query("SELECT 1").await?;
+            Ok::<_, RelayError>(())
+        };
+        match tokio::time::timeout(timeout, probe).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(RelayError::Restart(format!(
+                "the server does not take connections while reading waits for a shard behind ({e}): it may be stopping"
+            ))),
+            Err(_) => Err(RelayError::Restart(
+                "the server did not answer in time while reading waits for a shard behind".into(),
+            )),
+        }
+    }
+
     /// Say (once per wait) that reading waits for a shard behind, and which.
     fn note_messages_pause(&mut self) {
         let waiting = self.pipeline.messages_overflow();
         match (waiting, self.state.messages_paused) {
             (Some(shard), false) if self.state.open.is_none() => {
                 self.state.messages_paused = true;
+                self.state.next_probe = Instant::now() + PAUSE_PROBE;
                 self.ctx.metrics.messages_pauses_total.inc();
                 warn!(
                     shard = %self.state.layout.label(shard),
@@ -369,7 +399,14 @@ impl Session<'_> {
                 _ = std::future::ready(()), if self.capture_due() => self.begin_capture(),
                 // 8. nothing more is waiting: publish what we have now (no timer, no added latency)
                 _ = std::future::ready(()), if self.ready_to_publish() => self.start_publish(),
-                // 9. the server said nothing for the whole replication timeout
+                // 9. reading waits for a shard behind: not reading, the loop would not see a
+                // server that stops and asks for confirmations (its keepalives wait unread),
+                // and the catch-up cannot end while the server refuses connections: ask it
+                _ = tokio::time::sleep_until(self.state.next_probe), if self.messages_wait() => {
+                    self.state.next_probe = Instant::now() + PAUSE_PROBE;
+                    self.probe_server().await?;
+                }
+                // 10. the server said nothing for the whole replication timeout
                 _ = tokio::time::sleep_until(self.state.last_heard + silence_limit), if self.reading() => {
                     self.ctx.metrics.replication_silent_total.inc();
                     return Err(RelayError::ReplicationSilent(silence_limit));
