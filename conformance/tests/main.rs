@@ -1,8 +1,10 @@
-//! The conformance suite's short variant, run by `cargo test` against the Rust consumer
-//! (`outbox-consumer`, through `conformance-driver`); `CONFORMANCE_DRIVER="<command>"` runs
-//! it against another implementation (`CONFORMANCE_DRIVER_NAME` names it in failures).
+//! The conformance suite's short variant, run by `cargo test` against both implementations:
+//! the Rust consumer (`outbox-consumer`, through `conformance-driver`) and the TypeScript one
+//! (`packages/outbox-consumer`, built by `deploy/install-deps.sh`, through its
+//! `dist/src/driver.js`). Another implementation joins with a module like theirs below (a
+//! function that says how to start its driver).
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
@@ -27,71 +29,92 @@ fn relay() -> PathBuf {
         .clone()
 }
 
-fn driver() -> Driver {
-    match std::env::var("CONFORMANCE_DRIVER") {
-        Ok(command) => Driver::from_command(
-            &std::env::var("CONFORMANCE_DRIVER_NAME").unwrap_or_else(|_| "custom".into()),
-            &command,
-        )
-        .expect("CONFORMANCE_DRIVER"),
-        Err(_) => Driver {
-            name: "rust".into(),
-            program: env!("CARGO_BIN_EXE_conformance-driver").into(),
-            args: Vec::new(),
-        },
+fn rust() -> Driver {
+    Driver {
+        name: "rust".into(),
+        program: env!("CARGO_BIN_EXE_conformance-driver").into(),
+        args: Vec::new(),
     }
 }
 
-fn report(case: &str, outcome: anyhow::Result<Outcome>) {
+fn typescript() -> Driver {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../packages/outbox-consumer/dist/src/driver.js")
+        .canonicalize()
+        .expect(
+            "packages/outbox-consumer is not built: run deploy/install-deps.sh (npm ci, npm run build)",
+        );
+    Driver {
+        name: "typescript".into(),
+        program: "node".into(),
+        args: vec![script.display().to_string()],
+    }
+}
+
+fn report(driver: &str, case: &str, outcome: anyhow::Result<Outcome>) {
     match outcome {
         Ok(o) => eprintln!(
-            "conformance {} {case}: pass ({} recorded, {} dead-lettered, commit to recorded p50 {:?} p99 {:?})",
-            driver().name,
+            "conformance {driver} {case}: pass ({} recorded, {} dead-lettered, commit to recorded p50 {:?} p99 {:?}{})",
             o.recorded,
             o.dead_lettered,
             o.latency_p50,
-            o.latency_p99
+            o.latency_p99,
+            if o.throughput > 0.0 {
+                format!(", {:.0} rows/s", o.throughput)
+            } else {
+                String::new()
+            }
         ),
-        Err(e) => panic!("conformance {} {case}: FAIL: {e:#}", driver().name),
+        Err(e) => panic!("conformance {driver} {case}: FAIL: {e:#}"),
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigkill_and_poison() {
-    report(
-        "sigkill_and_poison",
-        cases::sigkill_and_poison(driver(), &relay()).await,
-    );
+/// One test per (implementation, case).
+macro_rules! cases {
+    ($($case:ident),*) => {
+        mod rust_consumer {
+            use super::*;
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let d = rust();
+                report(&d.name.clone(), stringify!($case), cases::$case(d, &relay()).await);
+            })*
+        }
+        mod typescript_consumer {
+            use super::*;
+            $(#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                let d = typescript();
+                report(&d.name.clone(), stringify!($case), cases::$case(d, &relay()).await);
+            })*
+        }
+    };
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn sigstop_past_the_lease() {
-    report(
-        "sigstop_past_the_lease",
-        cases::sigstop_past_the_lease(driver(), &relay()).await,
-    );
-}
+cases!(
+    sigkill_and_poison,
+    frozen_in_commit,
+    sigstop_past_the_lease,
+    redis_restart,
+    three_instances_rolling_restart,
+    steady,
+    burst
+);
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn frozen_in_commit() {
-    report(
-        "frozen_in_commit",
-        cases::frozen_in_commit(driver(), &relay()).await,
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn redis_restart() {
-    report(
-        "redis_restart",
-        cases::redis_restart(driver(), &relay()).await,
-    );
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn three_instances_rolling_restart() {
-    report(
-        "three_instances_rolling_restart",
-        cases::three_instances_rolling_restart(driver(), &relay()).await,
+/// The TypeScript package's own tests (the contract's vectors, computed by it) pass.
+#[test]
+fn the_typescript_package_tests_pass() {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packages/outbox-consumer");
+    let out = Command::new("npm")
+        .args(["test", "--silent"])
+        .current_dir(&dir)
+        .output()
+        .expect("npm (deploy/install-deps.sh installs it)");
+    assert!(
+        out.status.success(),
+        "npm test failed in {}:\n{}{}",
+        dir.display(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
 }
