@@ -352,6 +352,17 @@ impl World {
         ))
     }
 
+    /// Wait (within `limit`) until `n` rows are recorded.
+    pub async fn wait_recorded(&self, n: i64, limit: Duration) {
+        wait_until(limit, "rows recorded", || async {
+            match self.recorded().await {
+                Ok(got) if got >= n => Ok(()),
+                other => Err(format!("{other:?} of {n}; {}", self.instance_logs())),
+            }
+        })
+        .await;
+    }
+
     /// Rows the implementation recorded so far.
     pub async fn recorded(&self) -> anyhow::Result<i64> {
         let row = self
@@ -766,6 +777,71 @@ pub mod cases {
             "nothing pending while a recording transaction had not committed: entries were acknowledged before their commit"
         );
         w.write(30..60, 3, Duration::from_millis(2), &[]).await?;
+        w.check(limit).await
+    }
+
+    /// The database refuses the inbox's writes (its table is renamed away) while the shard's
+    /// holder is SIGKILLed with an entry in hand, a second instance takes the entry over
+    /// (processing it alone: its previous run may have died of it) and is stopped by a deploy
+    /// (SIGTERM) while the database still refuses; then the database is back and a third
+    /// instance starts. An outage is nobody's entry's fault: the entry must be recorded, not
+    /// dead-lettered as if it had ended two processes.
+    pub async fn database_outage_across_a_restart(
+        driver: Driver,
+        relay: &Path,
+    ) -> anyhow::Result<Outcome> {
+        let mut w = World::start(driver, relay, 1, Settings::default()).await?;
+        let limit = Duration::from_secs(60);
+        let a = w.instance("c1")?;
+        w.write(0..10, 2, Duration::ZERO, &[]).await?;
+        w.wait_recorded(10, limit).await;
+        let inbox = format!("{}.inbox", w.schema);
+        w.writer
+            .batch_execute(&format!("ALTER TABLE {inbox} RENAME TO inbox_away"))
+            .await?;
+        w.write(10..11, 2, Duration::ZERO, &[]).await?;
+        // c1 has the entry in hand (delivered, not acknowledged) and keeps retrying it.
+        wait_until(limit, "the entry delivered", || async {
+            match w.pending().await {
+                Ok(n) if n > 0 => Ok(()),
+                other => Err(format!("{other:?} pending")),
+            }
+        })
+        .await;
+        a.kill()?;
+        let b = w.instance("c2")?;
+        // c2 takes the shard over and works on the entry (its attempt record says so).
+        let attempts = shard_key(&keys::inbox_attempts_base(&w.group), 0, w.shards);
+        wait_until(
+            limit,
+            "the second instance working on the entry",
+            || async {
+                let mut conn = w.redis.connect().await.map_err(|e| e.to_string())?;
+                let records: HashMap<String, String> = redis::cmd("HGETALL")
+                    .arg(&attempts)
+                    .query_async(&mut conn)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if records.values().any(|r| !r.starts_with("- ")) {
+                    Ok(())
+                } else {
+                    Err(format!(
+                        "attempt records {records:?}; {}",
+                        w.instance_logs()
+                    ))
+                }
+            },
+        )
+        .await;
+        w.stop(&b)?;
+        w.writer
+            .batch_execute(&format!(
+                "ALTER TABLE {}.inbox_away RENAME TO inbox",
+                w.schema
+            ))
+            .await?;
+        let _c = w.instance("c3")?;
+        w.write(11..20, 2, Duration::ZERO, &[]).await?;
         w.check(limit).await
     }
 

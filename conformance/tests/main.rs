@@ -97,6 +97,7 @@ cases!(
     sigstop_past_the_lease,
     redis_restart,
     three_instances_rolling_restart,
+    database_outage_across_a_restart,
     steady,
     burst
 );
