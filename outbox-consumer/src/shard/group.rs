@@ -331,8 +331,14 @@ impl<I: Inbox> Active<'_, I> {
         let mut hset = redis::cmd("HSET");
         hset.arg(&self.keys().attempts);
         let mut any = false;
+        // In this run's hands from now on, under the number its record says: a session that
+        // ends without a crash releases it (`release_delivered`), or its next holder would
+        // read the record as this run having died on it (and one processed alone as the entry
+        // having killed it).
+        let mut handed = Vec::new();
         for id in ids {
             if let Some(n) = attempts.get(id) {
+                handed.push((id.clone(), *n));
                 let record = if alone {
                     format!("{} {n} {ALONE}", self.consumer.run_id)
                 } else {
@@ -342,6 +348,7 @@ impl<I: Inbox> Active<'_, I> {
                 any = true;
             }
         }
+        self.consumer.delivered.lock().unwrap().extend(handed);
         if any {
             let _: i64 = hset.query_async(&mut self.conn).await?;
         }

@@ -487,9 +487,15 @@ class ShardSession<Item> {
 
   private async beginAttempts(ids: string[], attempts: Map<string, number>, alone: boolean): Promise<void> {
     const args: string[] = [];
+    // In this run's hands from now on, under the number its record says: a session that ends
+    // without a crash releases it, or the next holder would read the record as this run having
+    // died on it (and one processed alone as the entry having killed it).
+    const delivered = this.c.deliveredOf(this.shard);
     for (const id of ids) {
       const n = attempts.get(id);
-      if (n !== undefined) args.push(id, alone ? `${this.c.runId} ${n} ${ALONE}` : `${this.c.runId} ${n}`);
+      if (n === undefined) continue;
+      delivered.set(id, n);
+      args.push(id, alone ? `${this.c.runId} ${n} ${ALONE}` : `${this.c.runId} ${n}`);
     }
     if (args.length > 0) await this.redis.hset(this.attemptsKey, ...args);
   }
