@@ -13,7 +13,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, ensure, Context};
 use outbox_core::stream::{keys, shard_key, shard_of};
@@ -396,22 +396,38 @@ impl World {
     }
 
     /// Wait (within `limit`) until every row written is recorded or dead-lettered and
-    /// nothing is pending, then check what was recorded. Returns how many were recorded.
+    /// nothing is pending, then check what was recorded.
     pub async fn check(&self, limit: Duration) -> anyhow::Result<Outcome> {
-        let started = Instant::now();
+        let expected = self.expected_ids().await?;
+        self.settle(expected.len() as i64, limit).await;
+        let recorded = self.verify_recorded(&expected).await?;
+        self.verify_fenced().await?;
+        let dead_lettered = self.verify_dead_letters().await?;
+        let (latency_p50, latency_p99) = self.latency().await?;
+        Ok(Outcome {
+            recorded,
+            dead_lettered,
+            latency_p50,
+            latency_p99,
+            throughput: 0.0,
+        })
+    }
+
+    /// The outbox rows that must be recorded: all but the poison ones.
+    async fn expected_ids(&self) -> anyhow::Result<HashSet<i64>> {
         let rows = self
             .writer
-            .query(
-                &format!("SELECT id, partition_key FROM {OUTBOX} ORDER BY id"),
-                &[],
-            )
+            .query(&format!("SELECT id FROM {OUTBOX}"), &[])
             .await?;
-        let expected: Vec<(i64, String)> = rows
+        Ok(rows
             .iter()
-            .map(|r| (r.get(0), r.get(1)))
-            .filter(|(id, _)| !self.poison.contains(id))
-            .collect();
-        let want = expected.len() as i64;
+            .map(|r| r.get(0))
+            .filter(|id| !self.poison.contains(id))
+            .collect())
+    }
+
+    /// Wait until `want` rows are recorded, the poison ones dead-lettered, nothing pending.
+    async fn settle(&self, want: i64, limit: Duration) {
         wait_until(limit, "every row recorded and nothing pending", || async {
             let n = self.recorded().await.map_err(|e| e.to_string())?;
             let pending = self.pending().await.map_err(|e| e.to_string())?;
@@ -428,6 +444,11 @@ impl World {
             }
         })
         .await;
+    }
+
+    /// Every expected row recorded once, from its key's shard, each key's rows in commit
+    /// order, nothing else; how many.
+    async fn verify_recorded(&self, expected: &HashSet<i64>) -> anyhow::Result<usize> {
         let recorded = self
             .writer
             .query(
@@ -459,15 +480,14 @@ impl World {
             );
             by_key.entry(key).or_default().push(id);
         }
-        let expected_ids: HashSet<i64> = expected.iter().map(|(id, _)| *id).collect();
-        let missing: Vec<i64> = expected_ids.difference(&seen).copied().collect();
+        let missing: Vec<i64> = expected.difference(&seen).copied().collect();
         ensure!(
             missing.is_empty(),
             "{} rows never recorded, e.g. {:?}",
             missing.len(),
             &missing[..missing.len().min(5)]
         );
-        let extra: Vec<i64> = seen.difference(&expected_ids).copied().collect();
+        let extra: Vec<i64> = seen.difference(expected).copied().collect();
         ensure!(
             extra.is_empty(),
             "recorded rows that are poison or no row: {extra:?}"
@@ -481,6 +501,11 @@ impl World {
                 );
             }
         }
+        Ok(seen.len())
+    }
+
+    /// No row committed by a consumer that no longer held the shard's fence.
+    async fn verify_fenced(&self) -> anyhow::Result<()> {
         let violations = self
             .writer
             .query(
@@ -498,9 +523,13 @@ impl World {
                 violations.len()
             );
         }
-        let dead = self.dead_letters().await?;
+        Ok(())
+    }
+
+    /// Each poison row dead-lettered once, with the contract's fields; how many.
+    async fn verify_dead_letters(&self) -> anyhow::Result<usize> {
         let mut dead_ids: Vec<i64> = Vec::new();
-        for d in &dead {
+        for d in &self.dead_letters().await? {
             ensure!(
                 d.get("reason").is_some_and(|r| !r.is_empty()),
                 "a dead letter without a reason: {d:?}"
@@ -524,7 +553,12 @@ impl World {
             dead_ids == poison,
             "dead letters {dead_ids:?}, poison rows {poison:?}"
         );
-        let latency = self
+        Ok(dead_ids.len())
+    }
+
+    /// Commit of each outbox row to commit of its inbox row: p50 and p99.
+    async fn latency(&self) -> anyhow::Result<(Duration, Duration)> {
+        let row = self
             .writer
             .query_one(
                 &format!(
@@ -538,16 +572,9 @@ impl World {
             )
             .await?;
         let secs = |i: usize| {
-            Duration::from_secs_f64(latency.get::<_, Option<f64>>(i).unwrap_or(0.0).max(0.0))
+            Duration::from_secs_f64(row.get::<_, Option<f64>>(i).unwrap_or(0.0).max(0.0))
         };
-        Ok(Outcome {
-            recorded: seen.len(),
-            dead_lettered: dead_ids.len(),
-            settled_in: started.elapsed(),
-            latency_p50: secs(0),
-            latency_p99: secs(1),
-            throughput: 0.0,
-        })
+        Ok((secs(0), secs(1)))
     }
 
     /// Entries delivered and not acknowledged, over every shard.
@@ -616,8 +643,6 @@ impl World {
 pub struct Outcome {
     pub recorded: usize,
     pub dead_lettered: usize,
-    /// From the check's start until everything was recorded and acknowledged.
-    pub settled_in: Duration,
     /// Commit of the outbox row to commit of its inbox row (the database's clock), over
     /// every row: through the relay, Redis and the consumer, faults included.
     pub latency_p50: Duration,
@@ -709,13 +734,7 @@ pub mod cases {
         let b = w.instance("c2")?;
         let limit = Duration::from_secs(60);
         w.write(0..20, 3, Duration::ZERO, &[]).await?;
-        wait_until(limit, "the first rows recorded", || async {
-            match w.recorded().await {
-                Ok(n) if n >= 20 => Ok(()),
-                other => Err(format!("{other:?}")),
-            }
-        })
-        .await;
+        w.wait_recorded(20, limit).await;
         let holder = w.lease_holder(0).await?.context("a holder")?;
         let (frozen, other) = if holder == "c1" {
             (&a, "c2")
@@ -852,17 +871,7 @@ pub mod cases {
         let _a = w.instance("c1")?;
         // Started: a first row recorded.
         w.write(0..1, 1, Duration::ZERO, &[]).await?;
-        wait_until(
-            Duration::from_secs(60),
-            "the first row recorded",
-            || async {
-                match w.recorded().await {
-                    Ok(n) if n >= 1 => Ok(()),
-                    other => Err(format!("{other:?}; {}", w.instance_logs())),
-                }
-            },
-        )
-        .await;
+        w.wait_recorded(1, Duration::from_secs(60)).await;
         w.write(1..400, 8, Duration::from_millis(5), &[]).await?;
         w.check(Duration::from_secs(60)).await
     }
@@ -873,17 +882,7 @@ pub mod cases {
         let mut w = World::start(driver, relay, 4, Settings::default()).await?;
         let _a = w.instance("c1")?;
         w.write(0..1, 1, Duration::ZERO, &[]).await?;
-        wait_until(
-            Duration::from_secs(60),
-            "the first row recorded",
-            || async {
-                match w.recorded().await {
-                    Ok(n) if n >= 1 => Ok(()),
-                    other => Err(format!("{other:?}; {}", w.instance_logs())),
-                }
-            },
-        )
-        .await;
+        w.wait_recorded(1, Duration::from_secs(60)).await;
         w.write_burst(5000, 64).await?;
         let mut outcome = w.check(Duration::from_secs(120)).await?;
         let span = w.burst_span().await?;
