@@ -71,14 +71,16 @@ impl RedisCluster {
         Ok(cluster)
     }
 
-    /// Until every running replica's link to its master is up (it holds the master's data).
+    /// Until every running replica's link to its master is up (it holds the master's data)
+    /// and no node is rewriting its AOF (a replica writes its first AOF after a full sync,
+    /// and refuses SIGTERM until it is written: "Writing initial AOF, can't exit").
     pub fn wait_replicas_synced(&self, timeout: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
             let synced = self.running_ports().iter().all(|p| {
                 self.cli(*p, &["INFO", "replication"]).is_ok_and(|info| {
                     info.contains("role:master") || info.contains("master_link_status:up")
-                })
+                }) && !self.rewriting_aof(*p)
             });
             if synced {
                 return Ok(());
@@ -88,6 +90,13 @@ impl RedisCluster {
             }
             std::thread::sleep(Duration::from_millis(50));
         }
+    }
+
+    /// Whether the node on `port` is rewriting its AOF, or about to.
+    fn rewriting_aof(&self, port: u16) -> bool {
+        self.cli(port, &["INFO", "persistence"]).is_ok_and(|info| {
+            info.contains("aof_rewrite_in_progress:1") || info.contains("aof_rewrite_scheduled:1")
+        })
     }
 
     fn ports(&self) -> Vec<u16> {
@@ -400,15 +409,25 @@ impl RedisCluster {
 
     /// SIGTERM every node (each writes its data out): the whole cluster is down.
     pub fn stop_all(&self) -> anyhow::Result<()> {
-        let children: Vec<ChildProcess> = self
+        let children: Vec<(u16, ChildProcess)> = self
             .nodes
             .lock()
             .unwrap()
             .iter_mut()
-            .filter_map(|n| n.process.take())
+            .filter_map(|n| Some((n.port, n.process.take()?)))
             .collect();
-        for child in children {
-            child.stop_with(Signal::Term, Duration::from_secs(30))?;
+        for (port, child) in children {
+            // A node writing its first AOF (after a full sync) would refuse the signal.
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while self.rewriting_aof(port) && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            if let Err(e) = child.stop_with(Signal::Term, Duration::from_secs(30)) {
+                let log = child.log();
+                let lines: Vec<&str> = log.lines().collect();
+                let tail = lines[lines.len().saturating_sub(40)..].join("\n");
+                bail!("{e}; its log ends:\n{tail}");
+            }
         }
         Ok(())
     }
