@@ -13,7 +13,7 @@
 //! session), and first-seen positions are never lowered below the truth (`HSETNX`); a route
 //! whose rows the table still holds is loaded whenever Redis may have lost the registry (the
 //! anchor's record, beside it, is missing or behind the slot, or the registry lacks the
-//! fallback route every session registers first), its lanes then without a
+//! fallback route every session registers, last, before anything is acknowledged), its lanes then without a
 //! record and caught up from the table; more routes than `--max-routes` stop the relay
 //! saying so, never drop a row.
 
@@ -127,12 +127,24 @@ pub(crate) async fn load(
         )));
     }
     if !new.is_empty() {
+        let new = in_registration_order(new);
         for (route, at) in &new {
             register(ctx, publisher, route, *at).await?;
         }
         info!(routes = ?new, "routes registered");
     }
     Ok(routes)
+}
+
+/// The fallback route last: a registry holding it is trusted whole (when the anchor is
+/// current), so it must appear only once every route of the same scan is in. A session
+/// ended between two registrations then leaves a registry the next session does not trust,
+/// and scans the table again, instead of one missing a route whose acknowledged rows it
+/// would never catch up.
+fn in_registration_order(mut new: Vec<(String, u64)>) -> Vec<(String, u64)> {
+    // Stable: the others keep their order.
+    new.sort_by_key(|(route, _)| route == FALLBACK_ROUTE);
+    new
 }
 
 /// Whether the registry (which holds the fallback route: it was not deleted or evicted on its
@@ -193,5 +205,25 @@ pub(crate) async fn register(
             warn!(%key, "the route registry did not answer in time");
             Err(RelayError::ShardUnreachable { stream: key })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_fallback_route_is_registered_after_every_other() {
+        let new = vec![
+            ("order".to_string(), 0),
+            (FALLBACK_ROUTE.to_string(), 0),
+            ("customer".to_string(), 0),
+            ("prefix".to_string(), 7),
+        ];
+        let order: Vec<String> = in_registration_order(new)
+            .into_iter()
+            .map(|(r, _)| r)
+            .collect();
+        assert_eq!(order, ["order", "customer", "prefix", FALLBACK_ROUTE]);
     }
 }

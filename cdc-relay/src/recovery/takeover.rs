@@ -215,7 +215,7 @@ async fn start_new_routes(
         if first_seen < confirmed.as_u64() {
             continue;
         }
-        records[k]
+        let created = records[k]
             .create(&NewRecord {
                 origin,
                 shards: layout.shards(),
@@ -226,6 +226,12 @@ async fn start_new_routes(
                 rebuilding: None,
             })
             .await?;
+        if !created {
+            // A record appeared since the lane was read (another session made it): the lane
+            // was judged without it and stays behind; the next session judges it again.
+            warn!(stream = %publisher.shard_stream(k as u32), "a new route's record appeared meanwhile; its lane stays behind");
+            continue;
+        }
         info!(stream = %publisher.shard_stream(k as u32), at = %confirmed, "a new route's stream starts at the slot's position");
         let record = records[k].read().await?;
         plan.tops[k] = record.top;
