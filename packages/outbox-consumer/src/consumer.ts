@@ -28,8 +28,14 @@ import {
 import { RecordError, type Decoded, type Fence, type Inbox } from "./inbox.js";
 
 export interface ConsumerOptions {
-  /** The Redis holding the stream (`redis://…` or `redis+unix:///path`). */
+  /** The Redis holding the stream (`redis://…`, `rediss://…` or `redis+unix:///path`). */
   redisUrl: string;
+  /**
+   * More of ioredis's connection options, for every connection the consumer makes: TLS
+   * (`tls: { ca }` for a private CA), a username and password kept out of the URL. The
+   * consumer's own timeouts and retry settings win over these.
+   */
+  redis?: RedisOptions;
   /** The stream's base name; with `shards` > 1 the consumer reads `<stream>:{k}`. */
   stream: string;
   shards: number;
@@ -68,10 +74,19 @@ class LeaseLost extends Error {
 
 /** A Redis connection from the contract's URL forms. */
 function connect(url: string, options: RedisOptions): Redis {
-  const base: RedisOptions = { maxRetriesPerRequest: 2, lazyConnect: false, ...options };
+  // No ready check: it runs INFO, which a least-privilege user may not.
+  const base: RedisOptions = { ...options, maxRetriesPerRequest: 2, lazyConnect: false, enableReadyCheck: false };
   if (url.startsWith("redis+unix://") || url.startsWith("unix://")) {
     const u = new URL(url.replace(/^redis\+unix:/, "unix:"));
     return new Redis({ ...base, path: decodeURIComponent(u.pathname) });
+  }
+  // ioredis lets a URL's credentials win over the options', even an empty password next
+  // to a user name: the options' go into the URL.
+  if (options.username !== undefined || options.password !== undefined) {
+    const u = new URL(url);
+    if (options.username !== undefined) u.username = options.username;
+    if (options.password !== undefined) u.password = options.password;
+    url = u.toString();
   }
   return new Redis(url, base);
 }
@@ -121,7 +136,7 @@ function entriesOf(reply: unknown): Entry[] {
 /** A running consumer: `stop()` finishes what it holds, releases and leaves. */
 export class Consumer<Item> {
   readonly runId = randomBytes(8).toString("hex");
-  private readonly o: Required<Omit<ConsumerOptions, "log">> & Pick<ConsumerOptions, "log">;
+  private readonly o: Required<Omit<ConsumerOptions, "log" | "redis">> & Pick<ConsumerOptions, "log" | "redis">;
   private readonly redis: Redis;
   private stopping = false;
   private assignment: boolean[];
@@ -145,7 +160,7 @@ export class Consumer<Item> {
     if (!this.o.group || !this.o.consumer) throw new Error("the consumer group and the consumer name must not be empty");
     if (this.o.maxDeliveries < 1) throw new Error("maxDeliveries must be at least 1");
     if (this.o.leaseTtlMs < 300) throw new Error("a lease TTL under 300 ms is too short to renew in time");
-    this.redis = connect(this.o.redisUrl, { commandTimeout: 5000 });
+    this.redis = connect(this.o.redisUrl, { ...this.o.redis, commandTimeout: 5000 });
     this.redis.on("error", () => {});
     this.assignment = new Array<boolean>(this.o.shards).fill(this.o.shards === 1);
   }
@@ -230,7 +245,7 @@ export class Consumer<Item> {
         await sleep(WANTED_POLL_MS);
         continue;
       }
-      const blocking = connect(this.o.redisUrl, { commandTimeout: READ_BLOCK_MS + 5000 });
+      const blocking = connect(this.o.redisUrl, { ...this.o.redis, commandTimeout: READ_BLOCK_MS + 5000 });
       blocking.on("error", () => {});
       const session = new ShardSession(this, shard, leaseKey, holder, blocking);
       try {
@@ -253,7 +268,7 @@ export class Consumer<Item> {
   }
 
   /** @internal */
-  get options(): Required<Omit<ConsumerOptions, "log">> {
+  get options(): Required<Omit<ConsumerOptions, "log" | "redis">> {
     return this.o;
   }
   /** @internal */
@@ -316,7 +331,7 @@ class ShardSession<Item> {
     return this.c.conn;
   }
 
-  private get o(): Required<Omit<ConsumerOptions, "log">> {
+  private get o(): Required<Omit<ConsumerOptions, "log" | "redis">> {
     return this.c.options;
   }
 
@@ -363,8 +378,9 @@ class ShardSession<Item> {
   /** The stream's records must say this consumer's shard count. */
   private async checkLayout(): Promise<void> {
     if (!this.o.checkLayout) return;
-    const recorded = await this.redis.hget(keys.origin(this.stream), "shards");
-    if (recorded !== null && Number(recorded) !== this.o.shards) {
+    // HMGET, as the Rust consumer: the services' Redis users may read the record with it alone.
+    const [recorded] = await this.redis.hmget(keys.origin(this.stream), "shards");
+    if (recorded !== null && recorded !== undefined && Number(recorded) !== this.o.shards) {
       throw new Error(`the stream's records say ${recorded} shards, this consumer is configured with ${this.o.shards}`);
     }
   }
