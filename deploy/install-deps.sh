@@ -149,3 +149,5 @@ if [ "$(node -p 'process.versions.node.split(".")[0]')" -lt 20 ]; then
   export PATH="$nodebin:$PATH"
 fi
 (cd "$repo/packages/outbox-consumer" && npm ci --silent --no-audit --no-fund && npm run --silent build)
+# The example Node service on it (examples/node-inbox), which its test and run-local.sh run.
+(cd "$repo/examples/node-inbox" && npm ci --silent --no-audit --no-fund && npm run --silent build)

