@@ -7,6 +7,7 @@ pub mod backlog;
 pub mod baseline;
 pub mod chaos;
 pub mod clients;
+pub mod conformance;
 pub mod cpu;
 pub mod knee;
 pub mod latency;

@@ -1,7 +1,9 @@
 //! `chat-lab`: parse the command line and run one experiment.
 
 use clap::{Parser, Subcommand};
-use lab::{auth_cost, backlog, baseline, chaos, latency, rebuild, soak, stuck, throughput};
+use lab::{
+    auth_cost, backlog, baseline, chaos, conformance, latency, rebuild, soak, stuck, throughput,
+};
 
 #[derive(Debug, Parser)]
 #[command(name = "chat-lab", version)]
@@ -31,6 +33,9 @@ enum Command {
     Rebuild(rebuild::Args),
     /// What verifying a bearer token costs a request, per algorithm the services accept.
     AuthCost(auth_cost::Args),
+    /// The stream contract's conformance suite, long: every case in rounds and a soak with
+    /// faults, for each consumer implementation (Rust, TypeScript, or any driver).
+    Conformance(conformance::Args),
     /// The baselines the experiments compare against (started by the lab itself).
     #[command(subcommand, hide = true)]
     Baseline(baseline::Command),
@@ -49,6 +54,7 @@ fn main() -> anyhow::Result<()> {
             Command::Throughput(args) => throughput::run(args).await,
             Command::Rebuild(args) => rebuild::run(args).await,
             Command::AuthCost(args) => auth_cost::run(args).await,
+            Command::Conformance(args) => conformance::run(args).await,
             Command::Baseline(command) => baseline::run(command).await,
         }
     })
