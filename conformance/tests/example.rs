@@ -1,8 +1,9 @@
 //! The example Node service (`examples/node-inbox`, built by `deploy/install-deps.sh`) against
-//! real Postgres, Redis and the relay: the chat's messages land in its inbox table once
-//! each, in order per chat, through a SIGKILL; its page's stream sends each once, and a page
-//! that reconnects with the last id it got misses none; a poison message is dead-lettered;
-//! a listener that is not loopback is refused at start.
+//! real Postgres, Redis and the relay: two instances share the shards; the chat's messages
+//! land in the inbox table once each, in order per chat, through a SIGKILL; a page on one
+//! instance gets every message once, those the other recorded too, and a page that
+//! reconnects with the last id it got misses none; a poison message is dead-lettered; a
+//! listener that is not loopback, and a request naming another host, are refused.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -10,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use conformance::{tail, Settings, World};
 use testkit::http::{free_port, get, SseClient};
-use testkit::{ChildProcess, Signal};
+use testkit::{wait_until, ChildProcess, Signal};
 
 use super::{node, relay, rust};
 
@@ -23,12 +24,11 @@ fn example_script() -> PathBuf {
 
 struct Example {
     schema: String,
-    port: u16,
     logs: PathBuf,
 }
 
 impl Example {
-    fn command(&self, world: &World, listen: &str) -> Command {
+    fn command(&self, world: &World, listen: &str, name: &str) -> Command {
         let mut cmd = Command::new(node());
         cmd.arg(example_script())
             .env("DATABASE_URL", world.db.url("postgres"))
@@ -36,22 +36,22 @@ impl Example {
             .env("STREAM", &world.stream)
             .env("STREAM_SHARDS", world.shards.to_string())
             .env("GROUP", &world.group)
-            .env("CONSUMER_NAME", "node-inbox-1")
+            .env("CONSUMER_NAME", name)
             .env("INBOX_SCHEMA", &self.schema)
             .env("LISTEN", listen);
         cmd
     }
 
-    /// Start it and wait until it answers.
-    async fn start(&self, world: &World, run: u32) -> ChildProcess {
-        let cmd = self.command(world, &format!("127.0.0.1:{}", self.port));
+    /// Start instance `name` on `port` and wait until it answers.
+    async fn start(&self, world: &World, name: &str, run: u32, port: u16) -> ChildProcess {
+        let cmd = self.command(world, &format!("127.0.0.1:{port}"), name);
         let child = ChildProcess::spawn(
-            &format!("node-inbox-{run}"),
+            &format!("{name}-{run}"),
             cmd,
-            &self.logs.join(format!("node-inbox-{run}.log")),
+            &self.logs.join(format!("{name}-{run}.log")),
         )
         .unwrap();
-        let addr = format!("127.0.0.1:{}", self.port).parse().unwrap();
+        let addr = format!("127.0.0.1:{port}").parse().unwrap();
         let deadline = Instant::now() + Duration::from_secs(30);
         loop {
             if let Ok((200, _)) = get(addr, "/healthz").await {
@@ -130,25 +130,40 @@ fn assert_in_order_per_chat(got: &[(u64, String)]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_node_example_records_each_message_once_and_its_page_misses_none_across_a_kill() {
-    // GIVEN the relay publishing the chat's outbox into two shards, and the example consuming
-    // it, its page open
+    // GIVEN the relay publishing the chat's outbox into two shards, two instances of the
+    // example sharing them (each holds one), and a page open on the first
     let world = World::start(rust(), &relay(), 2, Settings::default())
         .await
         .unwrap();
     let example = Example {
         schema: testkit::unique_name("node_inbox"),
-        port: free_port(),
         logs: testkit::scratch_dir("node-inbox"),
     };
-    let addr = format!("127.0.0.1:{}", example.port).parse().unwrap();
-    let first = example.start(&world, 1).await;
+    let (port, other_port) = (free_port(), free_port());
+    let addr = format!("127.0.0.1:{port}").parse().unwrap();
+    let first = example.start(&world, "inbox-1", 1, port).await;
+    let other = example.start(&world, "inbox-2", 1, other_port).await;
+    wait_until(
+        Duration::from_secs(30),
+        "each instance holds a shard",
+        || async {
+            let holders = (world.lease_holder(0).await, world.lease_holder(1).await);
+            match &holders {
+                (Ok(Some(a)), Ok(Some(b))) if a != b => Ok(()),
+                _ => Err(format!("{holders:?}")),
+            }
+        },
+    )
+    .await;
     let mut page = SseClient::connect(addr, "/events", None).await.unwrap();
 
     // WHEN messages come (one of them poison)
     send(&world, 0..30, &[10]).await;
 
-    // THEN the page gets each once, in order per chat, with increasing ids
-    let before = receive(&mut page, 29, || tail(&first.log())).await;
+    // THEN the page gets each once, those the other instance recorded too, in order per chat,
+    // with increasing ids
+    let logs = || format!("{}\n{}", tail(&first.log()), tail(&other.log()));
+    let before = receive(&mut page, 29, &logs).await;
     let mut sorted: Vec<String> = before.iter().map(|(_, b)| b.clone()).collect();
     sorted.sort();
     let mut expected = bodies(0..30, &[10]);
@@ -157,17 +172,44 @@ async fn the_node_example_records_each_message_once_and_its_page_misses_none_acr
     assert!(before.windows(2).all(|w| w[0].0 < w[1].0), "{before:?}");
     assert_in_order_per_chat(&before);
 
-    // WHEN the service is SIGKILLed, messages come while it is down, and it starts again
+    // WHEN messages come only for a chat the other instance records
+    let shard = if world.lease_holder(0).await.unwrap().as_deref() == Some("inbox-2") {
+        0
+    } else {
+        1
+    };
+    // (chats 1 and 2 are in shards 0 and 1 of 2)
+    let chat = [1i64, 2][shard];
+    let client = world.db.connect().await.unwrap();
+    for n in 0..5 {
+        client
+            .execute(
+                "INSERT INTO consumers.outbox (event, payload, partition_key)
+                 VALUES ('message.created', jsonb_build_object('id', gen_random_uuid(), 'chat_id', $1::bigint,
+                         'body', $2::text, 'created_at', now(), 'side', 'consumers', 'sender', 'bob'), $1::text)",
+                &[&chat, &format!("o{n}")],
+            )
+            .await
+            .unwrap();
+    }
+    // THEN the page on the first instance shows them too (the other's commits wake it)
+    let others = receive(&mut page, 5, &logs).await;
+    let got: Vec<&str> = others.iter().map(|(_, b)| b.as_str()).collect();
+    assert_eq!(got, ["o0", "o1", "o2", "o3", "o4"]);
+    let before = [before, others].concat();
+
+    // WHEN the first instance is SIGKILLed, messages come while it is down, and it starts again
     first.kill().unwrap();
     send(&world, 30..60, &[]).await;
-    let second = example.start(&world, 2).await;
+    let first = example.start(&world, "inbox-1", 2, port).await;
 
-    // THEN a page that reconnects with the last id it got receives exactly the rest
+    // THEN a page that reconnects to it with the last id it got receives exactly the rest
     let last = before.last().unwrap().0.to_string();
     let mut page = SseClient::connect(addr, "/events", Some(&last))
         .await
         .unwrap();
-    let after = receive(&mut page, 30, || tail(&second.log())).await;
+    let logs = || format!("{}\n{}", tail(&first.log()), tail(&other.log()));
+    let after = receive(&mut page, 30, logs).await;
     let got: Vec<String> = after.iter().map(|(_, b)| b.clone()).collect();
     let mut sorted = got.clone();
     sorted.sort();
@@ -179,11 +221,10 @@ async fn the_node_example_records_each_message_once_and_its_page_misses_none_acr
     // (nothing more: no message twice)
     assert!(
         page.next(Duration::from_millis(500)).await.is_none(),
-        "an event past the 59 messages"
+        "an event past the 64 messages"
     );
 
-    // AND the table holds each message once, the poison one is dead-lettered with its reason,
-    // and nothing is left pending
+    // AND the table holds each message once, the poison one is dead-lettered with its reason
     let db = world.db.connect().await.unwrap();
     let row = db
         .query_one(
@@ -195,17 +236,42 @@ async fn the_node_example_records_each_message_once_and_its_page_misses_none_acr
         )
         .await
         .unwrap();
-    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (59, 59));
+    assert_eq!((row.get::<_, i64>(0), row.get::<_, i64>(1)), (64, 64));
     let dead = world.dead_letters().await.unwrap();
     assert_eq!(dead.len(), 1, "{dead:?}");
     let reason = dead[0].get("reason").cloned().unwrap_or_default();
     assert!(reason.contains("'id' is not a UUID"), "{reason}");
 
-    // WHEN it is stopped (SIGTERM) THEN it exits at once, cleanly
-    let status = second
-        .stop_with(Signal::Term, Duration::from_secs(15))
+    // AND a request naming another host (a page of another site whose name was rebound to
+    // loopback) is refused
+    let (status, body) = get_with_host(addr, "/messages", "attacker.example:80").await;
+    assert_eq!(status, 421, "{body}");
+
+    // WHEN both are stopped (SIGTERM) THEN each exits at once, cleanly
+    for instance in [first, other] {
+        let status = instance
+            .stop_with(Signal::Term, Duration::from_secs(15))
+            .unwrap();
+        assert!(status.success(), "{status:?}: {}", tail(&instance.log()));
+    }
+}
+
+/// GET `path` with this `Host` header: (status, body).
+async fn get_with_host(addr: std::net::SocketAddr, path: &str, host: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    stream
+        .write_all(format!("GET {path} HTTP/1.0\r\nHost: {host}\r\n\r\n").as_bytes())
+        .await
         .unwrap();
-    assert!(status.success(), "{status:?}: {}", tail(&second.log()));
+    let mut answer = String::new();
+    stream.read_to_string(&mut answer).await.unwrap();
+    let status = answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, answer)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -216,12 +282,11 @@ async fn the_node_example_refuses_to_listen_beyond_loopback() {
         .unwrap();
     let example = Example {
         schema: testkit::unique_name("node_inbox"),
-        port: free_port(),
         logs: testkit::scratch_dir("node-inbox"),
     };
     // WHEN it is told to listen on every address THEN it refuses at start, saying why
     let out = example
-        .command(&world, &format!("0.0.0.0:{}", example.port))
+        .command(&world, &format!("0.0.0.0:{}", free_port()), "inbox-1")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);

@@ -53,17 +53,18 @@ SELECT 'CREATE DATABASE node_inbox OWNER node_inbox'
  WHERE NOT EXISTS (SELECT 1 FROM pg_database WHERE datname = 'node_inbox') \gexec
 SQL
 
-# Redis: a user that may consume outbox:consumers as group node-inbox and touch only that
-# group's keys (lease, attempt records, members, dead letters): the same rights as the
-# chat's Workers service, for another group. Not in the stack's ACL file: made again at
+# Redis: a user that may consume outbox:consumers and touch only group node-inbox's own keys
+# (lease, attempt records, members, dead letters): the chat's Workers service's rights, for
+# another group. (An ACL cannot name a consumer group: on the stream itself it could read
+# and acknowledge as another group.) Not in the stack's ACL file: made again at
 # every run (deploy/local.sh reloads that file when it starts).
 redis_admin() {
   REDISCLI_AUTH=$(cat "$secrets/redis/admin") redis-cli --tls --cacert "$secrets/ca.pem" -h localhost -p "$redis_port" --user admin --no-auth-warning "$@"
 }
 hash=$(printf '%s' "$(cat "$secrets/redis/node_inbox")" | sha256sum | cut -d' ' -f1)
 # (A selector, in parentheses, is one argument.)
-answer=$(redis_admin ACL SETUSER node_inbox reset on "#$hash" -@all +ping +time +multi +exec +discard +fcall \
-  +xreadgroup +xack +xautoclaim +xpending '+xgroup|create' +xrange '~outbox:consumers' '~outbox:consumers:{*}' \
+answer=$(redis_admin ACL SETUSER node_inbox reset on "#$hash" -@all +ping +time +multi +exec +discard \
+  +xreadgroup +xack +xautoclaim +xpending '+xgroup|create' '~outbox:consumers' '~outbox:consumers:{*}' \
   '(~outbox:consumers:origin ~outbox:consumers:{*}:origin +hmget)' \
   "(~deadletter:$group ~deadletter:$group:{*} +xadd +xlen +xrange)" \
   "(~inbox-lease:$group ~inbox-lease:$group:{*} +fcall +get +set +pexpire +del)" \

@@ -41,8 +41,9 @@ function secretFile(env: NodeJS.ProcessEnv, name: string): string | undefined {
 }
 
 function plainName(value: string, name: string): string {
-  if (!/^[A-Za-z_][A-Za-z0-9_]{0,62}$/.test(value)) {
-    throw new ConfigError(`${name}='${value}' must be letters, digits and underscores (a Postgres identifier)`);
+  // Lower case: as Postgres folds an unquoted name, so the name is the table's exactly.
+  if (!/^[a-z_][a-z0-9_]{0,62}$/.test(value)) {
+    throw new ConfigError(`${name}='${value}' must be lower-case letters, digits and underscores (a Postgres identifier)`);
   }
   return value;
 }

@@ -2,18 +2,20 @@
 // resume where the page left off (`Last-Event-ID`: the last `seq` it got), and the same
 // rows as JSON.
 //
-// Invariants: a stream sends each row once and in `seq` order — the backlog from the table
-// first, then rows recorded meanwhile (held until the backlog is out, then those past it);
-// open streams and backlog reads are bounded, so no client holds more than its share.
+// Invariants: a stream sends rows only as read from the table, each once and in `seq`
+// order (`seq` follows commit order, see inbox.ts): a wake-up (a commit of this instance or
+// of any other, through the `Feed`) makes it read what is past the last row it sent, so
+// no row is skipped whoever recorded it. Only requests naming this service's own address
+// are answered (a page of another site rebinding its name to loopback reads nothing).
+// Streams, page queries and unread output are bounded: a stranger holds no more than its share.
 import http from "node:http";
 import type pg from "pg";
 import { ROW_COLUMNS, toRow, type Feed, type Row } from "./inbox.js";
 
-const MAX_STREAMS = 100;
+const MAX_STREAMS = 50;
+const MAX_QUERIES = 4;
 const PAGE_ROWS = 500;
 const HEARTBEAT_MS = 15_000;
-/** Rows a stream may hold for a page that does not read them before it is closed. */
-const MAX_QUEUED = 10_000;
 
 export interface Shown {
   server: http.Server;
@@ -23,7 +25,11 @@ export interface Shown {
 
 function json(res: http.ServerResponse, status: number, body: unknown): void {
   const text = JSON.stringify(body);
-  res.writeHead(status, { "content-type": "application/json", "content-length": Buffer.byteLength(text) });
+  res.writeHead(status, {
+    "content-type": "application/json",
+    "content-length": Buffer.byteLength(text),
+    "x-content-type-options": "nosniff",
+  });
   res.end(text);
 }
 
@@ -35,67 +41,83 @@ function resumeFrom(req: http.IncomingMessage, url: URL): number | string {
   return Number(text);
 }
 
-export function show(pool: pg.Pool, schema: string, feed: Feed): Shown {
+/** The `Host` values naming this service: its address, and `localhost` on its port. */
+function ownHosts(host: string, port: number): Set<string> {
+  const literal = host.includes(":") ? `[${host}]` : host;
+  return new Set([`${literal}:${port}`, `localhost:${port}`]);
+}
+
+/** The page and its streams, reading through `pool` (the page's own, apart from the
+ * consumer's: a busy page never starves the recording). */
+export function show(pool: pg.Pool, schema: string, feed: Feed, host: string, port: number): Shown {
   const streams = new Set<http.ServerResponse>();
+  const hosts = ownHosts(host, port);
+  let queries = 0;
 
   async function rowsAfter(after: number, limit: number): Promise<Row[]> {
     const r = await pool.query(`SELECT ${ROW_COLUMNS} FROM ${schema}.inbox WHERE seq > $1 ORDER BY seq LIMIT $2`, [after, limit]);
     return r.rows.map(toRow);
   }
 
-  async function events(req: http.IncomingMessage, res: http.ServerResponse, after: number): Promise<void> {
+  function events(res: http.ServerResponse, after: number): void {
     if (streams.size >= MAX_STREAMS) {
       json(res, 503, { error: `too many open streams (${MAX_STREAMS}); try again later` });
       return;
     }
-    res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-store", connection: "keep-alive" });
+    res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-store", "x-content-type-options": "nosniff" });
     // Headers now, with the reconnection delay: the page is connected even while the
-    // backlog is empty.
+    // inbox has nothing past `after`.
     res.write("retry: 1000\n\n");
     streams.add(res);
     let last = after;
-    let live = false;
-    const held: Row[] = [];
-    const send = (rows: Row[]): void => {
-      for (const row of rows) {
-        if (row.seq <= last) continue;
-        res.write(`id: ${row.seq}\nevent: message\ndata: ${JSON.stringify(row)}\n\n`);
-        last = row.seq;
+    let reading = false;
+    let again = false;
+    // Read everything past `last`, a page at a time, waiting for a client that does not
+    // read to drain before the next; a wake-up meanwhile reads once more after.
+    const catchUp = async (): Promise<void> => {
+      if (reading) {
+        again = true;
+        return;
+      }
+      reading = true;
+      try {
+        do {
+          again = false;
+          for (;;) {
+            const rows = await rowsAfter(last, PAGE_ROWS);
+            let room = true;
+            for (const row of rows) {
+              room = res.write(`id: ${row.seq}\nevent: message\ndata: ${JSON.stringify(row)}\n\n`);
+              last = row.seq;
+            }
+            if (res.destroyed) return;
+            if (!room) await new Promise((resolve) => res.once("drain", resolve).once("close", resolve));
+            if (rows.length < PAGE_ROWS) break;
+          }
+        } while (again && !res.destroyed);
+      } catch (e) {
+        console.error(JSON.stringify({ level: "warn", message: "a stream's rows could not be read; it closes and the page resumes", error: String(e) }));
+        res.destroy();
+      } finally {
+        reading = false;
       }
     };
-    const onRows = (rows: Row[]): void => {
-      if (live) {
-        send(rows);
-      } else if (held.length + rows.length <= MAX_QUEUED) {
-        held.push(...rows);
-      } else {
-        res.destroy(); // The page reconnects and resumes from the table.
-      }
-    };
-    // Listening before reading the table: a row recorded meanwhile is in one or the other.
-    feed.on("rows", onRows);
+    const wake = (): void => void catchUp();
+    feed.on("recorded", wake);
     const heartbeat = setInterval(() => res.write(": keep-alive\n\n"), HEARTBEAT_MS);
-    const done = (): void => {
-      feed.off("rows", onRows);
+    res.on("close", () => {
+      feed.off("recorded", wake);
       clearInterval(heartbeat);
       streams.delete(res);
-    };
-    res.on("close", done);
-    try {
-      for (;;) {
-        const rows = await rowsAfter(last, PAGE_ROWS);
-        send(rows);
-        if (rows.length < PAGE_ROWS || res.destroyed) break;
-      }
-      live = true;
-      send(held.splice(0).sort((a, b) => a.seq - b.seq));
-    } catch (e) {
-      console.error(JSON.stringify({ level: "warn", message: "a stream's backlog could not be read", error: String(e) }));
-      res.destroy();
-    }
+    });
+    wake();
   }
 
   const server = http.createServer((req, res) => {
+    if (!hosts.has(req.headers.host ?? "")) {
+      json(res, 421, { error: `this service answers only as ${[...hosts].join(" or ")}` });
+      return;
+    }
     const url = new URL(req.url ?? "/", "http://localhost");
     if (req.method !== "GET") {
       json(res, 405, { error: `${req.method} is not allowed: this service only shows its inbox (GET)` });
@@ -104,11 +126,11 @@ export function show(pool: pg.Pool, schema: string, feed: Feed): Shown {
     const after = resumeFrom(req, url);
     switch (url.pathname) {
       case "/":
-        res.writeHead(200, { "content-type": "text/html; charset=utf-8", "content-security-policy": CSP });
+        res.writeHead(200, { "content-type": "text/html; charset=utf-8", "content-security-policy": CSP, "x-content-type-options": "nosniff" });
         res.end(PAGE);
         return;
       case "/page.js":
-        res.writeHead(200, { "content-type": "text/javascript; charset=utf-8", "content-security-policy": CSP });
+        res.writeHead(200, { "content-type": "text/javascript; charset=utf-8", "content-security-policy": CSP, "x-content-type-options": "nosniff" });
         res.end(SCRIPT);
         return;
       case "/healthz":
@@ -116,14 +138,21 @@ export function show(pool: pg.Pool, schema: string, feed: Feed): Shown {
         return;
       case "/messages":
         if (typeof after === "string") return json(res, 400, { error: after });
-        rowsAfter(after, PAGE_ROWS).then(
-          (rows) => json(res, 200, { messages: rows }),
-          (e) => json(res, 503, { error: `the inbox cannot be read: ${String(e)}` }),
-        );
+        if (queries >= MAX_QUERIES) return json(res, 503, { error: "too many queries at once; try again later" });
+        queries += 1;
+        rowsAfter(after, PAGE_ROWS)
+          .then(
+            (rows) => json(res, 200, { messages: rows }),
+            (e) => {
+              console.error(JSON.stringify({ level: "warn", message: "the inbox could not be read", error: String(e) }));
+              json(res, 503, { error: "the inbox cannot be read right now; try again later" });
+            },
+          )
+          .finally(() => (queries -= 1));
         return;
       case "/events":
         if (typeof after === "string") return json(res, 400, { error: after });
-        void events(req, res, after);
+        events(res, after);
         return;
       default:
         json(res, 404, { error: `no such page: ${url.pathname.slice(0, 100)} (try /, /messages, /events)` });

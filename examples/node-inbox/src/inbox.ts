@@ -5,7 +5,9 @@
 // first in the same transaction); a message is recorded once however often it comes
 // (`message_id` is unique); rows get their `seq` in commit order (one recording transaction
 // at a time, by a transaction-level advisory lock), so a page resuming after `seq` n misses
-// nothing committed later with a smaller one.
+// nothing committed later with a smaller one; every commit wakes the pages of every
+// instance (a notification on the schema's channel, sent at commit) — a hint to read the
+// table, never the rows themselves.
 import { EventEmitter } from "node:events";
 import type pg from "pg";
 import { PgFence, RecordError, classifyPgError, textField, type Decoded, type Entry, type Fence, type Inbox } from "outbox-stream-consumer";
@@ -79,8 +81,45 @@ export function migrations(schema: string, fence: PgFence): string[] {
   ];
 }
 
-/** Rows recorded, told to the page's open streams after their commit. */
-export class Feed extends EventEmitter<{ rows: [Row[]] }> {}
+/** Wakes the page's open streams when rows were recorded here or by another instance. */
+export class Feed extends EventEmitter<{ recorded: [] }> {
+  private stopped = false;
+  private client: pg.Client | undefined;
+
+  /** Listen on `channel` through clients from `connect`, again after every loss (waking
+   * the streams then: a notification may have been missed). */
+  async listen(connect: () => pg.Client, channel: string, log: (message: string, error: unknown) => void): Promise<void> {
+    let delay = 100;
+    while (!this.stopped) {
+      const client = connect();
+      this.client = client;
+      const lost = new Promise<unknown>((resolve) => {
+        client.on("error", resolve);
+        client.on("end", () => resolve(new Error("connection ended")));
+      });
+      try {
+        await client.connect();
+        client.on("notification", () => this.emit("recorded"));
+        await client.query(`LISTEN ${channel}`);
+        delay = 100;
+        this.emit("recorded");
+        log("listening for recorded rows", null);
+        const error = await lost;
+        if (!this.stopped) log("the notification connection was lost; connecting again", error);
+      } catch (e) {
+        if (!this.stopped) log("cannot listen for recorded rows; retrying", e);
+      }
+      await client.end().catch(() => {});
+      await new Promise((r) => setTimeout(r, delay));
+      delay = Math.min(delay * 2, 5_000);
+    }
+  }
+
+  async stop(): Promise<void> {
+    this.stopped = true;
+    await this.client?.end().catch(() => {});
+  }
+}
 
 interface RowRecord {
   seq: string;
@@ -131,7 +170,6 @@ export function inbox(pool: pg.Pool, schema: string, fence: PgFence, feed: Feed)
     },
     async record(batch: readonly Decoded<Message>[], f: Fence) {
       const client = await connect();
-      let rows: Row[];
       try {
         await client.query("BEGIN");
         // First: a consumer that lost the shard writes nothing.
@@ -139,11 +177,12 @@ export function inbox(pool: pg.Pool, schema: string, fence: PgFence, feed: Feed)
         // One recording transaction at a time (every shard, every instance): `seq` then
         // follows commit order, which the page's resumption relies on.
         await client.query("SELECT pg_advisory_xact_lock(hashtext($1))", [`${schema}.inbox`]);
-        const inserted = await client.query<RowRecord>(
+        // Delivered at the commit, to every instance's pages (and only then).
+        await client.query("SELECT pg_notify($1, '')", [schema]);
+        await client.query(
           `INSERT INTO ${schema}.inbox (message_id, chat_id, sender, body, created_at, stream_id)
            SELECT * FROM unnest($1::uuid[], $2::bigint[], $3::text[], $4::text[], $5::timestamptz[], $6::text[])
-           ON CONFLICT (message_id) DO NOTHING
-           RETURNING ${ROW_COLUMNS}`,
+           ON CONFLICT (message_id) DO NOTHING`,
           [
             batch.map((d) => d.item.id),
             batch.map((d) => d.item.chatId),
@@ -154,14 +193,14 @@ export function inbox(pool: pg.Pool, schema: string, fence: PgFence, feed: Feed)
           ],
         );
         await client.query("COMMIT");
-        rows = inserted.rows.map(toRow).sort((a, b) => a.seq - b.seq);
       } catch (e) {
         await client.query("ROLLBACK").catch(() => {});
         throw e instanceof RecordError ? e : classifyPgError(e);
       } finally {
         client.release();
       }
-      if (rows.length > 0) feed.emit("rows", rows);
+      // This instance's pages at once (the notification follows).
+      feed.emit("recorded");
     },
   };
 }

@@ -18,17 +18,19 @@ function log(level: "info" | "warn" | "error", message: string, fields: Record<s
   console.error(JSON.stringify({ time: new Date().toISOString(), level, message, ...fields }));
 }
 
-function pool(config: Config): pg.Pool {
-  // The password goes into the URL: pg reads a URL's (empty) password over a separate one.
-  let connectionString = config.databaseUrl;
-  if (config.databasePassword !== undefined) {
-    const url = new URL(config.databaseUrl);
-    url.password = config.databasePassword;
-    connectionString = url.toString();
-  }
+/** The database URL with the password from its file (pg reads a URL's password, even an
+ * empty one, over a separate one). */
+function databaseUrl(config: Config): string {
+  if (config.databasePassword === undefined) return config.databaseUrl;
+  const url = new URL(config.databaseUrl);
+  url.password = encodeURIComponent(config.databasePassword);
+  return url.toString();
+}
+
+function pool(config: Config, max: number): pg.Pool {
   return new pg.Pool({
-    connectionString,
-    max: 8,
+    connectionString: databaseUrl(config),
+    max,
     connectionTimeoutMillis: 5_000,
     // A holder paused inside its transaction must not hold the fence's row for long.
     options: "-c lock_timeout=2s -c statement_timeout=5s -c idle_in_transaction_session_timeout=10s",
@@ -46,13 +48,22 @@ async function main(): Promise<void> {
     }
     throw e;
   }
-  const db = pool(config);
-  db.on("error", (e) => log("warn", "an idle database connection failed", { error: e.message }));
+  // The consumer's connections and the page's apart: a busy page never starves recording.
+  const db = pool(config, 6);
+  const pageDb = pool(config, 4);
+  for (const p of [db, pageDb]) {
+    p.on("error", (e) => log("warn", "an idle database connection failed", { error: e.message }));
+  }
   const fence = new PgFence(`${config.schema}.inbox_fence`);
   for (const statement of migrations(config.schema, fence)) await db.query(statement);
 
   const feed = new Feed();
-  const page = show(db, config.schema, feed);
+  const listening = feed.listen(
+    () => new pg.Client({ connectionString: databaseUrl(config) }),
+    config.schema,
+    (message, error) => log(error === null ? "info" : "warn", message, error === null ? {} : { error: String(error) }),
+  );
+  const page = show(pageDb, config.schema, feed, config.host, config.port);
   await new Promise<void>((resolve, reject) => {
     page.server.once("error", reject);
     page.server.listen(config.port, config.host, resolve);
@@ -79,16 +90,26 @@ async function main(): Promise<void> {
 
   let stopping = false;
   const stop = (signal: string): void => {
-    if (stopping) return;
+    if (stopping) {
+      log("warn", "stopping at once", { signal });
+      process.exit(1);
+    }
     stopping = true;
-    log("info", "stopping", { signal });
-    void (async () => {
+    log("info", "stopping (again to stop at once)", { signal });
+    (async () => {
       await consumer.stop();
       page.closeStreams();
       page.server.close();
-      await db.end();
-      process.exit(0);
-    })();
+      await feed.stop();
+      await listening;
+      await Promise.all([db.end(), pageDb.end()]);
+    })().then(
+      () => process.exit(0),
+      (e: unknown) => {
+        log("error", "stopping failed", { error: String(e) });
+        process.exit(1);
+      },
+    );
   };
   process.on("SIGTERM", () => stop("SIGTERM"));
   process.on("SIGINT", () => stop("SIGINT"));

@@ -82,10 +82,12 @@ function connect(url: string, options: RedisOptions): Redis {
   }
   // ioredis lets a URL's credentials win over the options', even an empty password next
   // to a user name: the options' go into the URL.
+  // Encoded whole: the URL's setters leave `%` as it is, and ioredis decodes what it reads.
   if (options.username !== undefined || options.password !== undefined) {
-    const u = new URL(url);
-    if (options.username !== undefined) u.username = options.username;
-    if (options.password !== undefined) u.password = options.password;
+    const u = /^rediss?:\/\/[^/?#]/.test(url) ? new URL(url) : null;
+    if (u === null) throw new Error(`redisUrl '${url.replace(/\/\/[^@]*@/, "//…@")}' must be redis://host… or rediss://host… to take a user name or password`);
+    if (options.username !== undefined) u.username = encodeURIComponent(options.username);
+    if (options.password !== undefined) u.password = encodeURIComponent(options.password);
     url = u.toString();
   }
   return new Redis(url, base);
