@@ -13,9 +13,9 @@
 //! session), and first-seen positions are never lowered below the truth (`HSETNX`); a route
 //! whose rows the table still holds is loaded whenever Redis may have lost the registry (the
 //! anchor's record, beside it, is missing or behind the slot, or the registry lacks the
-//! fallback route every session registers, last, before anything is acknowledged), its lanes then without a
-//! record and caught up from the table; more routes than `--max-routes` stop the relay
-//! saying so, never drop a row.
+//! fallback route every session registers, last, before anything is acknowledged), its
+//! lanes then without a record and caught up from the table; more routes than
+//! `--max-routes` stop the relay saying so, never drop a row.
 
 use std::collections::HashMap;
 

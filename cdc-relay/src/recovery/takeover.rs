@@ -228,7 +228,8 @@ async fn start_new_routes(
             .await?;
         if !created {
             // A record appeared since the lane was read (another session made it): the lane
-            // was judged without it and stays behind; the next session judges it again.
+            // was judged without it and stays behind; its catch-up reads the record again
+            // (and compares with what the stream holds) before it streams.
             warn!(stream = %publisher.shard_stream(k as u32), "a new route's record appeared meanwhile; its lane stays behind");
             continue;
         }
