@@ -430,6 +430,17 @@ impl World {
         Ok(value.and_then(|v| v.rsplit_once('/').map(|(c, _)| c.to_string())))
     }
 
+    /// Every instance in `names` recorded some rows: the shards were shared.
+    pub async fn each_recorded_some(&self, names: &[&str]) -> anyhow::Result<()> {
+        for name in names {
+            ensure!(
+                self.recorded_by(name).await? > 0,
+                "{name} recorded nothing: the shards were not shared"
+            );
+        }
+        Ok(())
+    }
+
     /// Wait (within `limit`) until every row written is recorded or dead-lettered and
     /// nothing is pending, then check what was recorded.
     pub async fn check(&self, limit: Duration) -> anyhow::Result<Outcome> {
@@ -988,12 +999,7 @@ pub mod cases {
         }
         w.write(n..n + 100, KEYS, PACE, &[]).await?;
         let outcome = w.check(Duration::from_secs(300)).await?;
-        for name in names {
-            ensure!(
-                w.recorded_by(name).await? > 0,
-                "{name} recorded nothing: the shards were not shared"
-            );
-        }
+        w.each_recorded_some(&names).await?;
         drop(instances);
         Ok(outcome)
     }
@@ -1024,12 +1030,7 @@ pub mod cases {
             .await?;
         }
         let outcome = w.check(Duration::from_secs(90)).await?;
-        for name in names {
-            ensure!(
-                w.recorded_by(name).await? > 0,
-                "{name} recorded nothing: the shards were not shared"
-            );
-        }
+        w.each_recorded_some(&names).await?;
         drop(instances);
         Ok(outcome)
     }

@@ -28,6 +28,14 @@ struct Example {
 }
 
 impl Example {
+    /// Its own schema and log directory.
+    fn new() -> Self {
+        Self {
+            schema: testkit::unique_name("node_inbox"),
+            logs: testkit::scratch_dir("node-inbox"),
+        }
+    }
+
     fn command(&self, world: &World, listen: &str, name: &str) -> Command {
         let mut cmd = Command::new(node());
         cmd.arg(example_script())
@@ -135,10 +143,7 @@ async fn the_node_example_records_each_message_once_and_its_page_misses_none_acr
     let world = World::start(rust(), &relay(), 2, Settings::default())
         .await
         .unwrap();
-    let example = Example {
-        schema: testkit::unique_name("node_inbox"),
-        logs: testkit::scratch_dir("node-inbox"),
-    };
+    let example = Example::new();
     let (port, other_port) = (free_port(), free_port());
     let addr = format!("127.0.0.1:{port}").parse().unwrap();
     let first = example.start(&world, "inbox-1", 1, port).await;
@@ -280,10 +285,7 @@ async fn the_node_example_refuses_to_listen_beyond_loopback() {
     let world = World::start(rust(), &relay(), 1, Settings::default())
         .await
         .unwrap();
-    let example = Example {
-        schema: testkit::unique_name("node_inbox"),
-        logs: testkit::scratch_dir("node-inbox"),
-    };
+    let example = Example::new();
     // WHEN it is told to listen on every address THEN it refuses at start, saying why
     let out = example
         .command(&world, &format!("0.0.0.0:{}", free_port()), "inbox-1")
